@@ -1,0 +1,151 @@
+"""The broker interface the supervisor is written against.
+
+Every broker (Redis lists, NATS JetStream) offers the same few operations, and every
+operation that touches several messages reports one outcome per message: one stale or
+missing delivery never hides the result of another.
+
+Data path: ``receive`` -> handler -> ``settle`` (commit / reject / release), with
+``extend`` renewing everything outstanding and ``maintain`` recovering abandoned work.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+#: No broker operation moves or settles more than this many messages in one call.
+MAX_BATCH = 1000
+
+
+class BrokerError(Exception):
+    """A broker operation failed; the message says which and why."""
+
+
+class WrongTypeError(BrokerError):
+    """A queue key holds the wrong Redis type or a counter is not an integer.
+
+    Raised before any write: the script that detected it changed nothing.
+    """
+
+
+class Outcome(enum.StrEnum):
+    """What happened to one message of a grouped operation."""
+
+    OK = "ok"  # applied
+    STALE = "stale"  # this consumer no longer owns the delivery: nothing changed
+    MISSING = "missing"  # the payload is gone: release refused, ownership kept
+    UNCERTAIN = "uncertain"  # sent, but the reply was lost: may or may not be applied
+    ERROR = "error"  # not applied (see Result.detail); the delivery is still outstanding
+
+
+class Action(enum.StrEnum):
+    """How a delivery is settled."""
+
+    COMMIT = "commit"  # handled: remove it for good
+    REJECT = "reject"  # failed: retry with attempts + 1, or failed/dead at max attempts
+    RELEASE = "release"  # never started: back to the ready list, attempts unchanged
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One claimed message, owned by this consumer until it is settled.
+
+    ``raw`` is the envelope exactly as the broker holds it; ``receipt`` is the
+    broker's proof of ownership (the Redis owner token, the NATS reply subject).
+    """
+
+    pid: str
+    queue: str
+    timestamp: int
+    attempts: int
+    payload: dict[str, Any]
+    raw: bytes
+    receipt: Any
+    envelope: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Settlement:
+    """One requested settlement: what to do with which delivery (and why, for a reject)."""
+
+    action: Action
+    delivery: Delivery
+    error: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Result:
+    """The outcome of one message in a grouped operation."""
+
+    outcome: Outcome
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+
+@dataclass(slots=True)
+class Poisoned:
+    """A payload that could not be decoded into a valid envelope (kept in poison/dead)."""
+
+    raw: bytes
+    reason: str
+
+
+@dataclass(slots=True)
+class Received:
+    """What one ``receive`` call produced: deliveries to handle, and what went to poison."""
+
+    deliveries: list[Delivery] = field(default_factory=list)
+    poisoned: list[Poisoned] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class MaintenanceReport:
+    """What one maintenance pass recovered, by kind (counts of messages)."""
+
+    expired_reservations: int = 0  # payloads returned from reservations past their deadline
+    dead_consumers: int = 0  # deliveries of consumers whose heartbeat expired
+    legacy: int = 0  # owner-less processing entries past the publish-age threshold
+    skipped: bool = False  # another supervisor holds the maintenance lock
+
+    @property
+    def total(self) -> int:
+        return self.expired_reservations + self.dead_consumers + self.legacy
+
+
+class Broker(Protocol):
+    """What the supervisor needs from a broker. One instance serves one queue."""
+
+    queue: str
+
+    async def connect(self) -> None:
+        """Open connections and prepare the queue (scripts, streams). Raises BrokerError."""
+
+    async def close(self) -> None:
+        """Close connections. Outstanding deliveries stay owned until recovered."""
+
+    async def receive(self, max_messages: int, block_timeout: float) -> Received:
+        """Claim up to ``max_messages`` (<= MAX_BATCH) deliveries.
+
+        Returns what is available at once; only when nothing is, blocks up to
+        ``block_timeout`` seconds for the first message. Never waits to fill a batch.
+        """
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[Result]:
+        """Apply commits, rejects and releases (any mix, <= MAX_BATCH), one result each."""
+
+    async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Renew this consumer's lease; report per delivery whether it is still owned."""
+
+    async def maintain(self) -> MaintenanceReport:
+        """Recover work that dead consumers left behind (bounded work per call)."""
+
+    async def publish(self, queue: str, payload: dict[str, Any]) -> str:
+        """Publish one message; returns its pid once the broker has it."""
+
+    async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
+        """Publish several messages; returns their pids once the broker has them all."""

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.servers import NatsServer, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One private redis-server per xdist worker; flushed by the ``redis_url`` fixture."""
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The URL of an empty private Redis (flushed data and script cache)."""
+    if redis_server.process is None or redis_server.process.poll() is not None:
+        redis_server.start()
+    redis_server.cli("FLUSHALL")
+    redis_server.cli("SCRIPT", "FLUSH")
+    return redis_server.url
+
+
+@pytest.fixture
+def own_redis_server():
+    """A private redis-server for one test, free to be killed and restarted."""
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+async def redis_client(redis_url: str):
+    client = aioredis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def nats_server():
+    server = NatsServer().start()
+    yield server
+    server.close()
