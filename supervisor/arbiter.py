@@ -1,0 +1,439 @@
+"""The supervisor's event loop: receive, dispatch, collect outcomes, settle, renew, stop.
+
+One asyncio loop owns every broker call. Handler processes are forked by the fork server
+(started before this loop existed) and talk to us only through their two rings:
+
+    broker -> buffer -> ring -> handler -> ring -> settlement -> broker
+
+Signals only set flags and events; the shutdown reads top to bottom in ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import psutil
+import setproctitle
+
+from broker.base import MAX_BATCH, Broker, BrokerError
+from supervisor.buffer import Buffer, Entry, State
+from supervisor.config import Config
+from supervisor.settlement import Settler
+from supervisor.slots import Slot
+from worker import protocol
+from worker.forkserver import ForkServer
+
+log = logging.getLogger("supervisor")
+
+EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT = 0, 1, 3
+TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
+SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
+WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
+
+
+class Arbiter:
+    def __init__(
+        self,
+        config: Config,
+        broker: Broker,
+        slots: list[Slot],
+        forkserver: ForkServer,
+        handler_module: ModuleType,
+    ) -> None:
+        self.config = config
+        self.broker = broker
+        self.slots = slots
+        self.forkserver = forkserver
+        self.buffer = Buffer(config.job.prefetch)
+        self.wants_confirm = callable(getattr(handler_module, "on_success", None))
+        self.settler = Settler(broker, self.buffer, self.confirm)
+        self.exit_code = EXIT_OK
+        self.stopping = False
+        self.killing = False  # the deadline passed (or a second signal): no more waiting
+        self.stop_requested = asyncio.Event()
+        self.room = asyncio.Event()
+        self.settle_wanted = asyncio.Event()
+        self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
+        self.received = 0
+        self.started_at = time.monotonic()
+        self.tasks: list[asyncio.Task] = []
+
+    # -- the whole life ------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.handle_stop_signal, sig)
+        loop.add_reader(self.forkserver.events_fd, self.handle_forkserver_events)
+        for slot in self.slots:
+            loop.add_reader(slot.to_parent.wake_fd, self.handle_outcomes, slot)
+            self.forkserver.spawn(slot.index)
+        try:
+            await self.broker.connect()
+        except (BrokerError, OSError) as error:
+            log.error("cannot connect to the broker: %s", error)
+            self.exit_code = EXIT_BROKER
+            await self.stop_children(deadline=time.monotonic() + 5)
+            return self.exit_code
+        log.info(
+            "consuming %s with %d handler processes, prefetch %d",
+            self.config.job.queue, len(self.slots), self.buffer.prefetch,
+        )
+        self.tasks = [
+            asyncio.create_task(coro, name=coro.__name__)
+            for coro in (
+                self.receive_loop(), self.settle_loop(), self.renew_loop(),
+                self.maintenance_loop(), self.watch_loop(),
+            )
+        ]
+        await self.stop_requested.wait()
+        await self.shutdown()
+        return self.exit_code
+
+    def handle_stop_signal(self, sig: int) -> None:
+        if self.stopping:
+            log.warning("second %s: killing handlers now", signal.Signals(sig).name)
+            self.killing = True
+            self.progress.set()
+            return
+        log.info("%s received: stopping", signal.Signals(sig).name)
+        self.request_stop()
+
+    def request_stop(self, exit_code: int | None = None) -> None:
+        if exit_code is not None:
+            self.exit_code = exit_code
+        self.stopping = True
+        self.stop_requested.set()
+        self.room.set()
+
+    # -- receive and dispatch --------------------------------------------------------------
+
+    async def receive_loop(self) -> None:
+        failures = 0
+        while not self.stopping:
+            room = min(self.buffer.room, MAX_BATCH)
+            if room <= 0:
+                self.room.clear()
+                await self.room.wait()
+                continue
+            try:
+                received = await self.broker.receive(room, self.config.broker.block_timeout)
+            except (BrokerError, OSError) as error:
+                failures += 1
+                log.error("receive failed (%d in a row): %s", failures, error)
+                await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+                continue
+            failures = 0
+            for poisoned in received.poisoned:
+                log.warning("malformed message moved to poison: %s", poisoned.reason)
+            if received.deliveries:
+                self.received += len(received.deliveries)
+                self.buffer.add(received.deliveries)
+                self.dispatch()
+
+    def dispatch(self) -> None:
+        """Move waiting deliveries into the rings of the least loaded ready handlers."""
+        ready = [s for s in self.slots if s.ready and not s.retiring and not s.exit_sent]
+        if not ready or not self.buffer.waiting or self.stopping:
+            return
+        depth = -(-self.buffer.prefetch // len(self.slots))  # fair share per handler
+        plan: dict[Slot, list[Entry]] = {}
+        while self.buffer.waiting:
+            slot = min(ready, key=lambda s: s.load + len(plan.get(s, ())))
+            if slot.load + len(plan.get(slot, ())) >= depth:
+                break
+            plan.setdefault(slot, []).append(self.buffer.waiting.popleft())
+        for slot, entries in plan.items():
+            records = [protocol.encode_deliver(e.id, e.delivery.raw) for e in entries]
+            sent = slot.to_child.put_many(records)
+            for entry in entries[:sent]:
+                entry.state, entry.slot = State.QUEUED, slot.index
+                slot.queued.append(entry)
+            if sent < len(entries):  # ring full: the rest waits for the next dispatch
+                self.buffer.requeue_front(entries[sent:])
+
+    # -- outcomes from handler processes ---------------------------------------------------
+
+    def handle_outcomes(self, slot: Slot) -> None:
+        ring = slot.to_parent
+        ring.clear_wakeup()
+        while True:
+            records = ring.get_many(1024)
+            for record in records:
+                self.handle_outcome(slot, record)
+            if not records and ring.prepare_sleep():
+                break
+        if self.buffer.completed:
+            self.settle_wanted.set()
+        self.progress.set()
+        self.dispatch()
+
+    def handle_outcome(self, slot: Slot, record: bytes) -> None:
+        kind, delivery_id, data = protocol.decode(record)
+        if kind == protocol.STARTED:
+            entry = slot.queued.popleft()
+            self.buffer.start(entry)
+            slot.running[delivery_id] = entry
+        elif kind == protocol.DONE or kind == protocol.FAILED:
+            entry = slot.running.pop(delivery_id)
+            slot.jobs += 1
+            self.buffer.complete(entry, error=data if kind == protocol.FAILED else None)
+        elif kind == protocol.SKIPPED:
+            self.buffer.complete(slot.queued.popleft(), release=True)
+        elif kind == protocol.READY:
+            slot.ready = True
+        elif kind == protocol.INIT_FAILED:
+            log.error("handler init() failed in process %s: %s", slot.pid, data)
+            self.request_stop(EXIT_HANDLER_INIT)
+
+    def confirm(self, entry: Entry, committed: bool) -> None:
+        """Tell the handler process its message is settled (it runs on_success if committed)."""
+        if not self.wants_confirm or entry.slot is None:
+            return
+        slot = self.slots[entry.slot]
+        if slot.alive and not slot.to_child.put(protocol.encode_confirm(entry.id, committed)):
+            log.warning("ring of handler %d full: on_success of %s skipped", slot.index,
+                        entry.delivery.pid)
+
+    # -- settlement, renewal, maintenance ---------------------------------------------------
+
+    async def settle_loop(self) -> None:
+        failures = 0
+        while True:
+            await self.settle_wanted.wait()
+            self.settle_wanted.clear()
+            while self.buffer.completed:
+                ok = await self.settler.settle(self.buffer.take_completed(MAX_BATCH))
+                self.room.set()
+                self.progress.set()
+                if not ok:  # the broker is unhappy: back off before trying those again
+                    failures += 1
+                    await asyncio.sleep(min(0.05 * 2**failures, 2.0))
+                    break
+                failures = 0
+            if self.buffer.completed:
+                self.settle_wanted.set()
+
+    async def renew_loop(self) -> None:
+        period = self.config.supervisor.lease / 3
+        while True:
+            await asyncio.sleep(period)
+            entries = list(self.buffer)
+            try:
+                owned = await self.broker.extend([entry.delivery for entry in entries])
+            except (BrokerError, OSError) as error:
+                log.error("renewal of %d deliveries failed: %s", len(entries), error)
+                continue
+            for entry, still_ours in zip(entries, owned, strict=True):
+                if not still_ours:
+                    self.drop_lost(entry)
+
+    def drop_lost(self, entry: Entry) -> None:
+        """Another consumer recovered this delivery: never start it; a result will be stale."""
+        if entry.state is State.WAITING and entry.id in self.buffer.entries:
+            log.warning("delivery %s is no longer ours; dropped before it started",
+                        entry.delivery.pid)
+            self.buffer.waiting.remove(entry)
+            self.buffer.forget(entry)
+            self.room.set()
+
+    async def maintenance_loop(self) -> None:
+        while True:
+            try:
+                report = await self.broker.maintain()
+            except (BrokerError, OSError) as error:
+                log.error("maintenance failed: %s", error)
+            else:
+                if report.total:
+                    log.info(
+                        "recovered %d deliveries (%d from expired reservations, %d of dead "
+                        "consumers, %d legacy)", report.total, report.expired_reservations,
+                        report.dead_consumers, report.legacy,
+                    )
+            await asyncio.sleep(self.config.supervisor.maintenance_interval)
+
+    # -- watching handler processes -----------------------------------------------------------
+
+    async def watch_loop(self) -> None:
+        while True:
+            self.enforce_limits()
+            self.update_title()
+            await asyncio.sleep(WATCH_PERIOD)
+
+    def enforce_limits(self) -> None:
+        job = self.config.job
+        now = time.monotonic()
+        for slot in self.slots:
+            if not slot.alive:
+                continue
+            if job.handler_timeout and any(
+                now - entry.started_at > job.handler_timeout for entry in slot.running.values()
+            ):
+                log.error("handler %d exceeded handler_timeout %ss: killing process %d",
+                          slot.index, job.handler_timeout, slot.pid)
+                slot.kill_reason = f"handler timeout after {job.handler_timeout}s"
+                self.kill(slot, signal.SIGKILL)
+                continue
+            if not slot.retiring and self.should_recycle(slot):
+                slot.retiring = True
+            if slot.retiring and not slot.exit_sent and self.idle(slot):
+                slot.exit_sent = slot.to_child.put(protocol.encode_exit())
+
+    def should_recycle(self, slot: Slot) -> bool:
+        job = self.config.job
+        if job.max_jobs_per_process and slot.jobs >= job.max_jobs_per_process:
+            log.info("recycling handler %d after %d jobs", slot.index, slot.jobs)
+            return True
+        if job.max_rss_mb and slot.pid:
+            with contextlib.suppress(psutil.Error):
+                rss_mb = psutil.Process(slot.pid).memory_info().rss / 2**20
+                if rss_mb > job.max_rss_mb:
+                    log.info("recycling handler %d at %.0f MiB RSS", slot.index, rss_mb)
+                    return True
+        return False
+
+    def idle(self, slot: Slot) -> bool:
+        """Nothing of this handler is queued, running or waiting for its confirmation."""
+        return slot.load == 0 and not any(e.slot == slot.index for e in self.buffer)
+
+    def kill(self, slot: Slot, sig: int) -> None:
+        if slot.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slot.pid, sig)
+
+    def handle_forkserver_events(self) -> None:
+        for event in self.forkserver.read_events():
+            slot = self.slots[event.slot]
+            if event.kind == "started":
+                slot.pid = event.pid
+            elif event.kind == "exited":
+                self.handle_child_exit(slot, event.pid, event.status)
+
+    def handle_child_exit(self, slot: Slot, pid: int, status: int | None) -> None:
+        expected, was_ready = slot.exit_sent, slot.ready
+        reason = slot.kill_reason or f"worker lost: handler process {pid} " + (
+            f"killed by signal {-status}" if status is not None and status < 0
+            else f"exited with code {status}"
+        )
+        running = list(slot.running.values())
+        queued = list(slot.queued)
+        slot.clear()
+        if self.killing:
+            pass  # stopped at the deadline: what was running stays owned and is recovered later
+        elif running:
+            # The newest started delivery was in the handler: it takes the blame (an attempt).
+            # Older ones had returned and were waiting for flush(): they run again, no attempt.
+            log.error("%s while handling %s", reason, running[-1].delivery.pid)
+            self.buffer.complete(running[-1], error=reason)
+            self.buffer.requeue_front(running[:-1])
+        elif not expected and not self.stopping:
+            log.error("%s", reason)
+        self.buffer.requeue_front(queued)
+        if self.stopping:  # nothing is dispatched any more: what came back is released
+            self.release_waiting()
+        elif status == EXIT_HANDLER_INIT or not was_ready:
+            # A process that cannot start would only crash-loop: halt instead (gunicorn does too).
+            log.error("handler process %d failed to start (%s): halting", pid, reason)
+            self.request_stop(EXIT_HANDLER_INIT)
+        else:
+            self.forkserver.spawn(slot.index)
+        self.settle_wanted.set()
+        self.progress.set()
+
+    def update_title(self) -> None:
+        busy = sum(1 for slot in self.slots if slot.busy)
+        state = "stopping" if self.stopping else "running"
+        setproctitle.setproctitle(
+            f"queue-supervisor: {self.config.job.queue} {state} "
+            f"[buffer {self.buffer.outstanding}/{self.buffer.prefetch}, "
+            f"{busy}/{len(self.slots)} busy]"
+        )
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop receiving, release what never started, let running handlers finish, settle.
+
+        Handlers still running get SIGTERM ``TERM_GRACE`` before the deadline and SIGKILL at
+        it; what they held stays owned and is recovered later (at once, via ``abandon``).
+        """
+        deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
+        self.update_title()
+        receiving = self.task("receive_loop")
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            # A receive in flight is allowed to finish (it may hold claimed deliveries).
+            await asyncio.wait_for(receiving, self.config.broker.block_timeout + 1)
+        for slot in self.slots:
+            slot.to_child.set_flag(1)  # start nothing more: report SKIPPED instead
+        self.release_waiting()
+        await self.wait_until(self.nothing_in_handlers, deadline - TERM_GRACE)
+        if not self.nothing_in_handlers():
+            self.signal_busy(signal.SIGTERM)
+            await self.wait_until(self.nothing_in_handlers, deadline)
+        if not self.nothing_in_handlers():
+            self.killing = True
+            self.signal_busy(signal.SIGKILL)
+        await self.settle_remaining()
+        await self.stop_children(deadline=max(deadline, time.monotonic() + 1))
+        for task in self.tasks:
+            task.cancel()
+        owned = self.buffer.outstanding
+        with contextlib.suppress(BrokerError, OSError):
+            if owned:
+                log.warning("%d deliveries still owned at exit: handing them to recovery", owned)
+                await self.broker.abandon()
+            await self.broker.close()
+        log.info("stopped after %.1fs", self.config.supervisor.shutdown_deadline
+                 - (deadline - time.monotonic()))
+
+    def release_waiting(self) -> None:
+        for entry in self.buffer.take_waiting():
+            self.buffer.complete(entry, release=True)
+        self.settle_wanted.set()
+
+    def nothing_in_handlers(self) -> bool:
+        return all(slot.load == 0 or not slot.alive for slot in self.slots) and not self.killing
+
+    def all_settled(self) -> bool:
+        return not any(e.state in (State.COMPLETED, State.SETTLING) for e in self.buffer)
+
+    def signal_busy(self, sig: int) -> None:
+        for slot in self.slots:
+            if slot.load:
+                self.kill(slot, sig)
+
+    async def settle_remaining(self) -> None:
+        """One last settlement round (bounded by SETTLE_ROUND) for everything completed."""
+        self.release_waiting()
+        bound = time.monotonic() + SETTLE_ROUND
+        await self.wait_until(self.all_settled, bound, interruptible=False)
+
+    async def stop_children(self, deadline: float) -> None:
+        for slot in self.slots:
+            if slot.alive and not slot.exit_sent:
+                slot.exit_sent = slot.to_child.put(protocol.encode_exit())
+        await self.wait_until(lambda: not any(s.alive for s in self.slots), deadline)
+        for slot in self.slots:
+            self.kill(slot, signal.SIGKILL)
+        await self.wait_until(lambda: not any(s.alive for s in self.slots), time.monotonic() + 2)
+
+    async def wait_until(
+        self, condition: Callable[[], bool], deadline: float, interruptible: bool = True
+    ) -> None:
+        """Wait for ``condition`` until ``deadline``; a second signal ends the wait early."""
+        while not condition() and (remaining := deadline - time.monotonic()) > 0:
+            if interruptible and self.killing:
+                return
+            self.progress.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.progress.wait(), min(remaining, 0.5))
+
+    def task(self, name: str) -> asyncio.Task | None:
+        return next((task for task in self.tasks if task.get_name() == name), None)

@@ -1,0 +1,23 @@
+"""Choose the broker adapter for a job from its URL scheme."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from broker.base import Broker
+from supervisor.config import Config
+
+
+def make_broker(config: Config) -> Broker:
+    scheme = urlparse(config.broker.url).scheme
+    job, sup = config.job, config.supervisor
+    if scheme in ("redis", "rediss"):
+        from broker.redis import RedisBroker
+
+        return RedisBroker(
+            config.broker.url, job.queue, namespace=config.broker.namespace,
+            cluster=config.broker.cluster, lease=sup.lease, max_attempts=job.max_attempts,
+            job_ttl=job.job_ttl, recovery_age=sup.recovery_age,
+            max_envelope_bytes=sup.max_envelope_bytes,
+        )
+    raise ValueError(f"no broker for URL scheme {scheme!r}")

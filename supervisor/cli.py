@@ -1,0 +1,91 @@
+"""``python -m supervisor CONF``: run one job in the foreground until SIGTERM/SIGINT.
+
+Order matters: the configuration is checked and the handler module imported first (a bad
+file exits 2 before anything is consumed), then the shared memory and the fork server are
+created while this process is still single-threaded and holds no connection, and only then
+does the asyncio loop start and connect to the broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from supervisor.config import Config, ConfigError, load
+
+EXIT_CONFIG = 2
+
+log = logging.getLogger("supervisor")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m supervisor", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("config", help="the job's TOML file, e.g. conf/stats-usage.toml")
+    args = parser.parse_args(argv)
+    try:
+        config = load(args.config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(config)
+    for warning in config.warnings:
+        log.warning("%s", warning)
+    return run(config)
+
+
+def setup_logging(config: Config) -> None:
+    logging.basicConfig(
+        level=config.supervisor.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run(config: Config) -> int:
+    from supervisor.arbiter import Arbiter
+    from supervisor.brokers import make_broker
+    from supervisor.slots import make_slots
+    from worker.forkserver import ForkServer
+
+    handler_module = importlib.import_module(handler_module_name(config.job.handler))
+    slots = make_slots(
+        config.job.coroutines, config.supervisor.ring_slots, config.supervisor.ring_slot_size
+    )
+
+    def handler_process(index: int) -> NoReturn:
+        from worker.runner import run as run_handler
+
+        slot = slots[index]
+        run_handler(
+            index, slot.to_child, slot.to_parent, config.job.handler,
+            flush_every=config.job.flush_every, queue=config.job.queue,
+        )
+
+    forkserver = ForkServer(handler_process)
+    forkserver.start()  # before any thread, event loop or connection exists
+    try:
+        broker = make_broker(config)
+        arbiter = Arbiter(config, broker, slots, forkserver, handler_module)
+        return asyncio_run(arbiter.run())
+    finally:
+        forkserver.stop()
+
+
+def asyncio_run(coroutine) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def handler_module_name(spec: str) -> str:
+    """``pkg.mod:func`` or ``pkg.mod.func`` -> ``pkg.mod``."""
+    return spec.split(":", 1)[0] if ":" in spec else spec.rpartition(".")[0]

@@ -1,0 +1,88 @@
+"""Settlement: turn completed deliveries into grouped broker calls and act on each result.
+
+Completions that are already waiting are settled together (at most ``MAX_BATCH`` per call)
+the moment the previous call returns: there is no timer and no waiting for a full batch.
+Each delivery keeps its own result. A failed or uncertain settlement never turns a handler's
+success into a failure: the delivery stays outstanding and is settled again later (or
+recovered by the broker if this process dies first).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from broker.base import Action, Broker, Outcome, Result, Settlement
+from supervisor.buffer import Buffer, Entry
+
+log = logging.getLogger("supervisor.settlement")
+
+
+def settlement_for(entry: Entry) -> Settlement:
+    if entry.release:
+        return Settlement(Action.RELEASE, entry.delivery)
+    if entry.error is None:
+        return Settlement(Action.COMMIT, entry.delivery)
+    return Settlement(Action.REJECT, entry.delivery, entry.error)
+
+
+class Settler:
+    """Settles a batch and reports, per entry, whether its commit was confirmed."""
+
+    def __init__(
+        self, broker: Broker, buffer: Buffer, confirm: Callable[[Entry, bool], None]
+    ) -> None:
+        self.broker = broker
+        self.buffer = buffer
+        self.confirm = confirm  # tells the handler process (for on_success)
+        self.settled = {action: 0 for action in Action}
+        self.uncertain = 0
+
+    async def settle(self, batch: list[Entry]) -> bool:
+        """Settle ``batch``; returns False when some entries must be tried again later."""
+        settlements = [settlement_for(entry) for entry in batch]
+        try:
+            results = await self.broker.settle(settlements)
+        except Exception as error:  # the broker is down or refused: keep everything outstanding
+            log.error("settlement of %d deliveries failed: %s", len(batch), error)
+            results = [Result(Outcome.ERROR, str(error))] * len(batch)
+        retry = [
+            entry
+            for entry, settlement, result in zip(batch, settlements, results, strict=True)
+            if not self._apply(entry, settlement, result)
+        ]
+        if retry:
+            self.buffer.retry_later(retry)
+        return not retry
+
+    def _apply(self, entry: Entry, settlement: Settlement, result: Result) -> bool:
+        """Act on one result; False when the entry stays outstanding for another try."""
+        outcome = result.outcome
+        if outcome is Outcome.OK:
+            self.settled[settlement.action] += 1
+            self.buffer.forget(entry)
+            self.confirm(entry, settlement.action is Action.COMMIT)
+            return True
+        if outcome is Outcome.STALE:
+            log.warning(
+                "delivery %s was recovered by another consumer before its %s: "
+                "it may run twice (at-least-once)", entry.delivery.pid, settlement.action.value,
+            )
+            self.buffer.forget(entry)
+            self.confirm(entry, False)
+            return True
+        if outcome is Outcome.MISSING:
+            log.error(
+                "release of %s refused: its payload is missing from the broker; "
+                "ownership kept for inspection", entry.delivery.pid,
+            )
+            self.buffer.forget(entry)
+            self.confirm(entry, False)
+            return True
+        if outcome is Outcome.UNCERTAIN:
+            self.uncertain += 1
+        log.warning(
+            "%s of %s not confirmed (%s: %s); will settle again",
+            settlement.action.value, entry.delivery.pid, outcome.value, result.detail,
+        )
+        return False
