@@ -1,0 +1,755 @@
+"""The job configuration: one TOML file per job, read into frozen dataclasses.
+
+Every key is declared once, as a field of its section's dataclass: the annotation is its
+type, the field holds its default, its rules and one line of documentation. The loader, its
+error messages and ``describe()`` (the key table of the README) all read that declaration,
+so a key cannot be documented one way and validated another.
+
+Every problem is a ``ConfigError`` whose message is one line naming the file and the key:
+the CLI prints it and exits with code 2 before anything is consumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import os
+import re
+import tomllib
+import typing
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
+
+from broker.envelope import MAX_ENVELOPE_BYTES
+
+#: When set and not empty, overrides ``[broker] url`` (so that secrets stay out of files).
+ENV_BROKER_URL = "QUEUE_BROKER_URL"
+REDIS_SCHEMES = ("redis", "rediss")
+NATS_SCHEMES = ("nats", "tls")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: Old ``[job]`` names still read, with a deprecation warning: old name -> new name.
+LEGACY_KEYS = {"maxCoroutines": "coroutines", "batch": "prefetch"}
+REQUIRED = MISSING
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message is one line naming the file and key."""
+
+
+class HandlerError(ConfigError):
+    """A handler spec does not name an importable callable."""
+
+
+# --- rules: each says in a few words what it allows, and why a value is refused ------------
+
+
+class Rule(NamedTuple):
+    text: str  # what is allowed, for describe()
+    check: Callable[[Any], str | None]  # the reason a value is refused, or None
+
+
+def at_least(low: float) -> Rule:
+    return Rule(f">= {low}", lambda value: None if value >= low else f"must be >= {low}")
+
+
+def above(low: float) -> Rule:
+    return Rule(f"> {low}", lambda value: None if value > low else f"must be > {low}")
+
+
+def at_most(high: float) -> Rule:
+    return Rule(f"<= {high}", lambda value: None if value <= high else f"must be <= {high}")
+
+
+def multiple_of(step: int) -> Rule:
+    return Rule(
+        f"multiple of {step}",
+        lambda value: None if value % step == 0 else f"must be a multiple of {step}",
+    )
+
+
+def one_of(choices: tuple[str, ...]) -> Rule:
+    def check(value: str) -> str | None:
+        if value in choices:
+            return None
+        return f"must be one of {', '.join(choices)}{_did_you_mean(value, choices)}"
+
+    return Rule(", ".join(choices), check)
+
+
+NOT_EMPTY = Rule("not empty", lambda value: None if value.strip() else "must not be empty")
+NO_SPACES = Rule(
+    "no spaces", lambda value: "must not contain spaces" if re.search(r"\s", value) else None
+)
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a usable broker URL, or None."""
+    if "://" not in url:
+        return "is not a URL (expected e.g. redis://127.0.0.1:6379/0)"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- parsing the port is what raises on a bad one
+    except ValueError as error:
+        return f"is not a valid URL ({error})"
+    if parts.scheme not in REDIS_SCHEMES + NATS_SCHEMES:
+        return f'has scheme "{parts.scheme}"; expected one of redis, rediss, nats, tls'
+    if not parts.hostname:
+        return "names no host"
+    database = parts.path.strip("/")
+    if parts.scheme in REDIS_SCHEMES and database and not database.isdigit():
+        return f'names database "{database}"; a Redis database is a number'
+    return None
+
+
+BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)
+
+
+def handler_problem(spec: str) -> str | None:
+    try:
+        split_handler(spec)
+    except HandlerError as error:
+        return str(error)
+    return None
+
+
+HANDLER_SPEC = Rule('"pkg.mod:func" or "pkg.mod.func"', handler_problem)
+
+
+def setting(default: Any, doc: str, *rules: Rule, same_as: str | None = None) -> Any:
+    """Declare one key: default (REQUIRED, or None with ``same_as``), doc and rules.
+
+    ``same_as`` names the key whose value is the default: ``"coroutines"`` in the same
+    section, ``"job.max_attempts"`` in another one.
+    """
+    metadata = {"doc": doc, "rules": rules, "same_as": same_as}
+    return field(default=None if same_as else default, metadata=metadata)
+
+
+# --- the sections ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    url: str = setting(
+        "redis://127.0.0.1:6379/0",
+        f"broker URL: redis://, rediss:// (TLS), nats://, tls://; {ENV_BROKER_URL} overrides",
+        BROKER_URL,
+    )
+    namespace: str = setting(
+        "utopia-queue",
+        "prefix of every Redis key ({ns}.queue.{q}); on a Cluster it needs a {hash tag}",
+        NOT_EMPTY,
+        NO_SPACES,
+    )
+    cluster: bool = setting(False, "true: the Redis URL is a Redis Cluster node")
+    block_timeout: float = setting(
+        2.0, "longest a receive blocks on an idle queue (s)", above(0), at_most(60)
+    )
+
+    @property
+    def kind(self) -> str:
+        """``"redis"`` or ``"nats"``: which broker adapter serves this URL."""
+        return broker_kind(self.url)
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password or token hidden, for logs and messages."""
+        return redact(self.url)
+
+    def __repr__(self) -> str:
+        return (
+            f"BrokerConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
+            f"cluster={self.cluster!r}, block_timeout={self.block_timeout!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    queue: str = setting(REQUIRED, "queue name (the {q} of the Redis keys)", NOT_EMPTY, NO_SPACES)
+    handler: str = setting(REQUIRED, "handler function, imported before forking", HANDLER_SPEC)
+    coroutines: int = setting(
+        1, "concurrent handlers, i.e. forked handler processes", at_least(1), at_most(1024)
+    )
+    prefetch: int = setting(
+        None,
+        "bound on unacknowledged deliveries: buffered + running + awaiting confirmation",
+        at_least(1),
+        same_as="coroutines",
+    )
+    max_attempts: int = setting(3, "deliveries before a job goes to failed/dead", at_least(1))
+    job_ttl: int = setting(0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0))
+    handler_timeout: float = setting(
+        0.0, "hard limit of one handler call (s); 0 = none", at_least(0)
+    )
+    max_jobs_per_process: int = setting(
+        0, "recycle a handler process after this many jobs; 0 = never", at_least(0)
+    )
+    max_rss_mb: int = setting(
+        0, "recycle a handler process above this resident memory (MiB); 0 = no limit", at_least(0)
+    )
+    flush_every: int = setting(
+        100, "call the handler's flush() at least every this many messages", at_least(1)
+    )
+    retry_backoff: float = setting(
+        0.0, "base delay before a failed job is retried (s); the NATS NAK delay", at_least(0)
+    )
+
+    def __post_init__(self) -> None:
+        _fill_same_as(self, lambda name: getattr(self, name))
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    shutdown_deadline: float = setting(
+        30.0, "seconds a graceful stop may take before running handlers are killed", above(0)
+    )
+    lease: float = setting(30.0, "consumer heartbeat lease (s), renewed every lease/3", at_least(3))
+    maintenance_interval: float = setting(5.0, "seconds between recovery sweeps", above(0))
+    recovery_age: int = setting(
+        90000,
+        "publish age (s) after which owner-less processing entries (legacy consumers) "
+        "are recovered",
+        at_least(1),
+    )
+    ring_slot_size: int = setting(
+        256, "bytes per ring slot; larger payloads span several slots", at_least(64), multiple_of(8)
+    )
+    ring_slots: int = setting(8192, "slots per ring", at_least(2))
+    max_envelope_bytes: int = setting(
+        MAX_ENVELOPE_BYTES, "larger envelopes are malformed and go to poison", at_least(1024)
+    )
+    log_level: str = setting("info", "least severe level logged", one_of(LOG_LEVELS))
+
+
+@dataclass(frozen=True, slots=True)
+class NatsConfig:
+    ack_wait: float = setting(
+        30.0, "JetStream AckWait (s): redelivery after this long without ack or renewal", above(0)
+    )
+    max_deliver: int = setting(
+        None,
+        "JetStream MaxDeliver of the durable consumer",
+        at_least(1),
+        same_as="job.max_attempts",
+    )
+
+
+SECTIONS: dict[str, type] = {
+    "broker": BrokerConfig,
+    "job": JobConfig,
+    "supervisor": SupervisorConfig,
+    "nats": NatsConfig,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One job's configuration; ``warnings`` holds deprecation notices for the log."""
+
+    job: JobConfig
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    path: str = "<memory>"
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        def lookup(dotted: str) -> Any:
+            section, _, name = dotted.partition(".")
+            return getattr(getattr(self, section), name)
+
+        for section in SECTIONS:
+            filled = _fill_same_as(getattr(self, section), lookup, copy=True)
+            object.__setattr__(self, section, filled)
+
+
+def _fill_same_as(section: Any, lookup: Callable[[str], Any], copy: bool = False) -> Any:
+    """Give keys declared ``same_as`` another key, and left unset, that key's value.
+
+    In place for keys of the same section (from ``__post_init__``); as a copy for keys of
+    another section (from ``Config``, which sees all sections).
+    """
+    changes = {}
+    for spec in dataclasses.fields(section):
+        same_as = spec.metadata.get("same_as")
+        if same_as and ("." in same_as) == copy and getattr(section, spec.name) is None:
+            changes[spec.name] = lookup(same_as)
+    if copy:
+        return dataclasses.replace(section, **changes) if changes else section
+    for name, value in changes.items():
+        object.__setattr__(section, name, value)
+    return section
+
+
+# --- the key table ---------------------------------------------------------------------------
+
+
+class Key(NamedTuple):
+    section: str
+    name: str
+    kind: type  # int, float (seconds: int or float accepted), bool or str
+    default: Any  # REQUIRED, or None when same_as names the default
+    same_as: str | None
+    rules: tuple[Rule, ...]
+    doc: str
+
+    @property
+    def label(self) -> str:
+        return f"[{self.section}] {self.name}"
+
+
+def _keys_of(section: str, cls: type) -> list[Key]:
+    hints = typing.get_type_hints(cls)
+    return [
+        Key(
+            section,
+            spec.name,
+            hints[spec.name],
+            spec.default,
+            spec.metadata["same_as"],
+            spec.metadata["rules"],
+            spec.metadata["doc"],
+        )
+        for spec in dataclasses.fields(cls)
+    ]
+
+
+#: Every key, in file order: the one table that validation and documentation share.
+KEYS: tuple[Key, ...] = tuple(
+    key for section, cls in SECTIONS.items() for key in _keys_of(section, cls)
+)
+
+
+def _key(dotted: str) -> Key:
+    return next(key for key in KEYS if f"{key.section}.{key.name}" == dotted)
+
+
+def _qualified(key: Key) -> str:
+    """The ``section.name`` of the key that ``key`` defaults to."""
+    assert key.same_as
+    return key.same_as if "." in key.same_as else f"{key.section}.{key.same_as}"
+
+
+class CrossCheck(NamedTuple):
+    doc: str
+    check: Callable[[_Values], str | None]
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def load(
+    path: str | os.PathLike[str],
+    environ: Mapping[str, str] = os.environ,
+    import_handler: bool = True,
+) -> Config:
+    """Read, validate and return the job configuration in ``path``; raises ConfigError."""
+    name = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{name}: cannot read the file: {error.strerror or error}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{name}: not UTF-8 text (byte {error.start})") from None
+    return loads(text, name, environ, import_handler)
+
+
+def loads(
+    text: str,
+    path: str = "<string>",
+    environ: Mapping[str, str] = os.environ,
+    import_handler: bool = True,
+) -> Config:
+    """Like ``load`` for TOML text already read; ``path`` names it in messages."""
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: {error}") from None
+    values = _Values(path)
+    values.read(document)
+    values.override_url(environ)
+    values.cross_check()
+    if import_handler:
+        values.import_handler()
+    for message in values.warnings:  # only for a file that loads: an error comes first
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return values.build()
+
+
+class _Values:
+    """The values read so far, by section, and how to name each key in a message."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        self.labels: dict[tuple[str, str], str] = {}  # keys read under another name
+        self.warnings: list[str] = []
+
+    def fail(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.path}: {message}")
+
+    def label(self, section: str, name: str) -> str:
+        return self.labels.get((section, name), f"[{section}] {name}")
+
+    def __getitem__(self, dotted: str) -> Any:
+        section, _, name = dotted.partition(".")
+        return self.by_section[section][name]
+
+    def read(self, document: dict[str, Any]) -> None:
+        for section, table in document.items():
+            if section not in SECTIONS:
+                self.fail(_misplaced(section, table))
+            if not isinstance(table, dict):
+                self.fail(f"{section} = {_show(table)} is not a section; write [{section}]")
+        for section in SECTIONS:
+            table = dict(document.get(section, {}))
+            if section == "job":
+                self.map_legacy(table)
+            self.read_section(section, table)
+        self.fill_defaults()
+
+    def read_section(self, section: str, table: dict[str, Any]) -> None:
+        known = {key.name: key for key in KEYS if key.section == section}
+        for name, value in table.items():
+            key = known.get(name)
+            if key is None:
+                self.fail(_unknown_key(section, name))
+            self.by_section[section][name] = self.validated(key, value, self.label(section, name))
+        for key in known.values():
+            if key.default is REQUIRED and key.name not in table:
+                self.fail(f"missing required key {key.label}")
+
+    def validated(self, key: Key, value: Any, label: str) -> Any:
+        problem = _type_problem(value, key.kind)
+        for rule in key.rules:
+            problem = problem or rule.check(value)
+        if problem:
+            self.fail(f"{label} = {_show(value)} {problem}")
+        return float(value) if key.kind is float else value
+
+    def map_legacy(self, table: dict[str, Any]) -> None:
+        """Read ``maxCoroutines`` as coroutines, ``batch`` as prefetch = max(batch, coroutines)."""
+        for old, new in LEGACY_KEYS.items():
+            if old in table and new in table:
+                self.fail(f"[job] sets both {old} (deprecated) and {new}; keep only {new}")
+            if old in table:
+                self.validated(_LEGACY_KEY, table[old], f"[job] {old}")
+                self.labels[("job", new)] = f"[job] {old}"
+        if "maxCoroutines" in table:
+            table["coroutines"] = table.pop("maxCoroutines")
+            self.deprecate("maxCoroutines", f"coroutines = {table['coroutines']}")
+        if "batch" in table:
+            coroutines = table.get("coroutines", 1)
+            self.validated(_key("job.coroutines"), coroutines, self.label("job", "coroutines"))
+            table["prefetch"] = max(table.pop("batch"), coroutines)
+            self.deprecate("batch", f"prefetch = {table['prefetch']} (max of batch and coroutines)")
+
+    def deprecate(self, old: str, replacement: str) -> None:
+        self.warnings.append(f"{self.path}: [job] {old} is deprecated; write {replacement}")
+
+    def fill_defaults(self) -> None:
+        for key in KEYS:
+            values = self.by_section[key.section]
+            if key.name not in values and key.default is not REQUIRED:
+                values[key.name] = self[_qualified(key)] if key.same_as else key.default
+
+    def override_url(self, environ: Mapping[str, str]) -> None:
+        url = environ.get(ENV_BROKER_URL, "")
+        if not url:
+            return
+        problem = url_problem(url)
+        if problem:
+            self.fail(f"{ENV_BROKER_URL} = {_show(url)} (overrides [broker] url) {problem}")
+        self.by_section["broker"]["url"] = url
+        self.labels[("broker", "url")] = ENV_BROKER_URL
+
+    def cross_check(self) -> None:
+        for rule in CROSS_CHECKS:
+            problem = rule.check(self)
+            if problem:
+                self.fail(problem)
+
+    def import_handler(self) -> None:
+        try:
+            resolve_handler(self["job.handler"])
+        except HandlerError as error:
+            self.fail(f"[job] {error}")
+
+    def build(self) -> Config:
+        sections = {name: SECTIONS[name](**values) for name, values in self.by_section.items()}
+        return Config(**sections, path=self.path, warnings=tuple(self.warnings))
+
+
+# The legacy keys are validated as the integers they always were.
+_LEGACY_KEY = Key("job", "legacy", int, 1, None, (at_least(1),), "")
+
+
+# --- rules that involve several keys ---------------------------------------------------------
+
+
+def _prefetch_covers_coroutines(values: _Values) -> str | None:
+    prefetch, coroutines = values["job.prefetch"], values["job.coroutines"]
+    if prefetch >= coroutines:
+        return None
+    return (
+        f"{values.label('job', 'prefetch')} = {prefetch} is below coroutines = {coroutines}; "
+        "prefetch bounds all unacknowledged deliveries, so it must be >= coroutines"
+    )
+
+
+def _ring_holds_two_envelopes(values: _Values) -> str | None:
+    size, slots = values["supervisor.ring_slot_size"], values["supervisor.ring_slots"]
+    largest = values["supervisor.max_envelope_bytes"]
+    if size * slots >= 2 * largest:
+        return None
+    return (
+        f"[supervisor] ring_slot_size * ring_slots = {size} * {slots} = {size * slots} bytes is "
+        f"below 2 * max_envelope_bytes = {2 * largest}; a ring must hold two of the largest "
+        "envelopes"
+    )
+
+
+def _cluster_is_redis(values: _Values) -> str | None:
+    url = values["broker.url"]
+    if not values["broker.cluster"] or broker_kind(url) == "redis":
+        return None
+    return (
+        f"[broker] cluster = true means Redis Cluster, but {values.label('broker', 'url')} = "
+        f"{_show(url)} is a NATS URL"
+    )
+
+
+def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
+    namespace = values["broker.namespace"]
+    if not values["broker.cluster"] or hash_tag(namespace):
+        return None
+    return (
+        f"[broker] cluster = true needs a hash tag in namespace = {_show(namespace)} so that "
+        f'all keys of a queue share one slot, e.g. namespace = "{{{namespace}}}" '
+        "(a new namespace means new key names: move existing jobs first)"
+    )
+
+
+def _max_deliver_reaches_dead_letter(values: _Values) -> str | None:
+    deliver, attempts = values["nats.max_deliver"], values["job.max_attempts"]
+    if deliver >= attempts:
+        return None
+    return (
+        f"[nats] max_deliver = {deliver} is below [job] max_attempts = {attempts}; JetStream "
+        "would stop redelivering before the job reaches its dead letter"
+    )
+
+
+def _ack_wait_covers_renewal(values: _Values) -> str | None:
+    ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
+    if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
+        return None
+    return (
+        f"[nats] ack_wait = {_show(ack_wait)} is below 2/3 of [supervisor] lease = "
+        f"{_show(lease)}; deliveries are renewed every lease/3, so ack_wait must span two "
+        "renewals"
+    )
+
+
+CROSS_CHECKS: tuple[CrossCheck, ...] = (
+    CrossCheck("`[job] prefetch` >= `[job] coroutines`", _prefetch_covers_coroutines),
+    CrossCheck(
+        "`ring_slot_size * ring_slots` >= `2 * max_envelope_bytes`", _ring_holds_two_envelopes
+    ),
+    CrossCheck("`cluster = true` only with a redis:// or rediss:// URL", _cluster_is_redis),
+    CrossCheck(
+        "`cluster = true` needs a `{hash tag}` in the namespace", _cluster_namespace_has_hash_tag
+    ),
+    CrossCheck("`[nats] max_deliver` >= `[job] max_attempts`", _max_deliver_reaches_dead_letter),
+    CrossCheck(
+        "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
+    ),
+)
+
+
+# --- handlers --------------------------------------------------------------------------------
+
+
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+
+
+def split_handler(spec: str) -> tuple[str, str]:
+    """``"pkg.mod:func"`` or ``"pkg.mod.func"`` -> ``("pkg.mod", "func")``."""
+    module, colon, attribute = spec.partition(":")
+    if not colon:
+        module, _, attribute = spec.rpartition(".")
+    if not (re.fullmatch(_DOTTED, module) and re.fullmatch(_DOTTED, attribute)):
+        raise HandlerError(
+            f'handler "{spec}" is not of the form "pkg.module:function" or "pkg.module.function"'
+        )
+    return module, attribute
+
+
+def resolve_handler(spec: str) -> Callable[..., Any]:
+    """Import the module a handler spec names and return its callable; raises HandlerError."""
+    module_name, attribute = split_handler(spec)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except (Exception, SystemExit) as error:  # the module's own code may raise anything
+        raise HandlerError(f'handler "{spec}" cannot be imported: {_one_line(error)}') from error
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise HandlerError(
+                f'handler "{spec}": module {module_name} has no attribute {attribute}'
+            ) from None
+    if not callable(target):
+        raise HandlerError(f'handler "{spec}" is a {type(target).__name__}, not a callable')
+    return target
+
+
+# --- small helpers ---------------------------------------------------------------------------
+
+
+def broker_kind(url: str) -> str:
+    """``"nats"`` for nats:// and tls:// URLs, otherwise ``"redis"``."""
+    return "nats" if urlsplit(url).scheme in NATS_SCHEMES else "redis"
+
+
+def hash_tag(name: str) -> str | None:
+    """The Redis Cluster hash tag of a key name: what the first ``{...}`` encloses, if any."""
+    opening = name.find("{")
+    closing = name.find("}", opening + 1)
+    if opening < 0 or closing <= opening + 1:
+        return None
+    return name[opening + 1 : closing]
+
+
+def redact(url: str) -> str:
+    """Hide the password (or a bare token) of a URL's user part."""
+
+    def hide(match: re.Match[str]) -> str:
+        user, colon, _ = match.group(1).partition(":")
+        return f"//{user}:***@" if colon else "//***@"
+
+    return re.sub(r"//([^/@]*)@", hide, url)
+
+
+def _show(value: Any) -> str:
+    """A value as TOML would write it (URLs without their secrets)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + redact(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{...}"
+    return repr(value)
+
+
+def _type_problem(value: Any, kind: type) -> str | None:
+    if isinstance(value, bool) != (kind is bool):
+        return f"is {_toml_type(value)}, expected {_KIND_NAMES[kind]}"
+    if kind is float and isinstance(value, int | float):
+        return None if math.isfinite(value) else "is not a finite number"
+    if not isinstance(value, kind):
+        return f"is {_toml_type(value)}, expected {_KIND_NAMES[kind]}"
+    return None
+
+
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a number (seconds)",
+    bool: "true or false",
+    str: "a string",
+}
+
+
+def _toml_type(value: Any) -> str:
+    kinds = (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a float"),
+        (str, "a string"),
+        (list, "an array"),
+        (dict, "a table"),
+    )
+    return next((name for kind, name in kinds if isinstance(value, kind)), "a date/time")
+
+
+def _fold(name: str) -> str:
+    """Compare names regardless of case, ``_`` and ``-`` (jobTtl ~ job_ttl)."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _did_you_mean(name: str, candidates: typing.Iterable[str], show: str = "{}") -> str:
+    folded = {_fold(candidate): candidate for candidate in candidates}
+    match = difflib.get_close_matches(_fold(name), folded, n=1, cutoff=0.6)
+    return f"; did you mean {show.format(folded[match[0]])}?" if match else ""
+
+
+def _unknown_key(section: str, name: str) -> str:
+    elsewhere = [key for key in KEYS if key.name == name]
+    if elsewhere:
+        return f"unknown key [{section}] {name}; it belongs in [{elsewhere[0].section}]"
+    names = [key.name for key in KEYS if key.section == section]
+    if section == "job":
+        names += list(LEGACY_KEYS)
+    return f"unknown key [{section}] {name}{_did_you_mean(name, names)}"
+
+
+def _misplaced(name: str, value: Any) -> str:
+    """The message for a top-level name that is not one of our sections."""
+    if not isinstance(value, dict):
+        owners = [key.label for key in KEYS if key.name == name]
+        hint = f"; did you mean {owners[0]}?" if owners else ""
+        return f"key {name} is outside any section{hint}"
+    return f"unknown section [{name}]{_did_you_mean(name, SECTIONS, show='[{}]')}"
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+# --- documentation ---------------------------------------------------------------------------
+
+
+def describe() -> str:
+    """Every key as a markdown table, then the rules that involve several keys."""
+    lines = [
+        "| key | type | default | allowed | meaning |",
+        "|---|---|---|---|---|",
+        *(
+            f"| `{key.label}` | {_KIND_LABELS[key.kind]} | {_default_text(key)} "
+            f"| {_allowed_text(key)} | {key.doc} |"
+            for key in KEYS
+        ),
+        "",
+        "Rules across keys: " + "; ".join(rule.doc for rule in CROSS_CHECKS) + ".",
+        "",
+        "Legacy `[job]` keys are still read, with a deprecation warning: `maxCoroutines` as "
+        "`coroutines`, `batch` as `prefetch = max(batch, coroutines)`. Setting both a legacy "
+        "key and its new name is an error, as is any unknown key.",
+        f"`{ENV_BROKER_URL}`, when set and not empty, overrides `[broker] url`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+_KIND_LABELS = {int: "integer", float: "seconds", bool: "boolean", str: "string"}
+
+
+def _allowed_text(key: Key) -> str:
+    if key.kind is bool:
+        return "true, false"
+    return "; ".join(rule.text for rule in key.rules) or "any"
+
+
+def _default_text(key: Key) -> str:
+    if key.default is REQUIRED:
+        return "required"
+    if key.same_as:
+        return f"= `{key.same_as.rpartition('.')[2]}`"
+    return f"`{_show(key.default)}`"

@@ -1,0 +1,435 @@
+"""The job configuration: defaults, legacy keys, the environment, and every kind of error.
+
+Each error must be one line that names the file and the key, so that an operator can fix
+the file from the message alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from supervisor import config
+from supervisor.config import Config, ConfigError, load, resolve_handler
+
+REPO = Path(__file__).resolve().parent.parent
+MINIMAL = """
+[job]
+queue = "stats-usage"
+handler = "examples.noop:handle"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def load_text(tmp_path: Path, text: str, **kwargs) -> Config:
+    kwargs.setdefault("environ", {})
+    return load(write(tmp_path, text), **kwargs)
+
+
+def error_of(tmp_path: Path, text: str, **kwargs) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_text(tmp_path, text, **kwargs)
+    message = str(caught.value)
+    assert message.startswith(str(tmp_path / "job.toml") + ": ")
+    assert "\n" not in message
+    return message
+
+
+def with_job(extra: str, section: str = "job") -> str:
+    """MINIMAL plus ``extra`` lines in ``section``."""
+    if section == "job":
+        return MINIMAL + textwrap.dedent(extra)
+    return MINIMAL + f"[{section}]\n" + textwrap.dedent(extra)
+
+
+# --- defaults and values ---------------------------------------------------------------------
+
+
+def test_defaults(tmp_path):
+    loaded = load_text(tmp_path, MINIMAL)
+    assert loaded.path == str(tmp_path / "job.toml")
+    assert loaded.warnings == ()
+    assert loaded.broker.url == "redis://127.0.0.1:6379/0"
+    assert loaded.broker.namespace == "utopia-queue"
+    assert loaded.broker.cluster is False
+    assert loaded.broker.block_timeout == 2.0
+    assert loaded.broker.kind == "redis"
+    job = loaded.job
+    assert (job.queue, job.handler) == ("stats-usage", "examples.noop:handle")
+    assert (job.coroutines, job.prefetch, job.max_attempts, job.job_ttl) == (1, 1, 3, 0)
+    assert (job.handler_timeout, job.max_jobs_per_process, job.max_rss_mb) == (0, 0, 0)
+    assert (job.flush_every, job.retry_backoff) == (100, 0.0)
+    sup = loaded.supervisor
+    assert (sup.shutdown_deadline, sup.lease, sup.maintenance_interval) == (30, 30, 5)
+    assert (sup.recovery_age, sup.ring_slot_size, sup.ring_slots) == (90000, 256, 8192)
+    assert (sup.max_envelope_bytes, sup.log_level) == (524288, "info")
+    assert (loaded.nats.ack_wait, loaded.nats.max_deliver) == (30, 3)
+
+
+def test_derived_defaults_follow_their_source(tmp_path):
+    loaded = load_text(tmp_path, with_job("coroutines = 4\nmax_attempts = 7\n"))
+    assert loaded.job.prefetch == 4
+    assert loaded.nats.max_deliver == 7
+
+
+def test_seconds_accept_int_and_float(tmp_path):
+    loaded = load_text(
+        tmp_path, with_job("lease = 4.5\nshutdown_deadline = 10\n", section="supervisor")
+    )
+    assert loaded.supervisor.lease == 4.5
+    assert loaded.supervisor.shutdown_deadline == 10.0
+    assert isinstance(loaded.supervisor.shutdown_deadline, float)
+
+
+def test_config_is_frozen(tmp_path):
+    loaded = load_text(tmp_path, MINIMAL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        loaded.job.prefetch = 5  # type: ignore[misc]
+
+
+def test_sections_built_in_code_fill_their_derived_defaults():
+    job = config.JobConfig(queue="q", handler="m:f", coroutines=3, max_attempts=5)
+    assert job.prefetch == 3
+    assert Config(job=job).nats.max_deliver == 5
+
+
+def test_the_quick_start_config_loads():
+    loaded = load(REPO / "conf" / "stats-usage.toml", environ={})
+    assert loaded.broker.url == "redis://127.0.0.1:6379/0"
+    assert loaded.broker.namespace == "utopia-queue"
+    assert loaded.job.queue == "stats-usage"
+    assert loaded.job.handler == "examples.stats_usage:handle"
+    assert (loaded.job.coroutines, loaded.job.prefetch) == (1, 100)
+    # It writes the supervisor defaults out: they must not drift from the declarations.
+    assert loaded.supervisor == config.SupervisorConfig()
+
+
+def test_describe_lists_every_key():
+    table = config.describe()
+    for key in config.KEYS:
+        assert f"`[{key.section}] {key.name}`" in table
+    assert "maxCoroutines" in table and config.ENV_BROKER_URL in table
+
+
+# --- legacy keys -----------------------------------------------------------------------------
+
+
+def test_legacy_keys_are_mapped_with_a_warning(tmp_path):
+    text = with_job("maxCoroutines = 4\nbatch = 10\n")
+    with pytest.warns(DeprecationWarning) as caught:
+        loaded = load_text(tmp_path, text)
+    assert (loaded.job.coroutines, loaded.job.prefetch) == (4, 10)
+    assert len(loaded.warnings) == 2
+    assert [str(warning.message) for warning in caught] == list(loaded.warnings)
+    path = str(tmp_path / "job.toml")
+    assert loaded.warnings[0].startswith(f"{path}: [job] maxCoroutines is deprecated")
+    assert "coroutines = 4" in loaded.warnings[0]
+    assert loaded.warnings[1].startswith(f"{path}: [job] batch is deprecated")
+    assert "prefetch = 10" in loaded.warnings[1]
+
+
+@pytest.mark.parametrize(
+    ("lines", "prefetch"),
+    [
+        ("batch = 2\nmaxCoroutines = 8\n", 8),  # a batch below the handler count
+        ("batch = 2\ncoroutines = 8\n", 8),  # the new name counts too
+        ("batch = 20\n", 20),  # coroutines defaults to 1
+    ],
+)
+def test_batch_becomes_the_larger_of_batch_and_coroutines(tmp_path, lines, prefetch):
+    with pytest.warns(DeprecationWarning):
+        loaded = load_text(tmp_path, with_job(lines))
+    assert loaded.job.prefetch == prefetch
+
+
+@pytest.mark.parametrize(
+    ("lines", "keys"),
+    [
+        ("maxCoroutines = 2\ncoroutines = 2\n", ("maxCoroutines", "coroutines")),
+        ("batch = 10\nprefetch = 10\n", ("batch", "prefetch")),
+    ],
+)
+def test_legacy_and_new_name_together_is_an_error(tmp_path, lines, keys):
+    message = error_of(tmp_path, with_job(lines))
+    assert all(key in message for key in keys)
+
+
+def test_legacy_values_are_type_checked(tmp_path):
+    message = error_of(tmp_path, with_job("batch = true\n"))
+    assert "[job] batch = true" in message and "integer" in message
+    message = error_of(tmp_path, with_job("maxCoroutines = 0\n"))
+    assert "[job] maxCoroutines = 0" in message
+
+
+def test_a_legacy_value_out_of_range_is_named_by_its_old_key(tmp_path, recwarn):
+    message = error_of(tmp_path, with_job("maxCoroutines = 5000\n"))
+    assert "[job] maxCoroutines = 5000 must be <= 1024" in message
+    assert not recwarn.list  # no deprecation notice for a file that does not load
+
+
+# --- environment -----------------------------------------------------------------------------
+
+
+def test_environment_overrides_the_broker_url(tmp_path):
+    environ = {"QUEUE_BROKER_URL": "nats://user:secret@nats.internal:4222"}
+    loaded = load_text(tmp_path, MINIMAL, environ=environ)
+    assert loaded.broker.url == "nats://user:secret@nats.internal:4222"
+    assert loaded.broker.kind == "nats"
+    assert "secret" not in repr(loaded)
+
+
+def test_an_empty_environment_variable_is_ignored(tmp_path):
+    loaded = load_text(tmp_path, MINIMAL, environ={"QUEUE_BROKER_URL": ""})
+    assert loaded.broker.url == "redis://127.0.0.1:6379/0"
+
+
+def test_a_bad_environment_url_names_the_variable_and_hides_the_password(tmp_path):
+    environ = {"QUEUE_BROKER_URL": "http://user:secret@host:1"}
+    message = error_of(tmp_path, MINIMAL, environ=environ)
+    assert "QUEUE_BROKER_URL" in message and "[broker] url" in message
+    assert '"http"' in message and "secret" not in message
+
+
+def test_cluster_with_a_nats_url_from_the_environment_names_the_variable(tmp_path):
+    text = MINIMAL + '[broker]\ncluster = true\nnamespace = "{utopia-queue}"\n'
+    message = error_of(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
+    assert "[broker] cluster" in message and "QUEUE_BROKER_URL" in message
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (with_job("prefech = 4\n"), ["[job] prefech", "did you mean prefetch"]),
+        (with_job("jobTtl = 60\n"), ["[job] jobTtl", "did you mean job_ttl"]),
+        (with_job("lease = 30\n"), ["[job] lease", "belongs in [supervisor]"]),
+        (with_job("urll = 'redis://h'\n", "broker"), ["[broker] urll", "did you mean url"]),
+        (MINIMAL + "[jobs]\nqueue = 'x'\n", ["[jobs]", "did you mean [job]"]),
+        (MINIMAL + "[worker]\n", ["unknown section [worker]"]),
+        ("coroutines = 2\n" + MINIMAL, ["coroutines", "did you mean [job] coroutines"]),
+        (MINIMAL.replace("[job]", "[[job]]"), ["job = ", "not a section"]),
+    ],
+)
+def test_unknown_names_are_errors_with_a_suggestion(tmp_path, text, expected):
+    message = error_of(tmp_path, text)
+    for part in expected:
+        assert part in message
+
+
+@pytest.mark.parametrize(
+    ("section", "line", "expected"),
+    [
+        ("job", "coroutines = true", "[job] coroutines = true is a boolean, expected an integer"),
+        ("job", "coroutines = 2.0", "[job] coroutines = 2.0 is a float, expected an integer"),
+        ("job", 'coroutines = "4"', '[job] coroutines = "4" is a string, expected an integer'),
+        ("broker", "namespace = 5", "[broker] namespace = 5 is an integer, expected a string"),
+        ("broker", "cluster = 1", "[broker] cluster = 1 is an integer, expected true or false"),
+        ("supervisor", "lease = true", "[supervisor] lease = true is a boolean, expected a number"),
+        ("supervisor", "lease = inf", "[supervisor] lease = inf is not a finite number"),
+        ("supervisor", "log_level = [1]", "[supervisor] log_level = [1] is an array"),
+        ("nats", "ack_wait = 1979-05-27", "[nats] ack_wait = "),
+    ],
+)
+def test_wrong_types_are_errors(tmp_path, section, line, expected):
+    assert expected in error_of(tmp_path, with_job(line + "\n", section))
+
+
+@pytest.mark.parametrize(
+    ("section", "line", "expected"),
+    [
+        ("job", "coroutines = 0", "[job] coroutines = 0 must be >= 1"),
+        ("job", "max_attempts = 0", "[job] max_attempts = 0 must be >= 1"),
+        ("job", "job_ttl = -1", "[job] job_ttl = -1 must be >= 0"),
+        ("job", "flush_every = 0", "[job] flush_every = 0 must be >= 1"),
+        ("job", "handler_timeout = -0.5", "[job] handler_timeout = -0.5 must be >= 0"),
+        ("broker", 'namespace = ""', '[broker] namespace = "" must not be empty'),
+        ("broker", 'namespace = "a b"', '[broker] namespace = "a b" must not contain spaces'),
+        ("supervisor", "shutdown_deadline = 0", "[supervisor] shutdown_deadline = 0 must be > 0"),
+        ("supervisor", "lease = 2.5", "[supervisor] lease = 2.5 must be >= 3"),
+        ("supervisor", "ring_slot_size = 32", "[supervisor] ring_slot_size = 32 must be >= 64"),
+        ("supervisor", "ring_slot_size = 100", "ring_slot_size = 100 must be a multiple of 8"),
+        ("supervisor", 'log_level = "warn"', 'log_level = "warn" must be one of'),
+        ("broker", "block_timeout = 0", "[broker] block_timeout = 0 must be > 0"),
+        ("nats", "max_deliver = 0", "[nats] max_deliver = 0 must be >= 1"),
+    ],
+)
+def test_values_out_of_range_are_errors(tmp_path, section, line, expected):
+    assert expected in error_of(tmp_path, with_job(line + "\n", section))
+
+
+@pytest.mark.parametrize(("queue", "problem"), [("", "must not be empty"), ("a b", "spaces")])
+def test_bad_queue_names_are_errors(tmp_path, queue, problem):
+    message = error_of(tmp_path, MINIMAL.replace('"stats-usage"', f'"{queue}"'))
+    assert f'[job] queue = "{queue}"' in message and problem in message
+
+
+def test_log_level_suggests_the_closest_level(tmp_path):
+    message = error_of(tmp_path, with_job('log_level = "warn"\n', "supervisor"))
+    assert "did you mean warning" in message
+
+
+def test_prefetch_below_coroutines_is_an_error(tmp_path):
+    message = error_of(tmp_path, with_job("coroutines = 4\nprefetch = 1\n"))
+    expected = (
+        f"{tmp_path / 'job.toml'}: [job] prefetch = 1 is below coroutines = 4; prefetch bounds "
+        "all unacknowledged deliveries, so it must be >= coroutines"
+    )
+    assert message == expected
+
+
+def test_a_ring_too_small_for_two_envelopes_is_an_error(tmp_path):
+    text = with_job("ring_slot_size = 64\nring_slots = 1024\n", "supervisor")
+    message = error_of(tmp_path, text)
+    for part in ("ring_slot_size", "ring_slots", "max_envelope_bytes", "65536", "1048576"):
+        assert part in message
+
+
+def test_max_deliver_below_max_attempts_is_an_error(tmp_path):
+    text = with_job("max_attempts = 5\n") + "[nats]\nmax_deliver = 3\n"
+    message = error_of(tmp_path, text)
+    assert "[nats] max_deliver = 3" in message and "[job] max_attempts = 5" in message
+
+
+def test_ack_wait_must_span_two_renewals_with_nats_only(tmp_path):
+    text = with_job("lease = 60\n", "supervisor") + "[nats]\nack_wait = 30\n"
+    assert load_text(tmp_path, text).nats.ack_wait == 30  # Redis: [nats] is unused
+    message = error_of(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
+    assert "[nats] ack_wait = 30.0" in message and "[supervisor] lease = 60.0" in message
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:6379", 'scheme "http"'),
+        ("127.0.0.1:6379", "is not a URL"),
+        ("redis://", "names no host"),
+        ("redis://:6379/0", "names no host"),
+        ("redis://127.0.0.1:port/0", "is not a valid URL"),
+        ("redis://127.0.0.1:6379/cache", 'database "cache"'),
+        ("nats://", "names no host"),
+    ],
+)
+def test_bad_urls_are_errors(tmp_path, url, expected):
+    message = error_of(tmp_path, with_job(f'url = "{url}"\n', "broker"))
+    assert "[broker] url = " in message and expected in message
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://h", "rediss://u:p@h:6380/2", "nats://h:4222", "tls://token@h:4222"]
+)
+def test_good_urls_load(tmp_path, url):
+    assert load_text(tmp_path, with_job(f'url = "{url}"\n', "broker")).broker.url == url
+
+
+def test_a_url_password_never_appears_in_an_error(tmp_path):
+    message = error_of(tmp_path, with_job('url = "redis://:hunter2@h:6379/x"\n', "broker"))
+    assert "hunter2" not in message and "***" in message
+
+
+def test_cluster_with_a_nats_url_is_an_error(tmp_path):
+    text = with_job('url = "nats://h:4222"\ncluster = true\nnamespace = "{q}"\n', "broker")
+    message = error_of(tmp_path, text)
+    assert "[broker] cluster = true" in message and "[broker] url" in message
+
+
+def test_cluster_needs_a_hash_tag_in_the_namespace(tmp_path):
+    message = error_of(tmp_path, with_job("cluster = true\n", "broker"))
+    assert "[broker] cluster = true" in message and "namespace" in message
+    assert '"{utopia-queue}"' in message
+    text = with_job('cluster = true\nnamespace = "{utopia-queue}"\n', "broker")
+    assert load_text(tmp_path, text).broker.cluster is True
+
+
+@pytest.mark.parametrize("missing", ["queue", "handler"])
+def test_missing_required_keys_are_errors(tmp_path, missing):
+    text = "\n".join(line for line in MINIMAL.splitlines() if not line.startswith(missing))
+    assert f"missing required key [job] {missing}" in error_of(tmp_path, text)
+
+
+def test_an_empty_file_misses_the_job(tmp_path):
+    assert "missing required key [job] queue" in error_of(tmp_path, "")
+
+
+def test_a_toml_syntax_error_names_the_line(tmp_path):
+    message = error_of(tmp_path, MINIMAL + "coroutines 4\n")
+    assert "invalid TOML" in message and "line 5" in message
+
+
+def test_a_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.toml: cannot read the file: No such file"):
+        load(tmp_path / "nope.toml", environ={})
+
+
+def test_a_directory_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read the file"):
+        load(tmp_path, environ={})
+
+
+def test_a_file_that_is_not_utf8_is_an_error(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_bytes(b'[job]\nqueue = "\xff"\n')
+    with pytest.raises(ConfigError, match=r"job\.toml: not UTF-8"):
+        load(path, environ={})
+
+
+# --- handlers --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def handler_modules(tmp_path, monkeypatch):
+    """A package of handler modules on sys.path: good, broken and not callable."""
+    package = tmp_path / "handlers_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "good.py").write_text("def handle(message):\n    pass\nvalue = 3\n")
+    (package / "broken.py").write_text("raise RuntimeError('no database\\nconfigured')\n")
+    (package / "syntax.py").write_text("def handle(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "handlers_pkg"
+    for name in [name for name in sys.modules if name.startswith("handlers_pkg")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("spec", ["handlers_pkg.good:handle", "handlers_pkg.good.handle"])
+def test_resolve_handler_accepts_both_forms(handler_modules, spec):
+    assert resolve_handler(spec).__name__ == "handle"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("handlers_pkg.missing:handle", "cannot be imported: ModuleNotFoundError: No module"),
+        ("handlers_pkg.broken:handle", "RuntimeError: no database configured"),
+        ("handlers_pkg.syntax:handle", "cannot be imported: SyntaxError"),
+        ("handlers_pkg.good:nothing", "has no attribute nothing"),
+        ("handlers_pkg.good:value", "is a int, not a callable"),
+        ("handle", "is not of the form"),
+        ("handlers_pkg.good:", "is not of the form"),
+        ("a b:c", "is not of the form"),
+    ],
+)
+def test_bad_handlers_are_errors(handler_modules, tmp_path, spec, expected):
+    text = MINIMAL.replace("examples.noop:handle", spec)
+    message = error_of(tmp_path, text)
+    assert "[job] handler" in message and expected in message
+
+
+def test_handlers_are_not_imported_when_asked_not_to(handler_modules, tmp_path):
+    text = MINIMAL.replace("examples.noop:handle", "handlers_pkg.broken:handle")
+    assert load_text(tmp_path, text, import_handler=False).job.handler.endswith("broken:handle")
+
+
+def test_a_malformed_handler_spec_fails_even_without_import(tmp_path):
+    text = MINIMAL.replace("examples.noop:handle", "handle")
+    assert "[job] handler" in error_of(tmp_path, text, import_handler=False)
