@@ -36,6 +36,9 @@ One ``maintain()`` call does a bounded amount of work, in three steps:
    still in processing. Recovering deletes the owner key, so the dead consumer's own
    settle or renewal, if it ever comes, finds a stale owner and changes nothing.
 
+The server clock read here only chooses candidates (on a cluster it may be another node's
+clock); the scripts decide with the clock of the node that holds the keys.
+
 Script errors about wrong key types surface as ``WrongTypeError``, raised before the
 script's first write.
 """
