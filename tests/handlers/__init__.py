@@ -1,0 +1,1 @@
+"""Small handler modules and helper programs for the worker tests."""
