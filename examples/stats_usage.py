@@ -185,3 +185,16 @@ def totals(db_path: str) -> dict[tuple[str, str], int]:
     with closing(sqlite3.connect(db_path, timeout=BUSY_TIMEOUT)) as db:
         rows = db.execute("SELECT project, metric, value FROM usage").fetchall()
     return {(project, metric): value for project, metric, value in rows}
+
+
+def main() -> None:
+    """``python -m examples.stats_usage [DB]``: print the usage totals a run produced."""
+    import sys
+
+    path = sys.argv[1] if len(sys.argv) > 1 else os.environ.get(ENV_DB, DEFAULT_DB)
+    for (project, metric), value in sorted(totals(path).items()):
+        print(f"{project}\t{metric}\t{value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from supervisor.config import Config, ConfigError, load
+from supervisor.config import Config, ConfigError, load, split_handler
 
 EXIT_CONFIG = 2
 
@@ -54,7 +54,7 @@ def run(config: Config) -> int:
     from supervisor.slots import make_slots
     from worker.forkserver import ForkServer
 
-    handler_module = importlib.import_module(handler_module_name(config.job.handler))
+    handler_module = importlib.import_module(split_handler(config.job.handler)[0])
     slots = make_slots(
         config.job.coroutines, config.supervisor.ring_slots, config.supervisor.ring_slot_size
     )
@@ -85,7 +85,3 @@ def asyncio_run(coroutine) -> int:
         return asyncio.run(coroutine)
     return uvloop.run(coroutine)
 
-
-def handler_module_name(spec: str) -> str:
-    """``pkg.mod:func`` or ``pkg.mod.func`` -> ``pkg.mod``."""
-    return spec.split(":", 1)[0] if ":" in spec else spec.rpartition(".")[0]

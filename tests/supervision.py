@@ -1,0 +1,135 @@
+"""Helpers for end-to-end tests that run ``python -m supervisor`` as a real process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+
+from broker import envelope
+from broker.keys import QueueKeys
+
+ROOT = Path(__file__).resolve().parent.parent
+QUEUE = "e2e"
+NAMESPACE = "utopia-queue"
+
+
+def write_config(directory: Path, url: str, handler: str = "tests.e2e_handlers.record:handle",
+                 **sections: dict[str, Any]) -> Path:
+    """A job file for ``url``; ``sections`` override keys, e.g. job={"prefetch": 10}."""
+    values: dict[str, dict[str, Any]] = {
+        "broker": {"url": url, "namespace": NAMESPACE, "block_timeout": 1.0},
+        "job": {"queue": QUEUE, "handler": handler, "coroutines": 1, "prefetch": 10},
+        "supervisor": {"shutdown_deadline": 10, "lease": 3, "maintenance_interval": 1},
+    }
+    for name, overrides in sections.items():
+        values.setdefault(name, {}).update(overrides)
+    lines = []
+    for name, keys in values.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {toml_value(value)}" for key, value in keys.items()]
+    path = directory / "job.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value)
+
+
+class Supervisor:
+    """A running ``python -m supervisor`` with its output captured to a file."""
+
+    def __init__(self, config: Path, workdir: Path, redis_url: str, **env: str) -> None:
+        self.log_path = workdir / f"supervisor-{time.monotonic_ns()}.log"
+        environ = dict(os.environ, E2E_DIR=str(workdir), E2E_REDIS=redis_url,
+                       E2E_NAMESPACE=NAMESPACE, PYTHONPATH=str(ROOT), **env)
+        environ.pop("QUEUE_BROKER_URL", None)
+        self.log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", str(config)], cwd=ROOT, env=environ,
+            stdout=self.log_file, stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def family(self) -> list[psutil.Process]:
+        """The supervisor and every process below it (fork server, handlers)."""
+        try:
+            parent = psutil.Process(self.pid)
+            return [parent, *parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.log_file.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Make sure nothing of it survives the test."""
+        for process in self.family():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        if self.process.poll() is None:
+            self.process.wait(10)
+        self.log_file.close()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def publish(client: redis.Redis, payloads: list[dict[str, Any]]) -> list[str]:
+    """LPUSH PHP-compatible envelopes (first payload is consumed first)."""
+    built = [envelope.build(QUEUE, payload) for payload in payloads]
+    for start in range(0, len(built), 1000):
+        client.lpush(keys().ready, *(raw for _, raw in built[start : start + 1000]))
+    return [pid for pid, _ in built]
+
+
+def keys() -> QueueKeys:
+    return QueueKeys(NAMESPACE, QUEUE)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().split("\n")[:-1] if path.exists() else []
+
+
+def counter(client: redis.Redis, name: str) -> int:
+    return int(client.get(keys().stat(name)) or 0)
+
+
+def outstanding(client: redis.Redis) -> int:
+    """Deliveries this queue's consumers hold: processing entries plus reserved payloads."""
+    k = keys()
+    reserved = sum(client.llen(key) for key in client.zrange(k.reservations, 0, -1))
+    return client.llen(k.processing) + reserved

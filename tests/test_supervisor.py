@@ -1,0 +1,238 @@
+"""End-to-end tests of ``python -m supervisor`` with a real redis-server and real processes."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from pathlib import Path
+
+import orjson
+import psutil
+import pytest
+import redis
+
+from tests.supervision import (
+    Supervisor,
+    counter,
+    keys,
+    lines,
+    outstanding,
+    publish,
+    wait_for,
+    write_config,
+)
+
+
+@pytest.fixture
+def client(redis_url: str):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def start(tmp_path: Path, redis_url: str):
+    """Start supervisors for this test; every one of them is gone afterwards."""
+    started: list[Supervisor] = []
+
+    def starter(config: Path, **env: str) -> Supervisor:
+        supervisor = Supervisor(config, tmp_path, redis_url, **env)
+        started.append(supervisor)
+        return supervisor
+
+    yield starter
+    for supervisor in started:
+        supervisor.stop()
+
+
+def handled(tmp_path: Path) -> list[str]:
+    return lines(tmp_path / "handled")
+
+
+def test_prefetch_bounds_outstanding_deliveries_and_all_are_handled_once(
+    tmp_path, redis_url, client, start
+):
+    pids = publish(client, [{"n": n, "sleep": 0.001} for n in range(1500)])
+    config = write_config(tmp_path, redis_url, job={"coroutines": 1, "prefetch": 100})
+    supervisor = start(config)
+    samples = []
+    while len(handled(tmp_path)) < len(pids):
+        samples.append(outstanding(client))
+        assert supervisor.process.poll() is None, supervisor.output()
+        time.sleep(0.005)
+    assert max(samples) <= 100
+    assert max(samples) > 1  # it really did prefetch
+    assert sorted(handled(tmp_path)) == sorted(pids)
+    wait_for(lambda: counter(client, "success") == len(pids), 10, "all commits")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+    assert counter(client, "processing") == 0 and outstanding(client) == 0
+
+
+def test_sparse_queue_message_is_handled_promptly(tmp_path, redis_url, client, start):
+    config = write_config(tmp_path, redis_url, job={"prefetch": 100},
+                          broker={"block_timeout": 2.0})
+    supervisor = start(config)
+    wait_for(lambda: "consuming" in supervisor.output(), 15, "the supervisor to start")
+    time.sleep(0.5)  # it is now blocked on the empty queue
+    began = time.monotonic()
+    [pid] = publish(client, [{"n": 1}])
+    wait_for(lambda: handled(tmp_path) == [pid], 5, "the one message")
+    # Within the blocking timeout (2 s), not after a batch of 100 filled.
+    assert time.monotonic() - began < 2.0
+
+
+def test_graceful_stop_releases_unstarted_and_finishes_the_running_one(
+    tmp_path, redis_url, client, start
+):
+    payloads = [{"n": 0, "sleep": 2.0}] + [{"n": n} for n in range(1, 50)]
+    pids = publish(client, payloads)
+    config = write_config(tmp_path, redis_url, job={"prefetch": 50},
+                          supervisor={"shutdown_deadline": 30})
+    supervisor = start(config)
+    wait_for(lambda: lines(tmp_path / "started"), 15, "the first handler to start")
+    wait_for(lambda: outstanding(client) == 50, 5, "all 50 prefetched")
+    began = time.monotonic()
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
+    assert time.monotonic() - began < 10  # well before the 30 s deadline
+    assert handled(tmp_path) == [pids[0]]
+    ready = [orjson.loads(raw) for raw in client.lrange(keys().ready, 0, -1)]
+    assert sorted(e["pid"] for e in ready) == sorted(pids[1:])
+    assert all(e.get("attempts", 0) == 0 for e in ready)
+    # Released to the consumer end in order: the next consumer takes pids[1] first.
+    assert orjson.loads(client.lindex(keys().ready, -1))["pid"] == pids[1]
+    assert counter(client, "success") == 1
+    assert outstanding(client) == 0 and counter(client, "processing") == 0
+
+
+def test_bounded_stop_kills_a_hung_handler_and_its_delivery_is_recovered(
+    tmp_path, redis_url, client, start
+):
+    [pid] = publish(client, [{"hang": True}])
+    deadline = 3
+    config = write_config(tmp_path, redis_url, supervisor={"shutdown_deadline": deadline})
+    supervisor = start(config)
+    wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
+    family = supervisor.family()
+    assert len(family) >= 3  # supervisor, fork server, handler
+    began = time.monotonic()
+    supervisor.signal(signal.SIGTERM)
+    supervisor.wait(deadline + 10)
+    assert time.monotonic() - began < deadline + 3
+    _, alive = psutil.wait_procs(family, timeout=3)
+    assert not alive, f"processes survived the stop: {alive}"
+    assert outstanding(client) == 1  # still owned: nobody released or committed it
+    # A second supervisor recovers and handles it.
+    second = start(write_config(tmp_path, redis_url))
+    wait_for(lambda: handled(tmp_path) == [pid], 20, "recovery by a second supervisor")
+    second.signal(signal.SIGTERM)
+    assert second.wait(15) == 0
+
+
+def test_killed_handler_is_replaced_and_its_message_ends_in_failed(
+    tmp_path, redis_url, client, start
+):
+    [crasher] = publish(client, [{"crash": True}])
+    config = write_config(tmp_path, redis_url, job={"max_attempts": 3})
+    supervisor = start(config)
+    wait_for(lambda: client.lrange(keys().failed, 0, -1) == [crasher.encode()], 30,
+             "the crashing message to reach failed")
+    starts = [line.split() for line in lines(tmp_path / "started")]
+    assert [attempts for pid, attempts, _ in starts] == ["0", "1", "2"]
+    assert len({process for _, _, process in starts}) == 3  # a new process each time
+    record = orjson.loads(client.get(keys().job(crasher)))
+    assert record["attempts"] == 3
+    # The replacement handles ordinary work.
+    [ok] = publish(client, [{"n": 1}])
+    wait_for(lambda: handled(tmp_path) == [ok], 10, "work after the crashes")
+    assert "worker lost" in supervisor.output()
+
+
+def test_failing_handler_is_rejected_by_policy_and_malformed_never_reaches_it(
+    tmp_path, redis_url, client, start
+):
+    [failing] = publish(client, [{"fail": True}])
+    client.lpush(keys().ready, b"{not json", b'["array"]')
+    [ok] = publish(client, [{"n": 2}])
+    config = write_config(tmp_path, redis_url, job={"max_attempts": 2})
+    start(config)
+    wait_for(lambda: client.lrange(keys().failed, 0, -1) == [failing.encode()], 20,
+             "the failing message to reach failed")
+    wait_for(lambda: handled(tmp_path) == [ok], 10, "the good message")
+    assert sorted(client.lrange(keys().poison, 0, -1)) == sorted([b"{not json", b'["array"]'])
+    started = [line.split()[0] for line in lines(tmp_path / "started")]
+    assert collections.Counter(started) == {failing: 2, ok: 1}
+    assert counter(client, "failed") == 3  # one rejected for good + two malformed
+
+
+def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"n": n, "sleep": 0.002} for n in range(400)])
+    config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.record:handle",
+                          job={"prefetch": 50, "coroutines": 2})
+    first = start(config)
+    wait_for(lambda: len(handled(tmp_path)) > 100, 30, "some progress")
+    for process in first.family():
+        process.kill()
+    first.wait(10)
+    assert outstanding(client) > 0  # it died holding work
+    second = start(config)
+    wait_for(lambda: set(handled(tmp_path)) == set(pids), 60, "every pid handled")
+    wait_for(lambda: outstanding(client) == 0 and client.llen(keys().ready) == 0, 20,
+             "nothing left behind")
+    second.signal(signal.SIGTERM)
+    assert second.wait(15) == 0
+
+
+def test_on_success_runs_only_after_the_commit_is_confirmed(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"n": n} for n in range(200)])
+    start(write_config(tmp_path, redis_url, job={"prefetch": 20}))
+    wait_for(lambda: len(lines(tmp_path / "succeeded")) == len(pids), 30, "on_success calls")
+    states = collections.Counter(line.split()[1] for line in lines(tmp_path / "succeeded"))
+    assert states == {"confirmed": len(pids)}
+
+
+def test_a_failing_flush_leaves_its_messages_uncommitted(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"n": n} for n in range(5)])
+    config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.flushing:handle",
+                          job={"max_attempts": 2})
+    start(config, E2E_FLUSH_FAIL="1")
+    wait_for(lambda: client.llen(keys().failed) == len(pids), 30, "all to fail")
+    assert counter(client, "success") == 0
+    assert not lines(tmp_path / "succeeded")
+    assert not lines(tmp_path / "flushed")
+
+
+def test_flush_barrier_commits_after_flush(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"n": n} for n in range(300)])
+    config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.flushing:handle",
+                          job={"prefetch": 100, "flush_every": 50})
+    start(config)
+    wait_for(lambda: len(lines(tmp_path / "succeeded")) == len(pids), 30, "on_success calls")
+    assert sorted(lines(tmp_path / "flushed")) == sorted(pids)
+    assert counter(client, "success") == len(pids)
+
+
+@pytest.mark.parametrize(
+    ("job", "extra", "expected"),
+    [
+        ({"prefetch": 1, "coroutines": 4}, "", "prefetch"),
+        ({"prefetchh": 5}, "", "prefetchh"),
+        ({"handler": "tests.e2e_handlers.nonexistent:handle"}, "", "handler"),
+        ({"maxCoroutines": 2, "coroutines": 2}, "", "maxCoroutines"),
+        ({}, "bad-url", "url"),
+    ],
+)
+def test_bad_configuration_exits_2_and_consumes_nothing(
+    tmp_path, redis_url, client, start, job, extra, expected
+):
+    publish(client, [{"n": 1}])
+    url = "http://127.0.0.1:1" if extra == "bad-url" else redis_url
+    config = write_config(tmp_path, url, job=job)
+    supervisor = start(config)
+    assert supervisor.wait(30) == 2
+    output = supervisor.output()
+    assert expected in output and str(config) in output
+    assert len(output.strip().splitlines()) == 1, output
+    assert client.llen(keys().ready) == 1 and outstanding(client) == 0
