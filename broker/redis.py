@@ -1,0 +1,394 @@
+"""The Redis broker: reserve, claim, settle and extend, one Lua script call per batch.
+
+Python prepares arguments and interprets results; the scripts in ``lua/`` make every state
+change atomically (the per-message state contract is in ``broker.keys``). A message moves
+ready -> reservation (``reserve``) -> processing with an owner token (``claim``) -> done,
+ready again, failed or poison (``settle``). Every settlement and renewal is conditional on
+the owner token, so a consumer whose work was recovered can no longer change anything.
+
+Connection errors are never retried blindly: a lost claim reply is resolved by running the
+(idempotent) claim again and checking ownership; a lost settle reply is reported as
+``Outcome.UNCERTAIN``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from broker import envelope
+from broker.base import (
+    MAX_BATCH,
+    Action,
+    BrokerError,
+    Delivery,
+    MaintenanceReport,
+    Outcome,
+    Poisoned,
+    Received,
+    Result,
+    Settlement,
+)
+from broker.keys import QueueKeys
+from broker.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+#: Errors after which a command may or may not have been applied.
+CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+#: Added to a blocking reservation's deadline so the claim after the move has time to run.
+BLOCK_MARGIN = 5.0
+#: Socket timeout of the (non-blocking) command connection, in seconds.
+COMMAND_TIMEOUT = 10.0
+CONNECT_TIMEOUT = 5.0
+
+_RESULTS = {
+    b"ok": Result(Outcome.OK),
+    b"stale": Result(Outcome.STALE),
+    b"missing": Result(Outcome.MISSING),
+}
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Payloads moved from the ready list into the reservation list ``key``, not yet claimed."""
+
+    key: str
+    token: str
+    payloads: list[bytes]
+
+
+@dataclass(slots=True)
+class _ClaimPlan:
+    """The arguments of one claim call, kept so a lost reply can be resolved later."""
+
+    reservation: Reservation
+    keys: list[str]
+    args: list[Any]
+    items: list[Delivery | Poisoned]  # one per payload, in reservation order
+
+
+def default_consumer_id() -> str:
+    """``<hostname>-<pid>-<6 random hex>``, without ':' (the owner token's separator)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}".replace(":", "")
+
+
+def redact(url: str) -> str:
+    """The URL without its password, fit for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+
+
+def has_hash_tag(namespace: str) -> bool:
+    """True if every key of the namespace hashes by a non-empty ``{...}`` tag in it."""
+    start = namespace.find("{")
+    return start >= 0 and namespace.find("}", start + 1) > start + 1
+
+
+class RedisBroker:
+    """One queue on Redis (or Redis Cluster), as ``broker.base.Broker``."""
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        *,
+        namespace: str = "utopia-queue",
+        cluster: bool = False,
+        consumer_id: str | None = None,
+        lease: float = 30.0,
+        max_attempts: int = 3,
+        job_ttl: int = 0,
+        recovery_age: int = 90000,
+        max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
+    ) -> None:
+        self.url = url
+        self.queue = queue
+        self.namespace = namespace
+        self.cluster = cluster
+        self.consumer_id = (consumer_id or default_consumer_id()).replace(":", "")
+        self.lease = lease
+        self.max_attempts = max_attempts
+        self.job_ttl = int(job_ttl)
+        self.recovery_age = recovery_age
+        self.max_envelope_bytes = max_envelope_bytes
+        self.keys = QueueKeys(namespace, queue)
+        self.client = self._new_client(COMMAND_TIMEOUT)
+        # Blocking reads get their own connection: they must never hold up settle or extend.
+        self._blocking = self._new_client(None)
+        self.scripts = Scripts(self.client)
+        self._lease_ms = max(1, int(lease * 1000))
+        self._token_prefix = f"{self.consumer_id}:{secrets.token_hex(4)}-"
+        self._nonces = itertools.count(1)
+        self._unresolved: list[_ClaimPlan] = []
+        self._job_prefix = self.keys.job("")
+        self._owner_prefix = self.keys.owner("")
+        self._heartbeat = self.keys.consumer(self.consumer_id)
+
+    def _new_client(self, socket_timeout: float | None) -> Any:
+        options: dict[str, Any] = {
+            "decode_responses": False,
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": CONNECT_TIMEOUT,
+        }
+        if self.cluster:
+            # The cluster client keeps its retries: they follow failovers. A retried claim
+            # is resolved by the ownership check; a retried settle can only turn OK into STALE.
+            return RedisCluster.from_url(self.url, **options)
+        # No automatic retries: a command whose reply was lost must not run a second time.
+        return aioredis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **options)
+
+    # -- connection ---------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self.cluster and not has_hash_tag(self.namespace):
+            raise BrokerError(
+                f"namespace {self.namespace!r} has no hash tag: on Redis Cluster the keys of a "
+                f"queue would spread over slots; use e.g. namespace = '{{{self.namespace}}}'"
+            )
+        try:
+            await self.client.ping()
+        except (redis.exceptions.RedisError, OSError) as error:
+            raise BrokerError(f"cannot reach Redis at {redact(self.url)}: {error}") from error
+
+    async def close(self) -> None:
+        await self._blocking.aclose()
+        await self.client.aclose()
+
+    # -- receiving ----------------------------------------------------------------------
+
+    async def receive(self, max_messages: int, block_timeout: float) -> Received:
+        if self._unresolved and len(self._unresolved[0].items) <= max_messages:
+            received = await self._resolve_lost_claim()
+            if received.deliveries or received.poisoned:
+                return received
+        reservation = await self.reserve(max_messages, block_timeout)
+        if not reservation.payloads:
+            return Received()
+        return await self.claim(reservation)
+
+    async def reserve(self, n: int, block_timeout: float) -> Reservation:
+        """Move up to ``n`` (1..1000) ready payloads into a fresh registered reservation.
+
+        Returns at once with whatever is available; only when nothing is, waits up to
+        ``block_timeout`` seconds for one payload.
+        """
+        n = min(max(int(n), 1), MAX_BATCH)
+        token = self._new_token()
+        key = self.keys.reservation(token)
+        keys = [self.keys.ready, self.keys.reservations, key]
+        async with _broker_errors("reserve"):
+            payloads = await self.scripts.call("reserve", keys, [n, self._lease_ms])
+            if not payloads and block_timeout > 0:
+                payloads = await self._reserve_blocking(key, block_timeout)
+        return Reservation(key, token, payloads)
+
+    async def _reserve_blocking(self, key: str, timeout: float) -> list[bytes]:
+        # Registered before the move: if we die right after it, maintenance finds the payload.
+        deadline_ms = int((timeout + BLOCK_MARGIN) * 1000)
+        keys = [self.keys.reservations, key]
+        await self.scripts.call("register_reservation", keys, [deadline_ms])
+        move = self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
+        payload = await asyncio.wait_for(move, timeout + BLOCK_MARGIN / 2)
+        if payload is None:
+            # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
+            # maintenance drops the empty registration after its deadline.
+            await self.client.zrem(self.keys.reservations, key)
+            return []
+        return [payload]
+
+    async def claim(self, reservation: Reservation) -> Received:
+        """Make the reserved payloads this consumer's deliveries (poison what is malformed)."""
+        plan = self._plan_claim(reservation)
+        try:
+            reply = await self.scripts.call("claim", plan.keys, plan.args)
+        except CONNECTION_ERRORS as error:
+            # Applied or not, we cannot tell: the next receive runs the claim again.
+            self._unresolved.append(plan)
+            raise BrokerError(f"claim of {reservation.key} lost its reply: {error}") from error
+        return await self._claimed(plan, reply)
+
+    def _plan_claim(self, reservation: Reservation) -> _ClaimPlan:
+        keys = [
+            self.keys.reservations, reservation.key, self.keys.ready, self.keys.processing,
+            self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
+            self.keys.stat("failed"), self._heartbeat,
+        ]
+        args: list[Any] = [self._lease_ms, self.consumer_id, len(reservation.payloads)]
+        items: list[Delivery | Poisoned] = []
+        for raw in reservation.payloads:
+            try:
+                decoded = envelope.decode(raw, self.max_envelope_bytes)
+            except envelope.MalformedEnvelope as error:
+                args += ("p", "", "")
+                items.append(Poisoned(raw, str(error)))
+                continue
+            pid = decoded["pid"]
+            token = self._new_token()
+            keys += (self._job_prefix + pid, self._owner_prefix + pid)
+            args += ("g", token, pid)
+            items.append(Delivery(
+                pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
+                decoded["payload"], raw, token, decoded,
+            ))
+        return _ClaimPlan(reservation, keys, args, items)
+
+    async def _claimed(self, plan: _ClaimPlan, reply: Any) -> Received:
+        if reply == b"expired":
+            return await self._owned_after_expiry(plan)
+        if reply == b"mismatch":
+            log.error(
+                "reservation %s no longer holds the %d payloads reserved; left for maintenance",
+                plan.reservation.key, len(plan.items),
+            )
+            return Received()
+        received = Received()
+        for item, outcome in zip(plan.items, reply, strict=True):
+            if outcome == b"deferred":
+                continue  # its pid is being processed already: back in the ready list
+            if isinstance(item, Delivery):
+                received.deliveries.append(item)
+            else:
+                received.poisoned.append(item)
+        return received
+
+    async def _owned_after_expiry(self, plan: _ClaimPlan) -> Received:
+        """'expired' also answers a claim that already ran (its reply was lost): keep ours."""
+        candidates = [item for item in plan.items if isinstance(item, Delivery)]
+        owned = await self.extend(candidates) if candidates else []
+        deliveries = [delivery for delivery, mine in zip(candidates, owned, strict=True) if mine]
+        if deliveries:
+            poisoned = [item for item in plan.items if isinstance(item, Poisoned)]
+            return Received(deliveries, poisoned)
+        log.warning(
+            "reservation %s expired before it was claimed; maintenance returns its %d payloads",
+            plan.reservation.key, len(plan.items),
+        )
+        return Received()
+
+    async def _resolve_lost_claim(self) -> Received:
+        plan = self._unresolved[0]
+        async with _broker_errors("claim (resolving a lost reply)"):
+            reply = await self.scripts.call("claim", plan.keys, plan.args)
+            self._unresolved.pop(0)
+            return await self._claimed(plan, reply)
+
+    def _new_token(self) -> str:
+        return f"{self._token_prefix}{next(self._nonces):x}"
+
+    # -- settling -----------------------------------------------------------------------
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[Result]:
+        results: list[Result] = []
+        for start in range(0, len(settlements), MAX_BATCH):
+            results += await self._settle_batch(settlements[start:start + MAX_BATCH])
+        return results
+
+    async def _settle_batch(self, batch: Sequence[Settlement]) -> list[Result]:
+        keys = [
+            self.keys.ready, self.keys.processing, self.keys.failed,
+            self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
+        ]
+        args: list[Any] = [self.job_ttl]
+        for settlement in batch:
+            delivery = settlement.delivery
+            keys += (self._job_prefix + delivery.pid, self._owner_prefix + delivery.pid)
+            op, new_envelope = self._settle_op(settlement)
+            args += (op, delivery.receipt, delivery.pid, new_envelope)
+        try:
+            reply = await self.scripts.call("settle", keys, args)
+        except CONNECTION_ERRORS as error:
+            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {error!r}")
+            return [uncertain] * len(batch)
+        return [_RESULTS[outcome] for outcome in reply]
+
+    def _settle_op(self, settlement: Settlement) -> tuple[str, bytes | str]:
+        """The script's op for one settlement and, for a reject, the envelope to store."""
+        if settlement.action is Action.COMMIT:
+            return "c", ""
+        if settlement.action is Action.RELEASE:
+            return "l", ""
+        delivery = settlement.delivery
+        attempts = delivery.attempts + 1
+        decoded = delivery.envelope or envelope.decode(delivery.raw, len(delivery.raw))
+        op = "f" if attempts >= self.max_attempts else "r"
+        return op, envelope.with_attempts(decoded, attempts)
+
+    async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
+        return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])
+
+    async def reject(
+        self, deliveries: Sequence[Delivery], errors: Sequence[str | None] | None = None
+    ) -> list[Result]:
+        errors = errors if errors is not None else [None] * len(deliveries)
+        return await self.settle(
+            [Settlement(Action.REJECT, d, e) for d, e in zip(deliveries, errors, strict=True)]
+        )
+
+    async def release(self, deliveries: Sequence[Delivery]) -> list[Result]:
+        return await self.settle([Settlement(Action.RELEASE, d) for d in deliveries])
+
+    # -- renewal, maintenance, publishing -----------------------------------------------
+
+    async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Renew the heartbeat; per delivery, True while this consumer still owns it."""
+        owned: list[bool] = []
+        async with _broker_errors("extend"):
+            for start in range(0, max(len(deliveries), 1), MAX_BATCH):
+                owned += await self._extend_batch(deliveries[start:start + MAX_BATCH])
+        return owned
+
+    async def _extend_batch(self, batch: Sequence[Delivery]) -> list[bool]:
+        keys = [self._heartbeat]
+        keys += [self._owner_prefix + delivery.pid for delivery in batch]
+        args: list[Any] = [self._lease_ms, self.consumer_id]
+        args += [delivery.receipt for delivery in batch]
+        reply = await self.scripts.call("extend", keys, args)
+        return [flag == 1 for flag in reply]
+
+    async def maintain(self) -> MaintenanceReport:
+        from broker import recovery
+
+        return await recovery.maintain(
+            self.client, self.scripts, self.keys, consumer_id=self.consumer_id,
+            lease_ms=self._lease_ms, recovery_age=self.recovery_age,
+        )
+
+    async def publish(self, queue: str, payload: dict[str, Any]) -> str:
+        from broker import publish
+
+        return await publish.publish(self.client, self.namespace, queue, payload)
+
+    async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
+        from broker import publish
+
+        return await publish.publish_many(self.client, self.namespace, queue, payloads)
+
+
+@contextlib.asynccontextmanager
+async def _broker_errors(operation: str) -> AsyncIterator[None]:
+    """Connection errors become a BrokerError naming the operation (WrongTypeError passes)."""
+    try:
+        yield
+    except CONNECTION_ERRORS as error:
+        raise BrokerError(f"{operation} failed: {error!r}") from error

@@ -1,0 +1,623 @@
+"""The Redis broker against a real redis-server: reserve, claim, settle, extend.
+
+Messages are published with a raw LPUSH of envelope bytes, the way PHP producers do it.
+Every test checks the keys and counters the contract names, not just return values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+import pytest
+import redis.exceptions
+
+from broker import envelope
+from broker.base import Action, BrokerError, Delivery, Outcome, Settlement, WrongTypeError
+from broker.redis import RedisBroker, has_hash_tag, redact
+
+QUEUE = "stats-usage"
+NS = "utopia-queue"
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+async def new_broker(url: str, **options: Any) -> RedisBroker:
+    broker = RedisBroker(url, QUEUE, consumer_id=options.pop("consumer_id", "tester"), **options)
+    await broker.connect()
+    return broker
+
+
+@pytest.fixture
+async def broker(redis_url: str):
+    broker = await new_broker(redis_url)
+    yield broker
+    await broker.close()
+
+
+async def publish(client, *raws: bytes, queue: str = QUEUE) -> None:
+    for raw in raws:
+        await client.lpush(f"{NS}.queue.{queue}", raw)
+
+
+async def publish_new(client, count: int, **fields: Any) -> list[str]:
+    """``count`` fresh envelopes (oldest first); returns their pids in publish order."""
+    pids = []
+    for index in range(count):
+        pid, raw = envelope.build(QUEUE, {"index": index})
+        if fields:
+            raw = envelope.encode({**orjson.loads(raw), **fields})
+        await publish(client, raw)
+        pids.append(pid)
+    return pids
+
+
+async def snapshot(client) -> dict[bytes, tuple[bytes, Any]]:
+    """Every key of the namespace with its type and value."""
+    state: dict[bytes, tuple[bytes, Any]] = {}
+    async for key in client.scan_iter(match=f"{NS}.*"):
+        kind = await client.type(key)
+        if kind == b"string":
+            value: Any = await client.get(key)
+        elif kind == b"list":
+            value = await client.lrange(key, 0, -1)
+        elif kind == b"zset":
+            value = await client.zrange(key, 0, -1, withscores=True)
+        elif kind == b"hash":
+            value = await client.hgetall(key)
+        else:
+            value = None
+        state[key] = (kind, value)
+    return state
+
+
+async def counters(client) -> dict[str, int]:
+    names = ("total", "processing", "success", "failed")
+    values = await client.mget([f"{NS}.stats.{QUEUE}.{name}" for name in names])
+    return {name: int(value or 0) for name, value in zip(names, values, strict=True)}
+
+
+async def lengths(client) -> dict[str, int]:
+    kinds = ("queue", "processing", "failed", "poison")
+    return {kind: await client.llen(f"{NS}.{kind}.{QUEUE}") for kind in kinds}
+
+
+def count_script_calls(broker: RedisBroker) -> list[tuple[str, int]]:
+    """Record (script, messages in the call) for every script call the broker makes."""
+    calls: list[tuple[str, int]] = []
+    original = broker.scripts.call
+
+    async def counting(name: str, keys, args=()):
+        size = {
+            "reserve": lambda: int(args[0]),
+            "claim": lambda: int(args[2]),
+            "settle": lambda: (len(keys) - 6) // 2,
+            "extend": lambda: len(keys) - 1,
+        }.get(name, lambda: 0)()
+        calls.append((name, size))
+        return await original(name, keys, args)
+
+    broker.scripts.call = counting  # type: ignore[method-assign]
+    return calls
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def owner_key(pid: str) -> str:
+    return f"{NS}.owners.{QUEUE}.{pid}"
+
+
+def job_key(pid: str) -> str:
+    return f"{NS}.jobs.{QUEUE}.{pid}"
+
+
+# -- envelopes ----------------------------------------------------------------------------
+
+PHP_ENVELOPES = [
+    # As PHP json_encode writes them: escaped slashes, [] for an empty payload.
+    b'{"pid":"65f1c2a3b4c5d6.12345678","queue":"stats-usage","timestamp":1710000000,'
+    b'"payload":{"url":"https:\\/\\/cloud.example.com\\/v1","value":3}}',
+    b'{"pid":"65f1c2a3b4c5d7.22345678","queue":"stats-usage","timestamp":1710000001,'
+    b'"payload":[]}',
+    b'{"pid":"65f1c2a3b4c5d8.32345678","queue":"stats-usage","timestamp":1710000002,'
+    b'"payload":{"a":[1,2]},"attempts":2}',
+    b'{"pid":"65f1c2a3b4c5d9.42345678","queue":"stats-usage","timestamp":1710000003,'
+    b'"payload":{},"attempts":0,"priority":false,"trace":{"id":"x"}}',
+]
+
+MALFORMED = [
+    b"{not json",
+    b'[{"pid":"a","queue":"q","timestamp":1,"payload":{}}]',
+    b'"just a string"',
+    b'{"queue":"stats-usage","timestamp":1,"payload":{}}',
+    b'{"pid":"p1","timestamp":1,"payload":{}}',
+    b'{"pid":"p2","queue":"stats-usage","payload":{}}',
+    b'{"pid":7,"queue":"stats-usage","timestamp":1,"payload":{}}',
+    b'{"pid":"p3","queue":["x"],"timestamp":1,"payload":{}}',
+    b'{"pid":"p4","queue":"stats-usage","timestamp":"1710000000","payload":{}}',
+    b"",
+    b"\x00\xff\xfe\x80binary\x9c",
+    b'{"pid":"p5","queue":"stats-usage","timestamp":1,"payload":{"blob":"'
+    + b"x" * (1024 * 1024) + b'"}}',
+]
+
+
+async def test_php_envelopes_are_accepted(broker, redis_client):
+    await publish(redis_client, *PHP_ENVELOPES)
+    received = await broker.receive(10, 0)
+    assert received.poisoned == []
+    assert [d.raw for d in received.deliveries] == PHP_ENVELOPES
+    first, empty, retried, extra = received.deliveries
+    assert first.payload == {"url": "https://cloud.example.com/v1", "value": 3}
+    assert first.attempts == 0 and first.timestamp == 1710000000 and first.queue == QUEUE
+    assert empty.payload == {}
+    assert retried.attempts == 2
+    assert extra.envelope["trace"] == {"id": "x"}
+    for delivery in received.deliveries:
+        assert await redis_client.get(job_key(delivery.pid)) == delivery.raw
+        assert await redis_client.get(owner_key(delivery.pid)) == delivery.receipt.encode()
+        assert await redis_client.ttl(job_key(delivery.pid)) == -1
+    assert await counters(redis_client) == {
+        "total": 4, "processing": 4, "success": 0, "failed": 0,
+    }
+
+
+async def test_malformed_envelopes_go_to_poison(broker, redis_client):
+    good = await publish_new(redis_client, 1)
+    await publish(redis_client, *MALFORMED)
+    received = await broker.receive(100, 0)
+    assert [d.pid for d in received.deliveries] == good
+    assert [p.raw for p in received.poisoned] == MALFORMED
+    assert all(p.reason for p in received.poisoned)
+    assert "exceeds" in received.poisoned[-1].reason
+    poison = await redis_client.lrange(f"{NS}.poison.{QUEUE}", 0, -1)
+    assert sorted(poison) == sorted(MALFORMED)
+    assert await counters(redis_client) == {
+        "total": 1 + len(MALFORMED), "processing": 1, "success": 0, "failed": len(MALFORMED),
+    }
+    assert await lengths(redis_client) == {
+        "queue": 0, "processing": 1, "failed": 0, "poison": len(MALFORMED),
+    }
+    assert await redis_client.zcard(f"{NS}.reservations.{QUEUE}") == 0
+    # Nothing malformed comes back later either.
+    assert (await broker.receive(100, 0)).deliveries == []
+
+
+# -- reserving: sparse and blocking ---------------------------------------------------
+
+
+async def test_sparse_queue_returns_at_once(broker, redis_client):
+    [pid] = await publish_new(redis_client, 1)
+    started = time.monotonic()
+    received = await broker.receive(100, block_timeout=5)
+    elapsed = time.monotonic() - started
+    assert [d.pid for d in received.deliveries] == [pid]
+    assert elapsed < 2.5  # it did not wait for the batch to fill
+
+
+async def test_blocking_receive_gets_a_message_published_later(broker, redis_client):
+    registry = f"{NS}.reservations.{QUEUE}"
+    task = asyncio.create_task(broker.receive(10, 3))
+
+    async def registered() -> bool:
+        return await redis_client.zcard(registry) == 1
+
+    await wait_until(registered)  # registered before it blocks
+    [pid] = await publish_new(redis_client, 1)
+    received = await task
+    assert [d.pid for d in received.deliveries] == [pid]
+    assert await redis_client.zcard(registry) == 0
+    assert await counters(redis_client) == {
+        "total": 1, "processing": 1, "success": 0, "failed": 0,
+    }
+
+
+async def test_blocking_receive_times_out_cleanly(broker, redis_client):
+    received = await broker.receive(10, 0.2)
+    assert received.deliveries == [] and received.poisoned == []
+    assert await snapshot(redis_client) == {}
+
+
+async def test_blocking_read_does_not_hold_up_settlement(broker, redis_client):
+    await publish_new(redis_client, 1)
+    [delivery] = (await broker.receive(10, 0)).deliveries
+    task = asyncio.create_task(broker.receive(10, 3))
+    await wait_until(lambda: _zcard(redis_client, f"{NS}.reservations.{QUEUE}", 1))
+    assert [r.outcome for r in await broker.commit([delivery])] == [Outcome.OK]
+    assert await broker.extend([]) == []
+    assert not task.done()
+    await publish_new(redis_client, 1)
+    assert len((await task).deliveries) == 1
+
+
+async def _zcard(client, key: str, expected: int) -> bool:
+    return await client.zcard(key) == expected
+
+
+async def test_reserve_clamps_the_batch_size(broker, redis_client):
+    await publish_new(redis_client, 3)
+    calls = count_script_calls(broker)
+    reservation = await broker.reserve(0, 0)
+    assert len(reservation.payloads) == 1
+    reservation = await broker.reserve(5000, 0)
+    assert len(reservation.payloads) == 2
+    assert [size for _, size in calls] == [1, 1000]
+
+
+# -- claiming -------------------------------------------------------------------------
+
+
+async def test_expired_reservation_is_not_claimed(broker, redis_client, caplog):
+    await publish_new(redis_client, 2)
+    reservation = await broker.reserve(10, 0)
+    await redis_client.zadd(f"{NS}.reservations.{QUEUE}", {reservation.key: 1})
+    before = await snapshot(redis_client)
+    with caplog.at_level(logging.WARNING, logger="broker.redis"):
+        received = await broker.claim(reservation)
+    assert received.deliveries == [] and received.poisoned == []
+    assert "expired" in caplog.text
+    after = await snapshot(redis_client)
+    heartbeat = f"{NS}.consumers.{QUEUE}.tester".encode()
+    after.pop(heartbeat, None)  # the ownership check renews the heartbeat
+    assert after == before
+
+
+async def test_reservation_changed_under_us_is_left_for_maintenance(broker, redis_client):
+    await publish_new(redis_client, 2)
+    reservation = await broker.reserve(10, 0)
+    await redis_client.lpop(reservation.key)
+    before = await snapshot(redis_client)
+    received = await broker.claim(reservation)
+    assert received.deliveries == []
+    assert await snapshot(redis_client) == before
+
+
+async def test_duplicate_pid_in_one_batch_is_deferred(broker, redis_client):
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await publish(redis_client, raw, raw)
+    received = await broker.receive(10, 0)
+    assert [d.pid for d in received.deliveries] == [pid]
+    assert await redis_client.lrange(f"{NS}.queue.{QUEUE}", 0, -1) == [raw]
+    assert await redis_client.lrange(f"{NS}.processing.{QUEUE}", 0, -1) == [pid.encode()]
+    assert await redis_client.get(owner_key(pid)) == received.deliveries[0].receipt.encode()
+    assert await counters(redis_client) == {
+        "total": 1, "processing": 1, "success": 0, "failed": 0,
+    }
+
+
+async def test_already_owned_pid_is_deferred(broker, redis_client):
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await publish(redis_client, raw)
+    [first] = (await broker.receive(10, 0)).deliveries
+    await publish(redis_client, raw)
+    assert (await broker.receive(10, 0)).deliveries == []
+    assert await redis_client.get(owner_key(pid)) == first.receipt.encode()
+    assert await redis_client.lrange(f"{NS}.queue.{QUEUE}", 0, -1) == [raw]
+    assert await redis_client.llen(f"{NS}.processing.{QUEUE}") == 1
+    # Once the first delivery is settled, the duplicate is delivered (at least once).
+    await broker.commit([first])
+    [second] = (await broker.receive(10, 0)).deliveries
+    assert second.pid == pid and second.receipt != first.receipt
+
+
+async def test_lost_claim_reply_is_resolved_without_losing_work(broker, redis_client):
+    pids = await publish_new(redis_client, 3)
+    original = broker.scripts.call
+
+    async def reply_lost(name, keys, args=()):
+        result = await original(name, keys, args)
+        if name == "claim":
+            raise redis.exceptions.ConnectionError("connection reset after the claim ran")
+        return result
+
+    broker.scripts.call = reply_lost  # type: ignore[method-assign]
+    with pytest.raises(BrokerError):
+        await broker.receive(10, 0)
+    broker.scripts.call = original  # type: ignore[method-assign]
+    received = await broker.receive(10, 0)
+    assert sorted(d.pid for d in received.deliveries) == sorted(pids)
+    assert await broker.extend(received.deliveries) == [True] * 3
+    assert await counters(redis_client) == {
+        "total": 3, "processing": 3, "success": 0, "failed": 0,
+    }
+
+
+# -- settling -------------------------------------------------------------------------
+
+
+async def test_stale_owner_changes_nothing(broker, redis_client):
+    await publish_new(redis_client, 1)
+    [delivery] = (await broker.receive(10, 0)).deliveries
+    # Another consumer recovered the delivery and owns it now.
+    await redis_client.set(owner_key(delivery.pid), b"other-host-1-abcdef:1")
+    before = await snapshot(redis_client)
+    for settle in (broker.commit, broker.reject, broker.release):
+        assert [r.outcome for r in await settle([delivery])] == [Outcome.STALE]
+        assert await snapshot(redis_client) == before
+    assert await broker.extend([delivery]) == [False]
+    assert await snapshot(redis_client) == before
+    # Owner key gone altogether (recovered and settled): still stale.
+    await redis_client.delete(owner_key(delivery.pid))
+    assert [r.outcome for r in await broker.commit([delivery])] == [Outcome.STALE]
+
+
+async def test_each_item_of_a_grouped_settle_gets_its_own_result(redis_url, redis_client):
+    broker = await new_broker(redis_url, max_attempts=3)
+    try:
+        await publish_new(redis_client, 5)
+        await publish_new(redis_client, 1, attempts=2)  # its next reject is the last
+        deliveries = (await broker.receive(10, 0)).deliveries
+        commit, retry, release, stale, missing, last = deliveries
+        await redis_client.set(owner_key(stale.pid), b"someone-else:9")
+        await redis_client.delete(job_key(missing.pid))
+        results = await broker.settle([
+            Settlement(Action.COMMIT, commit),
+            Settlement(Action.REJECT, retry, "boom"),
+            Settlement(Action.RELEASE, release),
+            Settlement(Action.COMMIT, stale),
+            Settlement(Action.RELEASE, missing),
+            Settlement(Action.REJECT, last, "boom"),
+            Settlement(Action.COMMIT, commit),  # the same delivery again: no longer ours
+        ])
+        assert [r.outcome for r in results] == [
+            Outcome.OK, Outcome.OK, Outcome.OK, Outcome.STALE, Outcome.MISSING, Outcome.OK,
+            Outcome.STALE,
+        ]
+        assert await counters(redis_client) == {
+            "total": 6, "processing": 2, "success": 1, "failed": 1,
+        }
+        processing = await redis_client.lrange(f"{NS}.processing.{QUEUE}", 0, -1)
+        assert sorted(processing) == sorted([stale.pid.encode(), missing.pid.encode()])
+        # The missing release kept its ownership; the stale one is someone else's.
+        assert await redis_client.get(owner_key(missing.pid)) == missing.receipt.encode()
+        assert await redis_client.get(owner_key(stale.pid)) == b"someone-else:9"
+        ready = await redis_client.lrange(f"{NS}.queue.{QUEUE}", 0, -1)
+        assert ready[-1] == release.raw  # consumer end
+        requeued = orjson.loads(ready[0])
+        assert requeued["pid"] == retry.pid and requeued["attempts"] == 1
+        assert await redis_client.lrange(f"{NS}.failed.{QUEUE}", 0, -1) == [last.pid.encode()]
+        assert orjson.loads(await redis_client.get(job_key(last.pid)))["attempts"] == 3
+        for gone in (commit, retry, release):
+            assert await redis_client.exists(job_key(gone.pid), owner_key(gone.pid)) == 0
+    finally:
+        await broker.close()
+
+
+@pytest.mark.parametrize("job_ttl", [0, 3600])
+async def test_retry_policy_until_failed(redis_url, redis_client, job_ttl):
+    broker = await new_broker(redis_url, max_attempts=3, job_ttl=job_ttl)
+    try:
+        [pid] = await publish_new(redis_client, 1)
+        for expected_attempts in (0, 1, 2):
+            [delivery] = (await broker.receive(10, 0)).deliveries
+            assert delivery.pid == pid and delivery.attempts == expected_attempts
+            assert await redis_client.ttl(job_key(pid)) == -1  # no TTL while processing
+            assert [r.outcome for r in await broker.reject([delivery], ["boom"])] == [Outcome.OK]
+        assert await lengths(redis_client) == {
+            "queue": 0, "processing": 0, "failed": 1, "poison": 0,
+        }
+        assert await redis_client.lrange(f"{NS}.failed.{QUEUE}", 0, -1) == [pid.encode()]
+        record = await redis_client.get(job_key(pid))
+        assert orjson.loads(record)["attempts"] == 3
+        ttl = await redis_client.ttl(job_key(pid))
+        assert ttl == -1 if job_ttl == 0 else 0 < ttl <= job_ttl
+        assert await redis_client.exists(owner_key(pid)) == 0
+        assert await counters(redis_client) == {
+            "total": 3, "processing": 0, "success": 0, "failed": 1,
+        }
+    finally:
+        await broker.close()
+
+
+async def test_release_returns_the_raw_envelope_to_the_consumer_end(broker, redis_client):
+    pids = await publish_new(redis_client, 3, attempts=1)
+    [first] = (await broker.receive(1, 0)).deliveries
+    assert first.pid == pids[0]
+    assert [r.outcome for r in await broker.release([first])] == [Outcome.OK]
+    reservation = await broker.reserve(1, 0)
+    assert reservation.payloads == [first.raw]  # first again, byte for byte
+    [again] = (await broker.claim(reservation)).deliveries
+    assert again.attempts == 1
+    assert await counters(redis_client) == {
+        "total": 2, "processing": 1, "success": 0, "failed": 0,
+    }
+
+
+async def test_release_of_several_keeps_their_order(broker, redis_client):
+    pids = await publish_new(redis_client, 4)
+    deliveries = (await broker.receive(3, 0)).deliveries
+    await broker.release(deliveries)
+    received = await broker.receive(10, 0)
+    assert [d.pid for d in received.deliveries] == pids
+
+
+async def test_settle_of_nothing(broker):
+    assert await broker.settle([]) == []
+
+
+# -- script-cache loss ----------------------------------------------------------------
+
+
+async def test_script_cache_loss_loses_nothing(broker, redis_client):
+    await publish_new(redis_client, 4)
+    reservation = await broker.reserve(10, 0)
+    await redis_client.script_flush()
+    received = await broker.claim(reservation)
+    assert len(received.deliveries) == 4
+    await redis_client.script_flush()
+    results = await broker.commit(received.deliveries[:2])
+    assert [r.outcome for r in results] == [Outcome.OK, Outcome.OK]
+    await redis_client.script_flush()
+    assert await broker.extend(received.deliveries) == [False, False, True, True]
+    await redis_client.script_flush()
+    assert (await broker.receive(10, 0)).deliveries == []
+    assert await counters(redis_client) == {
+        "total": 4, "processing": 2, "success": 2, "failed": 0,
+    }
+    assert await lengths(redis_client) == {
+        "queue": 0, "processing": 2, "failed": 0, "poison": 0,
+    }
+
+
+# -- wrong types ----------------------------------------------------------------------
+
+
+async def test_ready_list_as_hash_is_refused(broker, redis_client):
+    await redis_client.hset(f"{NS}.queue.{QUEUE}", "field", "value")
+    before = await snapshot(redis_client)
+    with pytest.raises(WrongTypeError, match=r"queue\.stats-usage is hash"):
+        await broker.receive(10, 0)
+    with pytest.raises(WrongTypeError):
+        await broker.receive(10, 0.1)
+    assert await snapshot(redis_client) == before
+
+
+async def test_processing_as_string_is_refused_by_claim_and_settle(broker, redis_client):
+    await publish_new(redis_client, 3)
+    [delivery] = (await broker.receive(1, 0)).deliveries
+    reservation = await broker.reserve(10, 0)
+    await redis_client.delete(f"{NS}.processing.{QUEUE}")
+    await redis_client.set(f"{NS}.processing.{QUEUE}", "oops")
+    before = await snapshot(redis_client)
+    with pytest.raises(WrongTypeError, match=r"processing\.stats-usage is string, expected list"):
+        await broker.claim(reservation)
+    with pytest.raises(WrongTypeError):
+        await broker.commit([delivery])
+    assert await snapshot(redis_client) == before
+
+
+@pytest.mark.parametrize("counter", ["total", "processing", "failed"])
+async def test_non_integer_counter_is_refused_by_claim(broker, redis_client, counter):
+    await publish_new(redis_client, 2)
+    await publish(redis_client, b"garbage")
+    reservation = await broker.reserve(10, 0)
+    await redis_client.set(f"{NS}.stats.{QUEUE}.{counter}", "abc")
+    before = await snapshot(redis_client)
+    with pytest.raises(WrongTypeError, match='is "abc", expected an integer'):
+        await broker.claim(reservation)
+    assert await snapshot(redis_client) == before
+
+
+@pytest.mark.parametrize("counter", ["processing", "success", "failed"])
+async def test_non_integer_counter_is_refused_by_settle(broker, redis_client, counter):
+    await publish_new(redis_client, 2)
+    deliveries = (await broker.receive(10, 0)).deliveries
+    await redis_client.set(f"{NS}.stats.{QUEUE}.{counter}", "abc")
+    before = await snapshot(redis_client)
+    with pytest.raises(WrongTypeError):
+        await broker.settle([
+            Settlement(Action.COMMIT, deliveries[0]), Settlement(Action.REJECT, deliveries[1]),
+        ])
+    assert await snapshot(redis_client) == before
+
+
+async def test_wrong_typed_job_record_refuses_the_whole_release(broker, redis_client):
+    await publish_new(redis_client, 2)
+    first, second = (await broker.receive(10, 0)).deliveries
+    await redis_client.delete(job_key(second.pid))
+    await redis_client.rpush(job_key(second.pid), "not a record")
+    before = await snapshot(redis_client)
+    with pytest.raises(WrongTypeError, match="is list, expected string"):
+        await broker.settle([
+            Settlement(Action.COMMIT, first), Settlement(Action.RELEASE, second),
+        ])
+    assert await snapshot(redis_client) == before
+
+
+# -- bounded batches --------------------------------------------------------------------
+
+
+async def test_five_thousand_messages_in_bounded_calls(broker, redis_client):
+    ready = f"{NS}.queue.{QUEUE}"
+    published = []
+    for start in range(0, 5000, 500):
+        batch = [envelope.build(QUEUE, {"n": n}) for n in range(start, start + 500)]
+        await redis_client.lpush(ready, *(raw for _, raw in batch))
+        published += [pid for pid, _ in batch]
+    calls = count_script_calls(broker)
+    deliveries: list[Delivery] = []
+    for max_messages in (5000, 1000, 700, 5000, 5000, 5000, 5000):
+        deliveries += (await broker.receive(max_messages, 0)).deliveries
+    assert sorted(d.pid for d in deliveries) == sorted(published)
+    assert len({d.receipt for d in deliveries}) == 5000
+    assert await broker.extend(deliveries) == [True] * 5000
+    results = await broker.commit(deliveries)
+    assert [r.outcome for r in results] == [Outcome.OK] * 5000
+    assert all(0 < size <= 1000 for name, size in calls if name != "register_reservation")
+    assert sum(size for name, size in calls if name == "claim") == 5000
+    assert [size for name, size in calls if name == "settle"] == [1000] * 5
+    assert [size for name, size in calls if name == "extend"] == [1000] * 5
+    assert await counters(redis_client) == {
+        "total": 5000, "processing": 0, "success": 5000, "failed": 0,
+    }
+    assert await lengths(redis_client) == {
+        "queue": 0, "processing": 0, "failed": 0, "poison": 0,
+    }
+
+
+async def test_extend_with_nothing_outstanding_keeps_the_heartbeat(broker, redis_client):
+    heartbeat = f"{NS}.consumers.{QUEUE}.tester"
+    assert await broker.extend([]) == []
+    assert await redis_client.get(heartbeat) == b"tester"
+    assert 0 < await redis_client.pttl(heartbeat) <= 30_000
+
+
+# -- connections ------------------------------------------------------------------------
+
+
+async def test_connection_lost_during_settle_is_uncertain(own_redis_server):
+    broker = await new_broker(own_redis_server.url)
+    try:
+        await publish_new(broker.client, 3)
+        deliveries = (await broker.receive(10, 0)).deliveries
+        own_redis_server.stop()
+        results = await broker.settle([
+            Settlement(Action.COMMIT, deliveries[0]),
+            Settlement(Action.REJECT, deliveries[1], "boom"),
+            Settlement(Action.RELEASE, deliveries[2]),
+        ])
+        assert [r.outcome for r in results] == [Outcome.UNCERTAIN] * 3
+        assert all(r.detail for r in results)
+        with pytest.raises(BrokerError):
+            await broker.extend(deliveries)
+        with pytest.raises(BrokerError):
+            await broker.receive(10, 0)
+    finally:
+        await broker.close()
+
+
+async def test_connect_failure_names_the_url_without_its_password(own_redis_server):
+    port = own_redis_server.port
+    own_redis_server.stop()
+    broker = RedisBroker(f"redis://user:secret@127.0.0.1:{port}/0", QUEUE)
+    with pytest.raises(BrokerError, match=f"127.0.0.1:{port}") as raised:
+        await broker.connect()
+    assert "secret" not in str(raised.value)
+    await broker.close()
+
+
+async def test_cluster_namespace_without_hash_tag_is_refused():
+    broker = RedisBroker("redis://127.0.0.1:1/0", QUEUE, cluster=True)
+    with pytest.raises(BrokerError, match="hash tag"):
+        await broker.connect()
+
+
+def test_helpers():
+    assert has_hash_tag("{utopia-queue}") and has_hash_tag("app-{q}")
+    assert not has_hash_tag("utopia-queue") and not has_hash_tag("{}x") and not has_hash_tag("}{")
+    assert redact("redis://u:pw@host:1/0") == "redis://u:***@host:1/0"
+    assert redact("redis://host:1/0") == "redis://host:1/0"
+    broker = RedisBroker("redis://127.0.0.1:1/0", QUEUE)
+    assert ":" not in broker.consumer_id
+    tokens = {broker._new_token() for _ in range(100)}
+    assert len(tokens) == 100
+    assert all(token.rpartition(":")[0] == broker.consumer_id for token in tokens)
