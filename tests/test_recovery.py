@@ -410,3 +410,99 @@ async def test_maintain_survives_the_loss_of_the_script_cache(redis_client, redi
     report = await run(redis_client, scripts)
     assert (report.dead_consumers, report.expired_reservations) == (1, 1)
     assert await redis_client.llen(KEYS.processing) == 0
+
+
+# --- end to end through RedisBroker ---------------------------------------------------
+
+
+@pytest.fixture
+async def brokers(redis_url):
+    """Two consumers of one queue, ``a`` and ``b``, each with a 1 s lease."""
+    from broker.redis import RedisBroker
+
+    pair = [
+        RedisBroker(redis_url, KEYS.queue, namespace=KEYS.namespace, consumer_id=name,
+                    lease=1.0)
+        for name in ("a", "b")
+    ]
+    for broker in pair:
+        await broker.connect()
+    yield pair
+    for broker in pair:
+        await broker.close()
+
+
+async def wait_until_expired(client, reservation: str) -> None:
+    deadline = await client.zscore(KEYS.reservations, reservation)
+    assert deadline is not None
+    while await server_ms(client) <= deadline:
+        await asyncio.sleep(0.05)
+
+
+async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, redis_client):
+    a, b = brokers
+    pids = await a.publish_many(KEYS.queue, [{"i": i} for i in range(5)])
+    reservation = await a.reserve(3, 0)  # ... and a dies before claiming
+    assert len(reservation.payloads) == 3
+
+    assert (await b.maintain()).expired_reservations == 0
+    await wait_until_expired(redis_client, reservation.key)
+    assert (await b.maintain()).expired_reservations == 3
+    late = await a.claim(reservation)  # a late claim finds the reservation gone
+    assert late.deliveries == [] and late.poisoned == []
+
+    received = await b.receive(10, 0)
+    assert [d.pid for d in received.deliveries] == pids
+    assert await redis_client.zcard(KEYS.reservations) == 0
+
+
+async def test_e2e_death_after_the_blocking_move(brokers, redis_client, monkeypatch):
+    import broker.redis
+
+    monkeypatch.setattr(broker.redis, "BLOCK_MARGIN", 0.5)
+    a, b = brokers
+    blocked = asyncio.create_task(a.reserve(10, 1.0))
+    while not await redis_client.zcard(KEYS.reservations):  # registered before the move
+        await asyncio.sleep(0.01)
+    [pid] = await b.publish_many(KEYS.queue, [{"late": True}])
+    reservation = await blocked  # moved, and a dies before claiming
+    assert len(reservation.payloads) == 1
+
+    await wait_until_expired(redis_client, reservation.key)
+    assert (await b.maintain()).expired_reservations == 1
+    [delivery] = (await b.receive(10, 0)).deliveries
+    assert (delivery.pid, delivery.payload) == (pid, {"late": True})
+
+
+async def test_e2e_a_dead_consumers_deliveries_go_to_the_living(brokers, redis_client):
+    a, b = brokers
+    pids = await a.publish_many(KEYS.queue, [{"i": i} for i in range(4)])
+    taken = (await a.receive(10, 0)).deliveries
+    assert [d.pid for d in taken] == pids
+    assert (await b.maintain()).total == 0  # a is alive
+
+    await redis_client.delete(KEYS.consumer("a"))  # a's lease ran out
+    report = await b.maintain()
+    assert report.dead_consumers == 4
+    assert await redis_client.get(KEYS.stat("processing")) == b"0"
+
+    # a comes back: it owns nothing any more and cannot settle what it had.
+    assert await a.extend(taken) == [False] * 4
+    assert [r.outcome for r in await a.commit(taken)] == ["stale"] * 4
+
+    again = (await b.receive(10, 0)).deliveries
+    assert sorted(d.pid for d in again) == sorted(pids)
+    assert all(d.attempts == 0 for d in again)
+    assert [r.ok for r in await b.commit(again)] == [True] * 4
+    assert await redis_client.llen(KEYS.processing) == 0
+    assert await redis_client.get(KEYS.stat("processing")) == b"0"
+
+
+async def test_e2e_deliveries_settled_by_their_owner_are_not_recovered(brokers, redis_client):
+    a, b = brokers
+    await a.publish_many(KEYS.queue, [{"i": i} for i in range(3)])
+    taken = (await a.receive(10, 0)).deliveries
+    assert [r.ok for r in await a.commit(taken)] == [True] * 3
+    await redis_client.delete(KEYS.consumer("a"))
+    assert (await b.maintain()).total == 0
+    assert await redis_client.llen(KEYS.ready) == 0
