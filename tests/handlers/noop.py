@@ -1,0 +1,5 @@
+"""Does nothing: every message succeeds."""
+
+
+def handle(message) -> None:
+    pass

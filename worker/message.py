@@ -1,0 +1,32 @@
+"""The object a handler function receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import envelope
+
+
+@dataclass(slots=True)
+class Message:
+    """One job as the handler sees it. ``receipt`` identifies the delivery; it is opaque
+    to handlers and only meaningful to the supervisor that handed the job out."""
+
+    pid: str
+    queue: str
+    timestamp: int
+    attempts: int
+    payload: dict[str, Any]
+    receipt: int = field(repr=False)
+
+    @classmethod
+    def from_raw(cls, raw: bytes, receipt: int) -> Message:
+        """Decode a raw envelope (the supervisor validated it already; raises
+        MalformedEnvelope if it is not valid after all)."""
+        # The supervisor applied its size limit; do not apply another one here.
+        fields = envelope.decode(raw, max_bytes=max(len(raw), 1))
+        return cls(
+            fields["pid"], fields["queue"], fields["timestamp"], fields["attempts"],
+            fields["payload"], receipt,
+        )

@@ -1,0 +1,100 @@
+"""The records exchanged on the rings between the supervisor and a handler process.
+
+Every record starts with a 9-byte header: kind (u8) and delivery id (u64, 0 when the kind
+has none), followed by a kind-specific body.
+
+parent -> child: DELIVER (raw envelope), CONFIRM (1 byte: committed), EXIT.
+child -> parent: READY (1 byte: wants CONFIRM, i.e. the module has ``on_success``),
+STARTED, DONE, FAILED (UTF-8 error text), SKIPPED, INIT_FAILED (UTF-8 error text).
+"""
+
+from __future__ import annotations
+
+import struct
+
+DELIVER = 1
+CONFIRM = 2
+EXIT = 3
+READY = 10
+STARTED = 11
+DONE = 12
+FAILED = 13
+SKIPPED = 14
+INIT_FAILED = 15
+
+KIND_NAMES = {
+    DELIVER: "DELIVER", CONFIRM: "CONFIRM", EXIT: "EXIT", READY: "READY",
+    STARTED: "STARTED", DONE: "DONE", FAILED: "FAILED", SKIPPED: "SKIPPED",
+    INIT_FAILED: "INIT_FAILED",
+}
+
+#: Error texts are cut to this many UTF-8 bytes (a traceback must not fill the ring).
+MAX_ERROR_BYTES = 4096
+
+_HEAD = struct.Struct("<BQ")
+_TEXT_KINDS = (FAILED, INIT_FAILED)
+
+Decoded = tuple[int, int, bytes | str | bool | None]
+
+
+def encode_deliver(delivery_id: int, raw: bytes) -> bytes:
+    return _HEAD.pack(DELIVER, delivery_id) + raw
+
+
+def encode_confirm(delivery_id: int, committed: bool) -> bytes:
+    return _HEAD.pack(CONFIRM, delivery_id) + (b"\x01" if committed else b"\x00")
+
+
+def encode_exit() -> bytes:
+    return _HEAD.pack(EXIT, 0)
+
+
+def encode_ready(wants_confirm: bool = True) -> bytes:
+    return _HEAD.pack(READY, 0) + (b"\x01" if wants_confirm else b"\x00")
+
+
+def encode_started(delivery_id: int) -> bytes:
+    return _HEAD.pack(STARTED, delivery_id)
+
+
+def encode_done(delivery_id: int) -> bytes:
+    return _HEAD.pack(DONE, delivery_id)
+
+
+def encode_failed(delivery_id: int, error: str) -> bytes:
+    return _HEAD.pack(FAILED, delivery_id) + _error_bytes(error)
+
+
+def encode_skipped(delivery_id: int) -> bytes:
+    return _HEAD.pack(SKIPPED, delivery_id)
+
+
+def encode_init_failed(error: str) -> bytes:
+    return _HEAD.pack(INIT_FAILED, 0) + _error_bytes(error)
+
+
+def decode(record: bytes) -> Decoded:
+    """``(kind, delivery_id, data)``; ``data`` depends on the kind.
+
+    DELIVER: the raw envelope (bytes); CONFIRM: committed (bool); READY: wants CONFIRM
+    (bool); FAILED and INIT_FAILED: the error text (str); every other kind: None.
+    Raises ValueError for a record no encoder here produces.
+    """
+    kind, delivery_id = _HEAD.unpack_from(record)
+    if kind == DELIVER:
+        return kind, delivery_id, record[_HEAD.size :]
+    if kind in _TEXT_KINDS:
+        return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
+    if kind in (CONFIRM, READY):
+        return kind, delivery_id, record[_HEAD.size :] == b"\x01"
+    if kind not in KIND_NAMES:
+        raise ValueError(f"unknown record kind {kind}")
+    return kind, delivery_id, None
+
+
+def _error_bytes(error: str) -> bytes:
+    data = error.encode("utf-8", "replace")
+    if len(data) > MAX_ERROR_BYTES:
+        # Cut on a character boundary so the text still decodes cleanly.
+        data = data[:MAX_ERROR_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return data
