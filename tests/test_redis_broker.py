@@ -621,3 +621,29 @@ def test_helpers():
     tokens = {broker._new_token() for _ in range(100)}
     assert len(tokens) == 100
     assert all(token.rpartition(":")[0] == broker.consumer_id for token in tokens)
+
+
+async def test_cancelled_blocking_receive_loses_nothing(broker, redis_client):
+    registry = f"{NS}.reservations.{QUEUE}"
+    task = asyncio.create_task(broker.receive(10, 5))
+    await wait_until(lambda: _zcard(redis_client, registry, 1))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [pid] = await publish_new(redis_client, 1)
+    # The message is either still ready or in the registered reservation (for maintenance).
+    ready = await redis_client.llen(f"{NS}.queue.{QUEUE}")
+    [(reservation, _)] = await redis_client.zrange(registry, 0, -1, withscores=True)
+    assert ready + await redis_client.llen(reservation) == 1
+    if ready:
+        assert [d.pid for d in (await broker.receive(10, 1)).deliveries] == [pid]
+
+
+async def test_publish_and_maintain_are_delegated(broker, redis_client):
+    first = await broker.publish(QUEUE, {"a": "b/c"})
+    rest = await broker.publish_many(QUEUE, [{"n": 1}, {"n": 2}])
+    received = await broker.receive(10, 0)
+    assert [d.pid for d in received.deliveries] == [first, *rest]
+    assert received.deliveries[0].payload == {"a": "b/c"}
+    report = await broker.maintain()
+    assert report.total == 0 and not report.skipped
