@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 #: Errors after which a command may or may not have been applied.
 CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
+#: What a failed connect raises (the cluster client has its own exception family).
+_UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+
 #: Added to a blocking reservation's deadline so the claim after the move has time to run.
 BLOCK_MARGIN = 5.0
 #: Socket timeout of the (non-blocking) command connection, in seconds.
@@ -207,7 +210,7 @@ class RedisBroker:
             )
         try:
             await self.client.ping()
-        except (redis.exceptions.RedisError, OSError) as error:
+        except _UNREACHABLE as error:
             raise BrokerError(f"cannot reach Redis at {redact(self.url)}: {error}") from error
 
     async def close(self) -> None:
