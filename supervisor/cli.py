@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from supervisor import logs
 from supervisor.config import Config, ConfigError, load, split_handler
 
 EXIT_CONFIG = 2
@@ -41,11 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def setup_logging(config: Config) -> None:
-    logging.basicConfig(
-        level=config.supervisor.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup(config.supervisor.log_level)
 
 
 def run(config: Config) -> int:
