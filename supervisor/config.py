@@ -225,6 +225,12 @@ class SupervisorConfig:
         MAX_ENVELOPE_BYTES, "larger envelopes are malformed and go to poison", at_least(1024)
     )
     log_level: str = setting("info", "least severe level logged", one_of(LOG_LEVELS))
+    metrics_port: int = setting(
+        0, "port of the Prometheus /metrics endpoint; 0 = off", at_least(0), at_most(65535)
+    )
+    metrics_host: str = setting(
+        "127.0.0.1", "address the metrics endpoint binds to", NOT_EMPTY, NO_SPACES
+    )
 
 
 @dataclass(frozen=True, slots=True)
