@@ -44,3 +44,21 @@ def nats_server():
     server = NatsServer().start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_servers():
+    """One private three-master Redis Cluster per xdist worker; see ``redis_cluster``."""
+    from tests.cluster import PrivateCluster
+
+    cluster = PrivateCluster().start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_servers):
+    """The private cluster, emptied (data and script caches) for this test."""
+    redis_cluster_servers.wait_ok()
+    redis_cluster_servers.flush()
+    return redis_cluster_servers
