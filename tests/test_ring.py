@@ -169,6 +169,7 @@ def test_ring_behaves_like_a_bounded_queue(steps: list[tuple[str, int]]) -> None
 # -- two processes -----------------------------------------------------------------
 
 COUNT = 100_000
+LOST_WAKEUP = 20.0  # seconds: a wait this long means a wake-up was missed
 
 
 def record_for(index: int) -> bytes:
@@ -183,7 +184,7 @@ def echo_child(requests: Ring, replies: Ring) -> int:
     while expected < COUNT:
         records = requests.get_many(64)
         if not records:
-            if not requests.wait(1.0) and os.getppid() == 1:
+            if not requests.wait(LOST_WAKEUP) and os.getppid() == 1:
                 return 3
             continue
         for record in records:
@@ -220,7 +221,11 @@ def test_two_processes_pass_records_both_ways_with_wakeups() -> None:
                 assert record == record_for(received)
                 received += 1
             if not placed and not replies_now:
-                replies.wait(1.0)  # sleeps only if the child has not answered meanwhile
+                # Sleeps only if the child has not answered meanwhile; the child always
+                # has work here, so sleeping through the whole timeout is a lost wake-up.
+                began = time.monotonic()
+                if not replies.wait(LOST_WAKEUP):
+                    assert time.monotonic() - began < LOST_WAKEUP, "lost wake-up"
         _, status = os.waitpid(pid, 0)
         pid = 0
         assert os.waitstatus_to_exitcode(status) == 0

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from broker import envelope
@@ -291,3 +292,18 @@ def test_a_full_outcome_ring_delays_outcomes_but_loses_none(start) -> None:
     for delivery_id, _ in sent:
         expected += [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
     assert child.outcomes(400) == expected
+
+
+def test_process_title_shows_queue_slot_and_busy_or_idle(start, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    child = start("tests.handlers.gated:handle")
+    child.outcomes(1)
+
+    def title() -> str:
+        return " ".join(psutil.Process(child.pid).cmdline()).strip()
+
+    wait_until(lambda: title() == "queue-supervisor: tests handler 0 idle")
+    child.deliver({"gate": str(gate)})
+    wait_until(lambda: title() == "queue-supervisor: tests handler 0 busy")
+    gate.touch()
+    wait_until(lambda: title() == "queue-supervisor: tests handler 0 idle")
