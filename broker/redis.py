@@ -411,10 +411,17 @@ class RedisBroker:
     async def maintain(self) -> MaintenanceReport:
         from broker import recovery
 
-        return await recovery.maintain(
-            self.client, self.scripts, self.keys, consumer_id=self.consumer_id,
-            lease_ms=self._lease_ms, recovery_age=self.recovery_age,
-        )
+        async with _broker_errors("maintain"):
+            return await recovery.maintain(
+                self.client, self.scripts, self.keys, consumer_id=self.consumer_id,
+                lease_ms=self._lease_ms, recovery_age=self.recovery_age,
+            )
+
+    async def abandon(self) -> None:
+        """Delete this consumer's heartbeat: the next maintenance pass (any supervisor's)
+        recovers what it still owns instead of waiting for the lease to run out."""
+        async with _broker_errors("abandon"):
+            await self.client.delete(self._heartbeat)
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         from broker import publish

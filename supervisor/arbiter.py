@@ -57,6 +57,7 @@ class Arbiter:
         self.exit_code = EXIT_OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
+        self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
         self.stop_requested = asyncio.Event()
         self.room = asyncio.Event()
         self.settle_wanted = asyncio.Event()
@@ -74,6 +75,7 @@ class Arbiter:
         loop.add_reader(self.forkserver.events_fd, self.handle_forkserver_events)
         for slot in self.slots:
             loop.add_reader(slot.to_parent.wake_fd, self.handle_outcomes, slot)
+            self.arm(slot)
             self.forkserver.spawn(slot.index)
         try:
             await self.broker.connect()
@@ -174,6 +176,11 @@ class Arbiter:
             self.settle_wanted.set()
         self.progress.set()
         self.dispatch()
+
+    def arm(self, slot: Slot) -> None:
+        """Declare ourselves asleep on the slot's outcome ring, so its writer wakes us."""
+        if not slot.to_parent.prepare_sleep():
+            asyncio.get_running_loop().call_soon(self.handle_outcomes, slot)
 
     def handle_outcome(self, slot: Slot, record: bytes) -> None:
         kind, delivery_id, data = protocol.decode(record)
@@ -325,7 +332,8 @@ class Arbiter:
         running = list(slot.running.values())
         queued = list(slot.queued)
         slot.clear()
-        if self.killing:
+        self.arm(slot)
+        if self.abandoning:
             pass  # stopped at the deadline: what was running stays owned and is recovered later
         elif running:
             # The newest started delivery was in the handler: it takes the blame (an attempt).
@@ -373,7 +381,8 @@ class Arbiter:
         for slot in self.slots:
             slot.to_child.set_flag(1)  # start nothing more: report SKIPPED instead
         self.release_waiting()
-        await self.wait_until(self.nothing_in_handlers, deadline - TERM_GRACE)
+        grace = min(TERM_GRACE, self.config.supervisor.shutdown_deadline / 5)
+        await self.wait_until(self.nothing_in_handlers, deadline - grace)
         if not self.nothing_in_handlers():
             self.signal_busy(signal.SIGTERM)
             await self.wait_until(self.nothing_in_handlers, deadline)
@@ -405,6 +414,7 @@ class Arbiter:
         return not any(e.state in (State.COMPLETED, State.SETTLING) for e in self.buffer)
 
     def signal_busy(self, sig: int) -> None:
+        self.abandoning = True
         for slot in self.slots:
             if slot.load:
                 self.kill(slot, sig)

@@ -128,8 +128,17 @@ def counter(client: redis.Redis, name: str) -> int:
     return int(client.get(keys().stat(name)) or 0)
 
 
+# Read in one script so a claim (reservation -> processing) cannot be counted twice.
+_OUTSTANDING = """
+local total = redis.call('LLEN', KEYS[1])
+for _, reservation in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    total = total + redis.call('LLEN', reservation)
+end
+return total
+"""
+
+
 def outstanding(client: redis.Redis) -> int:
     """Deliveries this queue's consumers hold: processing entries plus reserved payloads."""
     k = keys()
-    reserved = sum(client.llen(key) for key in client.zrange(k.reservations, 0, -1))
-    return client.llen(k.processing) + reserved
+    return client.eval(_OUTSTANDING, 2, k.processing, k.reservations)

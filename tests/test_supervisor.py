@@ -110,10 +110,10 @@ def test_graceful_stop_releases_unstarted_and_finishes_the_running_one(
 def test_bounded_stop_kills_a_hung_handler_and_its_delivery_is_recovered(
     tmp_path, redis_url, client, start
 ):
-    [pid] = publish(client, [{"hang": True}])
+    [pid] = publish(client, [{"n": 1}])
     deadline = 3
     config = write_config(tmp_path, redis_url, supervisor={"shutdown_deadline": deadline})
-    supervisor = start(config)
+    supervisor = start(config, E2E_HANG_ALWAYS="1")
     wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
     family = supervisor.family()
     assert len(family) >= 3  # supervisor, fork server, handler
