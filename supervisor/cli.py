@@ -16,8 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+import setproctitle
+
 from supervisor import logs
 from supervisor.config import Config, ConfigError, load, split_handler
+from supervisor.ops import COMMANDS
 
 EXIT_CONFIG = 2
 
@@ -25,8 +28,16 @@ log = logging.getLogger("supervisor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:  # an operator command; anything else is a job file
+        from supervisor.ops.commands import main as operate
+
+        return operate(argv)
     parser = argparse.ArgumentParser(
-        prog="python -m supervisor", description=__doc__.split("\n")[0]
+        prog="python -m supervisor",
+        description=__doc__.split("\n")[0],
+        epilog=f"operator commands: python -m supervisor {{{','.join(COMMANDS)}}} CONF ... "
+        "(each has --help)",
     )
     parser.add_argument("config", help="the job's TOML file, e.g. conf/stats-usage.toml")
     args = parser.parse_args(argv)
@@ -67,6 +78,8 @@ def run(config: Config) -> int:
 
     forkserver = ForkServer(handler_process)
     forkserver.start()  # before any thread, event loop or connection exists
+    # Findable by `drain` from now on (the arbiter keeps the title up to date).
+    setproctitle.setproctitle(f"queue-supervisor: {config.job.queue} starting")
     try:
         broker = make_broker(config)
         arbiter = Arbiter(config, broker, slots, forkserver, handler_module)

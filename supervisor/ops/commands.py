@@ -1,0 +1,292 @@
+"""``python -m supervisor COMMAND CONF ...``: the operator commands and their output.
+
+Exit codes: 0 done (``check``/``drain``: nothing left behind), 1 something remains or the
+broker failed, 2 a bad configuration, argument or input (nothing was changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import orjson
+import redis.exceptions
+
+from broker.base import MAX_BATCH, BrokerError
+from supervisor import logs
+from supervisor.config import Config, ConfigError, load
+from supervisor.ops import drain as processes
+from supervisor.ops import inspect
+from supervisor.ops.publish import InputError, publish_all, read_payloads
+from supervisor.ops.recover import recover
+from supervisor.ops.retry import SOURCES, retry
+
+EXIT_OK, EXIT_LEFT, EXIT_USAGE = 0, 1, 2
+#: Names of leftover keys printed per kind by ``check`` and ``drain``.
+LIST_AT_MOST = 20
+#: Characters of a reserved payload shown by ``status`` (``--json`` shows them whole).
+PAYLOAD_CHARS = 120
+
+log = logging.getLogger("supervisor.ops")
+
+
+class Unsupported(Exception):
+    """The command cannot serve this broker (yet)."""
+
+
+# -- the commands -----------------------------------------------------------------------------
+
+
+async def status(config: Config, args: argparse.Namespace) -> int:
+    async with redis_broker(config, "status") as broker:
+        state = await inspect.queue_status(broker.client, broker.keys)
+    if args.json:
+        print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print("\n".join(describe_status(state)))
+    return EXIT_OK
+
+
+async def recover_now(config: Config, args: argparse.Namespace) -> int:
+    async with redis_broker(config, "recover") as broker:
+        report, finished = await recover(broker, args.timeout)
+    print(
+        f"recovered {report.total} deliveries of {config.job.queue}: "
+        f"{report.expired_reservations} from expired reservations, "
+        f"{report.dead_consumers} of dead consumers, {report.legacy} legacy"
+    )
+    if not finished:
+        print(f"stopped after {args.timeout:g}s: maintenance was still busy or locked")
+    return EXIT_OK if finished else EXIT_LEFT
+
+
+async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
+    async with redis_broker(config, "retry") as broker:
+        report = await retry(
+            broker.client, broker.scripts, broker.keys, source=args.source,
+            limit=args.limit, reset_attempts=args.reset_attempts,
+        )
+    attempts = "reset to 0" if args.reset_attempts else "kept"
+    print(f"moved {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
+          f"list (attempts {attempts})")
+    if report.expired:
+        print(f"dropped {report.expired} pids whose job record had expired (job_ttl)")
+    if report.malformed:
+        print(f"left {report.malformed} undecodable job records where they are")
+    if report.skipped:
+        print(f"skipped {report.skipped} that changed meanwhile")
+    return EXIT_OK
+
+
+async def publish(config: Config, args: argparse.Namespace) -> int:
+    try:
+        payloads = read_input(args.file)
+    except (InputError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    async with redis_broker(config, "publish") as broker:
+        pids = await publish_all(broker, config.job.queue, payloads)
+    print(f"published {len(pids)} messages to {config.job.queue}")
+    if args.verbose:
+        print("\n".join(pids))
+    return EXIT_OK
+
+
+async def drain(config: Config, args: argparse.Namespace) -> int:
+    timeout = args.timeout or config.supervisor.shutdown_deadline + config.supervisor.lease + 15
+    deadline = time.monotonic() + timeout
+    found = processes.find_supervisors(config.job.queue)
+    print(f"stopping {len(found)} supervisors of {config.job.queue}"
+          + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
+    _, alive = await asyncio.to_thread(processes.stop, found, timeout)
+    if alive:
+        print(f"still running after {timeout:g}s: pids {', '.join(str(p.pid) for p in alive)}")
+        return EXIT_LEFT
+    async with redis_broker(config, "drain") as broker:
+        recovered, left = await recover_until_empty(broker, deadline)
+    print(f"recovered {recovered} deliveries")
+    print("\n".join(describe_leftovers(left, config.job.queue)))
+    return EXIT_OK if left.empty else EXIT_LEFT
+
+
+async def check(config: Config, args: argparse.Namespace) -> int:
+    async with redis_broker(config, "check") as broker:
+        left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
+    print("\n".join(describe_leftovers(left, config.job.queue)))
+    return EXIT_OK if left.empty else EXIT_LEFT
+
+
+async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspect.Leftovers]:
+    """Recover until no reservation or owner record is left, or the deadline passed.
+
+    Owner records of a consumer that stopped without handing its work over are only
+    recoverable once its heartbeat expired (up to one lease): hence the retries.
+    """
+    recovered = 0
+    while True:
+        report, _ = await recover(broker, max(deadline - time.monotonic(), 1.0))
+        recovered += report.total
+        left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
+        if left.empty or time.monotonic() >= deadline:
+            return recovered, left
+        await asyncio.sleep(0.5)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def describe_status(state: dict[str, Any]) -> list[str]:
+    reservations, stats = state["reservations"], state["stats"]
+    lines = [
+        f"queue {state['queue']} (namespace {state['namespace']})",
+        f"  ready         {state['ready']}",
+        f"  processing    {state['processing']} (owner records: {state['owners']})",
+        f"  reservations  {reservations['count']} lists, {reservations['payloads']} payloads, "
+        f"{reservations['expired']} expired",
+    ]
+    for item in reservations["lists"]:
+        lines.append(f"    {item['key']}  {item['size']} payloads, "
+                     f"{_expiry(item['expires_in_ms'])}")
+        lines += [f"      {_cut(payload)}" for payload in item["payloads"]]
+    lines += [
+        f"  failed        {state['failed']}",
+        f"  dead          {state['dead']}",
+        f"  poison        {state['poison']}",
+        f"  consumers     {len(state['consumers'])}",
+    ]
+    lines += [f"    {c['id']}  {_heartbeat(c['ttl_ms'])}" for c in state["consumers"]]
+    lines.append("  stats         " + "  ".join(f"{k} {v}" for k, v in stats.items()))
+    return lines
+
+
+def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
+    if left.empty:
+        return [f"ok: no reservation and no owner record of {queue} remains"]
+    lines = [f"not empty: {queue} still has"]
+    for label, found in (
+        ("registered reservations", left.registered),
+        ("reservation lists", left.lists),
+        ("owner records", left.owners),
+    ):
+        if found.count:
+            lines.append(f"  {found.count} {label}")
+            lines += [f"    {name}" for name in found.names[:LIST_AT_MOST]]
+            if found.count > LIST_AT_MOST:
+                lines.append(f"    ... and {found.count - LIST_AT_MOST} more")
+    return lines
+
+
+def _expiry(ms: int) -> str:
+    return f"expires in {ms / 1000:.1f}s" if ms > 0 else f"expired {-ms / 1000:.1f}s ago"
+
+
+def _heartbeat(ms: int) -> str:
+    return "heartbeat without expiry" if ms < 0 else f"heartbeat {ms / 1000:.1f}s left"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= PAYLOAD_CHARS else text[: PAYLOAD_CHARS - 3] + "..."
+
+
+# -- plumbing ---------------------------------------------------------------------------------
+
+
+def read_input(file: str | None) -> list[dict[str, Any]]:
+    if file in (None, "-"):
+        return read_payloads(sys.stdin.buffer, "<stdin>")
+    with open(file, "rb") as lines:
+        return read_payloads(lines, file)
+
+
+@contextlib.asynccontextmanager
+async def redis_broker(config: Config, command: str) -> AsyncIterator[Any]:
+    """A connected RedisBroker for the job's queue, closed afterwards."""
+    if config.broker.kind != "redis":
+        raise Unsupported(f"{command} supports Redis queues only; {config.broker.safe_url} "
+                          "is a NATS URL")
+    from supervisor.brokers import make_broker
+
+    broker: Any = make_broker(config)
+    try:
+        await broker.connect()
+        yield broker
+    finally:
+        with contextlib.suppress(Exception):  # closing must not hide the real error
+            await broker.close()
+
+
+COMMANDS: dict[str, tuple[Callable[[Config, argparse.Namespace], Awaitable[int]], str]] = {
+    "status": (status, "sizes, reservations, consumers and counters of the queue"),
+    "recover": (recover_now, "run maintenance now until it recovers nothing"),
+    "retry": (retry_jobs, "move failed (or dead) jobs back to the ready list"),
+    "publish": (publish, "publish JSON-lines payloads (one object per line)"),
+    "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
+    "check": (check, "exit 1 while reservations or owner records of the queue remain"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__.split(
+        "\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = {name: commands.add_parser(name, help=doc, description=doc)
+           for name, (_, doc) in COMMANDS.items()}
+    for command in sub.values():
+        command.add_argument("config", help="the job's TOML file")
+    sub["status"].add_argument("--json", action="store_true", help="print one JSON object")
+    sub["recover"].add_argument("--timeout", type=_seconds, default=60.0,
+                                help="give up after this many seconds (default 60)")
+    sub["retry"].add_argument("--limit", type=_positive, default=MAX_BATCH,
+                              help=f"move at most this many jobs (default {MAX_BATCH})")
+    sub["retry"].add_argument("--from", dest="source", choices=SOURCES, default="failed",
+                              help="the list to take them from (default failed)")
+    sub["retry"].add_argument("--reset-attempts", action="store_true",
+                              help="start them again at attempts 0 (default: keep attempts)")
+    sub["publish"].add_argument("file", nargs="?", help="JSON-lines file (default: stdin)")
+    sub["publish"].add_argument("-v", "--verbose", action="store_true",
+                                help="print the pid of every message")
+    sub["drain"].add_argument(
+        "--timeout", type=_seconds, default=None,
+        help="seconds for the whole drain (default shutdown_deadline + lease + 15)")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load(args.config, import_handler=False)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    logs.setup(config.supervisor.log_level)
+    for warning in config.warnings:
+        log.warning("%s", warning)
+    command, _ = COMMANDS[args.command]
+    try:
+        return asyncio.run(command(config, args))
+    except Unsupported as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (BrokerError, redis.exceptions.RedisError, OSError) as error:
+        print(f"error: {args.command} failed: {error}", file=sys.stderr)
+        return EXIT_LEFT
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value

@@ -1,0 +1,150 @@
+"""Read one Redis queue's state: sizes, reservations, consumers, owner records, counters.
+
+Keys that carry a pid, token or consumer id cannot be listed by name, so they are found
+with ``SCAN MATCH <prefix>* COUNT 1000``: bounded work per round trip, never ``KEYS``.
+(A queue whose name is another's plus ``.suffix`` shares its patterns; avoid such names.)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from broker.keys import QueueKeys
+
+#: Keys looked at per SCAN call.
+SCAN_COUNT = 1000
+#: Reservations, payloads, consumers and key names listed in full at most.
+SHOW = 1000
+STATS = ("total", "processing", "success", "failed")
+
+
+@dataclass(slots=True)
+class Found:
+    """Keys with a prefix: how many, and the first few of them by name."""
+
+    count: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Leftovers:
+    """What a stopped consumer may leave behind: the rollback check reads these."""
+
+    registered: Found  # members of the reservation registry
+    lists: Found  # reservation list keys (registered or not)
+    owners: Found  # owner records of deliveries
+
+    @property
+    def empty(self) -> bool:
+        return not (self.registered.count or self.lists.count or self.owners.count)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"empty": self.empty}
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal inside a SCAN MATCH pattern."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+async def scan_prefix(client: Any, prefix: str, show: int = SHOW) -> Found:
+    """Every key that starts with ``prefix`` (counted), the first ``show`` by name."""
+    found = Found()
+    async for key in client.scan_iter(match=glob_escape(prefix) + "*", count=SCAN_COUNT):
+        found.count += 1
+        if len(found.names) < show:
+            found.names.append(_text(key))
+    found.names.sort()
+    return found
+
+
+async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers:
+    registered = Found(
+        await client.zcard(keys.reservations),
+        [_text(key) for key in await client.zrange(keys.reservations, 0, show - 1)],
+    )
+    lists = await scan_prefix(client, keys.reservations + ".", show)
+    owners = await scan_prefix(client, keys.owner(""), show)
+    return Leftovers(registered, lists, owners)
+
+
+async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[str, Any]:
+    """Everything ``status`` prints, as a JSON-ready dict."""
+    pipe = client.pipeline(transaction=False)
+    for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
+        pipe.llen(key)
+    pipe.mget([keys.stat(name) for name in STATS])
+    ready, processing, failed, dead, poison, stats = await pipe.execute()
+    owners = await scan_prefix(client, keys.owner(""), show=0)
+    return {
+        "queue": keys.queue,
+        "namespace": keys.namespace,
+        "ready": ready,
+        "processing": processing,
+        "reservations": await reservations(client, keys, show),
+        "failed": failed,
+        "dead": dead,
+        "poison": poison,
+        "owners": owners.count,
+        "consumers": await consumers(client, keys, show),
+        "stats": {name: _counter(value) for name, value in zip(STATS, stats, strict=True)},
+    }
+
+
+async def reservations(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[str, Any]:
+    """Registered reservations with their deadlines and payloads (at most ``show`` each)."""
+    count = await client.zcard(keys.reservations)
+    registered = await client.zrange(keys.reservations, 0, show - 1, withscores=True)
+    now_ms = await server_ms(client)
+    pipe = client.pipeline(transaction=False)
+    for key, _ in registered:
+        pipe.llen(key)
+        pipe.lrange(key, 0, show - 1)
+    replies = await pipe.execute()
+    lists, total, expired, budget = [], 0, 0, show
+    for index, (key, deadline) in enumerate(registered):
+        length, payloads = replies[2 * index], replies[2 * index + 1]
+        total += length
+        expired += deadline <= now_ms
+        shown = [_text(raw) for raw in payloads[:budget]]
+        budget -= len(shown)
+        lists.append({
+            "key": _text(key), "deadline_ms": int(deadline),
+            "expires_in_ms": int(deadline - now_ms), "size": length, "payloads": shown,
+        })
+    return {"count": count, "payloads": total, "expired": expired, "lists": lists}
+
+
+async def consumers(client: Any, keys: QueueKeys, show: int = SHOW) -> list[dict[str, Any]]:
+    """Consumers with a heartbeat key, and the milliseconds it has left."""
+    found = await scan_prefix(client, keys.consumer(""), show)
+    pipe = client.pipeline(transaction=False)
+    for name in found.names:
+        pipe.pttl(name)
+    ttls = await pipe.execute() if found.names else []
+    prefix = len(keys.consumer(""))
+    return [
+        {"id": name[prefix:], "ttl_ms": ttl}
+        for name, ttl in zip(found.names, ttls, strict=True)
+        if ttl != -2  # expired between the scan and now
+    ]
+
+
+async def server_ms(client: Any) -> int:
+    seconds, micros = await client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _counter(value: bytes | None) -> int | str | None:
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return _text(value)  # shown as it is: a corrupt counter is worth seeing
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -1,0 +1,256 @@
+"""The operator commands (status, check, recover, retry, publish) against a real redis-server.
+
+Queue state is set up with the real RedisBroker (reserve, claim, reject) or raw commands, the
+way producers and other consumers would leave it; each command then runs as the CLI runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from broker import envelope
+from broker.redis import RedisBroker
+from supervisor import cli
+from tests.supervision import NAMESPACE, QUEUE, keys, write_config
+
+
+@pytest.fixture(autouse=True)
+def no_url_override(monkeypatch):
+    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+
+
+@pytest.fixture
+def conf(tmp_path: Path, redis_url: str) -> str:
+    return str(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+
+
+@pytest.fixture
+def run(capsys):
+    """Run ``python -m supervisor ARGS`` in this process: returns (exit code, stdout)."""
+
+    async def runner(*args: str) -> tuple[int, str]:
+        code = await asyncio.to_thread(cli.main, list(args))
+        return code, capsys.readouterr().out
+
+    return runner
+
+
+@pytest.fixture
+async def brokers(redis_url: str):
+    """Make RedisBrokers of the test queue (connected); all are closed afterwards."""
+    made: list[RedisBroker] = []
+
+    async def make(**options: Any) -> RedisBroker:
+        broker = RedisBroker(redis_url, QUEUE, namespace=NAMESPACE, **options)
+        await broker.connect()
+        made.append(broker)
+        return broker
+
+    yield make
+    for broker in made:
+        await broker.close()
+
+
+async def push(client, *payloads: dict[str, Any]) -> list[str]:
+    """LPUSH envelopes as PHP producers do; the first payload is consumed first."""
+    built = [envelope.build(QUEUE, payload) for payload in payloads]
+    for _, raw in built:
+        await client.lpush(keys().ready, raw)
+    return [pid for pid, _ in built]
+
+
+async def server_ms(client) -> int:
+    seconds, micros = await client.time()
+    return seconds * 1000 + micros // 1000
+
+
+async def wait_until_expired(client, deadline_ms: float, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while await server_ms(client) <= deadline_ms:
+            await asyncio.sleep(0.01)
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+async def test_status_json_reports_the_queue_state(conf, run, redis_client, brokers):
+    ready_pids = await push(redis_client, *({"n": n} for n in range(4)))
+    consumer = await brokers(consumer_id="worker-a", lease=30)
+    received = await consumer.receive(2, block_timeout=0)
+    reservation = await consumer.reserve(1, block_timeout=0)
+    await redis_client.lpush(keys().failed, "f1", "f2")
+    await redis_client.lpush(keys().dead, "d1")
+    await redis_client.lpush(keys().poison, b"{not json")
+
+    code, out = await run("status", conf, "--json")
+    assert code == 0
+    state = orjson.loads(out)
+    assert state["queue"] == QUEUE and state["namespace"] == NAMESPACE
+    assert (state["ready"], state["processing"], state["owners"]) == (1, 2, 2)
+    assert (state["failed"], state["dead"], state["poison"]) == (2, 1, 1)
+    [listed] = state["reservations"]["lists"]
+    assert state["reservations"]["count"] == 1 and state["reservations"]["payloads"] == 1
+    assert state["reservations"]["expired"] == 0
+    assert listed["key"] == reservation.key and listed["size"] == 1
+    assert orjson.loads(listed["payloads"][0])["pid"] == ready_pids[2]
+    assert 0 < listed["expires_in_ms"] <= 30_000
+    [live] = state["consumers"]
+    assert live["id"] == "worker-a" and 0 < live["ttl_ms"] <= 30_000
+    assert state["stats"] == {"total": 2, "processing": 2, "success": 0, "failed": 0}
+    assert [d.pid for d in received.deliveries] == ready_pids[:2]
+
+    code, text = await run("status", conf)  # the same, for a person
+    assert code == 0
+    assert "processing    2 (owner records: 2)" in text and "worker-a  heartbeat" in text
+
+
+# -- check and recover ------------------------------------------------------------------------
+
+
+async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
+    conf, run, redis_client, brokers
+):
+    pids = await push(redis_client, {"n": 1}, {"n": 2})
+    dying = await brokers(lease=0.3)  # its reservation's deadline is 300 ms away
+    reservation = await dying.reserve(2, block_timeout=0)
+    assert len(reservation.payloads) == 2
+
+    code, out = await run("check", conf)
+    assert code == 1
+    assert "1 registered reservations" in out and reservation.key in out
+
+    deadline = await redis_client.zscore(keys().reservations, reservation.key)
+    await wait_until_expired(redis_client, deadline)
+    code, out = await run("recover", conf)
+    assert code == 0 and "recovered 2 deliveries" in out
+    assert "2 from expired reservations" in out
+
+    code, out = await run("check", conf)
+    assert code == 0 and out.startswith("ok:")
+    ready = await redis_client.lrange(keys().ready, 0, -1)
+    assert [orjson.loads(raw)["pid"] for raw in reversed(ready)] == pids  # order kept
+
+
+async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
+    [pid] = await push(redis_client, {"n": 1})
+    dying = await brokers(consumer_id="dying", lease=0.3)  # heartbeat expires after 300 ms
+    [delivery] = (await dying.receive(1, block_timeout=0)).deliveries
+
+    code, out = await run("check", conf)
+    assert code == 1 and "1 owner records" in out and keys().owner(pid) in out
+
+    async with asyncio.timeout(10):
+        while await redis_client.exists(keys().consumer("dying")):
+            await asyncio.sleep(0.01)
+    code, out = await run("recover", conf)
+    assert code == 0 and "1 of dead consumers" in out
+    code, _ = await run("check", conf)
+    assert code == 0
+    assert await redis_client.lrange(keys().ready, 0, -1) == [delivery.raw]
+
+
+# -- retry --------------------------------------------------------------------------------------
+
+
+async def fail_all(redis_client, brokers, count: int) -> list[str]:
+    """``count`` messages rejected at max_attempts = 1: in the failed list, attempts 1."""
+    pids = await push(redis_client, *({"n": n} for n in range(count)))
+    consumer = await brokers(max_attempts=1)
+    received = await consumer.receive(count, block_timeout=0)
+    await consumer.reject(received.deliveries)
+    assert await redis_client.llen(keys().failed) == count
+    return pids
+
+
+async def ready_envelopes(redis_client) -> list[dict[str, Any]]:
+    """The ready list in consumption order."""
+    return [orjson.loads(raw) for raw in reversed(await redis_client.lrange(keys().ready, 0, -1))]
+
+
+async def test_retry_keeps_attempts_and_is_bounded_by_limit(conf, run, redis_client, brokers):
+    pids = await fail_all(redis_client, brokers, 3)
+    code, out = await run("retry", conf, "--limit", "2")
+    assert code == 0 and "moved 2 failed jobs" in out and "attempts kept" in out
+    moved = await ready_envelopes(redis_client)
+    assert [job["pid"] for job in moved] == pids[:2]  # the oldest failures first
+    assert [job["attempts"] for job in moved] == [1, 1]
+    assert await redis_client.lrange(keys().failed, 0, -1) == [pids[2].encode()]
+    assert not await redis_client.exists(*(keys().job(pid) for pid in pids[:2]))
+    assert await redis_client.exists(keys().job(pids[2]))
+
+
+async def test_retry_can_reset_attempts(conf, run, redis_client, brokers):
+    pids = await fail_all(redis_client, brokers, 2)
+    code, out = await run("retry", conf, "--reset-attempts")
+    assert code == 0 and "moved 2 failed jobs" in out and "reset to 0" in out
+    moved = await ready_envelopes(redis_client)
+    assert [(job["pid"], job["attempts"]) for job in moved] == [(pids[0], 0), (pids[1], 0)]
+    assert [job["payload"] for job in moved] == [{"n": 0}, {"n": 1}]
+    assert await redis_client.llen(keys().failed) == 0
+
+
+async def test_retry_drops_expired_records_and_takes_from_dead(conf, run, redis_client):
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await redis_client.lpush(keys().dead, "expired-pid", pid)  # the oldest has no record
+    await redis_client.set(keys().job(pid), raw)
+    await redis_client.set(keys().job("expired-pid"), b"")
+    await redis_client.delete(keys().job("expired-pid"))
+    code, out = await run("retry", conf, "--from", "dead")
+    assert code == 0 and "moved 1 dead jobs" in out and "dropped 1" in out
+    assert await redis_client.lrange(keys().ready, 0, -1) == [raw]
+    assert await redis_client.llen(keys().dead) == 0
+
+
+async def test_retry_refuses_a_wrong_type_before_writing(conf, run, redis_client, brokers):
+    pids = await fail_all(redis_client, brokers, 1)
+    await redis_client.hset(keys().ready, "x", "y")
+    code, _ = await run("retry", conf)
+    assert code == 1
+    assert await redis_client.lrange(keys().failed, 0, -1) == [pids[0].encode()]
+
+
+# -- publish --------------------------------------------------------------------------------------
+
+
+async def test_publish_json_lines_as_php_compatible_envelopes(
+    conf, run, redis_client, tmp_path
+):
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text('{"url": "https://example.com/a", "n": 1}\n\n{}\n{"n": 3}\n')
+    code, out = await run("publish", conf, str(lines), "--verbose")
+    assert code == 0
+    summary, *pids = out.splitlines()
+    assert summary == f"published 3 messages to {QUEUE}" and len(pids) == 3
+    raws = list(reversed(await redis_client.lrange(keys().ready, 0, -1)))
+    assert [orjson.loads(raw)["pid"] for raw in raws] == pids  # first line consumed first
+    assert b'"url":"https:\\/\\/example.com\\/a"' in raws[0]  # PHP's escaped slashes
+    assert b'"payload":[]' in raws[1]  # PHP's empty array
+    for raw, payload in zip(raws, [{"url": "https://example.com/a", "n": 1}, {}, {"n": 3}],
+                            strict=True):
+        decoded = envelope.decode(raw)
+        assert decoded["queue"] == QUEUE and decoded["payload"] == payload
+        assert isinstance(decoded["timestamp"], int) and len(decoded["pid"]) == 23
+
+
+async def test_publish_refuses_a_bad_line_and_publishes_nothing(
+    conf, run, redis_client, tmp_path, capsys
+):
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text('{"n": 1}\n[1, 2]\n')
+    code = await asyncio.to_thread(cli.main, ["publish", conf, str(lines)])
+    assert code == 2
+    assert "jobs.jsonl:2: a payload must be a JSON object" in capsys.readouterr().err
+    assert await redis_client.llen(keys().ready) == 0
+
+
+async def test_operator_commands_exit_2_on_a_bad_config(run, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[job]\nqueue = "q"\nhandler = "examples.noop:handle"\nprefetchh = 3\n')
+    code = await asyncio.to_thread(cli.main, ["check", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "prefetchh" in err
