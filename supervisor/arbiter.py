@@ -28,11 +28,11 @@ from supervisor.config import Config
 from supervisor.settlement import Settler
 from supervisor.slots import Slot
 from worker import protocol
-from worker.forkserver import ForkServer
+from worker.forkserver import SERVER_SLOT, ForkServer
 
 log = logging.getLogger("supervisor")
 
-EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT = 0, 1, 3
+EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT, EXIT_BROKEN = 0, 1, 3, 4
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
@@ -317,6 +317,11 @@ class Arbiter:
 
     def handle_forkserver_events(self) -> None:
         for event in self.forkserver.read_events():
+            if event.slot == SERVER_SLOT:  # the fork server itself died: no more handlers
+                asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
+                log.error("fork server %d exited (%s): stopping", event.pid, event.status)
+                self.request_stop(EXIT_BROKEN)
+                continue
             slot = self.slots[event.slot]
             if event.kind == "started":
                 slot.pid = event.pid
