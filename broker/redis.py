@@ -47,12 +47,20 @@ from broker.base import (
     Settlement,
 )
 from broker.keys import QueueKeys
+from broker.placement import check_placement
 from broker.scripts import Scripts
 
 log = logging.getLogger(__name__)
 
 #: Errors after which a command may or may not have been applied.
 CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+#: Cluster errors that outlast the client's redirections and retries (TRYAGAIN while a slot
+#: migrates, CLUSTERDOWN, a slot map not loaded yet).
+_CLUSTER_ERRORS = (
+    redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
+)
 
 #: What a failed connect raises (the cluster client has its own exception family).
 _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
@@ -203,11 +211,10 @@ class RedisBroker:
     # -- connection ---------------------------------------------------------------------
 
     async def connect(self) -> None:
-        if self.cluster and not has_hash_tag(self.namespace):
-            raise BrokerError(
-                f"namespace {self.namespace!r} has no hash tag: on Redis Cluster the keys of a "
-                f"queue would spread over slots; use e.g. namespace = '{{{self.namespace}}}'"
-            )
+        if self.cluster:
+            # Refused before anything moves: no script of a queue whose keys spread over
+            # slots could run, and renaming the namespace here would orphan its jobs.
+            check_placement(self.keys)
         try:
             await self.client.ping()
         except _UNREACHABLE as error:
@@ -436,8 +443,9 @@ class RedisBroker:
 
 @contextlib.asynccontextmanager
 async def _broker_errors(operation: str) -> AsyncIterator[None]:
-    """Connection errors become a BrokerError naming the operation (WrongTypeError passes)."""
+    """Connection errors, and cluster errors a slot migration or failover can leave after the
+    client's own retries, become a BrokerError naming the operation (WrongTypeError passes)."""
     try:
         yield
-    except CONNECTION_ERRORS as error:
+    except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
         raise BrokerError(f"{operation} failed: {error!r}") from error
