@@ -4,19 +4,37 @@ Scripts run with EVALSHA; when the server answers NOSCRIPT (its script cache was
 restart or SCRIPT FLUSH) the script is loaded again and the call repeated. NOSCRIPT is
 returned before a script runs, so the retry can neither lose nor double-apply anything.
 
+On a Redis Cluster the client follows MOVED and ASK redirections itself. While the queue's
+slot is being migrated, a script whose keys are partly moved is refused with TRYAGAIN (its
+redirections may also run out): like NOSCRIPT, that is answered before the script runs, so
+the call is repeated, with a growing pause, for up to ``NOT_RUN_PATIENCE`` seconds.
+
 Scripts report a bad key type or counter with an error reply that starts with ``QSTYPE``
 (before their first write); it surfaces here as ``WrongTypeError``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from broker.base import BrokerError, WrongTypeError
+
+#: Cluster errors raised before a script ran (TTL exhausted is a ClusterError): safe to repeat.
+NOT_RUN = (TryAgainError, ClusterDownError, ClusterError, SlotNotCoveredError)
+#: How long a call repeats those; a slot migration normally takes milliseconds.
+NOT_RUN_PATIENCE = 10.0
 
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
 
@@ -37,10 +55,17 @@ class Scripts:
         script = self._scripts.get(name)
         if script is None:
             script = self._scripts[name] = self._client.register_script(lua_source(name))
-        try:
-            return await script(keys=keys, args=args)
-        except ResponseError as error:
-            raise translate(name, error) from error
+        deadline, pause = time.monotonic() + NOT_RUN_PATIENCE, 0.01
+        while True:
+            try:
+                return await script(keys=keys, args=args)
+            except NOT_RUN as error:
+                if time.monotonic() + pause > deadline:
+                    raise BrokerError(f"{name}.lua not run: {error}") from error
+            except ResponseError as error:
+                raise translate(name, error) from error
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
 
 def translate(name: str, error: ResponseError) -> BrokerError:
