@@ -36,8 +36,9 @@ One ``maintain()`` call does a bounded amount of work, in three steps:
    still in processing. Recovering deletes the owner key, so the dead consumer's own
    settle or renewal, if it ever comes, finds a stale owner and changes nothing.
 
-The server clock read here only chooses candidates (on a cluster it may be another node's
-clock); the scripts decide with the clock of the node that holds the keys.
+The server clock read here only chooses candidates; the scripts decide with the clock of the
+node that holds the keys. On a Redis Cluster, TIME is sent to the node that serves the
+queue's slot (as the client last saw it), so both clocks are normally the same.
 
 Script errors about wrong key types surface as ``WrongTypeError``, raised before the
 script's first write.
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, ResponseError
 
 from broker.base import MAX_BATCH, MaintenanceReport, WrongTypeError
 from broker.keys import QueueKeys, owner_consumer
@@ -133,7 +134,7 @@ async def _sweep(
     try:
         report = MaintenanceReport()
         report.expired_reservations = await recover_reservations(client, scripts, keys, batch)
-        seconds, _ = await client.time()
+        seconds, _ = await server_time(client, keys.ready)
         sample = await sample_processing(client, keys, batch)
         candidates = await find_candidates(
             client, keys, sample.pids(), now=int(seconds), recovery_age=recovery_age
@@ -161,7 +162,7 @@ async def recover_reservations(client: Any, scripts: Scripts, keys: QueueKeys, b
     """Return the payloads of expired reservations to the ready list; returns how many."""
     moved = 0
     for _ in range(RESERVATION_ROUNDS):
-        seconds, micros = await client.time()
+        seconds, micros = await server_time(client, keys.ready)
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         found = await client.zrangebyscore(
             keys.reservations, "-inf", now_ms, start=0, num=RESERVATION_SCAN
@@ -175,6 +176,17 @@ async def recover_reservations(client: Any, scripts: Scripts, keys: QueueKeys, b
         if done == 0:  # every one was renewed or claimed meanwhile: nothing left to do now
             break
     return moved
+
+
+async def server_time(client: Any, key: str) -> tuple[int, int]:
+    """TIME of the server holding ``key``: a cluster client would ask any node otherwise."""
+    node = None
+    with contextlib.suppress(RedisClusterException):  # slot map not loaded: any clock will do
+        node_of = getattr(client, "get_node_from_key", None)
+        node = node_of(key) if node_of is not None else None
+    if node is None:
+        return await client.time()
+    return await client.time(target_nodes=node)
 
 
 async def sample_processing(client: Any, keys: QueueKeys, batch: int) -> Sample:
