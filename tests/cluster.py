@@ -143,6 +143,10 @@ class PrivateCluster:
         """Empty every node's data and script cache."""
         for node in self.nodes:
             node.client.flushall()
+        self.flush_scripts()
+
+    def flush_scripts(self) -> None:
+        for node in self.nodes:
             node.client.script_flush()
 
     # -- slots ----------------------------------------------------------------------------
@@ -158,25 +162,26 @@ class PrivateCluster:
     def owner_of(self, key: str) -> ClusterNode:
         return self.owner(key_slot(key.encode()))
 
-    def migrate_slot(self, slot: int, target: ClusterNode, keys_per_call: int = 100) -> None:
-        """Move ``slot`` to ``target`` the way ``redis-cli --cluster reshard`` does:
-        IMPORTING/MIGRATING, MIGRATE the keys in batches, then SETSLOT NODE everywhere."""
-        source = self.owner(slot)
-        if source is target:
+    def migrate_slot(self, slot: int, target: ClusterNode) -> None:
+        """Move ``slot`` to ``target`` the way ``redis-cli --cluster reshard`` does."""
+        if self.owner(slot) is target:
             return
-        target_id, source_id = target.node_id, source.node_id
-        target.client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-        source.client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-        while keys := source.client.execute_command(
-            "CLUSTER", "GETKEYSINSLOT", slot, keys_per_call
-        ):
-            source.client.execute_command(
-                "MIGRATE", "127.0.0.1", target.port, "", 0, 10_000, "KEYS", *keys
-            )
-        others = [node for node in self.nodes if node not in (target, source)]
-        for node in (target, source, *others):
-            node.client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
-        self.wait_ok()
+        migration = self.begin_migration(slot, target)
+        migration.move_keys()
+        migration.finish()
+
+    def begin_migration(self, slot: int, target: ClusterNode) -> Migration:
+        """Mark ``slot`` IMPORTING on ``target`` and MIGRATING on its owner."""
+        source = self.owner(slot)
+        target.client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        source.client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+        return Migration(self, slot, source, target)
+
+    def stabilize(self, slot: int) -> None:
+        """Clear a migration left half-done (by a failed test)."""
+        for node in self.nodes:
+            with contextlib.suppress(redis.RedisError):
+                node.client.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
 
     def other_than(self, node: ClusterNode) -> ClusterNode:
         return next(other for other in self.nodes if other is not node)
@@ -193,3 +198,35 @@ class PrivateCluster:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Migration:
+    """A slot on its way from ``source`` to ``target``: keys move in batches, then the slot."""
+
+    def __init__(self, cluster: PrivateCluster, slot: int, source: ClusterNode,
+                 target: ClusterNode) -> None:
+        self.cluster, self.slot, self.source, self.target = cluster, slot, source, target
+
+    def move_keys(self, keys: list[str] | None = None, per_call: int = 100) -> None:
+        """MIGRATE ``keys`` (default: every key still on the source) to the target."""
+        if keys is not None:
+            self._migrate(keys)
+            return
+        while batch := self.source.client.execute_command(
+            "CLUSTER", "GETKEYSINSLOT", self.slot, per_call
+        ):
+            self._migrate(batch)
+
+    def _migrate(self, keys: list) -> None:
+        self.source.client.execute_command(
+            "MIGRATE", "127.0.0.1", self.target.port, "", 0, 10_000, "KEYS", *keys
+        )
+
+    def finish(self) -> None:
+        """Move what is left, then assign the slot to the target on every node."""
+        self.move_keys()
+        target_id = self.target.node_id
+        others = [n for n in self.cluster.nodes if n not in (self.target, self.source)]
+        for node in (self.target, self.source, *others):
+            node.client.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
+        self.cluster.wait_ok()

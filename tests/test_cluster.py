@@ -1,0 +1,377 @@
+"""The Redis broker on a private three-master Redis Cluster.
+
+The single-node behaviour tests (``test_redis_broker.py``, ``test_recovery.py``) run here
+again in cluster form: every operation must route by the queue's one slot, and keep working
+when that slot's script cache is lost or the slot moves to another master.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from broker import envelope
+from broker.base import Action, Outcome, Settlement
+from broker.keys import QueueKeys
+from broker.placement import PlacementError
+from broker.publish import Publisher
+from broker.redis import RedisBroker
+from tests.cluster import PrivateCluster
+from tests.test_redis_broker import count_script_calls, wait_until
+
+NS = "{utopia-queue}"
+QUEUE = "stats-usage"
+KEYS = QueueKeys(NS, QUEUE)
+SLOT = key_slot(b"utopia-queue")
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+async def new_broker(cluster: PrivateCluster, **options: Any) -> RedisBroker:
+    options = {"namespace": NS, "cluster": True, "consumer_id": "tester", **options}
+    broker = RedisBroker(cluster.url, QUEUE, **options)
+    await broker.connect()
+    return broker
+
+
+@pytest.fixture
+async def client(redis_cluster: PrivateCluster):
+    connection = RedisCluster.from_url(redis_cluster.url)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
+async def broker(redis_cluster: PrivateCluster):
+    consumer = await new_broker(redis_cluster)
+    yield consumer
+    await consumer.close()
+
+
+@pytest.fixture
+async def pair(redis_cluster: PrivateCluster):
+    """Two consumers of the queue, ``a`` and ``b``, each with a 1 s lease."""
+    consumers = [await new_broker(redis_cluster, consumer_id=name, lease=1.0)
+                 for name in ("a", "b")]
+    yield consumers
+    for consumer in consumers:
+        await consumer.close()
+
+
+def snapshot(cluster: PrivateCluster) -> dict[bytes, Any]:
+    """Every key of the cluster with its value; asserts they all live on the slot's owner."""
+    owner = cluster.owner(SLOT)
+    state: dict[bytes, Any] = {}
+    for node in cluster.nodes:
+        for key in node.client.scan_iter(match="*"):
+            assert node is owner, f"{key!r} is on {node.port}, not on {owner.port}"
+            kind = node.client.type(key)
+            if kind == b"string":
+                state[key] = node.client.get(key)
+            elif kind == b"list":
+                state[key] = node.client.lrange(key, 0, -1)
+            elif kind == b"zset":
+                state[key] = node.client.zrange(key, 0, -1, withscores=True)
+            else:
+                state[key] = kind
+    return state
+
+
+async def publish(client, count: int, **fields: Any) -> list[str]:
+    """``count`` fresh envelopes pushed the way PHP producers do; returns their pids."""
+    pids = []
+    for index in range(count):
+        pid, raw = envelope.build(QUEUE, {"index": index})
+        if fields:
+            raw = envelope.encode({**orjson.loads(raw), **fields})
+        await client.lpush(KEYS.ready, raw)
+        pids.append(pid)
+    return pids
+
+
+async def counters(client) -> dict[str, int]:
+    names = ("total", "processing", "success", "failed")
+    values = await client.mget([KEYS.stat(name) for name in names])
+    return {name: int(value or 0) for name, value in zip(names, values, strict=True)}
+
+
+async def server_ms(cluster: PrivateCluster) -> int:
+    seconds, micros = cluster.owner(SLOT).client.time()
+    return seconds * 1000 + micros // 1000
+
+
+async def wait_until_expired(cluster: PrivateCluster, client, reservation: str) -> None:
+    deadline = await client.zscore(KEYS.reservations, reservation)
+    assert deadline is not None
+    while await server_ms(cluster) <= deadline:
+        await asyncio.sleep(0.05)
+
+
+# -- the basics -------------------------------------------------------------------------
+
+
+async def test_a_queue_lives_on_the_node_that_serves_its_slot(redis_cluster, broker, client):
+    pids = await broker.publish_many(QUEUE, [{"n": n} for n in range(5)])
+    received = await broker.receive(100, 0)
+    assert [d.pid for d in received.deliveries] == pids
+    assert await broker.extend(received.deliveries) == [True] * 5
+    assert await counters(client) == {"total": 5, "processing": 5, "success": 0, "failed": 0}
+    state = snapshot(redis_cluster)  # asserts every key is on the owner of the slot
+    assert len(state[KEYS.processing.encode()]) == 5
+    assert [r.outcome for r in await broker.commit(received.deliveries)] == [Outcome.OK] * 5
+    assert await counters(client) == {"total": 5, "processing": 0, "success": 5, "failed": 0}
+
+
+async def test_sparse_queue_returns_at_once(broker, client):
+    [pid] = await publish(client, 1)
+    started = time.monotonic()
+    received = await broker.receive(100, block_timeout=5)
+    assert [d.pid for d in received.deliveries] == [pid]
+    assert time.monotonic() - started < 2.5  # it did not wait for the batch to fill
+
+
+async def test_blocking_receive_gets_a_message_published_later(broker, client):
+    task = asyncio.create_task(broker.receive(10, 3))
+
+    async def registered() -> bool:
+        return await client.zcard(KEYS.reservations) == 1
+
+    await wait_until(registered)  # registered before it blocks in BLMOVE
+    [pid] = await publish(client, 1)
+    received = await task
+    assert [d.pid for d in received.deliveries] == [pid]
+    assert await client.zcard(KEYS.reservations) == 0
+
+
+async def test_blocking_receive_times_out_cleanly(redis_cluster, broker):
+    received = await broker.receive(10, 0.2)
+    assert received.deliveries == [] and received.poisoned == []
+    assert snapshot(redis_cluster) == {}
+
+
+# -- recovery ---------------------------------------------------------------------------
+
+
+async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
+    redis_cluster, pair, client, monkeypatch
+):
+    monkeypatch.setattr("broker.redis.BLOCK_MARGIN", 1.0)
+    a, b = pair
+    blocked = asyncio.create_task(a.reserve(10, 1.0))
+
+    async def registered() -> bool:
+        return await client.zcard(KEYS.reservations) == 1
+
+    await wait_until(registered)
+    [pid] = await publish(client, 1)
+    reservation = await blocked  # registered + moved; a dies before claiming
+    assert len(reservation.payloads) == 1
+    assert await client.lrange(reservation.key, 0, -1) == reservation.payloads
+    assert await client.llen(KEYS.ready) == 0
+
+    deadline = await client.zscore(KEYS.reservations, reservation.key)
+    assert await server_ms(redis_cluster) < deadline
+    assert (await b.maintain()).expired_reservations == 0  # not before the deadline
+    assert await client.lrange(reservation.key, 0, -1) == reservation.payloads
+
+    await wait_until_expired(redis_cluster, client, reservation.key)
+    assert (await b.maintain()).expired_reservations == 1
+    assert await client.exists(reservation.key) == 0
+    [delivery] = (await b.receive(10, 0)).deliveries
+    assert delivery.pid == pid
+
+
+async def test_a_dead_consumers_deliveries_go_to_the_living(pair, client):
+    a, b = pair
+    pids = await a.publish_many(QUEUE, [{"i": i} for i in range(4)])
+    taken = (await a.receive(10, 0)).deliveries
+    assert (await b.maintain()).total == 0  # a is alive
+
+    await client.delete(KEYS.consumer("a"))  # a's lease ran out
+    assert (await b.maintain()).dead_consumers == 4
+    assert await a.extend(taken) == [False] * 4
+    assert [r.outcome for r in await a.commit(taken)] == [Outcome.STALE] * 4
+    again = (await b.receive(10, 0)).deliveries
+    assert sorted(d.pid for d in again) == sorted(pids)
+    assert [r.ok for r in await b.commit(again)] == [True] * 4
+    assert await counters(client) == {"total": 8, "processing": 0, "success": 4, "failed": 0}
+
+
+async def test_legacy_entries_are_recovered_past_the_age(redis_cluster, client):
+    consumer = await new_broker(redis_cluster, recovery_age=60)
+    try:
+        now = (await server_ms(redis_cluster)) // 1000
+        for pid, age in (("old", 120), ("young", 10)):
+            await client.lpush(KEYS.processing, pid)
+            await client.set(KEYS.job(pid), envelope.encode(
+                {"pid": pid, "queue": QUEUE, "timestamp": now - age, "payload": {}}
+            ))
+        assert (await consumer.maintain()).legacy == 1
+        assert await client.lrange(KEYS.processing, 0, -1) == [b"young"]
+        assert [d.pid for d in (await consumer.receive(10, 0)).deliveries] == ["old"]
+    finally:
+        await consumer.close()
+
+
+# -- settlement -------------------------------------------------------------------------
+
+
+async def test_stale_owner_changes_nothing(redis_cluster, broker, client):
+    await publish(client, 1)
+    [delivery] = (await broker.receive(10, 0)).deliveries
+    await client.set(KEYS.owner(delivery.pid), b"other-host-1-abcdef:1")
+    before = snapshot(redis_cluster)
+    for settle in (broker.commit, broker.reject, broker.release):
+        assert [r.outcome for r in await settle([delivery])] == [Outcome.STALE]
+        assert snapshot(redis_cluster) == before
+    assert await broker.extend([delivery]) == [False]
+    after = snapshot(redis_cluster)
+    after.pop(KEYS.consumer("tester").encode())  # the renewal rewrote the heartbeat
+    before.pop(KEYS.consumer("tester").encode())
+    assert after == before
+
+
+async def test_each_item_of_a_grouped_settle_gets_its_own_result(redis_cluster, client):
+    consumer = await new_broker(redis_cluster, max_attempts=3)
+    try:
+        await publish(client, 5)
+        await publish(client, 1, attempts=2)  # its next reject is the last
+        commit, retry, release, stale, missing, last = (await consumer.receive(10, 0)).deliveries
+        await client.set(KEYS.owner(stale.pid), b"someone-else:9")
+        await client.delete(KEYS.job(missing.pid))
+        calls = count_script_calls(consumer)
+        results = await consumer.settle([
+            Settlement(Action.COMMIT, commit),
+            Settlement(Action.REJECT, retry, "boom"),
+            Settlement(Action.RELEASE, release),
+            Settlement(Action.COMMIT, stale),
+            Settlement(Action.RELEASE, missing),
+            Settlement(Action.REJECT, last, "boom"),
+        ])
+        assert calls == [("settle", 6)]  # one script call for the whole group
+        assert [r.outcome for r in results] == [
+            Outcome.OK, Outcome.OK, Outcome.OK, Outcome.STALE, Outcome.MISSING, Outcome.OK,
+        ]
+        assert await counters(client) == {
+            "total": 6, "processing": 2, "success": 1, "failed": 1,
+        }
+        assert await client.get(KEYS.owner(missing.pid)) == missing.receipt.encode()
+        assert await client.get(KEYS.owner(stale.pid)) == b"someone-else:9"
+        ready = await client.lrange(KEYS.ready, 0, -1)
+        assert ready[-1] == release.raw
+        assert orjson.loads(ready[0])["attempts"] == 1
+        assert await client.lrange(KEYS.failed, 0, -1) == [last.pid.encode()]
+        snapshot(redis_cluster)  # still all on one node
+    finally:
+        await consumer.close()
+
+
+# -- script cache, placement, publishing ------------------------------------------------
+
+
+async def test_script_cache_loss_on_the_slot_owner_loses_nothing(redis_cluster, broker, client):
+    owner = redis_cluster.owner(SLOT)
+    await publish(client, 4)
+    reservation = await broker.reserve(10, 0)
+    owner.client.script_flush()
+    received = await broker.claim(reservation)
+    assert len(received.deliveries) == 4
+    owner.client.script_flush()
+    assert [r.outcome for r in await broker.commit(received.deliveries[:2])] == [Outcome.OK] * 2
+    owner.client.script_flush()
+    assert await broker.extend(received.deliveries) == [False, False, True, True]
+    redis_cluster.flush_scripts()
+    assert (await broker.receive(10, 0)).deliveries == []
+    owner.client.script_flush()
+    assert (await broker.maintain()).total == 0
+    assert await counters(client) == {"total": 4, "processing": 2, "success": 2, "failed": 0}
+
+
+async def test_unsafe_placement_is_refused_before_any_message_moves(redis_cluster, client):
+    ready = "utopia-queue.queue.stats-usage"
+    raws = [envelope.build(QUEUE, {"n": n})[1] for n in range(3)]
+    await client.lpush(ready, *raws)
+    before = await client.lrange(ready, 0, -1)
+    consumer = RedisBroker(redis_cluster.url, QUEUE, namespace="utopia-queue", cluster=True)
+    try:
+        with pytest.raises(PlacementError, match=r"\{utopia-queue\}"):
+            await consumer.connect()
+    finally:
+        await consumer.close()
+    assert await client.lrange(ready, 0, -1) == before
+    assert sum(node.client.dbsize() for node in redis_cluster.nodes) == 1
+
+
+async def test_publish_and_the_background_publisher(broker, client):
+    first = await broker.publish(QUEUE, {"n": 0})
+    more = await broker.publish_many(QUEUE, [{"n": n} for n in range(1, 1500)])
+    publisher = Publisher(client, NS)
+    late = [await publisher.enqueue(QUEUE, {"n": n}) for n in range(1500, 1600)]
+    await publisher.close()
+    taken = [orjson.loads(raw)["pid"] for raw in reversed(await client.lrange(KEYS.ready, 0, -1))]
+    assert taken == [first, *more, *late]
+
+
+# -- the slot moves ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def moving(redis_cluster: PrivateCluster):
+    """The queue's slot may be migrated by the test; never left half-moved afterwards."""
+    yield redis_cluster
+    redis_cluster.stabilize(SLOT)
+
+
+async def test_every_operation_follows_the_slot_to_another_master(moving, broker, client):
+    await publish(client, 6)
+    held = (await broker.receive(3, 0)).deliveries
+    source = moving.owner(SLOT)
+    moving.migrate_slot(SLOT, moving.other_than(source))
+    assert moving.owner(SLOT) is not source
+
+    assert await broker.extend(held) == [True] * 3
+    assert [r.ok for r in await broker.commit(held[:2])] == [True, True]
+    more = (await broker.receive(10, 0)).deliveries
+    assert len(more) == 3
+    assert (await broker.maintain()).total == 0
+    assert [r.ok for r in await broker.commit([held[2], *more])] == [True] * 4
+    await broker.publish(QUEUE, {"after": "move"})
+    assert await counters(client) == {"total": 6, "processing": 0, "success": 6, "failed": 0}
+    assert len(snapshot(moving)[KEYS.ready.encode()]) == 1
+
+
+async def test_a_settle_during_the_migration_waits_for_it(moving, broker, client, monkeypatch):
+    """Keys half moved: the slot's scripts get TRYAGAIN until the move completes."""
+    await publish(client, 4)
+    deliveries = (await broker.receive(10, 0)).deliveries
+    refused: list[str] = []
+    evalsha = broker.client.evalsha
+
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await evalsha(*args, **kwargs)
+        except Exception as error:
+            refused.append(type(error).__name__)
+            raise
+
+    monkeypatch.setattr(broker.client, "evalsha", watched)
+    migration = moving.begin_migration(SLOT, moving.other_than(moving.owner(SLOT)))
+    migration.move_keys([KEYS.processing])  # the rest stays behind for now
+    settling = asyncio.create_task(broker.commit(deliveries))
+
+    async def refused_once() -> bool:
+        return bool(refused)
+
+    await wait_until(refused_once)
+    assert not settling.done()
+    await asyncio.to_thread(migration.finish)
+    assert [r.outcome for r in await settling] == [Outcome.OK] * 4
+    assert await counters(client) == {"total": 4, "processing": 0, "success": 4, "failed": 0}
+    assert await client.llen(KEYS.processing) == 0
