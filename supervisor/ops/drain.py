@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 
 import psutil
 
 TITLE = "queue-supervisor: {queue} "
+#: Seconds between checks whether the stopped supervisors exited.
+POLL = 0.1
 
 
 def title(process: psutil.Process) -> str:
@@ -40,10 +43,21 @@ def find_supervisors(queue: str) -> list[psutil.Process]:
 def stop(
     processes: list[psutil.Process], timeout: float
 ) -> tuple[list[psutil.Process], list[psutil.Process]]:
-    """SIGTERM each, wait up to ``timeout`` s for all; returns (gone, still alive)."""
-    signalled = []
+    """SIGTERM each, wait up to ``timeout`` s for all to exit; returns (gone, still alive)."""
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGTERM)  # AccessDenied surfaces: not ours to stop
-            signalled.append(process)
-    return psutil.wait_procs(signalled, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    alive = [process for process in processes if running(process)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(POLL)
+        alive = [process for process in alive if running(process)]
+    return [process for process in processes if process not in alive], alive
+
+
+def running(process: psutil.Process) -> bool:
+    """Still running; an exited process its parent has not reaped yet counts as gone."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,76 @@
+"""``drain`` end to end: a real supervisor busy on a queue is stopped by process title, and
+afterwards no reservation or owner record of the queue remains (the rollback check)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import orjson
+import pytest
+import redis
+
+from broker import envelope
+from broker.keys import QueueKeys
+from supervisor.ops.drain import find_supervisors, is_supervisor_of
+from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
+
+
+def test_titles_of_supervisors_and_not_of_their_handlers():
+    assert is_supervisor_of("queue-supervisor: jobs running [buffer 3/10, 1/2 busy]", "jobs")
+    assert is_supervisor_of("queue-supervisor: jobs starting", "jobs")
+    assert not is_supervisor_of("queue-supervisor: jobs handler 0 busy", "jobs")
+    assert not is_supervisor_of("queue-supervisor: jobs-2 running", "jobs")
+    assert not is_supervisor_of("queue-supervisor: fork server", "jobs")
+
+
+@pytest.fixture
+def client(redis_url: str):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
+    tmp_path, redis_url, client
+):
+    queue = f"drain-{uuid.uuid4().hex[:8]}"  # other tests' supervisors must not match
+    keys = QueueKeys(NAMESPACE, queue)
+    built = [envelope.build(queue, {"n": n, "sleep": 0.01}) for n in range(300)]
+    client.lpush(keys.ready, *(raw for _, raw in built))
+    config = write_config(tmp_path, redis_url, job={"queue": queue, "coroutines": 2,
+                                                   "prefetch": 40})
+    supervisor = Supervisor(config, tmp_path, redis_url)
+    try:
+        wait_for(lambda: [p.pid for p in find_supervisors(queue)] == [supervisor.pid], 15,
+                 "the supervisor's title")
+        wait_for(lambda: len(lines(tmp_path / "handled")) >= 20, 30, "some progress")
+        environ = dict(os.environ, PYTHONPATH=str(ROOT))
+        environ.pop("QUEUE_BROKER_URL", None)
+        drained = subprocess.run(
+            [sys.executable, "-m", "supervisor", "drain", str(config), "--timeout", "40"],
+            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        )
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        assert f"stopping 1 supervisors of {queue}: pids {supervisor.pid}" in drained.stdout
+        assert "ok: no reservation and no owner record" in drained.stdout
+        assert supervisor.process.poll() == 0, supervisor.output()
+
+        assert client.zcard(keys.reservations) == 0
+        assert not list(client.scan_iter(match=keys.owner("") + "*"))
+        assert client.llen(keys.processing) == 0
+        # Every message was handled or is back in the ready list: nothing was lost.
+        ready = {orjson.loads(raw)["pid"] for raw in client.lrange(keys.ready, 0, -1)}
+        handled = set(lines(tmp_path / "handled"))
+        assert ready | handled == {pid for pid, _ in built}
+        assert ready and handled  # it really stopped midway
+
+        checked = subprocess.run(
+            [sys.executable, "-m", "supervisor", "check", str(config)],
+            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    finally:
+        supervisor.stop()
