@@ -53,10 +53,12 @@ def toml_value(value: Any) -> str:
 class Supervisor:
     """A running ``python -m supervisor`` with its output captured to a file."""
 
-    def __init__(self, config: Path, workdir: Path, redis_url: str, **env: str) -> None:
+    def __init__(self, config: Path, workdir: Path, redis_url: str,
+                 namespace: str = NAMESPACE, **env: str) -> None:
+        """``namespace`` is passed on to the handler's on_success check (E2E_NAMESPACE)."""
         self.log_path = workdir / f"supervisor-{time.monotonic_ns()}.log"
         environ = dict(os.environ, E2E_DIR=str(workdir), E2E_REDIS=redis_url,
-                       E2E_NAMESPACE=NAMESPACE, PYTHONPATH=str(ROOT), **env)
+                       E2E_NAMESPACE=namespace, PYTHONPATH=str(ROOT), **env)
         environ.pop("QUEUE_BROKER_URL", None)
         self.log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
         self.process = subprocess.Popen(
@@ -108,24 +110,25 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str = "conditio
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def publish(client: redis.Redis, payloads: list[dict[str, Any]]) -> list[str]:
+def publish(client: redis.Redis, payloads: list[dict[str, Any]],
+            namespace: str = NAMESPACE) -> list[str]:
     """LPUSH PHP-compatible envelopes (first payload is consumed first)."""
     built = [envelope.build(QUEUE, payload) for payload in payloads]
     for start in range(0, len(built), 1000):
-        client.lpush(keys().ready, *(raw for _, raw in built[start : start + 1000]))
+        client.lpush(keys(namespace).ready, *(raw for _, raw in built[start : start + 1000]))
     return [pid for pid, _ in built]
 
 
-def keys() -> QueueKeys:
-    return QueueKeys(NAMESPACE, QUEUE)
+def keys(namespace: str = NAMESPACE) -> QueueKeys:
+    return QueueKeys(namespace, QUEUE)
 
 
 def lines(path: Path) -> list[str]:
     return path.read_text().split("\n")[:-1] if path.exists() else []
 
 
-def counter(client: redis.Redis, name: str) -> int:
-    return int(client.get(keys().stat(name)) or 0)
+def counter(client: redis.Redis, name: str, namespace: str = NAMESPACE) -> int:
+    return int(client.get(keys(namespace).stat(name)) or 0)
 
 
 # Read in one script so a claim (reservation -> processing) cannot be counted twice.
@@ -138,7 +141,7 @@ return total
 """
 
 
-def outstanding(client: redis.Redis) -> int:
+def outstanding(client: redis.Redis, namespace: str = NAMESPACE) -> int:
     """Deliveries this queue's consumers hold: processing entries plus reserved payloads."""
-    k = keys()
+    k = keys(namespace)
     return client.eval(_OUTSTANDING, 2, k.processing, k.reservations)
