@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import setproctitle
 
-from supervisor import logs
+from supervisor import logs, metrics, systemd
 from supervisor.config import Config, ConfigError, load, split_handler
 from supervisor.ops import COMMANDS
 
@@ -76,16 +76,32 @@ def run(config: Config) -> int:
             flush_every=config.job.flush_every, queue=config.job.queue,
         )
 
+    # Read (and removed from the environment) before forking: handlers must not notify.
+    notifier = systemd.Notifier.from_environ()
     forkserver = ForkServer(handler_process)
     forkserver.start()  # before any thread, event loop or connection exists
     # Findable by `drain` from now on (the arbiter keeps the title up to date).
     setproctitle.setproctitle(f"queue-supervisor: {config.job.queue} starting")
     try:
+        recorder = start_metrics(config)  # a thread: only now that the fork server exists
+    except OSError as error:
+        forkserver.stop()
+        print(f"error: {config.path}: [supervisor] metrics_port = "
+              f"{config.supervisor.metrics_port} cannot be served: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
         broker = make_broker(config)
         arbiter = Arbiter(config, broker, slots, forkserver, handler_module)
         return asyncio_run(arbiter.run())
     finally:
+        recorder.close()
+        notifier.close()
         forkserver.stop()
+
+
+def start_metrics(config: Config) -> metrics.Metrics:
+    sup = config.supervisor
+    return metrics.start(config.job.queue, sup.metrics_port, sup.metrics_host)
 
 
 def asyncio_run(coroutine) -> int:

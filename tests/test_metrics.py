@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 
 import pytest
@@ -10,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.base import Action
 from supervisor import metrics
 from tests.servers import free_port
+from tests.supervision import QUEUE, Supervisor, wait_for, write_config
 
 
 @pytest.fixture
@@ -31,8 +33,8 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(f"queue_supervisor_{name}", tuple(sorted({"queue": "stats-usage",
-                                                                **labels}.items())))]
+    labels = {"queue": "stats-usage", **labels}
+    return samples[(f"queue_supervisor_{name}", tuple(sorted(labels.items())))]
 
 
 def test_the_endpoint_serves_the_counters_gauges_and_histograms(served):
@@ -96,3 +98,36 @@ def test_throughput_is_a_rate_over_the_recent_window():
         now[0] += 5
         meter.per_second()
     assert meter.per_second() == 0.0
+
+
+def test_the_supervisor_serves_metrics_on_its_port(tmp_path, redis_url):
+    port = free_port()
+    config = write_config(tmp_path, redis_url, supervisor={"metrics_port": port})
+    supervisor = Supervisor(config, tmp_path, redis_url)
+    try:
+        samples = wait_for(lambda: _try_scrape(port), 15, "the metrics endpoint")
+        assert value(samples, "deliveries_received_total", queue=QUEUE) >= 0
+    finally:
+        supervisor.stop()
+
+
+def test_a_metrics_port_in_use_exits_2_with_one_line(tmp_path, redis_url):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, redis_url, supervisor={"metrics_port": port})
+        supervisor = Supervisor(config, tmp_path, redis_url)
+        try:
+            assert supervisor.wait(30) == 2
+            output = supervisor.output().strip().splitlines()
+            assert len(output) == 1 and "metrics_port" in output[0], output
+        finally:
+            supervisor.stop()
+
+
+def _try_scrape(port: int) -> dict | None:
+    try:
+        return scrape(port)
+    except OSError:
+        return None
