@@ -1,0 +1,124 @@
+"""Pulling from a durable JetStream consumer: one blocking request, then no-wait top-ups.
+
+nats-py exposes neither ``no_wait`` nor per-request routing, so pull requests are sent by
+hand to ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with a reply subject on the
+connection's inbox. A request's status (404 no messages, 408 expired, 409 ...) comes back
+on that reply subject, but its messages carry their original subject: every pulled message
+lands in one backlog, whichever request it answers. So nothing is ever dropped: a message
+that arrives after its receive gave up (a late reply) is simply returned by the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import orjson
+from nats.aio.msg import Msg
+
+from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
+
+log = logging.getLogger("broker.nats")
+
+#: Extra seconds to wait past a pull request's own expiry for the server's 408.
+EXPIRY_GRACE = 1.0
+
+
+class Puller:
+    """Runs pull requests for one consumer and keeps what arrives in a backlog."""
+
+    def __init__(
+        self, next_subject: str, request_timeout: float,
+        on_silence: Callable[[Connection], None],
+    ) -> None:
+        self._next = next_subject
+        self._request_timeout = request_timeout
+        self._on_silence = on_silence  # the server did not answer a pull: check the socket
+        self._backlog: deque[Msg] = deque()
+        self._arrived = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    def on_pulled(self, msg: Msg) -> None:
+        """Connection callback for every pulled message (on any connection)."""
+        self._backlog.append(msg)
+        self._arrived.set()
+
+    def take_backlog(self) -> list[Msg]:
+        """Everything that arrived but was not returned (used at close to release it)."""
+        taken = list(self._backlog)
+        self._backlog.clear()
+        return taken
+
+    async def pull(self, conn: Connection, max_messages: int, block_timeout: float) -> list[Msg]:
+        """Up to ``max_messages``: what is there at once, else wait up to ``block_timeout``
+        for the first one; then top up without waiting. Never waits to fill a batch."""
+        async with self._lock:  # one receive at a time: the backlog is shared
+            got = self._take(max_messages)
+            try:
+                if not got and block_timeout > 0:
+                    await self._wait_first(conn, block_timeout)
+                    got = self._take(max_messages)
+                if len(got) < max_messages:
+                    await self._top_up(conn, max_messages - len(got))
+            except ConnectionLost as error:
+                log.info("pull ended early: %s", error)
+            except RequestTimeout as error:
+                log.warning("pull request got no answer: %s", error)
+                self._on_silence(conn)
+            return got + self._take(max_messages - len(got))
+
+    async def _wait_first(self, conn: Connection, block_timeout: float) -> None:
+        """A pull for one message that the server holds open for ``block_timeout``."""
+        body = {"batch": 1, "expires": max(1, int(block_timeout * 1e9))}
+        status = await self._request(conn, body, block_timeout + EXPIRY_GRACE)
+        try:
+            await self._until(lambda: bool(self._backlog), status)
+        finally:
+            status.cancel()
+
+    async def _top_up(self, conn: Connection, room: int) -> None:
+        """A no-wait pull for ``room`` messages: ends at a status or when all arrived."""
+        start = len(self._backlog)
+        status = await self._request(conn, {"batch": room, "no_wait": True},
+                                     self._request_timeout)
+        try:
+            await self._until(lambda: len(self._backlog) - start >= room, status)
+        finally:
+            status.cancel()
+
+    async def _request(self, conn: Connection, body: dict, timeout: float) -> asyncio.Future[Msg]:
+        reply, status = conn.expect_reply(timeout, "pull request")
+        try:
+            await conn.publish(self._next, orjson.dumps(body), reply=reply)
+        except BaseException:
+            status.cancel()
+            raise
+        return status
+
+    async def _until(self, enough: Callable[[], bool], status: asyncio.Future[Msg]) -> None:
+        """Wait until ``enough()`` or the request's status (or its timeout) arrives."""
+        while not enough() and not status.done():
+            self._arrived.clear()
+            waiter = asyncio.ensure_future(self._arrived.wait())
+            try:
+                await asyncio.wait({waiter, status}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        if status.done() and not status.cancelled():
+            _log_status(status.result())  # raises ConnectionLost / RequestTimeout
+
+    def _take(self, limit: int) -> list[Msg]:
+        taken: list[Msg] = []
+        while self._backlog and len(taken) < limit:
+            taken.append(self._backlog.popleft())
+        return taken
+
+
+def _log_status(msg: Msg) -> None:
+    """404 (nothing there) and 408 (expired) are the normal ends of a pull request."""
+    headers = msg.headers or {}
+    code = headers.get("Status", "")
+    if code not in ("404", "408"):
+        log.info("pull request ended with status %s %s", code, headers.get("Description", ""))

@@ -1,0 +1,399 @@
+"""The NATS JetStream broker against a private nats-server (and a fault proxy in front of it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+
+from broker.base import Action, BrokerError, Delivery, Outcome, Settlement
+from broker.nats import NatsBroker
+from broker.nats_setup import QueueNames
+from tests.faultproxy import FaultProxy
+from tests.servers import NatsServer
+
+QUEUE = "stats-usage"
+NAMES = QueueNames.of(QUEUE)
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer):
+    """A plain nats-py JetStream context for setting up and inspecting the server."""
+    client = await nats.connect(nats_server.url)
+    yield client.jetstream()
+    await client.close()
+
+
+@pytest.fixture
+async def brokers(nats_server: NatsServer):
+    """make(**options) -> a connected NatsBroker for QUEUE; all closed at the end."""
+    made: list[NatsBroker] = []
+
+    async def make(url: str | None = None, **options) -> NatsBroker:
+        options.setdefault("request_timeout", 2.0)
+        broker = NatsBroker(url or nats_server.url, QUEUE, **options)
+        made.append(broker)
+        await broker.connect()
+        return broker
+
+    yield make
+    for broker in made:
+        await broker.close()
+
+
+@pytest.fixture
+async def proxy(nats_server: NatsServer):
+    fault = await FaultProxy(nats_server.port).start()
+    yield fault
+    await fault.close()
+
+
+async def receive_all(broker: NatsBroker, count: int, timeout: float = 20.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"received {len(got)} of {count}"
+        got += (await broker.receive(count - len(got), 1.0)).deliveries
+    return got
+
+
+async def stream_messages(js, stream: str) -> int:
+    return (await js.stream_info(stream)).state.messages
+
+
+async def settle_one(broker: NatsBroker, action: Action, delivery: Delivery) -> Outcome:
+    [result] = await broker.settle([Settlement(action, delivery)])
+    return result.outcome
+
+
+# -- names and settings --------------------------------------------------------------------
+
+
+async def test_creates_streams_and_consumer_with_the_contract_names(brokers, js):
+    broker = await brokers(ack_wait=7, max_deliver=4)
+    assert broker.names == QueueNames(
+        "Q_STATS-USAGE", "q.stats-usage.normal", "Q_STATS-USAGE_DEAD", "q.stats-usage.dead")
+    work = (await js.stream_info(NAMES.stream)).config
+    assert work.retention == RetentionPolicy.WORK_QUEUE
+    assert work.storage == StorageType.FILE
+    assert work.subjects == [NAMES.subject]
+    dead = (await js.stream_info(NAMES.dead_stream)).config
+    assert dead.subjects == [NAMES.dead_subject]
+    consumer = (await js.consumer_info(NAMES.stream, "worker")).config
+    assert consumer.durable_name == "worker"
+    assert consumer.ack_policy == AckPolicy.EXPLICIT
+    assert consumer.ack_wait == 7
+    assert consumer.max_deliver == 4
+    assert consumer.filter_subject == NAMES.subject
+    assert consumer.deliver_subject is None  # a pull consumer
+
+
+def test_names_are_sanitised_like_the_php_producer():
+    names = QueueNames.of("v1-Stats.usage/x")
+    assert names.stream == "Q_V1-STATS_USAGE_X"
+    assert names.subject == "q.v1-stats_usage_x.normal"
+    assert names.dead_stream == "Q_V1-STATS_USAGE_X_DEAD"
+    assert names.dead_subject == "q.v1-stats_usage_x.dead"
+
+
+async def test_existing_stream_with_other_retention_is_refused(brokers, js):
+    await js.add_stream(StreamConfig(name=NAMES.stream, subjects=[NAMES.subject]))  # limits
+    with pytest.raises(BrokerError, match="retention 'limits'"):
+        await brokers()
+    assert (await js.stream_info(NAMES.stream)).config.retention == RetentionPolicy.LIMITS
+
+
+@pytest.mark.parametrize(("setting", "existing", "match"), [
+    ("max_deliver", {"max_deliver": 5}, "max_deliver 5"),
+    ("ack_wait", {"ack_wait": 60}, "ack_wait 60s"),
+    ("filter subjects", {"filter_subject": "q.stats-usage.priority"}, "priority"),
+    ("push consumer", {"deliver_subject": "elsewhere"}, "pull consumer is needed"),
+])
+async def test_existing_consumer_with_other_settings_is_refused(
+    brokers, js, setting, existing, match
+):
+    # (A workqueue stream refuses any ack policy but explicit, so that cannot differ.)
+    await js.add_stream(StreamConfig(
+        name=NAMES.stream, subjects=[NAMES.subject, "q.stats-usage.priority"],
+        retention=RetentionPolicy.WORK_QUEUE))
+    config = {"durable_name": "worker", "ack_policy": AckPolicy.EXPLICIT, "ack_wait": 30,
+              "max_deliver": 3, "filter_subject": NAMES.subject, **existing}
+    await js.add_consumer(NAMES.stream, ConsumerConfig(**config))
+    with pytest.raises(BrokerError, match=match) as error:
+        await brokers(ack_wait=30, max_deliver=3)
+    assert setting in str(error.value)
+    assert "worker" in str(error.value)
+
+
+async def test_existing_php_layout_is_accepted(brokers, js):
+    """utopia-php/queue creates the work stream with a priority subject too."""
+    await js.add_stream(StreamConfig(
+        name=NAMES.stream, subjects=[NAMES.subject, "q.stats-usage.priority"],
+        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
+    broker = await brokers(ack_wait=30, max_deliver=3)
+    pid = await broker.publish(QUEUE, {"a": 1})
+    [delivery] = (await broker.receive(10, 5)).deliveries
+    assert delivery.pid == pid
+
+
+# -- receive -------------------------------------------------------------------------------
+
+
+async def test_sparse_message_is_returned_without_waiting_for_a_batch(brokers, js):
+    broker = await brokers()
+    pid = await broker.publish(QUEUE, {"user": "a/b"})
+    # A receive that waited to fill its batch would run into the 30 s block timeout.
+    received = await asyncio.wait_for(broker.receive(100, 30), 10)
+    [delivery] = received.deliveries
+    assert (delivery.pid, delivery.queue, delivery.payload, delivery.attempts) == \
+        (pid, QUEUE, {"user": "a/b"}, 0)
+    assert b"a\\/b" in delivery.raw  # the PHP-compatible envelope
+    stored = await js.get_msg(NAMES.stream, delivery.receipt.stream_seq)
+    assert stored.headers["Nats-Msg-Id"] == pid
+
+
+async def test_blocking_receive_returns_a_message_published_while_it_waits(brokers, nats_server):
+    broker = await brokers()
+    waiting = asyncio.ensure_future(broker.receive(10, 30))
+    await asyncio.sleep(0.2)  # let the pull request reach the server first
+    assert not waiting.done()
+    producer = NatsBroker(nats_server.url, QUEUE)
+    pid = await producer.publish(QUEUE, {"n": 1})
+    await producer.close()
+    received = await asyncio.wait_for(waiting, 10)
+    assert [d.pid for d in received.deliveries] == [pid]
+
+
+async def test_receive_takes_what_is_there_up_to_the_limit(brokers):
+    broker = await brokers()
+    pids = await broker.publish_many(QUEUE, [{"i": i} for i in range(30)])
+    first = await broker.receive(20, 5)
+    second = await broker.receive(20, 5)
+    assert [d.pid for d in first.deliveries + second.deliveries] == pids
+    assert len(first.deliveries) == 20
+
+
+async def test_malformed_payload_goes_dead_at_once(brokers, js):
+    broker = await brokers()
+    await js.publish(NAMES.subject, b"{not json")
+    pid = await broker.publish(QUEUE, {"ok": True})
+    received = await broker.receive(10, 5)
+    assert [d.pid for d in received.deliveries] == [pid]
+    [poisoned] = received.poisoned
+    assert poisoned.raw == b"{not json" and "invalid JSON" in poisoned.reason
+    dead = await js.get_msg(NAMES.dead_stream, 1)
+    assert dead.data == b"{not json"
+    await broker.settle([Settlement(Action.COMMIT, received.deliveries[0])])
+    assert await stream_messages(js, NAMES.stream) == 0  # terminated, not redelivered
+
+
+# -- settle ---------------------------------------------------------------------------------
+
+
+async def test_max_deliver_reached_goes_to_the_dead_stream(brokers, js):
+    broker = await brokers(max_deliver=2, ack_wait=2)
+    pid = await broker.publish(QUEUE, {"fails": True})
+    [first] = await receive_all(broker, 1)
+    assert await settle_one(broker, Action.REJECT, first) is Outcome.OK  # NAK: retried
+    [second] = await receive_all(broker, 1)
+    assert (second.pid, second.attempts) == (pid, 1)
+    [result] = await broker.settle([Settlement(Action.REJECT, second, "boom\nagain")])
+    assert result.outcome is Outcome.OK
+    dead = await js.get_msg(NAMES.dead_stream, 1)
+    assert dead.data == second.raw
+    assert dead.headers["Queue-Reason"] == "boom again"
+    assert await stream_messages(js, NAMES.stream) == 0
+    assert (await broker.receive(10, 3)).deliveries == []  # terminated: past ack_wait too
+
+
+async def test_reject_below_the_limit_waits_for_its_backoff(brokers):
+    broker = await brokers(max_deliver=5, retry_backoff=2.0, ack_wait=30)
+    await broker.publish(QUEUE, {"x": 1})
+    [delivery] = await receive_all(broker, 1)
+    assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
+    assert (await broker.receive(10, 0.5)).deliveries == []  # NAK delay of 2 s
+    [again] = await receive_all(broker, 1, timeout=10)
+    assert again.attempts == 1
+
+
+async def test_release_is_available_to_another_consumer_at_once(brokers):
+    first = await brokers(ack_wait=30)
+    second = await brokers(ack_wait=30)
+    pids = await first.publish_many(QUEUE, [{"i": i} for i in range(10)])
+    held = await receive_all(first, 10)
+    results = await first.settle([Settlement(Action.RELEASE, d) for d in held])
+    assert all(r.ok for r in results)
+    # Well before the 30 s ack_wait: released deliveries are not waiting for expiry.
+    again = await receive_all(second, 10, timeout=10)
+    assert sorted(d.pid for d in again) == sorted(pids)
+    assert {d.attempts for d in again} == {1}  # JetStream counts a release as a delivery
+
+
+async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
+    broker = await brokers(proxy.url, ack_wait=3, max_deliver=2, request_timeout=2.0)
+    other = await brokers(ack_wait=3, max_deliver=2)
+    limit_pid = await broker.publish(QUEUE, {"role": "limit"})
+    [limit] = await receive_all(broker, 1)
+    assert await settle_one(broker, Action.RELEASE, limit) is Outcome.OK
+    pids = await broker.publish_many(QUEUE, [{"i": i} for i in range(6)])
+    held = await receive_all(broker, 7)
+    by_pid = {d.pid: d for d in held}
+    limit = by_pid[limit_pid]
+    assert limit.attempts == 1
+    commit, dropped, reject, release = pids[0:2], pids[2:4], pids[4], pids[5]
+    proxy.drop_replies_to(by_pid[p].receipt.reply for p in dropped)
+
+    plan = [Settlement(Action.COMMIT, by_pid[p]) for p in commit + dropped]
+    plan += [Settlement(Action.REJECT, by_pid[reject], "retry me"),
+             Settlement(Action.RELEASE, by_pid[release]),
+             Settlement(Action.REJECT, limit, "out of attempts")]
+    results = await broker.settle(plan)
+    outcomes = [r.outcome for r in results]
+    assert outcomes == [Outcome.OK, Outcome.OK, Outcome.UNCERTAIN, Outcome.UNCERTAIN,
+                        Outcome.OK, Outcome.OK, Outcome.OK]
+    assert proxy.dropped == 2
+    assert all(proxy.published[by_pid[p].receipt.reply] == 1 for p in dropped)  # no replay
+
+    again = await receive_all(other, 2, timeout=10)
+    assert sorted(d.pid for d in again) == sorted([reject, release])
+    await other.settle([Settlement(Action.COMMIT, d) for d in again])
+    assert (await js.get_msg(NAMES.dead_stream, 1)).data == limit.raw
+    # The dropped commits were applied by the server: nothing is left, nothing is lost.
+    assert (await other.receive(10, 4)).deliveries == []
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
+async def test_each_commit_reports_as_soon_as_its_own_reply_arrives(brokers, proxy):
+    broker = await brokers(proxy.url, request_timeout=5.0)
+    await broker.publish_many(QUEUE, [{"i": 1}, {"i": 2}])
+    slow, fast = await receive_all(broker, 2)
+    proxy.drop_replies_to([slow.receipt.reply])
+    slow_settle = asyncio.ensure_future(settle_one(broker, Action.COMMIT, slow))
+    await asyncio.sleep(0)
+    assert await settle_one(broker, Action.COMMIT, fast) is Outcome.OK
+    assert not slow_settle.done()  # still waiting for its lost reply
+    assert await slow_settle is Outcome.UNCERTAIN
+
+
+async def test_cut_after_the_ack_is_uncertain_and_not_replayed(brokers, proxy, js):
+    broker = await brokers(proxy.url, ack_wait=2)
+    await broker.publish(QUEUE, {"x": 1})
+    [delivery] = await receive_all(broker, 1)
+    proxy.cut_after(b"+ACK")
+    assert await settle_one(broker, Action.COMMIT, delivery) is Outcome.UNCERTAIN
+    assert proxy.triggered.is_set()
+    assert proxy.published[delivery.receipt.reply] == 1
+
+    # The broker carries on with a new connection; the message ended acked (or, had the
+    # ack been lost, it would be redelivered): either way it is not lost.
+    later = await broker.publish(QUEUE, {"x": 2})
+    seen = [d for d in (await broker.receive(10, 3)).deliveries]
+    assert later in [d.pid for d in seen]
+    assert broker.reconnects >= 1
+    leftovers = [d for d in seen if d.pid == delivery.pid]
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in seen])
+    assert all(r.ok for r in results)
+    assert not leftovers or leftovers[0].attempts == 1
+    assert await stream_messages(js, NAMES.stream) == 0
+    assert proxy.published[delivery.receipt.reply] == 1
+
+
+# -- renewal --------------------------------------------------------------------------------
+
+
+async def test_extend_keeps_held_deliveries_past_ack_wait(brokers, js):
+    broker = await brokers(ack_wait=2)
+    rival = await brokers(ack_wait=2)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(20)])
+    held = await receive_all(broker, 20)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        assert await broker.extend(held) == [True] * 20
+        assert (await rival.receive(20, 0.6)).deliveries == []  # nothing redelivered
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+    assert all(r.ok for r in results)
+    assert {d.attempts for d in held} == {0}
+    info = await js.consumer_info(NAMES.stream, "worker")
+    assert info.num_redelivered == 0
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
+async def test_superseded_delivery_is_reported_stale(brokers):
+    broker = await brokers(ack_wait=1)
+    await broker.publish(QUEUE, {"x": 1})
+    [old] = await receive_all(broker, 1)
+    [new] = await receive_all(broker, 1, timeout=10)  # redelivered after ack_wait
+    assert new.attempts == old.attempts + 1
+    assert await broker.extend([old, new]) == [False, True]
+    assert await settle_one(broker, Action.RELEASE, old) is Outcome.STALE
+    assert await settle_one(broker, Action.COMMIT, new) is Outcome.OK
+
+
+# -- server restart -------------------------------------------------------------------------
+
+
+async def test_server_restart_mid_run_loses_nothing(brokers, nats_server):
+    broker = await brokers(ack_wait=2, connect_timeout=2.0)
+    pids = set(await broker.publish_many(QUEUE, [{"i": i} for i in range(500)]))
+    handled: set[str] = set()
+    failures = 0
+    reached, stopped = asyncio.Event(), asyncio.Event()
+
+    async def consume() -> None:
+        nonlocal failures
+        while True:
+            try:
+                received = await broker.receive(50, 1.0)
+            except BrokerError:
+                failures += 1  # server down: receive waited for a connection in vain
+                continue
+            if len(handled) >= 100 and not reached.is_set():
+                reached.set()
+                await stopped.wait()  # settle this batch with the server gone
+            pending = [Settlement(Action.COMMIT, d) for d in received.deliveries]
+            while pending:
+                results = await broker.settle(pending)
+                for settlement, result in zip(pending, results, strict=True):
+                    if result.outcome in (Outcome.OK, Outcome.UNCERTAIN):
+                        handled.add(settlement.delivery.pid)
+                # Never sent: still ours, settle again (uncertain ones are not replayed).
+                pending = [s for s, r in zip(pending, results, strict=True)
+                           if r.outcome is Outcome.ERROR]
+                failures += len(pending)
+            if not received.deliveries and handled >= pids:
+                return
+
+    consumer = asyncio.ensure_future(consume())
+    await asyncio.wait_for(reached.wait(), 30)
+    await asyncio.to_thread(nats_server.stop)
+    stopped.set()
+    await wait_until(lambda: _at_least(failures, 1))
+    await asyncio.to_thread(nats_server.start)  # same port, same file storage
+    await asyncio.wait_for(consumer, 90)
+    assert handled >= pids
+    assert broker.reconnects >= 1
+    await wait_until(lambda: _stream_empty(nats_server))
+
+
+async def _at_least(value: int, count: int) -> bool:
+    return value >= count
+
+
+async def _stream_empty(server: NatsServer) -> bool:
+    client = await nats.connect(server.url)
+    try:
+        return (await client.jetstream().stream_info(NAMES.stream)).state.messages == 0
+    finally:
+        await client.close()
