@@ -254,3 +254,35 @@ async def test_operator_commands_exit_2_on_a_bad_config(run, tmp_path, capsys):
     code = await asyncio.to_thread(cli.main, ["check", str(bad)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "prefetchh" in err
+
+
+# -- NATS -------------------------------------------------------------------------------------
+
+
+async def test_status_of_a_nats_queue_reads_the_stream_and_consumer(run, tmp_path, nats_server):
+    from broker.nats import NatsBroker
+
+    conf = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle",
+                            nats={"ack_wait": 30}))
+    code, out = await run("status", conf, "--json")  # nothing exists yet: nothing created
+    assert code == 0 and orjson.loads(out)["stream"] is None
+
+    broker = NatsBroker(nats_server.url, QUEUE, ack_wait=30, max_deliver=3)
+    try:
+        await broker.connect()
+        await broker.publish_many(QUEUE, [{"n": n} for n in range(3)])
+        received = await broker.receive(1, block_timeout=5)
+        assert len(received.deliveries) == 1
+        code, out = await run("status", conf, "--json")
+    finally:
+        await broker.close()
+    state = orjson.loads(out)
+    assert code == 0 and state["broker"] == "nats" and state["stream"] == f"Q_{QUEUE.upper()}"
+    assert (state["ready"], state["processing"], state["dead"]) == (2, 1, 0)
+    assert state["consumer"]["max_deliver"] == 3
+
+
+async def test_redis_only_commands_refuse_a_nats_queue(run, tmp_path, capsys):
+    conf = str(write_config(tmp_path, "nats://127.0.0.1:1", handler="examples.noop:handle"))
+    code = await asyncio.to_thread(cli.main, ["check", conf])
+    assert code == 2 and "for Redis queues only" in capsys.readouterr().err

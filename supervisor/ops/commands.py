@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import nats.errors
 import orjson
 import redis.exceptions
 
@@ -44,12 +45,19 @@ class Unsupported(Exception):
 
 
 async def status(config: Config, args: argparse.Namespace) -> int:
-    async with redis_broker(config, "status") as broker:
-        state = await inspect.queue_status(broker.client, broker.keys)
+    if config.broker.kind == "nats":
+        from supervisor.ops import nats_status
+
+        state = await nats_status.queue_status(config)
+        lines = nats_status.describe(state)
+    else:
+        async with redis_broker(config, "status") as broker:
+            state = await inspect.queue_status(broker.client, broker.keys)
+        lines = describe_status(state)
     if args.json:
         print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
     else:
-        print("\n".join(describe_status(state)))
+        print("\n".join(lines))
     return EXIT_OK
 
 
@@ -90,7 +98,7 @@ async def publish(config: Config, args: argparse.Namespace) -> int:
     except (InputError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    async with redis_broker(config, "publish") as broker:
+    async with opened_broker(config, "publish") as broker:
         pids = await publish_all(broker, config.job.queue, payloads)
     print(f"published {len(pids)} messages to {config.job.queue}")
     if args.verbose:
@@ -204,15 +212,23 @@ def read_input(file: str | None) -> list[dict[str, Any]]:
         return read_payloads(lines, file)
 
 
-@contextlib.asynccontextmanager
-async def redis_broker(config: Config, command: str) -> AsyncIterator[Any]:
-    """A connected RedisBroker for the job's queue, closed afterwards."""
+def redis_broker(config: Config, command: str) -> contextlib.AbstractAsyncContextManager[Any]:
+    """A connected RedisBroker for the job's queue (NATS keeps no such state)."""
     if config.broker.kind != "redis":
-        raise Unsupported(f"{command} supports Redis queues only; {config.broker.safe_url} "
-                          "is a NATS URL")
+        raise Unsupported(f"{command} is for Redis queues only: JetStream keeps and recovers "
+                          f"its pending deliveries itself ({config.broker.safe_url})")
+    return opened_broker(config, command)
+
+
+@contextlib.asynccontextmanager
+async def opened_broker(config: Config, command: str) -> AsyncIterator[Any]:
+    """The job's broker, connected, and closed afterwards."""
     from supervisor.brokers import make_broker
 
-    broker: Any = make_broker(config)
+    try:
+        broker: Any = make_broker(config)
+    except ValueError as error:  # no adapter for this URL's scheme in this version
+        raise Unsupported(f"{command}: {error}") from None
     try:
         await broker.connect()
         yield broker
@@ -273,7 +289,7 @@ def main(argv: Sequence[str]) -> int:
     except Unsupported as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except (BrokerError, redis.exceptions.RedisError, OSError) as error:
+    except (BrokerError, redis.exceptions.RedisError, nats.errors.Error, OSError) as error:
         print(f"error: {args.command} failed: {error}", file=sys.stderr)
         return EXIT_LEFT
 
