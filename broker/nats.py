@@ -138,7 +138,8 @@ class NatsBroker:
         leftovers = self._puller.take_backlog()
         conn = self._link.connection
         if leftovers and conn is not None:
-            await asyncio.gather(*(self._request(conn, m.reply, NAK) for m in leftovers))
+            await asyncio.gather(
+                *(self._request(conn, m.reply, NAK) for m in leftovers if m.reply))
         await self._link.close()
         self._latest.clear()
 

@@ -164,10 +164,16 @@ async def test_sparse_message_is_returned_without_waiting_for_a_batch(brokers, j
     assert stored.headers["Nats-Msg-Id"] == pid
 
 
-async def test_blocking_receive_returns_a_message_published_while_it_waits(brokers, nats_server):
+async def test_blocking_receive_returns_a_message_published_while_it_waits(
+    brokers, nats_server, js
+):
     broker = await brokers()
     waiting = asyncio.ensure_future(broker.receive(10, 30))
-    await asyncio.sleep(0.2)  # let the pull request reach the server first
+
+    async def pull_waiting() -> bool:
+        return (await js.consumer_info(NAMES.stream, "worker")).num_waiting == 1
+
+    await wait_until(pull_waiting)
     assert not waiting.done()
     producer = NatsBroker(nats_server.url, QUEUE)
     pid = await producer.publish(QUEUE, {"n": 1})
@@ -308,6 +314,35 @@ async def test_cut_after_the_ack_is_uncertain_and_not_replayed(brokers, proxy, j
     assert not leftovers or leftovers[0].attempts == 1
     assert await stream_messages(js, NAMES.stream) == 0
     assert proxy.published[delivery.receipt.reply] == 1
+
+
+async def test_silent_connection_is_replaced(brokers, proxy, js):
+    broker = await brokers(proxy.url, ack_wait=2, request_timeout=1.0, connect_timeout=1.0)
+    await broker.publish(QUEUE, {"x": 1})
+    [delivery] = await receive_all(broker, 1)
+    proxy.pause()  # the socket stays open, nothing gets through either way
+    assert await settle_one(broker, Action.COMMIT, delivery) is Outcome.UNCERTAIN
+    # The failed health check closed that client and a new one is being dialled.
+    await wait_until(lambda: _at_least(proxy.connections, 2))
+    proxy.resume()  # the held ack may still reach the server now: either way, no loss
+    redelivered: list[Delivery] = []
+
+    async def drained() -> bool:
+        received = await broker.receive(10, 0.5)
+        redelivered.extend(received.deliveries)
+        await broker.settle([Settlement(Action.COMMIT, d) for d in received.deliveries])
+        return await stream_messages(js, NAMES.stream) == 0
+
+    await wait_until(drained)
+    assert broker.reconnects >= 1
+    assert all(d.pid == delivery.pid and d.attempts >= 1 for d in redelivered)
+    assert proxy.published[delivery.receipt.reply] <= 1  # never replayed by the broker
+
+
+async def test_publish_to_a_queue_without_a_stream_says_so(brokers):
+    broker = await brokers()
+    with pytest.raises(BrokerError, match=r"no JetStream stream stores 'q\.elsewhere\.normal'"):
+        await broker.publish("elsewhere", {"x": 1})
 
 
 # -- renewal --------------------------------------------------------------------------------
