@@ -36,6 +36,16 @@ EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT, EXIT_BROKEN = 0, 1, 3, 4
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process, read straight from /proc (cheap enough per job)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * PAGE_SIZE
+    except FileNotFoundError:
+        return psutil.Process(pid).memory_info().rss
 
 
 class Arbiter:
@@ -58,6 +68,7 @@ class Arbiter:
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
         self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
+        self.closed = False  # the background loops end (even if a client swallows a cancel)
         self.stop_requested = asyncio.Event()
         self.room = asyncio.Event()
         self.settle_wanted = asyncio.Event()
@@ -192,6 +203,8 @@ class Arbiter:
             entry = slot.running.pop(delivery_id)
             slot.jobs += 1
             self.buffer.complete(entry, error=data if kind == protocol.FAILED else None)
+            if not slot.retiring and self.should_recycle(slot):
+                slot.retiring = True  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:
             self.buffer.complete(slot.queued.popleft(), release=True)
         elif kind == protocol.READY:
@@ -213,13 +226,15 @@ class Arbiter:
 
     async def settle_loop(self) -> None:
         failures = 0
-        while True:
+        while not self.closed:
             await self.settle_wanted.wait()
             self.settle_wanted.clear()
             while self.buffer.completed:
                 ok = await self.settler.settle(self.buffer.take_completed(MAX_BATCH))
                 self.room.set()
                 self.progress.set()
+                for slot in self.slots:
+                    self.retire_if_idle(slot)
                 if not ok:  # the broker is unhappy: back off before trying those again
                     failures += 1
                     await asyncio.sleep(min(0.05 * 2**failures, 2.0))
@@ -230,7 +245,7 @@ class Arbiter:
 
     async def renew_loop(self) -> None:
         period = self.config.supervisor.lease / 3
-        while True:
+        while not self.closed:
             await asyncio.sleep(period)
             entries = list(self.buffer)
             try:
@@ -252,7 +267,7 @@ class Arbiter:
             self.room.set()
 
     async def maintenance_loop(self) -> None:
-        while True:
+        while not self.closed:
             try:
                 report = await self.broker.maintain()
             except (BrokerError, OSError) as error:
@@ -269,7 +284,7 @@ class Arbiter:
     # -- watching handler processes -----------------------------------------------------------
 
     async def watch_loop(self) -> None:
-        while True:
+        while not self.closed:
             self.enforce_limits()
             self.update_title()
             await asyncio.sleep(WATCH_PERIOD)
@@ -288,10 +303,12 @@ class Arbiter:
                 slot.kill_reason = f"handler timeout after {job.handler_timeout}s"
                 self.kill(slot, signal.SIGKILL)
                 continue
-            if not slot.retiring and self.should_recycle(slot):
-                slot.retiring = True
-            if slot.retiring and not slot.exit_sent and self.idle(slot):
-                slot.exit_sent = slot.to_child.put(protocol.encode_exit())
+            self.retire_if_idle(slot)
+
+    def retire_if_idle(self, slot: Slot) -> None:
+        """A recycled handler exits once nothing of it is queued, running or unconfirmed."""
+        if slot.retiring and slot.alive and not slot.exit_sent and self.idle(slot):
+            slot.exit_sent = slot.to_child.put(protocol.encode_exit())
 
     def should_recycle(self, slot: Slot) -> bool:
         job = self.config.job
@@ -299,8 +316,8 @@ class Arbiter:
             log.info("recycling handler %d after %d jobs", slot.index, slot.jobs)
             return True
         if job.max_rss_mb and slot.pid:
-            with contextlib.suppress(psutil.Error):
-                rss_mb = psutil.Process(slot.pid).memory_info().rss / 2**20
+            with contextlib.suppress(psutil.Error, OSError):
+                rss_mb = rss_bytes(slot.pid) / 2**20
                 if rss_mb > job.max_rss_mb:
                     log.info("recycling handler %d at %.0f MiB RSS", slot.index, rss_mb)
                     return True
@@ -396,8 +413,10 @@ class Arbiter:
             self.signal_busy(signal.SIGKILL)
         await self.settle_remaining()
         await self.stop_children(deadline=max(deadline, time.monotonic() + 1))
+        self.closed = True
         for task in self.tasks:
             task.cancel()
+        await asyncio.wait(self.tasks, timeout=2)
         owned = self.buffer.outstanding
         with contextlib.suppress(BrokerError, OSError):
             if owned:

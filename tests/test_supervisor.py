@@ -236,3 +236,83 @@ def test_bad_configuration_exits_2_and_consumes_nothing(
     assert expected in output and str(config) in output
     assert len(output.strip().splitlines()) == 1, output
     assert client.llen(keys().ready) == 1 and outstanding(client) == 0
+
+
+def handler_processes(tmp_path: Path) -> list[str]:
+    """The handler process id of each started message, in order."""
+    return [line.split()[2] for line in lines(tmp_path / "started")]
+
+
+def test_handler_timeout_kills_the_process_and_fails_the_delivery(
+    tmp_path, redis_url, client, start
+):
+    [hung] = publish(client, [{"hang": True}])
+    config = write_config(tmp_path, redis_url, job={"handler_timeout": 1.0, "max_attempts": 1})
+    supervisor = start(config)
+    wait_for(lambda: client.lrange(keys().failed, 0, -1) == [hung.encode()], 20,
+             "the hung message to fail")
+    assert "handler timeout" in supervisor.output()
+    [ok] = publish(client, [{"n": 1}])
+    wait_for(lambda: handled(tmp_path) == [ok], 10, "work after the timeout")
+    assert len(set(handler_processes(tmp_path))) == 2  # the killed process was replaced
+
+
+def test_handler_process_is_recycled_after_max_jobs(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"n": n} for n in range(9)])
+    config = write_config(tmp_path, redis_url, job={"max_jobs_per_process": 3, "prefetch": 1})
+    start(config)
+    wait_for(lambda: len(handled(tmp_path)) == len(pids), 30, "all messages")
+    processes = handler_processes(tmp_path)
+    assert sorted(handled(tmp_path)) == sorted(pids)
+    assert [processes.count(p) for p in dict.fromkeys(processes)] == [3, 3, 3]
+
+
+def test_handler_process_is_recycled_above_max_rss(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"grow": 120}, {"n": 1}, {"n": 2}])
+    config = write_config(tmp_path, redis_url, job={"max_rss_mb": 100, "prefetch": 1})
+    supervisor = start(config)
+    wait_for(lambda: len(handled(tmp_path)) == len(pids), 30, "all messages")
+    processes = handler_processes(tmp_path)
+    assert processes[0] != processes[1]  # replaced after the message that grew it
+    assert "recycling handler 0" in supervisor.output()
+
+
+def test_process_titles_show_queue_buffer_and_busy_state(tmp_path, redis_url, client, start):
+    publish(client, [{"hang": True}])
+    supervisor = start(write_config(tmp_path, redis_url))
+    wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
+
+    def titles() -> list[str]:
+        return [" ".join(filter(None, p.cmdline())) for p in supervisor.family()]
+
+    wait_for(lambda: any("[buffer 1/10, 1/1 busy]" in t for t in titles()), 5, "parent title")
+    assert any(t.startswith("queue-supervisor: e2e running") for t in titles())
+    assert any(t == "queue-supervisor: fork server" for t in titles())
+    wait_for(lambda: "queue-supervisor: e2e handler 0 busy" in titles(), 5, "child title")
+
+
+def test_second_signal_skips_to_the_kill(tmp_path, redis_url, client, start):
+    publish(client, [{"hang": True}])
+    config = write_config(tmp_path, redis_url, supervisor={"shutdown_deadline": 60})
+    supervisor = start(config)
+    wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
+    family = supervisor.family()
+    supervisor.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    began = time.monotonic()
+    supervisor.signal(signal.SIGINT)
+    assert supervisor.wait(20) == 0
+    assert time.monotonic() - began < 10  # nowhere near the 60 s deadline
+    _, alive = psutil.wait_procs(family, timeout=3)
+    assert not alive
+
+
+def test_no_process_survives_a_killed_supervisor(tmp_path, redis_url, client, start):
+    publish(client, [{"hang": True}])
+    supervisor = start(write_config(tmp_path, redis_url, job={"coroutines": 2, "prefetch": 2}))
+    wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
+    family = supervisor.family()
+    assert len(family) == 4  # supervisor, fork server, two handlers
+    supervisor.signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, f"orphans: {alive}"

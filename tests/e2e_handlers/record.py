@@ -3,7 +3,7 @@
 Environment: E2E_DIR (where the files go), E2E_REDIS (URL, for the on_success check),
 E2E_NAMESPACE, E2E_HANG_ALWAYS (hang on every message, for the bounded-stop test).
 Payload flags: {"sleep": seconds}, {"fail": true}, {"crash": true} (SIGKILL the process),
-{"hang": true}.
+{"hang": true}, {"grow": MiB}.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import time
 
 DIR = os.environ.get("E2E_DIR", ".")
+_kept: list[bytearray] = []
 
 
 def _append(name: str, line: str) -> None:
@@ -32,6 +33,8 @@ def handle(message) -> None:
             time.sleep(3600)
     if payload.get("crash"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if payload.get("grow"):  # keep this many MiB alive in the process (recycling by RSS)
+        _kept.append(bytearray(payload["grow"] * 2**20))
     if payload.get("sleep"):
         time.sleep(payload["sleep"])
     if payload.get("fail"):
