@@ -8,11 +8,14 @@ when that slot's script cache is lost or the slot moves to another master.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -23,6 +26,9 @@ from broker.placement import PlacementError
 from broker.publish import Publisher
 from broker.redis import RedisBroker
 from tests.cluster import PrivateCluster
+from tests.supervision import Supervisor, counter, lines, outstanding, wait_for, write_config
+from tests.supervision import keys as e2e_keys
+from tests.supervision import publish as publish_e2e
 from tests.test_redis_broker import count_script_calls, wait_until
 
 NS = "{utopia-queue}"
@@ -375,3 +381,97 @@ async def test_a_settle_during_the_migration_waits_for_it(moving, broker, client
     assert [r.outcome for r in await settling] == [Outcome.OK] * 4
     assert await counters(client) == {"total": 4, "processing": 0, "success": 4, "failed": 0}
     assert await client.llen(KEYS.processing) == 0
+
+
+# -- end to end: python -m supervisor on the cluster --------------------------------------
+
+
+@pytest.fixture
+def sync_client(redis_cluster: PrivateCluster):
+    connection = redis.RedisCluster.from_url(redis_cluster.url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def start(tmp_path: Path, redis_cluster: PrivateCluster):
+    """Start supervisors on the cluster; every one of them is gone afterwards."""
+    started: list[Supervisor] = []
+
+    def starter(**sections: dict[str, Any]) -> Supervisor:
+        sections["broker"] = {"cluster": True, "namespace": NS, **sections.get("broker", {})}
+        config = write_config(tmp_path, redis_cluster.url, **sections)
+        # No URL for the handler's on_success check: it uses a single-node client.
+        supervisor = Supervisor(config, tmp_path, "", namespace=NS)
+        started.append(supervisor)
+        return supervisor
+
+    yield starter
+    for supervisor in started:
+        supervisor.stop()
+
+
+def handled(tmp_path: Path) -> list[str]:
+    return lines(tmp_path / "handled")
+
+
+def stop_cleanly(supervisor: Supervisor) -> None:
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(20) == 0, supervisor.output()
+    assert "Traceback" not in supervisor.output()
+
+
+def test_e2e_prefetch_100_with_one_handler(tmp_path, sync_client, start):
+    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.001} for n in range(1500)], NS)
+    supervisor = start(job={"coroutines": 1, "prefetch": 100})
+    samples = []
+    while len(handled(tmp_path)) < len(pids):
+        samples.append(outstanding(sync_client, NS))
+        assert supervisor.process.poll() is None, supervisor.output()
+        time.sleep(0.005)
+    assert 1 < max(samples) <= 100
+    assert sorted(handled(tmp_path)) == sorted(pids)
+    wait_for(lambda: counter(sync_client, "success", NS) == len(pids), 10, "all commits")
+    stop_cleanly(supervisor)
+    assert counter(sync_client, "processing", NS) == 0
+    assert outstanding(sync_client, NS) == 0
+
+
+def test_e2e_the_queue_slot_moves_while_a_supervisor_runs(
+    tmp_path, redis_cluster, sync_client, start
+):
+    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.004} for n in range(800)], NS)
+    supervisor = start(job={"coroutines": 2, "prefetch": 50})
+    wait_for(lambda: len(handled(tmp_path)) >= 100, 30, "the first messages")
+    source = redis_cluster.owner(SLOT)
+    try:
+        # One key per MIGRATE: the queue spends a while half moved (ASK, TRYAGAIN).
+        migration = redis_cluster.begin_migration(SLOT, redis_cluster.other_than(source))
+        migration.move_keys(per_call=1)
+        migration.finish()
+    finally:
+        redis_cluster.stabilize(SLOT)
+    assert redis_cluster.owner(SLOT) is not source
+    assert len(set(handled(tmp_path))) < len(pids)  # it really moved under a running supervisor
+    pids += publish_e2e(sync_client, [{"after": "move"} for _ in range(50)], NS)
+
+    wait_for(lambda: set(handled(tmp_path)) >= set(pids), 60, "every message handled")
+    wait_for(lambda: outstanding(sync_client, NS) == 0, 20, "nothing outstanding")
+    assert supervisor.process.poll() is None, supervisor.output()
+    stop_cleanly(supervisor)
+    k = e2e_keys(NS)
+    assert sync_client.llen(k.ready) == 0 and sync_client.llen(k.processing) == 0
+    assert counter(sync_client, "success", NS) >= len(pids)
+    assert all(node.client.dbsize() == 0 for node in redis_cluster.nodes
+               if node is not redis_cluster.owner(SLOT))
+
+
+def test_e2e_a_namespace_without_hash_tag_is_refused(tmp_path, redis_cluster, sync_client,
+                                                     start):
+    pids = publish_e2e(sync_client, [{"n": n} for n in range(3)])  # utopia-queue.queue.e2e
+    before = sync_client.lrange(e2e_keys().ready, 0, -1)
+    supervisor = start(broker={"namespace": "utopia-queue"})
+    assert supervisor.wait(20) == 2, supervisor.output()
+    assert "{utopia-queue}" in supervisor.output()
+    assert sync_client.lrange(e2e_keys().ready, 0, -1) == before
+    assert handled(tmp_path) == [] and len(pids) == 3
