@@ -75,8 +75,9 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
     pipe = client.pipeline(transaction=False)
     for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
         pipe.llen(key)
-    pipe.mget([keys.stat(name) for name in STATS])
-    ready, processing, failed, dead, poison, stats = await pipe.execute()
+    for name in STATS:  # one GET each: a Redis Cluster pipeline refuses MGET
+        pipe.get(keys.stat(name))
+    ready, processing, failed, dead, poison, *stats = await pipe.execute()
     owners = await scan_prefix(client, keys.owner(""), show=0)
     return {
         "queue": keys.queue,
