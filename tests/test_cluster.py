@@ -25,6 +25,7 @@ from broker.keys import QueueKeys
 from broker.placement import PlacementError
 from broker.publish import Publisher
 from broker.redis import RedisBroker
+from supervisor import cli
 from tests.cluster import PrivateCluster
 from tests.supervision import Supervisor, counter, lines, outstanding, wait_for, write_config
 from tests.supervision import keys as e2e_keys
@@ -200,7 +201,7 @@ async def test_a_dead_consumers_deliveries_go_to_the_living(pair, client):
     taken = (await a.receive(10, 0)).deliveries
     assert (await b.maintain()).total == 0  # a is alive
 
-    await client.delete(KEYS.consumer("a"))  # a's lease ran out
+    await a.abandon()  # a's heartbeat is gone, as after its lease ran out
     assert (await b.maintain()).dead_consumers == 4
     assert await a.extend(taken) == [False] * 4
     assert [r.outcome for r in await a.commit(taken)] == [Outcome.STALE] * 4
@@ -325,6 +326,32 @@ async def test_publish_and_the_background_publisher(broker, client):
     assert taken == [first, *more, *late]
 
 
+async def test_operator_commands_on_the_cluster(tmp_path, redis_cluster, client, capsys,
+                                               monkeypatch):
+    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+    conf = str(write_config(tmp_path, redis_cluster.url, handler="examples.noop:handle",
+                            broker={"cluster": True, "namespace": NS}))
+    consumer = RedisBroker(redis_cluster.url, "e2e", namespace=NS, cluster=True, lease=30)
+    await consumer.connect()
+    try:
+        await consumer.publish_many("e2e", [{"n": n} for n in range(3)])
+        [delivery] = (await consumer.receive(1, 0)).deliveries
+        await consumer.reject([delivery], ["boom"])
+
+        async def run(*args: str) -> tuple[int, str]:
+            code = await asyncio.to_thread(cli.main, list(args))
+            return code, capsys.readouterr().out
+
+        code, out = await run("status", "--json", conf)
+        status = orjson.loads(out)
+        assert code == 0 and (status["ready"], status["processing"]) == (3, 0)
+        assert status["stats"]["total"] == 1
+        assert (await run("check", conf))[0] == 0
+        assert (await run("recover", conf))[0] == 0
+    finally:
+        await consumer.close()
+
+
 # -- the slot moves ---------------------------------------------------------------------
 
 
@@ -351,6 +378,21 @@ async def test_every_operation_follows_the_slot_to_another_master(moving, broker
     await broker.publish(QUEUE, {"after": "move"})
     assert await counters(client) == {"total": 6, "processing": 0, "success": 6, "failed": 0}
     assert len(snapshot(moving)[KEYS.ready.encode()]) == 1
+
+
+async def test_a_blocked_receive_follows_the_slot(moving, broker, client):
+    blocked = asyncio.create_task(broker.receive(10, 4))
+
+    async def registered() -> bool:
+        return await client.zcard(KEYS.reservations) == 1
+
+    await wait_until(registered)  # blocked in BLMOVE on the old owner
+    moving.migrate_slot(SLOT, moving.other_than(moving.owner(SLOT)))
+    [pid] = await publish(client, 1)
+    received = await blocked
+    assert [d.pid for d in received.deliveries] == [pid]
+    assert await client.zcard(KEYS.reservations) == 0
+    assert await counters(client) == {"total": 1, "processing": 1, "success": 0, "failed": 0}
 
 
 async def test_a_settle_during_the_migration_waits_for_it(moving, broker, client, monkeypatch):
