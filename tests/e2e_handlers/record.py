@@ -1,7 +1,8 @@
 """A handler for end-to-end tests: records what happens to each message in files.
 
 Environment: E2E_DIR (where the files go), E2E_REDIS (URL, for the on_success check),
-E2E_NAMESPACE, E2E_HANG_ALWAYS (hang on every message, for the bounded-stop test).
+E2E_NAMESPACE, E2E_CLUSTER (set: E2E_REDIS is a Redis Cluster node), E2E_HANG_ALWAYS
+(hang on every message, for the bounded-stop test).
 Payload flags: {"sleep": seconds}, {"fail": true}, {"crash": true} (SIGKILL the process),
 {"hang": true}, {"grow": MiB}.
 """
@@ -49,7 +50,8 @@ def on_success(message) -> None:
     if url:
         import redis
 
-        client = redis.Redis.from_url(url)
+        cluster = bool(os.environ.get("E2E_CLUSTER"))
+        client = (redis.RedisCluster if cluster else redis.Redis).from_url(url)
         ns = os.environ.get("E2E_NAMESPACE", "utopia-queue")
         key = f"{ns}.owners.{message.queue}.{message.pid}"
         state = "early" if client.exists(key) else "confirmed"
