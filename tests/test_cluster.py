@@ -443,8 +443,8 @@ def start(tmp_path: Path, redis_cluster: PrivateCluster):
     def starter(**sections: dict[str, Any]) -> Supervisor:
         sections["broker"] = {"cluster": True, "namespace": NS, **sections.get("broker", {})}
         config = write_config(tmp_path, redis_cluster.url, **sections)
-        # No URL for the handler's on_success check: it uses a single-node client.
-        supervisor = Supervisor(config, tmp_path, "", namespace=NS)
+        supervisor = Supervisor(config, tmp_path, redis_cluster.url, namespace=NS,
+                                E2E_CLUSTER="1")
         started.append(supervisor)
         return supervisor
 
@@ -474,6 +474,10 @@ def test_e2e_prefetch_100_with_one_handler(tmp_path, sync_client, start):
     assert 1 < max(samples) <= 100
     assert sorted(handled(tmp_path)) == sorted(pids)
     wait_for(lambda: counter(sync_client, "success", NS) == len(pids), 10, "all commits")
+    # on_success ran only after the commit was confirmed (checked by the handler).
+    succeeded = wait_for(lambda: len(lines(tmp_path / "succeeded")) == len(pids) and
+                         lines(tmp_path / "succeeded"), 10, "every on_success")
+    assert {line.split()[1] for line in succeeded} == {"confirmed"}
     stop_cleanly(supervisor)
     assert counter(sync_client, "processing", NS) == 0
     assert outstanding(sync_client, NS) == 0
