@@ -122,6 +122,13 @@ class Broker(Protocol):
 
     queue: str
 
+    #: True when repeating a settlement whose reply was lost is safe and needed: the Redis
+    #: scripts check ownership (a repeat that finds the work done answers "stale"), and an
+    #: unapplied settlement would otherwise stay owned by a live consumer. False for JetStream,
+    #: which decides by itself: the ack took effect, or the message is redelivered after
+    #: AckWait once we stop renewing it. In-flight operations are then never replayed.
+    replay_uncertain: bool
+
     async def connect(self) -> None:
         """Open connections and prepare the queue (scripts, streams). Raises BrokerError."""
 

@@ -72,6 +72,8 @@ class NatsReceipt:
 class NatsBroker:
     """One queue on NATS JetStream (see the module docstring for the protocol)."""
 
+    replay_uncertain = False  # JetStream decides: acked, or redelivered after AckWait
+
     def __init__(
         self,
         url: str,

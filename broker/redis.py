@@ -153,6 +153,8 @@ def has_hash_tag(namespace: str) -> bool:
 
 
 class RedisBroker:
+    replay_uncertain = True  # every script checks the owner token: a repeat is harmless
+
     """One queue on Redis (or Redis Cluster), as ``broker.base.Broker``."""
 
     def __init__(

@@ -92,7 +92,7 @@ class Arbiter:
             await self.broker.connect()
         except (BrokerError, OSError) as error:
             log.error("cannot connect to the broker: %s", error)
-            self.exit_code = EXIT_BROKER
+            self.exit_code, self.stopping = EXIT_BROKER, True
             await self.stop_children(deadline=time.monotonic() + 5)
             return self.exit_code
         log.info(

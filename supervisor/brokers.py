@@ -20,4 +20,12 @@ def make_broker(config: Config) -> Broker:
             job_ttl=job.job_ttl, recovery_age=sup.recovery_age,
             max_envelope_bytes=sup.max_envelope_bytes,
         )
+    if scheme in ("nats", "tls"):
+        from broker.nats import NatsBroker
+
+        return NatsBroker(
+            config.broker.url, job.queue, ack_wait=config.nats.ack_wait,
+            max_deliver=config.nats.max_deliver, retry_backoff=job.retry_backoff,
+            max_envelope_bytes=sup.max_envelope_bytes, job_ttl=job.job_ttl,
+        )
     raise ValueError(f"no broker for URL scheme {scheme!r}")

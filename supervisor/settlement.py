@@ -81,6 +81,16 @@ class Settler:
             return True
         if outcome is Outcome.UNCERTAIN:
             self.uncertain += 1
+            if not self.broker.replay_uncertain:
+                # Never replayed: the broker either applied it or redelivers the message.
+                log.warning(
+                    "%s of %s is uncertain (%s): not replayed; the broker either applied it "
+                    "or will deliver the message again", settlement.action.value,
+                    entry.delivery.pid, result.detail,
+                )
+                self.buffer.forget(entry)
+                self.confirm(entry, False)
+                return True
         log.warning(
             "%s of %s not confirmed (%s: %s); will settle again",
             settlement.action.value, entry.delivery.pid, outcome.value, result.detail,

@@ -1,0 +1,157 @@
+"""``python -m supervisor`` with a ``nats://`` URL, end to end against a private nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from broker.base import Action, Settlement
+from broker.nats import NatsBroker
+from broker.nats_setup import QueueNames
+from tests.servers import NatsServer
+from tests.supervision import QUEUE, Supervisor, lines, wait_for, write_config
+
+NAMES = QueueNames.of(QUEUE)
+
+
+def nats_config(directory: Path, server: NatsServer, **sections) -> Path:
+    sections.setdefault("nats", {}).setdefault("ack_wait", 2.0)
+    return write_config(directory, server.url, **sections)
+
+
+def publish(server: NatsServer, payloads: list[dict], ack_wait: float = 2.0,
+            max_deliver: int = 3) -> list[str]:
+    """Publish through a broker set up as the job will be (it creates the stream/consumer)."""
+
+    async def send() -> list[str]:
+        broker = NatsBroker(server.url, QUEUE, ack_wait=ack_wait, max_deliver=max_deliver)
+        await broker.connect()
+        try:
+            return await broker.publish_many(QUEUE, payloads)
+        finally:
+            await broker.close()
+
+    return asyncio.run(send())
+
+
+def consumer_state(server: NatsServer) -> dict[str, int]:
+    async def read() -> dict[str, int]:
+        client = await nats.connect(server.url)
+        try:
+            js = client.jetstream()
+            info = await js.consumer_info(NAMES.stream, "worker")
+            stream = await js.stream_info(NAMES.stream)
+            dead = await js.stream_info(NAMES.dead_stream)
+            return {
+                "pending": info.num_pending, "ack_pending": info.num_ack_pending,
+                "redelivered": info.num_redelivered, "stream": stream.state.messages,
+                "dead": dead.state.messages,
+            }
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+@pytest.fixture
+def start(tmp_path: Path):
+    started: list[Supervisor] = []
+
+    def starter(config: Path, **env: str) -> Supervisor:
+        supervisor = Supervisor(config, tmp_path, "", **env)
+        started.append(supervisor)
+        return supervisor
+
+    yield starter
+    for supervisor in started:
+        supervisor.stop()
+
+
+def handled(tmp_path: Path) -> list[str]:
+    return lines(tmp_path / "handled")
+
+
+def started(tmp_path: Path) -> list[list[str]]:
+    return [line.split() for line in lines(tmp_path / "started")]
+
+
+def test_buffered_messages_are_renewed_and_each_delivered_once(tmp_path, nats_server, start):
+    # 40 messages of 0.1 s each through one handler: the last waits ~4 s in the buffer,
+    # twice the 2 s ack_wait. Renewal (every lease/3 = 1 s) must keep every one of them.
+    pids = publish(nats_server, [{"n": n, "sleep": 0.1} for n in range(40)])
+    config = nats_config(tmp_path, nats_server, job={"prefetch": 100},
+                         supervisor={"lease": 3})
+    supervisor = start(config)
+    wait_for(lambda: len(handled(tmp_path)) == len(pids), 60, "all messages")
+    assert sorted(handled(tmp_path)) == sorted(pids)
+    assert [attempts for _, attempts, _ in started(tmp_path)] == ["0"] * len(pids)
+    wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "all acked")
+    assert consumer_state(nats_server)["redelivered"] == 0
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+
+
+def test_failures_and_malformed_end_dead_and_successes_commit(tmp_path, nats_server, start):
+    [failing] = publish(nats_server, [{"fail": True}], max_deliver=2)
+    ok = publish(nats_server, [{"n": n} for n in range(20)], max_deliver=2)
+
+    async def malformed() -> None:
+        client = await nats.connect(nats_server.url)
+        await client.jetstream().publish(NAMES.subject, b"{not json")
+        await client.close()
+
+    asyncio.run(malformed())
+    config = nats_config(tmp_path, nats_server, job={"max_attempts": 2, "prefetch": 10})
+    start(config)
+    wait_for(lambda: sorted(handled(tmp_path)) == sorted(ok), 30, "the good messages")
+    wait_for(lambda: consumer_state(nats_server)["dead"] == 2, 30, "failing + malformed dead")
+    attempts = collections.Counter(pid for pid, _, _ in started(tmp_path))
+    assert attempts[failing] == 2
+    wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing left")
+
+
+def test_server_restart_mid_run_finishes_every_message(tmp_path, nats_server, start):
+    pids = publish(nats_server, [{"n": n, "sleep": 0.002} for n in range(600)])
+    config = nats_config(tmp_path, nats_server, job={"prefetch": 50})
+    supervisor = start(config)
+    wait_for(lambda: len(handled(tmp_path)) > 100, 30, "some progress")
+    nats_server.restart()
+    wait_for(lambda: set(handled(tmp_path)) == set(pids), 90, "every message after restart")
+    wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 30, "all acked")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(20) == 0
+
+
+def test_graceful_stop_returns_unstarted_deliveries_at_once(tmp_path, nats_server, start):
+    pids = publish(nats_server, [{"n": 0, "sleep": 1.0}] + [{"n": n} for n in range(1, 30)],
+                   ack_wait=30.0)
+    config = nats_config(tmp_path, nats_server, job={"prefetch": 30}, nats={"ack_wait": 30.0},
+                         supervisor={"lease": 30})
+    supervisor = start(config)
+    wait_for(lambda: started(tmp_path), 15, "the first handler to start")
+    wait_for(lambda: consumer_state(nats_server)["ack_pending"] == 30, 10, "all 30 prefetched")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(20) == 0
+    assert handled(tmp_path) == [pids[0]]
+
+    async def second_consumer() -> set[str]:
+        broker = NatsBroker(nats_server.url, QUEUE, ack_wait=30.0)
+        await broker.connect()
+        got: set[str] = set()
+        deadline = time.monotonic() + 5  # far below the 30 s ack_wait
+        try:
+            while len(got) < 29 and time.monotonic() < deadline:
+                received = await broker.receive(100, 1.0)
+                got.update(d.pid for d in received.deliveries)
+                await broker.settle([Settlement(Action.COMMIT, d) for d in received.deliveries])
+        finally:
+            await broker.close()
+        return got
+
+    assert asyncio.run(second_consumer()) == set(pids[1:])
