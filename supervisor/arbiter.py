@@ -23,8 +23,10 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError
+from supervisor import logs, systemd
 from supervisor.buffer import Buffer, Entry, State
 from supervisor.config import Config
+from supervisor.metrics import Metrics
 from supervisor.settlement import Settler
 from supervisor.slots import Slot
 from worker import protocol
@@ -56,14 +58,20 @@ class Arbiter:
         slots: list[Slot],
         forkserver: ForkServer,
         handler_module: ModuleType,
+        notifier: systemd.Notifier | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.notifier = notifier or systemd.Notifier(None)
+        self.metrics = metrics or Metrics()
+        self.connected = False
+        self.ready = asyncio.Event()
         self.broker = broker
         self.slots = slots
         self.forkserver = forkserver
         self.buffer = Buffer(config.job.prefetch)
         self.wants_confirm = callable(getattr(handler_module, "on_success", None))
-        self.settler = Settler(broker, self.buffer, self.confirm)
+        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics)
         self.exit_code = EXIT_OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
@@ -99,16 +107,39 @@ class Arbiter:
             "consuming %s with %d handler processes, prefetch %d",
             self.config.job.queue, len(self.slots), self.buffer.prefetch,
         )
+        self.connected = True
+        self.notify_ready_once()
         self.tasks = [
             asyncio.create_task(coro, name=coro.__name__)
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
+                self.keepalive_loop(),
             )
         ]
         await self.stop_requested.wait()
         await self.shutdown()
         return self.exit_code
+
+    def notify_ready_once(self) -> None:
+        """READY=1 once the broker is connected and every handler process is up."""
+        if self.ready.is_set() or not self.connected or self.stopping:
+            return
+        if all(slot.ready for slot in self.slots):
+            self.ready.set()
+            if self.notifier.ready():
+                log.info("ready: told systemd")
+
+    async def keepalive_loop(self) -> None:
+        """STATUS and WATCHDOG pings from this loop, from READY on (systemd's watchdog
+        starts with the service's start-up completed)."""
+        await self.ready.wait()
+        await systemd.keepalive(self.notifier, self.status_text)
+
+    def status_text(self) -> str:
+        return systemd.status_text(
+            self.buffer.outstanding, self.buffer.prefetch, self.metrics.throughput.per_second()
+        )
 
     def handle_stop_signal(self, sig: int) -> None:
         if self.stopping:
@@ -137,7 +168,8 @@ class Arbiter:
                 await self.room.wait()
                 continue
             try:
-                received = await self.broker.receive(room, self.config.broker.block_timeout)
+                with self.metrics.timed("receive"):
+                    received = await self.broker.receive(room, self.config.broker.block_timeout)
             except (BrokerError, OSError) as error:
                 failures += 1
                 log.error("receive failed (%d in a row): %s", failures, error)
@@ -145,8 +177,11 @@ class Arbiter:
                 continue
             failures = 0
             for poisoned in received.poisoned:
-                log.warning("malformed message moved to poison: %s", poisoned.reason)
+                logs.log_malformed(log, self.config.job.queue, poisoned.reason)
+            if received.poisoned:
+                self.metrics.malformed(len(received.poisoned))
             if received.deliveries:
+                self.metrics.received(len(received.deliveries))
                 self.received += len(received.deliveries)
                 self.buffer.add(received.deliveries)
                 self.dispatch()
@@ -202,6 +237,7 @@ class Arbiter:
         elif kind == protocol.DONE or kind == protocol.FAILED:
             entry = slot.running.pop(delivery_id)
             slot.jobs += 1
+            self.metrics.handler_done(time.monotonic() - entry.started_at)
             self.buffer.complete(entry, error=data if kind == protocol.FAILED else None)
             if not slot.retiring and self.should_recycle(slot):
                 slot.retiring = True  # before the next dispatch, so it gets nothing more
@@ -209,6 +245,7 @@ class Arbiter:
             self.buffer.complete(slot.queued.popleft(), release=True)
         elif kind == protocol.READY:
             slot.ready = True
+            self.notify_ready_once()
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", slot.pid, data)
             self.request_stop(EXIT_HANDLER_INIT)
@@ -249,7 +286,8 @@ class Arbiter:
             await asyncio.sleep(period)
             entries = list(self.buffer)
             try:
-                owned = await self.broker.extend([entry.delivery for entry in entries])
+                with self.metrics.timed("extend"):
+                    owned = await self.broker.extend([entry.delivery for entry in entries])
             except (BrokerError, OSError) as error:
                 log.error("renewal of %d deliveries failed: %s", len(entries), error)
                 continue
@@ -269,7 +307,8 @@ class Arbiter:
     async def maintenance_loop(self) -> None:
         while not self.closed:
             try:
-                report = await self.broker.maintain()
+                with self.metrics.timed("maintain"):
+                    report = await self.broker.maintain()
             except (BrokerError, OSError) as error:
                 log.error("maintenance failed: %s", error)
             else:
@@ -373,12 +412,15 @@ class Arbiter:
             log.error("handler process %d failed to start (%s): halting", pid, reason)
             self.request_stop(EXIT_HANDLER_INIT)
         else:
+            if not expected:
+                self.metrics.child_restart()
             self.forkserver.spawn(slot.index)
         self.settle_wanted.set()
         self.progress.set()
 
     def update_title(self) -> None:
         busy = sum(1 for slot in self.slots if slot.busy)
+        self.metrics.buffer(self.buffer.outstanding, self.buffer.prefetch, busy)
         state = "stopping" if self.stopping else "running"
         setproctitle.setproctitle(
             f"queue-supervisor: {self.config.job.queue} {state} "
@@ -395,6 +437,7 @@ class Arbiter:
         it; what they held stays owned and is recovered later (at once, via ``abandon``).
         """
         deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
+        self.notifier.stopping()
         self.update_title()
         receiving = self.task("receive_loop")
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

@@ -91,7 +91,8 @@ def run(config: Config) -> int:
         return EXIT_CONFIG
     try:
         broker = make_broker(config)
-        arbiter = Arbiter(config, broker, slots, forkserver, handler_module)
+        arbiter = Arbiter(config, broker, slots, forkserver, handler_module,
+                          notifier=notifier, metrics=recorder)
         return asyncio_run(arbiter.run())
     finally:
         recorder.close()

@@ -10,10 +10,12 @@ recovered by the broker if this process dies first).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from broker.base import Action, Broker, Outcome, Result, Settlement
 from supervisor.buffer import Buffer, Entry
+from supervisor.metrics import Metrics
 
 log = logging.getLogger("supervisor.settlement")
 
@@ -30,22 +32,29 @@ class Settler:
     """Settles a batch and reports, per entry, whether its commit was confirmed."""
 
     def __init__(
-        self, broker: Broker, buffer: Buffer, confirm: Callable[[Entry, bool], None]
+        self,
+        broker: Broker,
+        buffer: Buffer,
+        confirm: Callable[[Entry, bool], None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.broker = broker
         self.buffer = buffer
         self.confirm = confirm  # tells the handler process (for on_success)
+        self.metrics = metrics or Metrics()
         self.settled = {action: 0 for action in Action}
         self.uncertain = 0
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
         settlements = [settlement_for(entry) for entry in batch]
+        began = time.perf_counter()
         try:
             results = await self.broker.settle(settlements)
         except Exception as error:  # the broker is down or refused: keep everything outstanding
             log.error("settlement of %d deliveries failed: %s", len(batch), error)
             results = [Result(Outcome.ERROR, str(error))] * len(batch)
+        self.metrics.settle_batch(len(batch), time.perf_counter() - began)
         retry = [
             entry
             for entry, settlement, result in zip(batch, settlements, results, strict=True)
@@ -60,14 +69,21 @@ class Settler:
         outcome = result.outcome
         if outcome is Outcome.OK:
             self.settled[settlement.action] += 1
+            self.metrics.settled(settlement.action)
             self.buffer.forget(entry)
             self.confirm(entry, settlement.action is Action.COMMIT)
             return True
         if outcome is Outcome.STALE:
-            log.warning(
-                "delivery %s was recovered by another consumer before its %s: "
-                "it may run twice (at-least-once)", entry.delivery.pid, settlement.action.value,
-            )
+            self.metrics.stale()
+            if entry.settle_failures:  # an earlier, unconfirmed attempt of ours took effect
+                log.info("earlier %s of %s took effect", settlement.action.value,
+                         entry.delivery.pid)
+            else:
+                log.warning(
+                    "delivery %s was recovered by another consumer before its %s: "
+                    "it may run twice (at-least-once)", entry.delivery.pid,
+                    settlement.action.value,
+                )
             self.buffer.forget(entry)
             self.confirm(entry, False)
             return True
@@ -81,6 +97,7 @@ class Settler:
             return True
         if outcome is Outcome.UNCERTAIN:
             self.uncertain += 1
+            self.metrics.uncertain()
             if not self.broker.replay_uncertain:
                 # Never replayed: the broker either applied it or redelivers the message.
                 log.warning(
