@@ -99,10 +99,12 @@ for i = 1, n do
 end
 if #applied == 0 then return results end
 
--- Second pass: the writes, grouped. Processing entries are removed from the tail, where
--- the oldest (the ones most likely settled now) are, so LREM rarely scans far.
+-- Second pass: the writes, grouped. Processing entries are removed scanning from the head,
+-- where claims LPUSH them: live deliveries sit within the first (prefetch x consumers)
+-- entries, while the tail may hold a long history of stale legacy pids that a scan from
+-- that end would walk through for every message.
 for _, pid in ipairs(applied) do
-  redis.call('LREM', processing, -1, pid)
+  redis.call('LREM', processing, 1, pid)
 end
 for _, i in ipairs(failures) do
   local arg = 2 + 4 * (i - 1)
