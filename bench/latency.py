@@ -1,0 +1,48 @@
+"""A no-op handler that records queue latency: handler start minus the publish time.
+
+Payloads carry their float publish time in ``t`` (the envelope's timestamp is whole
+seconds). Each handler process appends one 8-byte float per message to its own file in
+``$BENCH_LATENCY_DIR`` (one write of 8 bytes: cheap next to a delivery, and nothing is held
+back until exit). No ``flush()``: the supervisor acknowledges exactly as for the no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from typing import Any
+
+ENV_DIR = "BENCH_LATENCY_DIR"
+_pack = struct.Struct("<d").pack
+_fd: int | None = None
+
+
+def _open() -> int:
+    global _fd
+    folder = os.environ.get(ENV_DIR) or "."
+    _fd = os.open(os.path.join(folder, f"latency-{os.getpid()}.bin"),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    return _fd
+
+
+def record(message: Any) -> None:
+    began = time.time()
+    published = message.payload.get("t")
+    if isinstance(published, float):
+        os.write(_fd if _fd is not None else _open(), _pack(began - published))
+
+
+def handle(message: Any) -> None:
+    record(message)
+
+
+def read(folder: str) -> list[float]:
+    """Every latency (seconds) the handler processes wrote in ``folder``."""
+    samples: list[float] = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("latency-") and name.endswith(".bin"):
+            with open(os.path.join(folder, name), "rb") as file:
+                data = file.read()
+            samples += [value for (value,) in struct.iter_unpack("<d", data[: len(data) // 8 * 8])]
+    return samples

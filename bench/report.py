@@ -1,0 +1,272 @@
+"""The results of one ``python -m bench`` run: JSON, a markdown report and a PNG chart."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _latency(row: dict[str, Any]) -> str:
+    lat = row.get("latency") or {}
+    if lat.get("p50_ms") is None:
+        return "-"
+    return f"{lat['p50_ms']:.1f} / {lat['p99_ms']:.1f} / {lat['max_ms']:.1f}"
+
+
+COLUMNS = (
+    ("system", "system", lambda r: r["system"]),
+    ("broker", "broker", lambda r: r["broker"]),
+    ("handler", "handler", lambda r: r["handler"] + (" +history" if r.get("history") else "")),
+    ("prefetch", "prefetch", lambda r: _num(r.get("prefetch"))),
+    ("jobs/s", "jobs_per_s", lambda r: _num(r.get("jobs_per_s"))),
+    ("wall s", "seconds", lambda r: _num(r.get("seconds"), 2)),
+    ("client µs/job", "client_us_per_job", lambda r: _num(r.get("client_us_per_job"), 1)),
+    ("server µs/job", "server_us_per_job", lambda r: _num(r.get("server_us_per_job"), 1)),
+    ("msgs per reserve/fetch", "batch_fill", lambda r: _num(r.get("batch_fill"), 1)),
+    ("msgs per settle call", "settle_fill", lambda r: _num(r.get("settle_fill"), 1)),
+    ("requests/job", "requests_per_job", lambda r: _num(r.get("requests_per_job"), 3)),
+    ("bytes in/job", "bytes_in_per_job", lambda r: _num(r.get("bytes_in_per_job"))),
+    ("bytes out/job", "bytes_out_per_job", lambda r: _num(r.get("bytes_out_per_job"))),
+    ("script µs/call", "script_usec_per_call", lambda r: _num(r.get("script_usec_per_call"), 1)),
+    ("peak RSS MiB (worker / children)", "rss",
+     lambda r: f"{_num(r.get('rss_supervisor_mib'), 1)} / {_num(r.get('rss_children_mib'), 1)}"),
+    ("redelivered", "redeliveries", lambda r: _num(r.get("redeliveries"))),
+    ("latency ms p50 / p99 / max", "latency", _latency),
+)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
+             "|" + "|".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + "|"]
+    for row in rows:
+        if row.get("error"):
+            lines.append(f"| {row['system']} | {row['broker']} | {row.get('handler', '')} | "
+                         f"{_num(row.get('prefetch'))} | not run: {row['error']} |"
+                         + " |" * (len(COLUMNS) - 5))
+            continue
+        lines.append("| " + " | ".join(cell(row) for _, _, cell in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    for row in rows:
+        if not row.get("error") and all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _ratio(a: dict | None, b: dict | None, key: str = "jobs_per_s") -> float | None:
+    if not a or not b or not a.get(key) or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for every target that this run has figures for."""
+    rows = results["runs"]
+    out: list[tuple[str, str, str]] = []
+
+    def add(name: str, value: float | None, ok: bool | None, text: str) -> None:
+        if value is None:
+            return
+        out.append((name, text, "met" if ok else "NOT met"))
+
+    ours = {p: find(rows, system="queue-supervisor", broker="redis", handler="noop",
+                    prefetch=p, history=False) for p in results["prefetch"]}
+    top, one = max(results["prefetch"]), min(results["prefetch"])
+    dramatiq100 = find(rows, system="dramatiq", prefetch=100)
+    dramatiq1 = find(rows, system="dramatiq", prefetch=1)
+    raw = find(rows, system="raw redis-py + Lua")
+    r = _ratio(ours.get(100), dramatiq100)
+    add("Redis no-op prefetch 100 ≥ 7x Dramatiq (prefetch 100)", r, r and r >= 7, f"{r or 0:.2f}x")
+    r = _ratio(ours.get(100), raw)
+    add("Redis no-op prefetch 100 ≥ 40% of the raw Lua loop", r, r and r >= 0.4,
+        f"{(r or 0) * 100:.0f}%")
+    best = ours.get(100)
+    if best:
+        value = best.get("client_us_per_job")
+        add("client CPU ≤ 60 µs/job (Redis no-op, prefetch 100)", value,
+            value is not None and value <= 60, f"{value or 0:.1f} µs")
+        value = best.get("server_us_per_job")
+        add("Redis CPU ≤ 15 µs/job (no-op, prefetch 100)", value,
+            value is not None and value <= 15, f"{value or 0:.1f} µs")
+    r = _ratio(ours.get(1), dramatiq1)
+    add("prefetch 1 no slower than Dramatiq at prefetch 1", r, r and r >= 1, f"{r or 0:.2f}x")
+    for broker in ("redis", "nats"):
+        series = [find(rows, system="queue-supervisor", broker=broker, handler="noop",
+                       prefetch=p, history=False) for p in sorted(results["prefetch"])]
+        if len(series) > 1 and all(series):
+            speeds = [row["jobs_per_s"] for row in series]
+            rising = all(b >= a for a, b in itertools.pairwise(speeds))
+            add(f"{broker}: throughput rising monotonically {one} → {top}", 1.0, rising,
+                " → ".join(f"{s:,.0f}" for s in speeds))
+    nats100 = find(rows, system="queue-supervisor", broker="nats", handler="noop", prefetch=100)
+    nats1 = find(rows, system="queue-supervisor", broker="nats", handler="noop", prefetch=1)
+    r = _ratio(nats100, find(rows, system="raw nats-py"))
+    add("NATS no-op prefetch 100 ≥ 80% of the raw nats-py loop", r, r and r >= 0.8,
+        f"{(r or 0) * 100:.0f}%")
+    r = _ratio(nats100, nats1)
+    add("NATS no-op prefetch 100 ≥ 2x our prefetch 1", r, r and r >= 2, f"{r or 0:.2f}x")
+    for p in results["prefetch"]:
+        hist = find(rows, system="queue-supervisor", broker="redis", handler="noop",
+                    prefetch=p, history=True)
+        if hist and ours.get(p):
+            r = _ratio(hist, ours[p])
+            add(f"large history within 10% of empty (prefetch {p}, jobs/s)", r,
+                r and r >= 0.9, f"{(r or 0) * 100:.0f}% of empty")
+            slow = hist.get("slow_calls") or {}
+            add(f"large history: no script call above 5 ms (prefetch {p})", 1.0,
+                slow.get("count", 0) == 0,
+                f"{slow.get('count', 0)} calls > 5 ms "
+                f"(max {slow.get('max_usec', 0) / 1000:.1f} ms)")
+    maint = results.get("maintenance")
+    if maint:
+        worst = max(call["server_ms"] for call in maint["history"])
+        add("maintain() over the long list: bounded per call (≤ 5 ms server time)", worst,
+            worst <= 5, f"max {worst:.2f} ms server, "
+            f"{max(c['wall_ms'] for c in maint['history']):.1f} ms wall")
+    for broker in ("redis", "nats"):
+        row = find(rows, system="queue-supervisor", broker=broker, handler="noop",
+                   prefetch=100, history=False)
+        lat = (row or {}).get("latency") or {}
+        if lat.get("p99_ms") is not None:
+            add(f"{broker}: queue latency p99 < 50 ms at prefetch 100", lat["p99_ms"],
+                lat["p99_ms"] < 50, f"{lat['p99_ms']:.1f} ms at {lat['rate']:,.0f} msgs/s")
+    return out
+
+
+def ratios(results: dict[str, Any]) -> list[str]:
+    rows = results["runs"]
+    peers = [row for row in rows if row["system"] != "queue-supervisor" and not row.get("error")]
+    lines = []
+    for peer in peers:
+        ours = [row for row in rows if row["system"] == "queue-supervisor"
+                and row["broker"] == peer["broker"] and row["handler"] == "noop"
+                and not row.get("history") and not row.get("error")]
+        if not ours:
+            continue
+        parts = ", ".join(
+            f"prefetch {row['prefetch']}: {row['jobs_per_s'] / peer['jobs_per_s']:.2f}x"
+            for row in ours)
+        lines.append(f"- against {peer['system']} ({peer['broker']}, prefetch "
+                     f"{peer['prefetch']}, {peer['jobs_per_s']:,.0f} jobs/s): {parts}")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    out = [
+        f"# Benchmark: {results['name']}", "",
+        f"Command: `{results['command']}`", "",
+        f"Machine: {m['cpu']}, {m['cores_logical']} logical cores, {m['memory_gib']} GiB, "
+        f"{m['kernel']}, Python {m['python']}; "
+        + ", ".join(m["servers"].values())
+        + f". Load average at start {m['load_at_start']}, at end {results['load_at_end']}"
+        + (f"; busy processes at start: {', '.join(results['busy_at_start'])}"
+           if results.get("busy_at_start") else "") + ".", "",
+        f"Settings: {results['settings']}", "",
+        "## Runs", "",
+        table(results["runs"]), "",
+        "![jobs/s and CPU per job against prefetch](chart.png)", "",
+        "Per job: CPU is the worker's process family (client) and the broker server; "
+        "requests are commands/messages a client sent; bytes are the server's network in/out.",
+        "",
+    ]
+    lines = ratios(results)
+    if lines:
+        out += ["## Ratios (our no-op jobs/s ÷ the peer's)", "", *lines, ""]
+    goals = targets(results)
+    if goals:
+        out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]
+        out += [f"| {name} | {value} | {verdict} |" for name, value, verdict in goals]
+        out.append("")
+    settle = results.get("settlement")
+    if settle:
+        out += ["## Grouped vs per-message settlement (Redis, prefetch 100, no handler)", "",
+                "| variant | jobs/s | client µs/job | of which commit | Redis µs/job | "
+                "scripts/job | script µs/call | bytes in/job |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in settle:
+            out.append(f"| {row['variant']} | {row['jobs_per_s']:,.0f} | "
+                       f"{row['client_us_per_job']:.1f} | {row['commit_client_us_per_job']:.1f} | "
+                       f"{row['server_us_per_job']:.1f} | {row['script_calls_per_job']:.2f} | "
+                       f"{row['script_usec_per_call']:.1f} | {row['bytes_in_per_job']:.0f} |")
+        out.append("")
+    maint = results.get("maintenance")
+    if maint:
+        out += ["## maintain() calls (Redis)", "",
+                f"{maint['calls']} consecutive calls on an empty queue, then with "
+                f"{maint['processing_before']:,} legacy pids in processing "
+                f"({maint['processing_after']:,} left after: young legacy entries stay).", "",
+                "| queue | wall ms per call | server ms per call |", "|---|---|---|"]
+        for case in ("empty", "history"):
+            calls = maint[case]
+            out.append(f"| {case} | " + ", ".join(f"{c['wall_ms']:.1f}" for c in calls)
+                       + " | " + ", ".join(f"{c['server_ms']:.2f}" for c in calls) + " |")
+        out.append("")
+    out += ["## How it is measured", "", results["method"], ""]
+    return "\n".join(out)
+
+
+def chart(results: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [row for row in results["runs"] if not row.get("error")]
+    fig, (speed, cpu) = plt.subplots(1, 2, figsize=(12, 4.8))
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["system"] == "queue-supervisor":
+            label = f"{row['broker']} {row['handler']}" + (" +history" if row["history"] else "")
+            series.setdefault((label, row["broker"]), []).append(row)
+    for (label, _), points in series.items():
+        points.sort(key=lambda row: row["prefetch"])
+        xs = [row["prefetch"] for row in points]
+        speed.plot(xs, [row["jobs_per_s"] for row in points], marker="o", label=label)
+        cpu.plot(xs, [row["client_us_per_job"] or 0 for row in points], marker="o",
+                 label=f"{label} client")
+        cpu.plot(xs, [row["server_us_per_job"] or 0 for row in points], marker="x",
+                 linestyle="--", label=f"{label} server")
+    for row in rows:
+        if row["system"] != "queue-supervisor":
+            speed.axhline(row["jobs_per_s"], linestyle=":", color="grey")
+            speed.annotate(f"{row['system']} ({row['broker']}, prefetch {row['prefetch']})",
+                           (min(results["prefetch"]), row["jobs_per_s"]), fontsize=7,
+                           color="dimgrey", va="bottom")
+    for axis, title in ((speed, "jobs/s (1 handler process)"), (cpu, "CPU µs per job")):
+        axis.set_xscale("log")
+        axis.set_xticks(results["prefetch"], [str(p) for p in results["prefetch"]])
+        axis.set_xlabel("prefetch")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    speed.legend(fontsize=7)
+    cpu.legend(fontsize=6)
+    fig.suptitle(f"{results['name']}: {results['machine']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(results: dict[str, Any], folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [folder / "results.json", folder / "README.md"]
+    written[0].write_text(json.dumps(results, indent=1, default=str) + "\n")
+    written[1].write_text(markdown(results))
+    if chart(results, folder / "chart.png"):
+        written.append(folder / "chart.png")
+    return written

@@ -1,0 +1,315 @@
+"""One measured run: ``python -m supervisor`` (or a peer) against a pre-filled queue.
+
+Every run follows the same steps, so figures compare:
+
+1. fill the queue while nothing consumes it (Redis: a staging key; NATS: a paused consumer);
+2. start the worker and wait until it is up and idle (start-up is not measured);
+3. read the CPU of the worker's process family and the server's counters;
+4. make the messages available at once (Redis: RENAME staging -> ready; NATS: resume the
+   consumer), start the clock;
+5. poll until every message is done (Redis: the success counter, or the peer's own
+   structures; NATS: no message left in the stream), stop the clock, read everything again.
+
+Client CPU is the worker process plus every process it forked (psutil, read while they
+live); peak RSS is each process's VmHWM just before it is stopped.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench import latency, nats_side, redis_side
+from bench.common import (
+    NAMESPACE,
+    QUEUE,
+    Family,
+    per_job,
+    percentiles,
+    start,
+    stop,
+    until,
+    wait_for_line,
+    wait_until_title,
+)
+from broker.keys import QueueKeys
+
+KEYS = QueueKeys(NAMESPACE, QUEUE)
+STAGING = f"{KEYS.ready}.staging"
+HANDLERS = {"noop": "examples.noop:handle", "stats-usage": "examples.stats_usage:handle"}
+LATENCY_HANDLERS = {"noop": "bench.latency:handle", "stats-usage": "bench.latency_usage:handle"}
+SETTLE_AFTER_START = 0.5  # seconds: handler processes ready, receive blocked on the empty queue
+
+
+@dataclass
+class RedisTarget:
+    url: str
+    server_pid: int | None = None
+    client: redis.Redis = field(init=False)
+    internal: set[str] = field(init=False)
+    broker: str = "redis"
+
+    def __post_init__(self) -> None:
+        self.client = redis.Redis.from_url(self.url)
+        self.internal = redis_side.script_commands()
+
+
+@dataclass
+class NatsTargetRun:
+    target: nats_side.NatsTarget
+    control: nats_side.Control = field(init=False)
+    broker: str = "nats"
+
+    def __post_init__(self) -> None:
+        self.control = nats_side.Control(self.target.url)
+
+    @property
+    def url(self) -> str:
+        return self.target.url
+
+
+def job_file(folder: Path, url: str, handler: str, prefetch: int) -> Path:
+    config = folder / "bench.toml"
+    text = (
+        f'[broker]\nurl = "{url}"\nnamespace = "{NAMESPACE}"\n'
+        f'[job]\nqueue = "{QUEUE}"\nhandler = "{handler}"\ncoroutines = 1\n'
+        f"prefetch = {prefetch}\nmax_attempts = {nats_side.MAX_DELIVER}\n"
+        f'[supervisor]\nlog_level = "warning"\n'
+    )
+    if url.startswith(("nats://", "tls://")):
+        text += (f"[nats]\nack_wait = {nats_side.ACK_WAIT_S}\n"
+                 f"max_deliver = {nats_side.MAX_DELIVER}\n")
+    config.write_text(text)
+    return config
+
+
+def _figures(jobs: int, seconds: float, client_cpu: float | None, server: dict[str, Any]
+             ) -> dict[str, Any]:
+    return {
+        "messages": jobs,
+        "seconds": seconds,
+        "jobs_per_s": jobs / seconds,
+        "client_us_per_job": per_job(client_cpu, jobs, 1e6),
+        "server_us_per_job": per_job(server.get("server_cpu_s"), jobs, 1e6),
+        "requests_per_job": per_job(server.get("requests"), jobs),
+        "bytes_in_per_job": per_job(server.get("bytes_in"), jobs),
+        "bytes_out_per_job": per_job(server.get("bytes_out"), jobs),
+        "server": server,
+    }
+
+
+# -- the supervisor ----------------------------------------------------------------------------
+
+
+def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler: str,
+                     history: bool = False) -> dict[str, Any]:
+    client = target.client
+    client.flushall()
+    if history:
+        from bench.large_history import fill_history
+
+        fill_history(client)
+    redis_side.fill(client, STAGING, messages)
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        folder = Path(workdir)
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch)
+        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"))
+        try:
+            wait_until_title(child.pid, "running")
+            time.sleep(SETTLE_AFTER_START)
+            family = Family(child.pid)
+            probe = redis_side.Probe(redis.Redis.from_url(target.url))
+            redis_side.reset(client)
+            before, cpu_before = redis_side.snapshot(client), family.cpu()
+            began = time.perf_counter()
+            client.rename(STAGING, KEYS.ready)
+            until(lambda: probe.get_int(KEYS.stat("success")) >= messages, child, 600)
+            seconds = time.perf_counter() - began
+            cpu = family.cpu() - cpu_before
+            after = redis_side.snapshot(client)
+            rss_supervisor, rss_children = family.peak_rss()
+        finally:
+            stop(child)
+    server = redis_side.delta(before, after, target.internal, probe)
+    result = _figures(messages, seconds, cpu, server)
+    claimed = int(client.get(KEYS.stat("total")) or 0)
+    result.update(
+        broker="redis", system="queue-supervisor", handler=handler, prefetch=prefetch,
+        history=history,
+        batch_fill=per_job(messages, server["claim_calls"] or 0),
+        reserve_calls=server["reserve_calls"], settle_fill=per_job(messages,
+                                                                   server["settle_calls"] or 0),
+        rss_supervisor_mib=rss_supervisor, rss_children_mib=rss_children,
+        redeliveries=max(0, claimed - messages),
+        failed=int(client.get(KEYS.stat("failed")) or 0),
+        script_usec_per_call=server["script_usec_per_call"],
+        slow_calls=redis_side.slow_calls(client),
+    )
+    return result
+
+
+def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: str
+                    ) -> dict[str, Any]:
+    target = run.target
+    run.control.prepare(messages)
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        folder = Path(workdir)
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch)
+        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"))
+        try:
+            wait_until_title(child.pid, "running")
+            time.sleep(SETTLE_AFTER_START)
+            family = Family(child.pid)
+            before, cpu_before = nats_side.snapshot(target), family.cpu()
+            began = time.perf_counter()
+            run.control.resume()
+            until(lambda: nats_side.stored_messages(target) == 0, child, 600)
+            seconds = time.perf_counter() - began
+            cpu = family.cpu() - cpu_before
+            after = nats_side.snapshot(target)
+            rss_supervisor, rss_children = family.peak_rss()
+        finally:
+            stop(child)
+    jobs = messages + 1  # the message that woke the held pulls
+    server = nats_side.delta(before, after, seconds)
+    result = _figures(jobs, seconds, cpu, server)
+    consumer = nats_side.consumer_state(target)
+    result.update(
+        broker="nats", system="queue-supervisor", handler=handler, prefetch=prefetch,
+        history=False, batch_fill=_nats_fill(jobs, server),
+        rss_supervisor_mib=rss_supervisor, rss_children_mib=rss_children,
+        redeliveries=consumer.get("num_redelivered"), failed=None,
+    )
+    return result
+
+
+def _nats_fill(jobs: int, server: dict[str, Any]) -> float | None:
+    """Messages per pull request, derived: client messages in = pulls + one ack per job
+    (+ the few renewals, which make this figure a little low)."""
+    pulls = server["in_msgs"] - jobs - 2  # the harness's resume request and last publish
+    return jobs / pulls if pulls > 0 else None
+
+
+# -- queue latency at a fixed publish rate -------------------------------------------------------
+
+
+def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str, rate: float,
+                messages: int) -> dict[str, Any]:
+    """Start the supervisor on an empty queue, publish ``messages`` at ``rate``/s, and
+    measure handler start minus publish time for each."""
+    if isinstance(target, RedisTarget):
+        target.client.flushall()
+        done = _redis_done(target, messages)
+    else:
+        target.control.prepare(0)
+        target.control.run(_unpause(target))
+        done = _nats_done(target)
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        folder = Path(workdir)
+        config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch)
+        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"),
+                      BENCH_LATENCY_DIR=str(folder))
+        try:
+            wait_until_title(child.pid, "running")
+            time.sleep(SETTLE_AFTER_START)
+            publisher = start(["-m", "bench.publisher", target.url, "--rate", str(rate),
+                               "--messages", str(messages)])
+            began = time.perf_counter()
+            until(lambda: publisher.poll() is not None and done(), child, 600)
+            seconds = time.perf_counter() - began
+        finally:
+            stop(child)
+        samples = latency.read(str(folder))
+    return {**percentiles(samples), "rate": rate, "messages": messages,
+            "achieved_rate": messages / seconds}
+
+
+async def _unpause(run: NatsTargetRun) -> None:
+    subject = f"$JS.API.CONSUMER.PAUSE.{nats_side.NAMES.stream}.{nats_side.NAMES.consumer}"
+    await nats_side._api(run.control.nc, subject, {})
+
+
+def _redis_done(target: RedisTarget, messages: int):
+    probe = redis_side.Probe(redis.Redis.from_url(target.url))
+    return lambda: probe.get_int(KEYS.stat("success")) >= messages
+
+
+def _nats_done(run: NatsTargetRun):
+    return lambda: nats_side.stored_messages(run.target) == 0
+
+
+# -- peers -------------------------------------------------------------------------------------
+
+
+def peer_redis(target: RedisTarget, system: str, module: str, messages: int, extra: list[str],
+               fill: Callable[[], list[tuple[str, str]]],
+               done: Callable[[redis_side.Probe], bool], env: dict[str, str] | None = None,
+               ) -> dict[str, Any]:
+    """A peer worker process on Redis: it prints "ready" once it waits on the empty queue;
+    ``fill()`` stores the messages under staging names and returns the RENAMEs that make
+    them available; ``done(probe)`` says when all are acknowledged."""
+    client = target.client
+    client.flushall()
+    renames = fill()
+    child = start(["-m", module, target.url, "--messages", str(messages), *extra], capture=True,
+                  **(env or {}))
+    try:
+        wait_for_line(child, "ready")
+        time.sleep(SETTLE_AFTER_START)
+        family = Family(child.pid)
+        probe = redis_side.Probe(redis.Redis.from_url(target.url))
+        redis_side.reset(client)
+        before, cpu_before = redis_side.snapshot(client), family.cpu()
+        began = time.perf_counter()
+        pipe = client.pipeline(transaction=True)
+        for source, destination in renames:
+            pipe.rename(source, destination)
+        pipe.execute()
+        until(lambda: done(probe), child, 600)
+        seconds = time.perf_counter() - began
+        cpu = family.cpu() - cpu_before
+        after = redis_side.snapshot(client)
+        rss, _ = family.peak_rss()
+    finally:
+        stop(child)
+    server = redis_side.delta(before, after, target.internal, probe)
+    result = _figures(messages, seconds, cpu, server)
+    result.update(broker="redis", system=system, handler="noop", history=False,
+                  rss_supervisor_mib=rss, rss_children_mib=0.0,
+                  script_usec_per_call=server["script_usec_per_call"])
+    return result
+
+
+def peer_nats(run: NatsTargetRun, system: str, module: str, messages: int, extra: list[str]
+              ) -> dict[str, Any]:
+    target = run.target
+    run.control.prepare(messages)
+    child = start(["-m", module, target.url, "--messages", str(messages + 1), *extra],
+                  capture=True)
+    try:
+        wait_for_line(child, "ready")
+        time.sleep(SETTLE_AFTER_START)
+        family = Family(child.pid)
+        before, cpu_before = nats_side.snapshot(target), family.cpu()
+        began = time.perf_counter()
+        run.control.resume()
+        until(lambda: nats_side.stored_messages(target) == 0, child, 600)
+        seconds = time.perf_counter() - began
+        cpu = family.cpu() - cpu_before
+        after = nats_side.snapshot(target)
+        rss, _ = family.peak_rss()
+    finally:
+        stop(child)
+    jobs = messages + 1
+    server = nats_side.delta(before, after, seconds)
+    result = _figures(jobs, seconds, cpu, server)
+    result.update(broker="nats", system=system, handler="noop", history=False,
+                  batch_fill=_nats_fill(jobs, server), rss_supervisor_mib=rss,
+                  rss_children_mib=0.0)
+    return result
