@@ -1,0 +1,42 @@
+"""``python -m bench.chaos``: the chaos soak from the command line (see ``bench.chaos.run``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.chaos.run import Settings, run_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chaos",
+        description="Publish stats-usage messages, run real supervisors, inject faults at "
+        "seeded moments, and check that nothing is lost and the usage totals are exact.",
+    )
+    parser.add_argument("--broker", choices=("redis", "nats", "both"), default="redis")
+    parser.add_argument("--messages", type=int, default=5000, help="messages per broker")
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="publishing and fault window per broker (s)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--supervisors", type=int, default=2)
+    parser.add_argument("--gap", default="4,8",
+                        help="least and most seconds between two faults (default 4,8)")
+    parser.add_argument("--drain-timeout", type=float, default=60.0,
+                        help="longest wait for recovery after the fault window (s)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep logs, ledger and database even when the run passes")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    low, _, high = args.gap.partition(",")
+    settings = Settings(
+        broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
+        supervisors=args.supervisors, gap=(float(low), float(high or low)),
+        drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
+    )
+    brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
+    return run_all(brokers, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The chaos soak's handler: ``examples.stats_usage`` with seeded failures and a ledger.
+
+A payload may carry ``"chaos": {"fail": p, "draw": n}``: the call then fails with
+probability ``p``, decided by a hash of (seed, n, attempts), so a run is reproducible and a
+retry (attempts + 1) gets a fresh draw. The failure happens before the message is
+buffered, so it can never touch the totals; everything else is the stats-usage handler
+unchanged (its own validation rejects a payload without a metrics list, its ``flush()``
+counts each pid once).
+
+Every call and every durable flush is appended to ``$CHAOS_LEDGER`` with one ``write()``
+on an ``O_APPEND`` descriptor, so concurrent handler processes never interleave lines:
+
+    I <unix time> <process> <pid> <attempts> <outcome>   one call: "." buffered,
+                                                       "x" seeded failure, "v" invalid payload
+    C <unix time> <process> <pid> <pid> ...              these pids' flush() returned
+
+A ``C`` line is written after ``flush()`` returned, so a process killed between the SQLite
+commit and that write under-reports one flush; the ``seen`` table stays the authority on
+what was counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+from examples import stats_usage
+
+ENV_LEDGER = "CHAOS_LEDGER"
+ENV_SEED = "CHAOS_SEED"
+#: Milliseconds each call takes (a sleep standing for the I/O of a real handler).
+ENV_WORK_MS = "CHAOS_WORK_MS"
+
+_fd: int | None = None
+_work = 0.0
+_buffered: list[str] = []  # pids buffered in stats_usage since the last flush()
+
+
+class ChaosFailure(Exception):
+    """The seeded failure of one call (the message is retried by policy)."""
+
+
+def init() -> None:
+    global _fd, _work
+    _work = float(os.environ.get(ENV_WORK_MS, "0")) / 1000
+    stats_usage.init()
+    _fd = os.open(os.environ[ENV_LEDGER], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def fails(seed: str, draw: object, attempts: int, probability: float) -> bool:
+    """The seeded draw: True with ``probability`` for this (seed, draw, attempts)."""
+    if probability <= 0:
+        return False
+    digest = hashlib.blake2b(f"{seed}:{draw}:{attempts}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < probability
+
+
+def seeded_failure(payload: Any, pid: str, attempts: int) -> bool:
+    chaos = payload.get("chaos") if isinstance(payload, dict) else None
+    if not isinstance(chaos, dict):
+        return False
+    probability = chaos.get("fail", 0)
+    if not isinstance(probability, int | float):
+        return False
+    seed = os.environ.get(ENV_SEED, "0")
+    return fails(seed, chaos.get("draw", pid), attempts, float(probability))
+
+
+def handle(message: Any) -> None:
+    if _work:
+        time.sleep(_work)
+    if seeded_failure(message.payload, message.pid, message.attempts):
+        _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} x\n")
+        raise ChaosFailure(f"seeded failure of {message.pid} at attempt {message.attempts}")
+    try:
+        stats_usage.handle(message)
+    except ValueError:
+        _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} v\n")
+        raise
+    _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} .\n")
+    _buffered.append(message.pid)
+
+
+def flush() -> None:
+    pids = _buffered.copy()
+    _buffered.clear()  # stats_usage empties its buffer whether or not the flush succeeds
+    stats_usage.flush()
+    if pids:
+        _write(f"C {time.time():.3f} {os.getpid()} {' '.join(pids)}\n")
+
+
+def _write(line: str) -> None:
+    if _fd is None:
+        raise RuntimeError("chaos handler used before init()")
+    os.write(_fd, line.encode())

@@ -1,0 +1,104 @@
+"""The messages of a soak run, generated from the seed, and the totals they must produce.
+
+Kinds:
+
+- ``good``: a stats-usage payload with known metric values (some negative);
+- ``flaky``: the same, plus ``"chaos": {"fail": p, "draw": n}``: the handler fails each
+  attempt with probability ``p`` (seeded by the run's seed, ``n`` and the attempt), so
+  the message is retried and normally ends counted;
+- ``invalid``: a valid envelope whose payload the stats-usage handler rejects (no metrics
+  list): it fails every attempt and must end in failed/dead, never in the totals;
+- ``malformed``: bytes that are not a valid envelope: poison (Redis) / dead (NATS).
+
+Good and flaky messages must all be counted exactly once, except a flaky one whose every
+attempt failed (probability ``p ** max_attempts``): it ends in failed/dead and is then
+accounted for separately.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import envelope
+from examples.stats_usage import make_payload
+
+PROJECTS = 12
+FLAKY_SHARE = 0.05
+FLAKY_FAIL = 0.3
+INVALID_SHARE = 0.002
+MALFORMED_SHARE = 0.002
+
+GOOD, FLAKY, INVALID, MALFORMED = "good", "flaky", "invalid", "malformed"
+
+
+@dataclass(slots=True)
+class Message:
+    kind: str
+    raw: bytes
+    pid: str | None = None  # None for malformed bytes
+    project: str = ""
+    metrics: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def countable(self) -> bool:
+        """Must end in the totals (unless it legitimately failed max_attempts times)."""
+        return self.kind in (GOOD, FLAKY)
+
+
+def generate(queue: str, count: int, seed: int) -> list[Message]:
+    """``count`` messages in publishing order; at least one invalid and one malformed."""
+    rng = random.Random(f"workload:{seed}")
+    kinds = [GOOD] * count
+    special = max(1, round(count * INVALID_SHARE)) + max(1, round(count * MALFORMED_SHARE))
+    positions = rng.sample(range(count), min(count, special + round(count * FLAKY_SHARE)))
+    n_invalid = max(1, round(count * INVALID_SHARE))
+    n_malformed = max(1, round(count * MALFORMED_SHARE))
+    for index, position in enumerate(positions):
+        if index < n_invalid:
+            kinds[position] = INVALID
+        elif index < n_invalid + n_malformed:
+            kinds[position] = MALFORMED
+        else:
+            kinds[position] = FLAKY
+    return [_message(queue, n, kind, rng) for n, kind in enumerate(kinds)]
+
+
+def _message(queue: str, n: int, kind: str, rng: random.Random) -> Message:
+    if kind == MALFORMED:
+        return Message(kind, _malformed(queue, n, rng))
+    project = f"project-{rng.randrange(PROJECTS)}"
+    metrics = {"executions": 1, "bandwidth": rng.randrange(-500, 50_000)}
+    if rng.random() < 0.3:
+        metrics["storage"] = rng.randrange(-10_000, 10_000)
+    payload: dict[str, Any] = make_payload(project, metrics)
+    if kind == FLAKY:
+        payload["chaos"] = {"fail": FLAKY_FAIL, "draw": n}
+    if kind == INVALID:
+        payload = {"project": {"$id": project}, "metrics": f"not a list ({n})"}
+        metrics = {}
+    pid, raw = envelope.build(queue, payload)
+    return Message(kind, raw, pid, project, metrics)
+
+
+def _malformed(queue: str, n: int, rng: random.Random) -> bytes:
+    """Distinct bytes each time, so the harness can find every one in poison/dead."""
+    choices = [
+        f"{{not json {n}".encode(),
+        f'["an array", {n}]'.encode(),
+        f'{{"queue": "{queue}", "timestamp": {n}, "payload": {{}}}}'.encode(),  # no pid
+        f'{{"pid": {n}, "queue": "{queue}", "timestamp": 1, "payload": {{}}}}'.encode(),
+    ]
+    return rng.choice(choices)
+
+
+def expected_totals(messages: list[Message]) -> Counter[tuple[str, str]]:
+    """The totals if every countable message is counted exactly once."""
+    totals: Counter[tuple[str, str]] = Counter()
+    for message in messages:
+        if message.countable:
+            for metric, value in message.metrics.items():
+                totals[(message.project, metric)] += value
+    return totals
