@@ -34,13 +34,18 @@ METHOD = """\
 - Client CPU: the supervisor plus the fork server and handler processes (psutil, user +
   system). Server CPU: Redis `INFO cpu`; nats-server's process CPU. Both per job. CPU is
   read in 10 ms clock ticks: use 20,000 messages or more for the per-job figures.
-- Messages per reserve/fetch: Redis, messages / claim.lua calls (INFO commandstats counts
-  the commands scripts run: MSET runs only in claim.lua, RPOP only in reserve.lua, DECRBY in
-  settle.lua); NATS, jobs / (messages the clients sent - one ack per job), a slight
-  under-estimate (renewals count as pulls).
+- Messages per reserve / pull request, and per settle call: Redis, messages / claim.lua
+  and settle.lua calls (INFO commandstats counts the commands scripts run: MSET runs only
+  in claim.lua, DECRBY only in settle.lua among the scripts a clean run calls); these match
+  the supervisor's own counters exactly (checked with --supervisor-metrics). NATS, jobs /
+  pull requests, taken as the messages the clients sent less one ack per job (renewals
+  would count as pulls; a run this short has none). One receive() on NATS is a blocking
+  pull plus no-wait top-ups: --supervisor-metrics adds the supervisor's own messages per
+  receive() and per settle call (its Prometheus counters; this costs a little CPU).
 - Requests: Redis, calls of commands that no Lua script of the run uses (a client sent
   them), less the harness's own polls; NATS, messages the clients sent (/varz in_msgs).
-  Bytes: the server's network bytes in and out (Redis INFO stats; NATS /varz).
+  Bytes: the server's network bytes in and out (Redis INFO stats: everything on the wire;
+  NATS /varz: message payloads only, without subjects and protocol lines).
 - Peak RSS: VmHWM of the supervisor, and the sum over its children (fork server and
   handler processes), read just before the stop.
 - Queue latency: not from a pre-filled queue (there the last message waits for the whole
@@ -72,6 +77,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--url", action="append", default=[],
                         help="use this server instead of a private one (redis://, nats://); "
                              "may be given once per broker")
+    parser.add_argument("--allow-flush", action="store_true",
+                        help="allow emptying a --url Redis database that holds keys")
     parser.add_argument("--nats-monitor", help="monitor URL (http://host:8222) of a --url "
                         "NATS server, for its message and byte counts")
     parser.add_argument("--peers", action="store_true",
@@ -82,6 +89,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="publish rate of the latency runs, as a share of the "
                              "configuration's measured jobs/s (default 0.5; 0 = no latency)")
     parser.add_argument("--latency-seconds", type=float, default=3.0)
+    parser.add_argument("--supervisor-metrics", action="store_true",
+                        help="serve the supervisor's Prometheus metrics during the runs and "
+                             "report its own receive/settle batch sizes (costs a little CPU)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per configuration; the one with the median jobs/s is kept")
     parser.add_argument("--redis-aof", choices=("no", "everysec", "always"), default="no",
                         help="appendonly/appendfsync of the private redis-server (default no)")
     parser.add_argument("--out", type=Path, help="results folder, e.g. bench/results/<name>")
@@ -91,7 +103,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def redis_target(args: argparse.Namespace, cleanup: list) -> runs.RedisTarget:
     url = next((u for u in args.url if u.startswith(("redis://", "rediss://", "unix://"))), None)
     if url:
-        return runs.RedisTarget(url)
+        target = runs.RedisTarget(url)
+        if target.client.dbsize() and not args.allow_flush:
+            raise SystemExit(f"error: the database of {url} is not empty and every run "
+                             "empties it (FLUSHDB): use an empty one, or --allow-flush")
+        return target
     from tests.servers import RedisServer
 
     extra = [] if args.redis_aof == "no" else ["--appendonly", "yes",
@@ -119,16 +135,23 @@ def nats_target(args: argparse.Namespace, cleanup: list) -> runs.NatsTargetRun:
     return run
 
 
+REPEAT = 1  # set from --repeat
+
+
 def attempt(rows: list[dict[str, Any]], what: dict[str, Any], call) -> dict[str, Any] | None:
-    """Run one configuration; a failure is recorded as a row with the reason, not fatal."""
+    """Run one configuration (``REPEAT`` times, keeping the run of median jobs/s); a failure
+    is recorded as a row with the reason, not fatal."""
     label = " ".join(f"{k}={v}" for k, v in what.items())
     print(f"  {label} ...", end=" ", flush=True, file=sys.stderr)
     try:
-        row = call()
+        tries = sorted((call() for _ in range(REPEAT)), key=lambda row: row["jobs_per_s"])
     except Exception as error:
         traceback.print_exc()
         rows.append({**what, "error": f"{type(error).__name__}: {error}"})
         return None
+    row = tries[len(tries) // 2]
+    if len(tries) > 1:
+        row["repeats_jobs_per_s"] = [t["jobs_per_s"] for t in tries]
     rows.append(row)
     print(f"{row['jobs_per_s']:,.0f} jobs/s, client {row.get('client_us_per_job') or 0:.1f} "
           f"µs/job, server {row.get('server_us_per_job') or 0:.1f} µs/job",
@@ -237,6 +260,9 @@ def run_nats(args, run: runs.NatsTargetRun, prefetches: list[int], handlers: lis
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
+    global REPEAT
+    REPEAT = max(1, args.repeat)
+    runs.METRICS = args.supervisor_metrics
     sys.path.insert(0, str(ROOT))
     prefetches = [int(p) for p in args.prefetch.split(",") if p.strip()]
     handlers = [h.strip() for h in args.handlers.split(",") if h.strip()]
@@ -255,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench " + shlex.join(argv),
         "prefetch": prefetches, "messages": args.messages, "runs": rows,
         "busy_at_start": busy, "method": METHOD,
-        "settings": (f"{args.messages:,} messages per configuration; coroutines 1; "
+        "settings": (f"{args.messages:,} messages per configuration, median of {REPEAT} "
+                     f"run(s); coroutines 1; "
                      f"Redis appendonly {args.redis_aof}; NATS JetStream file storage "
                      f"(work-queue stream, explicit ack); latency publish rate = "
                      f"{args.latency_load:g} x the configuration's jobs/s for "

@@ -79,7 +79,7 @@ def time_maintain(url: str, calls: int = 5) -> list[dict[str, Any]]:
 
 def maintenance_comparison(client: redis.Redis, url: str, calls: int = 5) -> dict[str, Any]:
     """``maintain()`` on an empty queue, then over the large history."""
-    client.flushall()
+    client.flushdb()
     empty = time_maintain(url, calls)
     fill_history(client)
     length = client.llen(KEYS.processing)

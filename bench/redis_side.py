@@ -24,7 +24,7 @@ from broker import envelope
 _CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
 #: Commands of the harness itself (its probes), never counted as broker requests.
 HARNESS = {"info", "config|resetstat", "config|set", "config|get", "slowlog|reset",
-           "slowlog|get", "slowlog|len", "flushall", "rename", "multi", "exec", "dbsize"}
+           "slowlog|get", "slowlog|len", "flushdb", "rename", "multi", "exec", "dbsize"}
 
 
 def _sources() -> list[Path]:

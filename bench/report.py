@@ -32,7 +32,7 @@ COLUMNS = (
     ("wall s", "seconds", lambda r: _num(r.get("seconds"), 2)),
     ("client µs/job", "client_us_per_job", lambda r: _num(r.get("client_us_per_job"), 1)),
     ("server µs/job", "server_us_per_job", lambda r: _num(r.get("server_us_per_job"), 1)),
-    ("msgs per reserve/fetch", "batch_fill", lambda r: _num(r.get("batch_fill"), 1)),
+    ("msgs per reserve / pull request", "batch_fill", lambda r: _num(r.get("batch_fill"), 1)),
     ("msgs per settle call", "settle_fill", lambda r: _num(r.get("settle_fill"), 1)),
     ("requests/job", "requests_per_job", lambda r: _num(r.get("requests_per_job"), 3)),
     ("bytes in/job", "bytes_in_per_job", lambda r: _num(r.get("bytes_in_per_job"))),
@@ -45,16 +45,23 @@ COLUMNS = (
 )
 
 
+OWN = ("msgs per receive() (own counters)", "own_receive_fill",
+       lambda r: _num(r.get("own_receive_fill"), 1))
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
-             "|" + "|".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + "|"]
+    columns = list(COLUMNS)
+    if any(row.get("own_receive_fill") for row in rows):
+        columns.insert(9, OWN)
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |",
+             "|" + "|".join("---" if i < 3 else "---:" for i in range(len(columns))) + "|"]
     for row in rows:
         if row.get("error"):
             lines.append(f"| {row['system']} | {row['broker']} | {row.get('handler', '')} | "
                          f"{_num(row.get('prefetch'))} | not run: {row['error']} |"
-                         + " |" * (len(COLUMNS) - 5))
+                         + " |" * (len(columns) - 5))
             continue
-        lines.append("| " + " | ".join(cell(row) for _, _, cell in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(row) for _, _, cell in columns) + " |")
     return "\n".join(lines)
 
 
@@ -233,26 +240,31 @@ def chart(results: dict[str, Any], path: Path) -> bool:
         if row["system"] == "queue-supervisor":
             label = f"{row['broker']} {row['handler']}" + (" +history" if row["history"] else "")
             series.setdefault((label, row["broker"]), []).append(row)
-    for (label, _), points in series.items():
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, ((label, _), points) in enumerate(series.items()):
+        colour = colours[index % len(colours)]
         points.sort(key=lambda row: row["prefetch"])
         xs = [row["prefetch"] for row in points]
-        speed.plot(xs, [row["jobs_per_s"] for row in points], marker="o", label=label)
+        speed.plot(xs, [row["jobs_per_s"] for row in points], marker="o", label=label,
+                   color=colour)
         cpu.plot(xs, [row["client_us_per_job"] or 0 for row in points], marker="o",
-                 label=f"{label} client")
+                 color=colour, label=f"{label}: client")
         cpu.plot(xs, [row["server_us_per_job"] or 0 for row in points], marker="x",
-                 linestyle="--", label=f"{label} server")
+                 linestyle="--", color=colour, label=f"{label}: server")
     for row in rows:
         if row["system"] != "queue-supervisor":
             speed.axhline(row["jobs_per_s"], linestyle=":", color="grey")
             speed.annotate(f"{row['system']} ({row['broker']}, prefetch {row['prefetch']})",
                            (min(results["prefetch"]), row["jobs_per_s"]), fontsize=7,
                            color="dimgrey", va="bottom")
-    for axis, title in ((speed, "jobs/s (1 handler process)"), (cpu, "CPU µs per job")):
+    for axis, title in ((speed, "jobs/s, one handler process (log)"),
+                        (cpu, "CPU µs per job (log): client solid, server dashed")):
         axis.set_xscale("log")
+        axis.set_yscale("log")
         axis.set_xticks(results["prefetch"], [str(p) for p in results["prefetch"]])
         axis.set_xlabel("prefetch")
-        axis.set_title(title)
-        axis.grid(True, alpha=0.3)
+        axis.set_title(title, fontsize=10)
+        axis.grid(True, which="both", alpha=0.3)
     speed.legend(fontsize=7)
     cpu.legend(fontsize=6)
     fig.suptitle(f"{results['name']}: {results['machine']['cpu']}", fontsize=9)

@@ -16,8 +16,10 @@ live); peak RSS is each process's VmHWM just before it is stopped.
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from bench.common import (
     NAMESPACE,
     QUEUE,
     Family,
+    free_port,
     per_job,
     percentiles,
     start,
@@ -74,19 +77,69 @@ class NatsTargetRun:
         return self.target.url
 
 
-def job_file(folder: Path, url: str, handler: str, prefetch: int) -> Path:
+#: Serve the supervisor's Prometheus metrics during runs and read its own counters
+#: (receive calls, settle batch sizes). Off by default: it is not free.
+METRICS = False
+
+
+def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: int = 0
+             ) -> Path:
     config = folder / "bench.toml"
     text = (
         f'[broker]\nurl = "{url}"\nnamespace = "{NAMESPACE}"\n'
         f'[job]\nqueue = "{QUEUE}"\nhandler = "{handler}"\ncoroutines = 1\n'
         f"prefetch = {prefetch}\nmax_attempts = {nats_side.MAX_DELIVER}\n"
-        f'[supervisor]\nlog_level = "warning"\n'
+        f'[supervisor]\nlog_level = "warning"\nmetrics_port = {metrics_port}\n'
     )
     if url.startswith(("nats://", "tls://")):
         text += (f"[nats]\nack_wait = {nats_side.ACK_WAIT_S}\n"
                  f"max_deliver = {nats_side.MAX_DELIVER}\n")
     config.write_text(text)
     return config
+
+
+class OwnCounters:
+    """The supervisor's own counters, read from its metrics endpoint (when ``METRICS``)."""
+
+    WANTED = {
+        ("queue_supervisor_deliveries_received_total", ""): "received",
+        ("queue_supervisor_broker_call_seconds_count", "receive"): "receive_calls",
+        ("queue_supervisor_settle_batch_size_count", ""): "settle_calls",
+        ("queue_supervisor_settle_batch_size_sum", ""): "settled",
+    }
+
+    def __init__(self) -> None:
+        self.port = free_port() if METRICS else 0
+
+    def read(self) -> dict[str, float]:
+        if not self.port:
+            return {}
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as page:
+            text = page.read().decode()
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            operation = re.search(r'operation="([^"]*)"', labels)
+            key = (name, operation.group(1) if operation else "")
+            if key in self.WANTED:
+                found[self.WANTED[key]] = float(value)
+        return found
+
+    @staticmethod
+    def fill(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+        if not after:
+            return {}
+        got = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+        return {
+            "own_receive_fill": got["received"] / got["receive_calls"]
+            if got.get("receive_calls") else None,
+            "own_settle_fill": got["settled"] / got["settle_calls"]
+            if got.get("settle_calls") else None,
+            "own_counters": got,
+        }
 
 
 def _figures(jobs: int, seconds: float, client_cpu: float | None, server: dict[str, Any]
@@ -110,7 +163,7 @@ def _figures(jobs: int, seconds: float, client_cpu: float | None, server: dict[s
 def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler: str,
                      history: bool = False) -> dict[str, Any]:
     client = target.client
-    client.flushall()
+    client.flushdb()
     if history:
         from bench.large_history import fill_history
 
@@ -118,13 +171,15 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
     redis_side.fill(client, STAGING, messages)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
-        config = job_file(folder, target.url, HANDLERS[handler], prefetch)
+        own = OwnCounters()
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"))
         try:
             wait_until_title(child.pid, "running")
             time.sleep(SETTLE_AFTER_START)
             family = Family(child.pid)
             probe = redis_side.Probe(redis.Redis.from_url(target.url))
+            own_before = own.read()
             redis_side.reset(client)
             before, cpu_before = redis_side.snapshot(client), family.cpu()
             began = time.perf_counter()
@@ -134,6 +189,7 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
             cpu = family.cpu() - cpu_before
             after = redis_side.snapshot(client)
             rss_supervisor, rss_children = family.peak_rss()
+            own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
     server = redis_side.delta(before, after, target.internal, probe)
@@ -149,7 +205,7 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
         redeliveries=max(0, claimed - messages),
         failed=int(client.get(KEYS.stat("failed")) or 0),
         script_usec_per_call=server["script_usec_per_call"],
-        slow_calls=redis_side.slow_calls(client),
+        slow_calls=redis_side.slow_calls(client), **own_figures,
     )
     return result
 
@@ -160,12 +216,14 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
     run.control.prepare(messages)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
-        config = job_file(folder, target.url, HANDLERS[handler], prefetch)
+        own = OwnCounters()
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"))
         try:
             wait_until_title(child.pid, "running")
             time.sleep(SETTLE_AFTER_START)
             family = Family(child.pid)
+            own_before = own.read()
             before, cpu_before = nats_side.snapshot(target), family.cpu()
             began = time.perf_counter()
             run.control.resume()
@@ -174,6 +232,7 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
             cpu = family.cpu() - cpu_before
             after = nats_side.snapshot(target)
             rss_supervisor, rss_children = family.peak_rss()
+            own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
     jobs = messages + 1  # the message that woke the held pulls
@@ -184,8 +243,9 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
         broker="nats", system="queue-supervisor", handler=handler, prefetch=prefetch,
         history=False, batch_fill=_nats_fill(jobs, server),
         rss_supervisor_mib=rss_supervisor, rss_children_mib=rss_children,
-        redeliveries=consumer.get("num_redelivered"), failed=None,
+        redeliveries=consumer.get("num_redelivered"), failed=None, **own_figures,
     )
+    result["settle_fill"] = result.get("own_settle_fill")
     return result
 
 
@@ -204,7 +264,7 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
     """Start the supervisor on an empty queue, publish ``messages`` at ``rate``/s, and
     measure handler start minus publish time for each."""
     if isinstance(target, RedisTarget):
-        target.client.flushall()
+        target.client.flushdb()
         done = _redis_done(target, messages)
     else:
         target.control.prepare(0)
@@ -255,7 +315,7 @@ def peer_redis(target: RedisTarget, system: str, module: str, messages: int, ext
     ``fill()`` stores the messages under staging names and returns the RENAMEs that make
     them available; ``done(probe)`` says when all are acknowledged."""
     client = target.client
-    client.flushall()
+    client.flushdb()
     renames = fill()
     child = start(["-m", module, target.url, "--messages", str(messages), *extra], capture=True,
                   **(env or {}))

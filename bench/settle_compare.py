@@ -74,7 +74,7 @@ def compare(client: redis.Redis, url: str, messages: int, prefetch: int = 100
         run = asyncio.run
     rows = []
     for variant in ("grouped", "per-message"):
-        client.flushall()
+        client.flushdb()
         redis_side.fill(client, KEYS.ready, messages)
         redis_side.reset(client)
         before = redis_side.snapshot(client)
