@@ -61,8 +61,16 @@ METHOD = """\
   same durable consumer, ack_sync each, one batch's acks overlapped).
 - Large history: 100,000 legacy pids (job record, no owner, published now) in the
   processing list and 100,000 keys of other queues in the namespace, before the run; SLOWLOG
-  keeps every call above 5 ms. maintain() is called directly, on an empty queue and then
-  over that history.
+  keeps every call above 5 ms (a script and, separately, the commands it ran inside).
+  maintain() is called directly, with nothing else running, on an empty queue and over
+  10,000 and 100,000 such entries: server CPU per call (INFO cpu) and the longest script
+  (SLOWLOG at 0 us).
+- Grouped vs per-message settlement: this process drives RedisBroker reserve/claim (batches
+  of up to 100, no handler) and commits either with settle.lua (one call per batch) or with
+  bench/lua/commit_one.lua (the same owner check and writes for one message), one EVALSHA
+  per message, a batch's worth in one pipeline.
+- Caveats: a single handler process (coroutines 1); worker, server and harness share the
+  machine's cores; the harness polls every 2 ms (Redis GET) or 10 ms (NATS monitor HTTP).
 """
 
 

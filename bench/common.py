@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "bench"
 NAMESPACE = "utopia-queue"
 
-#: Seconds between two polls of "is everything done?" (a cheap read on its own connection).
+#: Seconds between two polls of "is everything done?" (Redis: a GET on its own connection).
 POLL = 0.002
+#: NATS: an HTTP request to the monitor port, which costs the server more than a GET.
+NATS_POLL = 0.01
 
 
 def stats_usage_payload(n: int, published: float | None = None) -> dict[str, Any]:
@@ -90,15 +92,16 @@ def wait_until_title(pid: int, word: str, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
-def until(done: Callable[[], bool], child: subprocess.Popen | None, timeout: float) -> None:
-    """Poll ``done()`` every POLL seconds; fail if ``child`` exits or time runs out."""
+def until(done: Callable[[], bool], child: subprocess.Popen | None, timeout: float,
+          poll: float = POLL) -> None:
+    """Poll ``done()`` every ``poll`` seconds; fail if ``child`` exits or time runs out."""
     deadline = time.monotonic() + timeout
     while not done():
         if child is not None and child.poll() is not None:
             raise RuntimeError(f"process {child.pid} exited with {child.returncode} mid-run")
         if time.monotonic() > deadline:
             raise RuntimeError(f"run not finished after {timeout:.0f}s")
-        time.sleep(POLL)
+        time.sleep(poll)
 
 
 @dataclass

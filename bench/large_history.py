@@ -46,6 +46,7 @@ def fill_history(client: redis.Redis, stale: int = STALE_PIDS, others: int = OTH
 
 
 async def _maintain(url: str, calls: int) -> list[dict[str, Any]]:
+    from bench import redis_side
     from broker.redis import RedisBroker
 
     broker = RedisBroker(url, QUEUE, namespace=NAMESPACE)
@@ -54,36 +55,53 @@ async def _maintain(url: str, calls: int) -> list[dict[str, Any]]:
     figures = []
     try:
         for _ in range(calls):
-            stats.config_resetstat()
+            redis_side.reset(stats, slowlog_usec=0)  # every call in the slow log
+            cpu = redis_side.snapshot(stats).cpu
             began = time.perf_counter()
             report = await broker.maintain()
             seconds = time.perf_counter() - began
-            commands = stats.info("commandstats")
-            server_usec = sum(int(value["usec"]) for name, value in commands.items()
-                              if name not in ("cmdstat_info", "cmdstat_config|resetstat"))
+            server = redis_side.snapshot(stats).cpu - cpu
+            scripts = [int(entry["duration"]) for entry in stats.slowlog_get(10000)
+                       if _command(entry).startswith("evalsha")]
+            commands = [int(entry["duration"]) for entry in stats.slowlog_get(10000)
+                        if not _command(entry).startswith(("info", "config", "slowlog"))]
             figures.append({
-                "wall_ms": seconds * 1000, "server_ms": server_usec / 1000,
+                "wall_ms": seconds * 1000, "server_cpu_ms": server * 1000,
+                "longest_script_ms": max(scripts, default=0) / 1000,
+                "longest_command_ms": max(commands, default=0) / 1000,
                 "recovered": report.total, "skipped": report.skipped,
             })
     finally:
+        redis_side.reset(stats)
         await broker.close()
         stats.close()
     return figures
 
 
+def _command(entry: dict[str, Any]) -> str:
+    words = entry["command"]
+    return (words.decode(errors="replace") if isinstance(words, bytes) else str(words)).lower()
+
+
 def time_maintain(url: str, calls: int = 5) -> list[dict[str, Any]]:
-    """Wall and server time (all commands it sent, scripts included) of ``calls``
-    consecutive ``RedisBroker.maintain()`` calls on whatever the server holds now."""
+    """Wall time, server CPU (INFO cpu, the server being otherwise idle) and the longest
+    script of ``calls`` consecutive ``RedisBroker.maintain()`` calls on what the server
+    holds now."""
     return asyncio.run(_maintain(url, calls))
 
 
+SIZES = (0, 10_000, STALE_PIDS)
+
+
 def maintenance_comparison(client: redis.Redis, url: str, calls: int = 5) -> dict[str, Any]:
-    """``maintain()`` on an empty queue, then over the large history."""
-    client.flushdb()
-    empty = time_maintain(url, calls)
-    fill_history(client)
-    length = client.llen(KEYS.processing)
-    history = time_maintain(url, calls)
-    left = client.llen(KEYS.processing)
-    return {"calls": calls, "empty": empty, "history": history, "processing_before": length,
-            "processing_after": left}
+    """``maintain()`` on an empty queue, then over 10,000 and 100,000 legacy entries (and as
+    many keys of other queues): bounded work per call means the last two cost the same."""
+    cases = []
+    for size in SIZES:
+        client.flushdb()
+        if size:
+            fill_history(client, stale=size, others=size)
+        calls_figures = time_maintain(url, calls)
+        cases.append({"stale_pids": size, "calls": calls_figures,
+                      "processing_after": client.llen(KEYS.processing)})
+    return {"calls": calls, "cases": cases}

@@ -30,6 +30,7 @@ import redis
 from bench import latency, nats_side, redis_side
 from bench.common import (
     NAMESPACE,
+    NATS_POLL,
     QUEUE,
     Family,
     free_port,
@@ -227,7 +228,7 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
             before, cpu_before = nats_side.snapshot(target), family.cpu()
             began = time.perf_counter()
             run.control.resume()
-            until(lambda: nats_side.stored_messages(target) == 0, child, 600)
+            until(lambda: nats_side.stored_messages(target) == 0, child, 600, NATS_POLL)
             seconds = time.perf_counter() - began
             cpu = family.cpu() - cpu_before
             after = nats_side.snapshot(target)
@@ -359,7 +360,7 @@ def peer_nats(run: NatsTargetRun, system: str, module: str, messages: int, extra
         before, cpu_before = nats_side.snapshot(target), family.cpu()
         began = time.perf_counter()
         run.control.resume()
-        until(lambda: nats_side.stored_messages(target) == 0, child, 600)
+        until(lambda: nats_side.stored_messages(target) == 0, child, 600, NATS_POLL)
         seconds = time.perf_counter() - began
         cpu = family.cpu() - cpu_before
         after = nats_side.snapshot(target)
