@@ -27,12 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep logs, ledger and database even when the run passes")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--sabotage", action="store_true",
+                        help="self-test of the checks: one message is never published and "
+                        "one total is corrupted, so the run must fail naming both")
     args = parser.parse_args(argv)
     low, _, high = args.gap.partition(",")
     settings = Settings(
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
         supervisors=args.supervisors, gap=(float(low), float(high or low)),
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
+        sabotage=args.sabotage,
     )
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
     return run_all(brokers, settings)

@@ -1,0 +1,243 @@
+"""The NATS JetStream part of a soak run (see ``bench.chaos.sides`` for the Redis one).
+
+Supervisors connect through a TCP proxy, so a "connection cut" closes their connections
+from the server's side of the wire; the harness connects to the server directly. The
+server runs with file storage and is restarted with SIGKILL; publishing pauses meanwhile.
+A publish carries ``Nats-Msg-Id``, so repeating one whose PubAck was lost is deduplicated
+by the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import Counter
+from typing import Any
+
+import nats
+import orjson
+from nats.js.errors import NotFoundError
+
+from bench.chaos.sides import Check, FinalState
+from bench.chaos.workload import Message
+from broker.nats_setup import CONSUMER, QueueNames
+from tests.faultproxy import FaultProxy
+from tests.servers import NatsServer
+
+
+class NatsSide:
+    name = "nats"
+    faults = ("connection_cut", "broker_restart")
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        self.names = QueueNames.of(queue)
+        self.server = NatsServer()
+        self.proxy: FaultProxy | None = None
+        self.publishing = asyncio.Event()
+        self.publishing.set()
+        self.nc: Any = None
+        self.js: Any = None
+        self.sequences: dict[str, int] = {}  # pid -> stream sequence (from the PubAck)
+
+    @property
+    def supervisor_url(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.url
+
+    def config_sections(self, settings: Any) -> dict[str, dict[str, Any]]:
+        # Redelivery after the lease, as on Redis; max_deliver defaults to max_attempts.
+        return {"nats": {"ack_wait": settings.lease}}
+
+    async def start(self) -> None:
+        self.server.start()
+        self.proxy = await FaultProxy(self.server.port).start()
+        self.nc = await nats.connect(
+            self.server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
+            name="chaos harness", error_cb=_quiet, disconnected_cb=_quiet_event,
+            reconnected_cb=_quiet_event,
+        )
+        self.js = self.nc.jetstream(timeout=2)
+
+    async def ready(self) -> None:
+        """The supervisors create the streams and consumer when they connect."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await self.js.consumer_info(self.names.stream, CONSUMER)
+                await self.js.stream_info(self.names.dead_stream)
+                return
+            except NotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        if self.proxy is not None:
+            with contextlib.suppress(Exception):
+                await self.proxy.close()
+                await asyncio.sleep(0.1)  # let the proxy's connection tasks end
+        self.server.close()
+
+    # -- publishing -------------------------------------------------------------------------
+
+    async def publish(self, messages: list[Message]) -> None:
+        await self.publishing.wait()
+        acks = await asyncio.gather(*(self._publish_one(message) for message in messages))
+        for message, ack in zip(messages, acks, strict=True):
+            if message.pid is not None:
+                self.sequences[message.pid] = ack.seq
+
+    async def _publish_one(self, message: Message) -> Any:
+        msg_id = message.pid or "malformed-" + hashlib.sha1(message.raw).hexdigest()
+        for attempt in range(50):
+            try:
+                return await self.js.publish(self.names.subject, message.raw,
+                                             headers={"Nats-Msg-Id": msg_id})
+            except Exception:  # deduplicated by Nats-Msg-Id: repeating is safe
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.2)
+                await self.publishing.wait()
+        raise AssertionError("unreachable")
+
+    # -- faults -----------------------------------------------------------------------------
+
+    async def inject(self, fault: str) -> str:
+        assert self.proxy is not None
+        if fault == "connection_cut":
+            pairs = len(self.proxy._pairs)
+            await self.proxy.cut()
+            return f"proxy cut {pairs} supervisor connections"
+        if fault == "broker_restart":
+            return await self._restart()
+        raise ValueError(f"unknown fault {fault!r}")
+
+    async def _restart(self) -> str:
+        self.publishing.clear()
+        try:
+            began = time.monotonic()
+            self.server.stop()  # SIGKILL; file storage
+            self.server.start()
+            await self._until_jetstream()
+            down = time.monotonic() - began
+        finally:
+            self.publishing.set()
+        return f"nats-server SIGKILL and restart (down {down:.2f}s)"
+
+    async def _until_jetstream(self) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await self.js.stream_info(self.names.stream)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    # -- state --------------------------------------------------------------------------------
+
+    async def _retry(self, call: Any) -> Any:
+        for attempt in range(100):
+            try:
+                return await call()
+            except NotFoundError:
+                raise
+            except Exception:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.1)
+        raise AssertionError("unreachable")
+
+    async def outstanding(self) -> dict[str, int]:
+        consumer = await self._retry(
+            lambda: self.js.consumer_info(self.names.stream, CONSUMER))
+        stream = await self._retry(lambda: self.js.stream_info(self.names.stream))
+        return {"pending": consumer.num_pending, "ack_pending": consumer.num_ack_pending,
+                "in stream": stream.state.messages}
+
+    async def dead_letters(self) -> list[Any]:
+        info = await self._retry(lambda: self.js.stream_info(self.names.dead_stream))
+        found = []
+        if info.state.messages:
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                with contextlib.suppress(NotFoundError):
+                    found.append(await self._retry(
+                        lambda seq=seq: self.js.get_msg(self.names.dead_stream, seq)))
+        return found
+
+    async def failed_now(self) -> set[str]:
+        return {pid for pid, _ in _split(await self.dead_letters())[0]}
+
+    async def final_state(self, messages: list[Message], max_attempts: int) -> FinalState:
+        counts = await self.outstanding()
+        consumer = await self._retry(
+            lambda: self.js.consumer_info(self.names.stream, CONSUMER))
+        failed, poison = _split(await self.dead_letters())
+        failed_pids = [pid for pid, _ in failed]
+        malformed = Counter(m.raw for m in messages if m.pid is None)
+        attempts_ok = all(attempts == str(max_attempts) for _, attempts in failed)
+        checks = [
+            Check("stream messages (workqueue: acked = gone)", 0, counts["in stream"],
+                  counts["in stream"] == 0),
+            Check("consumer: not yet delivered", 0, counts["pending"], counts["pending"] == 0),
+            Check("consumer: awaiting ack", 0, counts["ack_pending"],
+                  counts["ack_pending"] == 0,
+                  f"{consumer.num_redelivered} redelivered now"),
+            Check(f"dead letters at attempts {max_attempts}", len(failed),
+                  "all" if attempts_ok else "not all", attempts_ok),
+            Check("dead letters, each pid once", len(set(failed_pids)), len(failed_pids),
+                  len(failed_pids) == len(set(failed_pids))),
+            Check("dead malformed = malformed published", sum(malformed.values()),
+                  len(poison), Counter(poison) == malformed),
+        ]
+        return FinalState(set(failed_pids), checks)
+
+    async def locate(self, pid: str) -> str:
+        seq = self.sequences.get(pid)
+        if seq is None:
+            return "no PubAck recorded"
+        places = [f"published as stream seq {seq}"]
+        try:
+            await self._retry(lambda: self.js.get_msg(self.names.stream, seq))
+            places.append("still in the stream")
+        except NotFoundError:
+            places.append("no longer in the stream (acked or terminated)")
+        consumer = await self._retry(
+            lambda: self.js.consumer_info(self.names.stream, CONSUMER))
+        places.append(f"consumer delivered up to {consumer.delivered.stream_seq}, "
+                      f"ack floor {consumer.ack_floor.stream_seq}")
+        if pid in await self.failed_now():
+            places.append("in the dead stream")
+        return ", ".join(places)
+
+
+async def _quiet(error: Exception) -> None:
+    """The harness's own connection breaks with every server restart: expected."""
+
+
+async def _quiet_event() -> None:
+    pass
+
+
+def _split(letters: list[Any]) -> tuple[list[tuple[str, str]], list[bytes]]:
+    """Dead letters as ((pid, attempts) of envelopes, raw bytes of malformed payloads)."""
+    failed, poison = [], []
+    for letter in letters:
+        attempts = (letter.headers or {}).get("Queue-Attempts", "?")
+        try:
+            pid = orjson.loads(letter.data).get("pid")
+        except (orjson.JSONDecodeError, AttributeError):
+            pid = None
+        reason = (letter.headers or {}).get("Queue-Reason", "")
+        if isinstance(pid, str) and not reason.startswith("malformed"):
+            failed.append((pid, attempts))
+        else:
+            poison.append(letter.data)
+    return failed, poison
