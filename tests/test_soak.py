@@ -1,0 +1,124 @@
+"""The chaos soak, CI-sized: real supervisors, real servers, faults at seeded moments.
+
+``python -m bench.chaos`` publishes stats-usage messages while it kills handler processes
+and supervisors, stops supervisors with SIGTERM, cuts broker connections, flushes the Lua
+script cache and restarts the broker; then it checks that every message was handled or
+failed for good, that the SQLite usage totals are exact and that the broker holds nothing.
+The long run is the same command with more ``--messages`` and ``--seconds``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.chaos.ledger import Ledger
+from tests.servers import environ_without_broker
+
+ROOT = Path(__file__).resolve().parent.parent
+ATTEMPTS_BUG = ("on NATS a handler sees attempts 0 on every redelivery, so seeded failures "
+                "repeat and flaky messages end dead (test_nats_handler_sees_attempts_rise)")
+
+
+def soak(broker: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.chaos", "--broker", broker, "--quiet", *args],
+        cwd=ROOT, env=environ_without_broker(), capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def failed_rows(output: str) -> list[str]:
+    """The check rows that failed (not the closing "result (...): FAIL" line)."""
+    return [line for line in output.splitlines() if not line.startswith("result (")
+            and (line.split()[-1:] == ["FAIL"] or "  FAIL  (" in line)]
+
+
+@pytest.mark.timeout(170)
+def test_redis_soak_loses_nothing_and_keeps_totals_exact():
+    result = soak("redis", "--messages", "2000", "--seconds", "36", "--seed", "7",
+                  "--gap", "4,6")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "handler_kill" in result.stdout and "broker_restart" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_soak_fails_naming_a_lost_message_and_a_wrong_total():
+    result = soak("redis", "--messages", "300", "--seconds", "4", "--gap", "100,100",
+                  "--drain-timeout", "4", "--sabotage", timeout=50)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    [lost] = [line for line in result.stdout.splitlines() if line.startswith("LOST ")]
+    assert "never reached a handler" in lost and "nowhere in Redis" in lost
+    assert any(line.startswith("TOTAL (") for line in result.stdout.splitlines())
+    assert result.stdout.rstrip().endswith("result (redis): FAIL")
+
+
+def test_ledger_counts_duplicate_commits_and_reruns(tmp_path):
+    path = tmp_path / "ledger"
+    path.write_text(
+        "I 1.0 10 a 0 x\n"  # a seeded failure: the next call is a retry, not a re-run
+        "I 2.0 11 a 1 .\n"
+        "C 2.1 11 a\n"
+        "I 3.0 12 a 1 .\n"  # a re-run of a success
+        "C 3.1 12 a\n"  # a duplicate commit
+        "I 4.0 12 b 0 .\n"
+        "C 4.1 12 b\n"
+        "I 5.0 12 c 0"  # an incomplete line is left for the next read
+    )
+    ledger = Ledger(path)
+    ledger.update()
+    assert ledger.duplicate_commits() == [(3.1, "a")]
+    assert ledger.reruns() == [(3.0, "a")]
+    assert "c" not in ledger.calls
+    assert ledger.first_commit("a") == 2.1
+    with open(path, "a") as out:
+        out.write(" .\n")
+    ledger.update()
+    assert [call.attempts for call in ledger.calls["c"]] == [0]
+
+
+@pytest.mark.xfail(strict=True, reason=ATTEMPTS_BUG)
+def test_nats_handler_sees_attempts_rise_on_redelivery(tmp_path, nats_server):
+    """A failing message, max_attempts 3: its handler calls must see attempts 0, 1, 2 (as
+    on Redis). The supervisor's Delivery has attempts = num_delivered - 1, but the handler
+    process decodes the raw envelope, whose attempts JetStream never rewrites."""
+    import asyncio
+
+    from broker.nats import NatsBroker
+    from tests.supervision import QUEUE, Supervisor, lines, wait_for, write_config
+
+    async def publish() -> None:
+        broker = NatsBroker(nats_server.url, QUEUE, ack_wait=2.0, max_deliver=3)
+        await broker.connect()
+        try:
+            await broker.publish_many(QUEUE, [{"fail": True}])
+        finally:
+            await broker.close()
+
+    asyncio.run(publish())
+    config = write_config(tmp_path, nats_server.url, job={"max_attempts": 3},
+                          nats={"ack_wait": 2.0})
+    supervisor = Supervisor(config, tmp_path, "")
+    try:
+        wait_for(lambda: len(lines(tmp_path / "started")) == 3, 30, "three deliveries")
+    finally:
+        supervisor.stop()
+    attempts = [line.split()[1] for line in lines(tmp_path / "started")]
+    assert attempts == ["0", "1", "2"]
+
+
+@pytest.mark.timeout(170)
+def test_nats_soak_loses_nothing_and_keeps_totals_exact():
+    result = soak("nats", "--messages", "2000", "--seconds", "36", "--seed", "7",
+                  "--gap", "4,6")
+    output = result.stdout + result.stderr[-3000:]
+    failures = failed_rows(result.stdout)
+    known = [row for row in failures if row.startswith("countable failed max_attempts")]
+    assert failures == known, output  # lost messages, wrong totals: always a failure
+    if known:
+        pytest.xfail(ATTEMPTS_BUG)
+    assert result.returncode == 0, output
+    assert "connection_cut" in result.stdout and "broker_restart" in result.stdout
