@@ -125,6 +125,10 @@ class Family:
                 self.seen[member.pid] = times.user + times.system
         return sum(self.seen.values())
 
+    def root_cpu(self) -> float:
+        """CPU seconds of the root process alone, as last read by ``cpu()``."""
+        return self.seen.get(self.pid, 0.0)
+
     def peak_rss(self) -> tuple[float, float]:
         """Peak RSS (VmHWM, MiB) of the root, and the sum over its descendants."""
         root = children = 0.0

@@ -31,6 +31,8 @@ COLUMNS = (
     ("jobs/s", "jobs_per_s", lambda r: _num(r.get("jobs_per_s"))),
     ("wall s", "seconds", lambda r: _num(r.get("seconds"), 2)),
     ("client µs/job", "client_us_per_job", lambda r: _num(r.get("client_us_per_job"), 1)),
+    ("of which supervisor", "supervisor_us_per_job",
+     lambda r: _num(r.get("supervisor_us_per_job"), 1)),
     ("server µs/job", "server_us_per_job", lambda r: _num(r.get("server_us_per_job"), 1)),
     ("msgs per reserve / pull request", "batch_fill", lambda r: _num(r.get("batch_fill"), 1)),
     ("msgs per settle call", "settle_fill", lambda r: _num(r.get("settle_fill"), 1)),

@@ -183,11 +183,13 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
             own_before = own.read()
             redis_side.reset(client)
             before, cpu_before = redis_side.snapshot(client), family.cpu()
+            root_before = family.root_cpu()
             began = time.perf_counter()
             client.rename(STAGING, KEYS.ready)
             until(lambda: probe.get_int(KEYS.stat("success")) >= messages, child, 600)
             seconds = time.perf_counter() - began
             cpu = family.cpu() - cpu_before
+            root_cpu = family.root_cpu() - root_before
             after = redis_side.snapshot(client)
             rss_supervisor, rss_children = family.peak_rss()
             own_figures = OwnCounters.fill(own_before, own.read())
@@ -198,7 +200,7 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
     claimed = int(client.get(KEYS.stat("total")) or 0)
     result.update(
         broker="redis", system="queue-supervisor", handler=handler, prefetch=prefetch,
-        history=history,
+        history=history, supervisor_us_per_job=per_job(root_cpu, messages, 1e6),
         batch_fill=per_job(messages, server["claim_calls"] or 0),
         reserve_calls=server["reserve_calls"], settle_fill=per_job(messages,
                                                                    server["settle_calls"] or 0),
@@ -226,11 +228,13 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
             family = Family(child.pid)
             own_before = own.read()
             before, cpu_before = nats_side.snapshot(target), family.cpu()
+            root_before = family.root_cpu()
             began = time.perf_counter()
             run.control.resume()
             until(lambda: nats_side.stored_messages(target) == 0, child, 600, NATS_POLL)
             seconds = time.perf_counter() - began
             cpu = family.cpu() - cpu_before
+            root_cpu = family.root_cpu() - root_before
             after = nats_side.snapshot(target)
             rss_supervisor, rss_children = family.peak_rss()
             own_figures = OwnCounters.fill(own_before, own.read())
@@ -242,7 +246,8 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
     consumer = nats_side.consumer_state(target)
     result.update(
         broker="nats", system="queue-supervisor", handler=handler, prefetch=prefetch,
-        history=False, batch_fill=_nats_fill(jobs, server),
+        history=False, supervisor_us_per_job=per_job(root_cpu, jobs, 1e6),
+        batch_fill=_nats_fill(jobs, server),
         rss_supervisor_mib=rss_supervisor, rss_children_mib=rss_children,
         redeliveries=consumer.get("num_redelivered"), failed=None, **own_figures,
     )
