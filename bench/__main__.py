@@ -158,6 +158,7 @@ def attempt(rows: list[dict[str, Any]], what: dict[str, Any], call) -> dict[str,
         rows.append({**what, "error": f"{type(error).__name__}: {error}"})
         return None
     row = tries[len(tries) // 2]
+    row["load_after"] = machine.load()[0]  # 1-minute load average once this configuration ran
     if len(tries) > 1:
         row["repeats_jobs_per_s"] = [t["jobs_per_s"] for t in tries]
     rows.append(row)
