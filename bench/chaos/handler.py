@@ -2,10 +2,11 @@
 
 A payload may carry ``"chaos": {"fail": p, "draw": n}``: the call then fails with
 probability ``p``, decided by a hash of (seed, n, attempts), so a run is reproducible and a
-retry (attempts + 1) gets a fresh draw. The failure happens before the message is
-buffered, so it can never touch the totals; everything else is the stats-usage handler
-unchanged (its own validation rejects a payload without a metrics list, its ``flush()``
-counts each pid once).
+retry (attempts + 1) gets a fresh draw; ``"chaos": {"work": s}`` makes the call ``s``
+seconds longer (besides ``$CHAOS_WORK_MS`` for every call). The failure happens before
+the message is buffered, so it can never touch the totals; everything else is the
+stats-usage handler unchanged (its own validation rejects a payload without a metrics
+list, its ``flush()`` counts each pid once).
 
 Every call and every durable flush is appended to ``$CHAOS_LEDGER`` with one ``write()``
 on an ``O_APPEND`` descriptor, so concurrent handler processes never interleave lines:
@@ -57,6 +58,13 @@ def fails(seed: str, draw: object, attempts: int, probability: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < probability
 
 
+def extra_work(payload: Any) -> float:
+    """``"chaos": {"work": seconds}``: this call takes that much longer."""
+    chaos = payload.get("chaos") if isinstance(payload, dict) else None
+    work = chaos.get("work", 0) if isinstance(chaos, dict) else 0
+    return float(work) if isinstance(work, int | float) and work > 0 else 0.0
+
+
 def seeded_failure(payload: Any, pid: str, attempts: int) -> bool:
     chaos = payload.get("chaos") if isinstance(payload, dict) else None
     if not isinstance(chaos, dict):
@@ -69,8 +77,7 @@ def seeded_failure(payload: Any, pid: str, attempts: int) -> bool:
 
 
 def handle(message: Any) -> None:
-    if _work:
-        time.sleep(_work)
+    time.sleep(_work + extra_work(message.payload))
     if seeded_failure(message.payload, message.pid, message.attempts):
         _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} x\n")
         raise ChaosFailure(f"seeded failure of {message.pid} at attempt {message.attempts}")

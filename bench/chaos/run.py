@@ -23,6 +23,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import shutil
@@ -40,7 +41,7 @@ import psutil
 
 from bench.chaos.ledger import Ledger
 from bench.chaos.sides import Check, RedisSide
-from bench.chaos.workload import FLAKY, FLAKY_FAIL, INVALID, generate
+from bench.chaos.workload import FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
 from tests.supervision import Supervisor, write_config
 
 QUEUE = "chaos"
@@ -485,11 +486,24 @@ class Soak:
                     f"{actual.get(key, 0)}" for key in wrong[:20]]
         details += [f"PROBLEM {problem}" for problem in self.fleet.problems]
         if not ok or s.keep:
-            details.append(f"kept: logs, ledger and database in {self.workdir}")
+            self.save_timeline()
+            details.append(f"kept: logs, ledger, timeline and database in {self.workdir}")
         else:
             shutil.rmtree(self.workdir, ignore_errors=True)
         verdict = "PASS" if ok else "FAIL"
         return Outcome(ok, "\n".join([report, *details, f"result ({s.broker}): {verdict}"]))
+
+    def save_timeline(self) -> None:
+        """timeline.json: the faults and when each message was published (unix times)."""
+        timeline = {
+            "began": self.began,
+            "faults": [{"kind": f.kind, "at": f.at, "detail": f.detail, "recovery": f.drain}
+                       for f in self.faults],
+            "published": {m.pid or f"malformed-{n}": self.published_at.get(n)
+                          for n, m in enumerate(self.messages)},
+            "kinds": {m.pid: m.kind for m in self.messages if m.pid},
+        }
+        (self.workdir / "timeline.json").write_text(json.dumps(timeline))
 
     def report(self, checks: list[Check], published: Counter, expected: Counter,
                actual: dict, failed_countable: set[str], drained: float) -> str:
@@ -568,15 +582,16 @@ class Soak:
         """Per fault: until the last flush of any message published before it.
 
         Faults are seconds apart and a message is normally flushed and settled within
-        milliseconds, so a message published before the fault and flushed after it was in
-        flight when it struck: its last flush is the end of its recovery, whether it had
-        been flushed before (a duplicate after a lost settlement) or not.
+        milliseconds (slow messages are left out), so a message published before the fault
+        and flushed after it was in flight when it struck: its last flush is the end of its
+        recovery, whether it had been flushed before (a duplicate after a lost settlement)
+        or not.
         """
         pairs = []
         for index, message in enumerate(self.messages):
             published = self.published_at.get(index)
             flushes = self.ledger.commits.get(message.pid) if message.pid else None
-            if published is not None and flushes:
+            if published is not None and flushes and message.kind != SLOW:
                 pairs.append((published, max(flushes)))
         pairs.sort()
         published_times = [published for published, _ in pairs]

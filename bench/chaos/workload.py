@@ -6,6 +6,8 @@ Kinds:
 - ``flaky``: the same, plus ``"chaos": {"fail": p, "draw": n}``: the handler fails each
   attempt with probability ``p`` (seeded by the run's seed, ``n`` and the attempt), so
   the message is retried and normally ends counted;
+- ``slow``: a good message whose call takes ``SLOW_SECONDS``, longer than the shutdown
+  deadline, so a SIGTERM can catch it running (the bounded-stop path);
 - ``invalid``: a valid envelope whose payload the stats-usage handler rejects (no metrics
   list): it fails every attempt and must end in failed/dead, never in the totals;
 - ``malformed``: bytes that are not a valid envelope: poison (Redis) / dead (NATS).
@@ -30,8 +32,10 @@ FLAKY_SHARE = 0.05
 FLAKY_FAIL = 0.3
 INVALID_SHARE = 0.002
 MALFORMED_SHARE = 0.002
+SLOW_SHARE = 0.002
+SLOW_SECONDS = 2.5
 
-GOOD, FLAKY, INVALID, MALFORMED = "good", "flaky", "invalid", "malformed"
+GOOD, FLAKY, SLOW, INVALID, MALFORMED = "good", "flaky", "slow", "invalid", "malformed"
 
 
 @dataclass(slots=True)
@@ -45,24 +49,20 @@ class Message:
     @property
     def countable(self) -> bool:
         """Must end in the totals (unless it legitimately failed max_attempts times)."""
-        return self.kind in (GOOD, FLAKY)
+        return self.kind in (GOOD, FLAKY, SLOW)
 
 
 def generate(queue: str, count: int, seed: int) -> list[Message]:
     """``count`` messages in publishing order; at least one invalid and one malformed."""
     rng = random.Random(f"workload:{seed}")
     kinds = [GOOD] * count
-    special = max(1, round(count * INVALID_SHARE)) + max(1, round(count * MALFORMED_SHARE))
-    positions = rng.sample(range(count), min(count, special + round(count * FLAKY_SHARE)))
-    n_invalid = max(1, round(count * INVALID_SHARE))
-    n_malformed = max(1, round(count * MALFORMED_SHARE))
-    for index, position in enumerate(positions):
-        if index < n_invalid:
-            kinds[position] = INVALID
-        elif index < n_invalid + n_malformed:
-            kinds[position] = MALFORMED
-        else:
-            kinds[position] = FLAKY
+    special = [INVALID] * max(1, round(count * INVALID_SHARE))
+    special += [MALFORMED] * max(1, round(count * MALFORMED_SHARE))
+    special += [SLOW] * round(count * SLOW_SHARE)
+    special += [FLAKY] * round(count * FLAKY_SHARE)
+    special = special[:count]
+    for position, kind in zip(rng.sample(range(count), len(special)), special, strict=True):
+        kinds[position] = kind
     return [_message(queue, n, kind, rng) for n, kind in enumerate(kinds)]
 
 
@@ -76,6 +76,8 @@ def _message(queue: str, n: int, kind: str, rng: random.Random) -> Message:
     payload: dict[str, Any] = make_payload(project, metrics)
     if kind == FLAKY:
         payload["chaos"] = {"fail": FLAKY_FAIL, "draw": n}
+    if kind == SLOW:
+        payload["chaos"] = {"work": SLOW_SECONDS}
     if kind == INVALID:
         payload = {"project": {"$id": project}, "metrics": f"not a list ({n})"}
         metrics = {}
