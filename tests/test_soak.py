@@ -70,8 +70,8 @@ def test_ledger_counts_duplicate_commits_and_reruns(tmp_path):
     )
     ledger = Ledger(path)
     ledger.update()
-    assert ledger.duplicate_commits() == [(3.1, "a")]
-    assert ledger.reruns() == [(3.0, "a")]
+    assert ledger.duplicate_commits() == [(2.1, 3.1, "a")]
+    assert ledger.reruns() == [(2.0, 3.0, "a")]
     assert "c" not in ledger.calls
     assert ledger.first_commit("a") == 2.1
     with open(path, "a") as out:

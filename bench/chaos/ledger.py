@@ -52,18 +52,24 @@ class Ledger:
         times = self.commits.get(pid)
         return min(times) if times else None
 
-    def duplicate_commits(self) -> list[tuple[float, str]]:
-        """(time, pid) of every flush of a pid after its first."""
-        return [(when, pid) for pid, times in self.commits.items() for when in sorted(times)[1:]]
+    def duplicate_commits(self) -> list[tuple[float, float, str]]:
+        """(previous flush, this flush, pid) of every flush of a pid after its first: the
+        settlement of the previous one was lost in between."""
+        found = []
+        for pid, times in self.commits.items():
+            ordered = sorted(times)
+            found += [(before, after, pid) for before, after in itertools.pairwise(ordered)]
+        return found
 
-    def reruns(self) -> list[tuple[float, str]]:
-        """(time, pid) of every call that followed a successful call of the same pid."""
+    def reruns(self) -> list[tuple[float, float, str]]:
+        """(previous call, this call, pid) of every call that followed a successful call
+        of the same pid: the earlier result was lost in between."""
         found = []
         for pid, calls in self.calls.items():
             ordered = sorted(calls, key=lambda call: call.time)
             for previous, call in itertools.pairwise(ordered):
                 if previous.outcome == ".":
-                    found.append((call.time, pid))
+                    found.append((previous.time, call.time, pid))
         return found
 
     def last_seen(self, pid: str) -> str:

@@ -124,11 +124,13 @@ class NatsSide:
             began = time.monotonic()
             self.server.stop()  # SIGKILL; file storage
             self.server.start()
+            listening = time.monotonic() - began
             await self._until_jetstream()
-            down = time.monotonic() - began
+            answering = time.monotonic() - began
         finally:
             self.publishing.set()
-        return f"nats-server SIGKILL and restart (down {down:.2f}s)"
+        return (f"nats-server SIGKILL and restart (listening after {listening:.2f}s, "
+                f"JetStream answering the harness after {answering:.2f}s)")
 
     async def _until_jetstream(self) -> None:
         deadline = time.monotonic() + 30

@@ -47,6 +47,7 @@ from tests.supervision import Supervisor, write_config
 QUEUE = "chaos"
 HANDLER = "bench.chaos.handler:handle"
 SETTLE_ROUND = 5.0  # the supervisor's last settlement round at stop (supervisor.arbiter)
+CAUSE_SLACK = 0.25  # seconds a fault may strike after the moment recorded for it
 PROCESS_FAULTS = ("handler_kill", "supervisor_kill", "supervisor_term")
 
 
@@ -541,11 +542,16 @@ class Soak:
         self.measure_drains()
         times = [fault.at for fault in self.faults]
 
-        def attribute(events: list[tuple[float, str]]) -> Counter:
+        def attribute(events: list[tuple[float, float, str]]) -> Counter:
+            """To the first fault between the lost result and its repetition (a fault is
+            recorded just before it is applied: up to CAUSE_SLACK earlier)."""
             counts: Counter = Counter()
-            for when, _ in events:
-                index = bisect.bisect_right(times, when) - 1
-                counts[self.faults[index].kind if index >= 0 else "(before any fault)"] += 1
+            for lost, repeated, _ in events:
+                index = bisect.bisect_left(times, lost - CAUSE_SLACK)
+                if index < len(times) and times[index] <= repeated:
+                    counts[self.faults[index].kind] += 1
+                else:
+                    counts["(no fault)"] += 1
             return counts
 
         dups = attribute(self.ledger.duplicate_commits())
