@@ -289,6 +289,7 @@ class Soak:
         self.fleet: Fleet | None = None
         self.began = 0.0
         self.published = asyncio.Event()  # set (and replaced) after each burst
+        self.publishing_done = False
 
     def log(self, text: str) -> None:
         if not self.settings.quiet:
@@ -356,6 +357,7 @@ class Soak:
                     self.published_at[index] = now
             published, self.published = self.published, asyncio.Event()
             published.set()
+        self.publishing_done = True
         self.log(f"published {count} messages in bursts of {size}")
 
     async def inject(self) -> None:
@@ -367,9 +369,11 @@ class Soak:
         at = 2.0 + self.rng.uniform(*s.gap) / 2
         while at < s.seconds:
             await asyncio.sleep(max(0.0, self.began + at - time.time()))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.published.wait(), s.seconds * s.publish_share / 4)
-            await asyncio.sleep(self.rng.uniform(0.0, 0.25))
+            pause = self.rng.uniform(0.0, 0.25)
+            if not self.publishing_done:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.published.wait(), s.gap[1])
+                await asyncio.sleep(pause)
             if not cycle:
                 cycle = self.rng.sample(kinds, len(kinds))
             kind = cycle.pop()
