@@ -69,6 +69,9 @@ METHOD = """\
   of up to 100, no handler) and commits either with settle.lua (one call per batch) or with
   bench/lua/commit_one.lua (the same owner check and writes for one message), one EVALSHA
   per message, a batch's worth in one pipeline.
+- Dramatiq at prefetch 1 backs off (sleeps, up to its worker_timeout, here 10 ms instead of
+  its default 1 s) whenever its one prefetched message is still in progress: that is its
+  own behaviour, not the harness's.
 - Caveats: a single handler process (coroutines 1); worker, server and harness share the
   machine's cores; the harness polls every 2 ms (Redis GET) or 10 ms (NATS monitor HTTP).
 """

@@ -44,6 +44,7 @@ COLUMNS = (
      lambda r: f"{_num(r.get('rss_supervisor_mib'), 1)} / {_num(r.get('rss_children_mib'), 1)}"),
     ("redelivered", "redeliveries", lambda r: _num(r.get("redeliveries"))),
     ("latency ms p50 / p99 / max", "latency", _latency),
+    ("load after", "load_after", lambda r: _num(r.get("load_after"), 2)),
 )
 
 
@@ -196,7 +197,9 @@ def markdown(results: dict[str, Any]) -> str:
         table(results["runs"]), "",
         "![jobs/s and CPU per job against prefetch](chart.png)", "",
         "Per job: CPU is the worker's process family (client) and the broker server; "
-        "requests are commands/messages a client sent; bytes are the server's network in/out.",
+        "requests are commands/messages a client sent; bytes are the server's network in/out. "
+        "\"load after\" is the 1-minute load average once the configuration ran: a run "
+        "alone keeps it near 1-2 on this machine; more means other work shared the cores.",
         "",
     ]
     lines = ratios(results)
@@ -225,13 +228,15 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{maint['calls']} consecutive `RedisBroker.maintain()` calls per case, "
                 "nothing else running; legacy entries are young, so they stay.", "",
                 "| stale pids in processing (+ as many other keys) | wall ms per call | "
-                "server CPU ms per call | longest script ms |", "|---:|---|---|---|"]
+                "server CPU ms per call | longest script ms | longest command ms |",
+                "|---:|---|---|---|---|"]
         for case in maint["cases"]:
             calls = case["calls"]
             out.append(f"| {case['stale_pids']:,} | "
                        + ", ".join(f"{c['wall_ms']:.1f}" for c in calls) + " | "
                        + ", ".join(f"{c['server_cpu_ms']:.2f}" for c in calls) + " | "
-                       + ", ".join(f"{c['longest_script_ms']:.2f}" for c in calls) + " |")
+                       + ", ".join(f"{c['longest_script_ms']:.2f}" for c in calls) + " | "
+                       + ", ".join(f"{c['longest_command_ms']:.2f}" for c in calls) + " |")
         out.append("")
     out += ["## How it is measured", "", results["method"], ""]
     return "\n".join(out)
@@ -294,3 +299,17 @@ def write(results: dict[str, Any], folder: Path) -> list[Path]:
     if chart(results, folder / "chart.png"):
         written.append(folder / "chart.png")
     return written
+
+
+def main() -> None:
+    """``python -m bench.report FOLDER``: write README.md and chart.png again from the
+    folder's results.json (after a change to the report, without measuring again)."""
+    import sys
+
+    folder = Path(sys.argv[1])
+    for path in write(json.loads((folder / "results.json").read_text()), folder):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
