@@ -199,7 +199,10 @@ class Arbiter:
                 break
             plan.setdefault(slot, []).append(self.buffer.waiting.popleft())
         for slot, entries in plan.items():
-            records = [protocol.encode_deliver(e.id, e.delivery.raw) for e in entries]
+            records = [
+                protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts)
+                for e in entries
+            ]
             sent = slot.to_child.put_many(records)
             for entry in entries[:sent]:
                 entry.state, entry.slot = State.QUEUED, slot.index

@@ -155,3 +155,15 @@ def test_graceful_stop_returns_unstarted_deliveries_at_once(tmp_path, nats_serve
         return got
 
     assert asyncio.run(second_consumer()) == set(pids[1:])
+
+
+def test_handler_sees_attempts_rise_on_redelivery(tmp_path, nats_server, start):
+    """JetStream never rewrites the envelope: the attempts a handler sees come from the
+    delivery count, as on Redis (0, 1, 2 for max_attempts 3)."""
+    [pid] = publish(nats_server, [{"fail": True}])
+    start(nats_config(tmp_path, nats_server, job={"max_attempts": 3}))
+    wait_for(lambda: len(started(tmp_path)) == 3, 30, "three deliveries")
+    assert [(p, attempts) for p, attempts, _ in started(tmp_path)] == [
+        (pid, "0"), (pid, "1"), (pid, "2")
+    ]
+    wait_for(lambda: consumer_state(nats_server)["dead"] == 1, 10, "the dead letter")

@@ -21,12 +21,14 @@ class Message:
     receipt: int = field(repr=False)
 
     @classmethod
-    def from_raw(cls, raw: bytes, receipt: int) -> Message:
+    def from_raw(cls, raw: bytes, receipt: int, attempts: int | None = None) -> Message:
         """Decode a raw envelope (the supervisor validated it already; raises
-        MalformedEnvelope if it is not valid after all)."""
+        MalformedEnvelope if it is not valid after all). ``attempts``, when the broker
+        counts them itself, overrides the envelope's field."""
         # The supervisor applied its size limit; do not apply another one here.
         fields = envelope.decode(raw, max_bytes=max(len(raw), 1))
         return cls(
-            fields["pid"], fields["queue"], fields["timestamp"], fields["attempts"],
+            fields["pid"], fields["queue"], fields["timestamp"],
+            fields["attempts"] if attempts is None else attempts,
             fields["payload"], receipt,
         )

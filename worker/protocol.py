@@ -3,7 +3,9 @@
 Every record starts with a 9-byte header: kind (u8) and delivery id (u64, 0 when the kind
 has none), followed by a kind-specific body.
 
-parent -> child: DELIVER (raw envelope), CONFIRM (1 byte: committed), EXIT.
+parent -> child: DELIVER (u32 attempts, then the raw envelope), CONFIRM (1 byte: committed),
+EXIT. The attempts travel beside the envelope because a broker may count them elsewhere
+(JetStream's delivery count): the envelope's own ``attempts`` field is only a fallback.
 child -> parent: READY (1 byte: wants CONFIRM, i.e. the module has ``on_success``),
 STARTED, DONE, FAILED (UTF-8 error text), SKIPPED, INIT_FAILED (UTF-8 error text).
 """
@@ -32,13 +34,16 @@ KIND_NAMES = {
 MAX_ERROR_BYTES = 4096
 
 _HEAD = struct.Struct("<BQ")
+_ATTEMPTS = struct.Struct("<I")
+_UNKNOWN_ATTEMPTS = 0xFFFFFFFF  # take them from the envelope
 _TEXT_KINDS = (FAILED, INIT_FAILED)
 
-Decoded = tuple[int, int, bytes | str | bool | None]
+Decoded = tuple[int, int, tuple[int | None, bytes] | str | bool | None]
 
 
-def encode_deliver(delivery_id: int, raw: bytes) -> bytes:
-    return _HEAD.pack(DELIVER, delivery_id) + raw
+def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
+    count = _UNKNOWN_ATTEMPTS if attempts is None else attempts
+    return _HEAD.pack(DELIVER, delivery_id) + _ATTEMPTS.pack(count) + raw
 
 
 def encode_confirm(delivery_id: int, committed: bool) -> bytes:
@@ -76,13 +81,15 @@ def encode_init_failed(error: str) -> bytes:
 def decode(record: bytes) -> Decoded:
     """``(kind, delivery_id, data)``; ``data`` depends on the kind.
 
-    DELIVER: the raw envelope (bytes); CONFIRM: committed (bool); READY: wants CONFIRM
+    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); READY: wants CONFIRM
     (bool); FAILED and INIT_FAILED: the error text (str); every other kind: None.
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
     if kind == DELIVER:
-        return kind, delivery_id, record[_HEAD.size :]
+        (attempts,) = _ATTEMPTS.unpack_from(record, _HEAD.size)
+        raw = record[_HEAD.size + _ATTEMPTS.size :]
+        return kind, delivery_id, (None if attempts == _UNKNOWN_ATTEMPTS else attempts, raw)
     if kind in _TEXT_KINDS:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
     if kind in (CONFIRM, READY):

@@ -117,7 +117,8 @@ class _Runner:
     def _dispatch(self, record: bytes) -> None:
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.DELIVER:
-            self._deliver(delivery_id, data)  # type: ignore[arg-type]
+            attempts, raw = data  # type: ignore[misc]
+            self._deliver(delivery_id, raw, attempts)
         elif kind == protocol.CONFIRM:
             self._confirm(delivery_id, bool(data))
         elif kind == protocol.EXIT:
@@ -125,7 +126,7 @@ class _Runner:
         else:
             log.warning("ignoring unexpected %s record", protocol.KIND_NAMES[kind])
 
-    def _deliver(self, delivery_id: int, raw: bytes) -> None:
+    def _deliver(self, delivery_id: int, raw: bytes, attempts: int | None) -> None:
         if self._inbox.flag:  # stopping: leave it for the supervisor to release
             self._outcomes.append(protocol.encode_skipped(delivery_id))
             return
@@ -135,7 +136,7 @@ class _Runner:
         self.send(self._outcomes)
         message = None
         try:
-            message = Message.from_raw(raw, delivery_id)
+            message = Message.from_raw(raw, delivery_id, attempts)
             self._hooks.call(message)
         except Exception as error:
             self._fail(delivery_id, message, error, _describe(error))
