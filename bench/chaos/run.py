@@ -118,6 +118,7 @@ class Fleet:
         self.everyone: list[Supervisor] = []
         self.problems: list[str] = []
         self.stops: list[float] = []  # durations of graceful stops
+        self.unreachable = 0  # supervisors that exited 1 at start: the broker was down
         self.pending: set[asyncio.Task] = set()
 
     def start_one(self) -> Supervisor:
@@ -140,11 +141,16 @@ class Fleet:
             code = supervisor.process.poll()
             if code is not None:
                 self.members.remove(supervisor)
-                tail = supervisor.output().strip().splitlines()[-5:]
-                self.problems.append(
-                    f"supervisor {supervisor.pid} exited on its own with code {code}: "
-                    + " | ".join(tail)
-                )
+                output = supervisor.output()
+                if code == 1 and "cannot connect to the broker" in output:
+                    # Started while the broker restarted: exit 1 is its documented answer.
+                    self.unreachable += 1
+                else:
+                    tail = output.strip().splitlines()[-5:]
+                    self.problems.append(
+                        f"supervisor {supervisor.pid} exited on its own with code {code}: "
+                        + " | ".join(tail)
+                    )
                 self.start_one()
 
     def spawn(self, coroutine: Any) -> None:
@@ -585,6 +591,9 @@ class Soak:
         if self.fleet is not None and self.fleet.stops:
             lines.append(f"graceful stops: {len(self.fleet.stops)}, longest "
                          f"{max(self.fleet.stops):.2f}s (bound {self.settings.stop_bound:.0f}s)")
+        if self.fleet is not None and self.fleet.unreachable:
+            lines.append(f"supervisors started while the broker was down (exit 1, replaced): "
+                         f"{self.fleet.unreachable}")
         lines.append(f"final drain after the fault window: {drained:.1f}s")
         return lines
 
