@@ -62,3 +62,21 @@ def redis_cluster(redis_cluster_servers):
     redis_cluster_servers.wait_ok()
     redis_cluster_servers.flush()
     return redis_cluster_servers
+
+
+@pytest.fixture
+def supervisors(tmp_path):
+    """``launch(config, redis_url="", **options)`` runs ``python -m supervisor`` for this
+    test (see tests.supervision.Supervisor); every one of them is gone afterwards."""
+    from tests.supervision import Supervisor
+
+    started: list[Supervisor] = []
+
+    def launch(config, redis_url: str = "", **options) -> Supervisor:
+        supervisor = Supervisor(config, tmp_path, redis_url, **options)
+        started.append(supervisor)
+        return supervisor
+
+    yield launch
+    for supervisor in started:
+        supervisor.stop()

@@ -436,21 +436,15 @@ def sync_client(redis_cluster: PrivateCluster):
 
 
 @pytest.fixture
-def start(tmp_path: Path, redis_cluster: PrivateCluster):
+def start(tmp_path: Path, redis_cluster: PrivateCluster, supervisors):
     """Start supervisors on the cluster; every one of them is gone afterwards."""
-    started: list[Supervisor] = []
 
     def starter(**sections: dict[str, Any]) -> Supervisor:
         sections["broker"] = {"cluster": True, "namespace": NS, **sections.get("broker", {})}
         config = write_config(tmp_path, redis_cluster.url, **sections)
-        supervisor = Supervisor(config, tmp_path, redis_cluster.url, namespace=NS,
-                                E2E_CLUSTER="1")
-        started.append(supervisor)
-        return supervisor
+        return supervisors(config, redis_cluster.url, namespace=NS, E2E_CLUSTER="1")
 
-    yield starter
-    for supervisor in started:
-        supervisor.stop()
+    return starter
 
 
 def handled(tmp_path: Path) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import signal
 import time
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 import redis
 
 from tests.supervision import (
-    Supervisor,
     counter,
     keys,
     lines,
@@ -32,18 +32,9 @@ def client(redis_url: str):
 
 
 @pytest.fixture
-def start(tmp_path: Path, redis_url: str):
-    """Start supervisors for this test; every one of them is gone afterwards."""
-    started: list[Supervisor] = []
-
-    def starter(config: Path, **env: str) -> Supervisor:
-        supervisor = Supervisor(config, tmp_path, redis_url, **env)
-        started.append(supervisor)
-        return supervisor
-
-    yield starter
-    for supervisor in started:
-        supervisor.stop()
+def start(supervisors, redis_url: str):
+    """start(config, **env): a supervisor on this test's Redis, stopped afterwards."""
+    return functools.partial(supervisors, redis_url=redis_url)
 
 
 def handled(tmp_path: Path) -> list[str]:

@@ -15,7 +15,7 @@ from broker.base import Action, Settlement
 from broker.nats import NatsBroker
 from broker.nats_setup import QueueNames
 from tests.servers import NatsServer
-from tests.supervision import QUEUE, Supervisor, lines, wait_for, write_config
+from tests.supervision import QUEUE, lines, wait_for, write_config
 
 NAMES = QueueNames.of(QUEUE)
 
@@ -60,17 +60,9 @@ def consumer_state(server: NatsServer) -> dict[str, int]:
 
 
 @pytest.fixture
-def start(tmp_path: Path):
-    started: list[Supervisor] = []
-
-    def starter(config: Path, **env: str) -> Supervisor:
-        supervisor = Supervisor(config, tmp_path, "", **env)
-        started.append(supervisor)
-        return supervisor
-
-    yield starter
-    for supervisor in started:
-        supervisor.stop()
+def start(supervisors):
+    """start(config, **env): a supervisor, stopped afterwards."""
+    return supervisors
 
 
 def handled(tmp_path: Path) -> list[str]:
