@@ -152,8 +152,8 @@ class Broker(Protocol):
         """Recover work that dead consumers left behind (bounded work per call)."""
 
     async def abandon(self) -> None:
-        """Declare this consumer gone (at exit) so deliveries it still owns are recovered now
-        instead of after the lease. Does not settle anything."""
+        """Declare this consumer gone (at every exit) so deliveries it still owns are
+        recovered now instead of after the lease. Does not settle anything."""
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         """Publish one message; returns its pid once the broker has it."""

@@ -9,4 +9,4 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
 fi
-python -m pip install -q --disable-pip-version-check -e '.[test]'
+python -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'

@@ -464,10 +464,10 @@ class Arbiter:
             task.cancel()
         await asyncio.wait(self.tasks, timeout=2)
         owned = self.buffer.outstanding
+        if owned:
+            log.warning("%d deliveries still owned at exit: handing them to recovery", owned)
         with contextlib.suppress(BrokerError, OSError):
-            if owned:
-                log.warning("%d deliveries still owned at exit: handing them to recovery", owned)
-                await self.broker.abandon()
+            await self.broker.abandon()  # also tells `status` that this consumer is gone
             await self.broker.close()
         log.info("stopped after %.1fs", self.config.supervisor.shutdown_deadline
                  - (deadline - time.monotonic()))
