@@ -59,6 +59,7 @@ def test_prefetch_bounds_outstanding_deliveries_and_all_are_handled_once(
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0
     assert counter(client, "processing") == 0 and outstanding(client) == 0
+    assert client.keys("utopia-queue.consumers.*") == []  # gone from `status` at once
 
 
 def test_sparse_queue_message_is_handled_promptly(tmp_path, redis_url, client, start):
