@@ -149,7 +149,7 @@ def test_failing_handler_is_rejected_by_policy_and_malformed_never_reaches_it(
     client.lpush(keys().ready, b"{not json", b'["array"]')
     [ok] = publish(client, [{"n": 2}])
     config = write_config(tmp_path, redis_url, job={"max_attempts": 2})
-    start(config)
+    supervisor = start(config)
     wait_for(lambda: client.lrange(keys().failed, 0, -1) == [failing.encode()], 20,
              "the failing message to reach failed")
     wait_for(lambda: handled(tmp_path) == [ok], 10, "the good message")
@@ -157,6 +157,12 @@ def test_failing_handler_is_rejected_by_policy_and_malformed_never_reaches_it(
     started = [line.split()[0] for line in lines(tmp_path / "started")]
     assert collections.Counter(started) == {failing: 2, ok: 1}
     assert counter(client, "failed") == 3  # one rejected for good + two malformed
+    # Exactly one log line per malformed message, with its reason and never its bytes.
+    malformed = [line for line in supervisor.output().splitlines() if "malformed" in line]
+    assert len(malformed) == 2, malformed
+    assert not any("not json" in line or "array\\\"]" in line for line in malformed)
+    assert any("invalid JSON" in line for line in malformed)
+    assert any("array" in line for line in malformed)
 
 
 def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
