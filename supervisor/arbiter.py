@@ -81,8 +81,6 @@ class Arbiter:
         self.room = asyncio.Event()
         self.settle_wanted = asyncio.Event()
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
-        self.received = 0
-        self.started_at = time.monotonic()
         self.tasks: list[asyncio.Task] = []
 
     # -- the whole life ------------------------------------------------------------------
@@ -182,7 +180,6 @@ class Arbiter:
                 self.metrics.malformed(len(received.poisoned))
             if received.deliveries:
                 self.metrics.received(len(received.deliveries))
-                self.received += len(received.deliveries)
                 self.buffer.add(received.deliveries)
                 self.dispatch()
 
