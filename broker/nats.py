@@ -1,24 +1,38 @@
 """The NATS JetStream broker: the same interface as the Redis one, JetStream semantics.
 
-JetStream itself keeps the pending deliveries, the retry accounting (``max_deliver``) and
-the recovery of abandoned work (redelivery after ``ack_wait``), so this adapter is thin:
+JetStream itself keeps the pending deliveries and the recovery of abandoned work
+(redelivery after ``ack_wait``), so this adapter is thin:
 
 - receive: a pull that waits for the first message, then no-wait top-ups for the rest of
   the room (``broker.nats_pull``). Undecodable messages go to the dead stream, then TERM.
 - commit: an ack sent as a request, so the server's reply confirms it (``ack_sync``
   style). Many are in flight at once; each result is reported when its own reply arrives.
   A reply lost to a timeout or a broken connection is UNCERTAIN and is never replayed.
-- reject: NAK with a backoff delay below ``max_deliver``; at the limit the payload is
+- reject: NAK with a backoff delay while the delivery count (JetStream's
+  ``num_delivered``) is below ``max_attempts``; at ``max_attempts`` the payload is
   published to the dead subject (PubAck awaited), then the message is TERMinated.
-- release: NAK without delay. JetStream counts the next delivery as a new attempt: a
-  released message comes back with ``attempts`` one higher (and it uses one of
-  ``max_deliver``), unlike on Redis.
+- release: NAK without delay. JetStream counts every delivery, so a released message
+  comes back with ``attempts`` one higher and has used one of its ``max_attempts``,
+  unlike on Redis. A worker or supervisor that dies holding a delivery uses one too.
 - extend: ``+WPI`` (in progress) for every delivery, as requests. The server answers the
   same way whether or not the delivery is still pending, so ``False`` is reported only
   for what we know is gone: a delivery superseded by a newer delivery of the same message
   that reached us, or one whose consumer no longer exists.
 - maintain: nothing to do (JetStream recovers); abandon: nothing to do either, since an
   unacknowledged delivery is redelivered by the server once its ``ack_wait`` runs out.
+
+Attempts are counted here, not by JetStream. ``max_attempts`` (the job's) decides when a
+rejected delivery is dead-lettered; ``max_deliver`` is only the consumer's MaxDeliver and
+defaults to -1 (unlimited). With a MaxDeliver equal to ``max_attempts``, a delivery whose
+last attempt ended without a settlement (its supervisor was killed, or a graceful stop
+released it) would never be redelivered, dead-lettered or acknowledged: it would stay in
+the work stream until the stream's max_age. Unlimited, it comes back once more, and a
+delivery received with ``num_delivered > max_attempts`` is dead-lettered at once (PubAck
+awaited, then TERM), never handed to a handler, and reported in ``Received.poisoned``.
+If that dead letter is not confirmed, the delivery is left alone and comes back after
+``ack_wait``: nothing is TERMinated without its dead letter. An existing consumer with a
+positive MaxDeliver is used as configured; at or below ``max_attempts`` a warning says
+what it risks.
 
 The connection is replaced, never repaired (``broker.nats_link``): operations in flight
 when it breaks end UNCERTAIN (or ERROR when they were never sent); every other delivery
@@ -53,7 +67,7 @@ from broker.base import (
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats_link import Link
 from broker.nats_pull import Puller
-from broker.nats_setup import ConsumerSettings, QueueNames, ensure_queue
+from broker.nats_setup import UNLIMITED, ConsumerSettings, QueueNames, ensure_queue
 
 log = logging.getLogger("broker.nats")
 
@@ -80,7 +94,8 @@ class NatsBroker:
         queue: str,
         *,
         ack_wait: float = 30.0,
-        max_deliver: int = 3,
+        max_attempts: int = 3,
+        max_deliver: int = UNLIMITED,
         retry_backoff: float = 0.0,
         max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
         lease: float | None = None,
@@ -90,13 +105,18 @@ class NatsBroker:
         ping_interval: float = 10.0,
         options: dict[str, Any] | None = None,
     ) -> None:
-        """``lease``, when given, is the supervisor's lease and becomes the ``ack_wait``:
-        both say how long an unrenewed delivery stays ours. ``job_ttl`` (s, 0 = forever)
-        is the max age of dead letters in a dead stream we create. ``options`` go to
-        ``nats.connect`` (credentials, TLS)."""
-        if max_deliver < 1:
-            raise ValueError("max_deliver must be at least 1")
+        """``max_attempts`` is the handler's attempts (a rejected delivery is dead-lettered
+        at that delivery count); ``max_deliver`` is only the consumer's MaxDeliver (-1 =
+        unlimited, see the module docstring). ``lease``, when given, is the supervisor's
+        lease and becomes the ``ack_wait``: both say how long an unrenewed delivery stays
+        ours. ``job_ttl`` (s, 0 = forever) is the max age of dead letters in a dead stream
+        we create. ``options`` go to ``nats.connect`` (credentials, TLS)."""
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if max_deliver != UNLIMITED and max_deliver < 1:
+            raise ValueError("max_deliver must be -1 (unlimited) or at least 1")
         self.queue = queue
+        self._max_attempts = max_attempts
         self._names = QueueNames.of(queue)
         self._settings = ConsumerSettings(
             ack_wait=float(lease if lease is not None else ack_wait),
@@ -134,6 +154,15 @@ class NatsBroker:
 
     async def connect(self) -> None:
         await self._connection(self._connect_timeout)
+        max_deliver = self._settings.max_deliver
+        if max_deliver != UNLIMITED and max_deliver <= self._max_attempts:
+            log.warning(
+                "NATS consumer %r on %s has max_deliver %d, not above max_attempts %d: a "
+                "delivery lost on its last allowed attempt (a killed supervisor, a release at "
+                "a graceful stop) is never redelivered nor dead-lettered and stays in the "
+                "stream until its max_age. Use max_deliver = -1 (unlimited) or above "
+                "max_attempts.", self._names.consumer, self._names.stream, max_deliver,
+                self._max_attempts)
 
     async def close(self) -> None:
         """Release what arrived but was never returned, then close the connection."""
@@ -169,23 +198,39 @@ class NatsBroker:
             try:
                 decoded = envelope.decode(msg.data, self._max_bytes)
             except envelope.MalformedEnvelope as error:
-                poison.append(asyncio.ensure_future(self._poison(msg, receipt, str(error))))
-                continue
-            received.deliveries.append(_delivery(msg, receipt, decoded))
+                poisoned = self._poison(msg, receipt, str(error), f"malformed: {error}")
+            else:
+                if receipt.delivered <= self._max_attempts:
+                    received.deliveries.append(_delivery(msg, receipt, decoded))
+                    continue
+                reason = self._out_of_attempts(receipt)
+                poisoned = self._poison(msg, receipt, reason, reason)
+            poison.append(asyncio.ensure_future(poisoned))
         received.poisoned = [p for p in await asyncio.gather(*poison) if p is not None]
         return received
 
-    async def _poison(self, msg: Msg, receipt: NatsReceipt, reason: str) -> Poisoned | None:
-        """Malformed input: dead stream first (confirmed), then TERM. Never handed on."""
+    def _out_of_attempts(self, receipt: NatsReceipt) -> str:
+        """Why a delivery past max_attempts is not handled (its last attempt was used up by
+        a release or by a worker or supervisor that died holding it)."""
+        return (f"out of attempts after {receipt.delivered} deliveries (max_attempts "
+                f"{self._max_attempts}); releases and lost workers count as deliveries on "
+                f"JetStream")
+
+    async def _poison(
+        self, msg: Msg, receipt: NatsReceipt, reason: str, dead_reason: str
+    ) -> Poisoned | None:
+        """Never handed on: dead stream first (confirmed), then TERM. A dead letter that is
+        not confirmed leaves the delivery alone: it comes back after ack_wait."""
         try:
-            await self._dead_letter(msg.data, receipt, f"malformed: {reason}")
+            await self._dead_letter(msg.data, receipt, dead_reason)
         except BrokerError as error:
-            log.warning("malformed message (stream seq %d) not dead-lettered yet, it comes "
-                        "back after ack_wait: %s", receipt.stream_seq, error)
+            log.warning("stream seq %d not dead-lettered yet (%s), it comes back after "
+                        "ack_wait: %s", receipt.stream_seq, dead_reason, error)
             return None
         result = await self._respond(receipt, TERM)
-        log.warning("malformed message (stream seq %d) moved to %s (%s); TERM %s",
-                    receipt.stream_seq, self._names.dead_stream, reason, result.outcome)
+        # The caller logs what it gets back (once); this line adds where it went.
+        log.debug("stream seq %d moved to %s (%s); TERM %s", receipt.stream_seq,
+                  self._names.dead_stream, dead_reason, result.outcome)
         self._forget(receipt, result)
         return Poisoned(msg.data, reason)
 
@@ -208,7 +253,7 @@ class NatsBroker:
             result = await self._respond(receipt, ACK)
         elif action is Action.RELEASE:
             result = await self._respond(receipt, NAK)
-        elif receipt.delivered >= self._settings.max_deliver:
+        elif receipt.delivered >= self._max_attempts:
             result = await self._bury(settlement)
         else:
             result = await self._respond(receipt, self._nak_with_backoff(receipt))

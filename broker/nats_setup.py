@@ -57,10 +57,14 @@ class QueueNames:
         return f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}"
 
 
+#: MaxDeliver that JetStream reads as "no limit" (it also reports 0 that way).
+UNLIMITED = -1
+
+
 @dataclass(frozen=True, slots=True)
 class ConsumerSettings:
     ack_wait: float  # seconds
-    max_deliver: int
+    max_deliver: int = UNLIMITED  # the consumer's MaxDeliver; not the handler's max_attempts
     job_ttl: float = 0.0  # seconds dead letters are kept; 0 = forever
 
 
@@ -132,9 +136,11 @@ def _check_consumer(names: QueueNames, settings: ConsumerSettings, config: dict[
     if abs(ack_wait - settings.ack_wait) > 0.001:
         raise BrokerError(f"{where} has ack_wait {ack_wait:g}s, but this worker is configured "
                           f"with {settings.ack_wait:g}s (the lease): {fix}")
-    if config.get("max_deliver") != settings.max_deliver:
-        raise BrokerError(f"{where} has max_deliver {config.get('max_deliver')}, but this "
-                          f"worker is configured with {settings.max_deliver} (max_attempts): {fix}")
+    max_deliver = deliver_limit(config.get("max_deliver"))
+    if max_deliver != settings.max_deliver:
+        raise BrokerError(f"{where} has max_deliver {max_deliver}, but this worker is "
+                          f"configured with {settings.max_deliver} ([nats] max_deliver, "
+                          f"-1 = unlimited): {fix}")
     filters = config.get("filter_subjects") or (
         [config["filter_subject"]] if config.get("filter_subject") else [])
     if filters and filters != [names.subject]:
@@ -188,6 +194,11 @@ class _Api:
         if error and error.get("code") == 503:
             raise NotReady(f"JetStream not ready: {error.get('description')}")
         return answer
+
+
+def deliver_limit(value: Any) -> int:
+    """A consumer's MaxDeliver as we compare it: any value below 1 means no limit."""
+    return value if isinstance(value, int) and value >= 1 else UNLIMITED
 
 
 def _not_found(answer: dict[str, Any]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -10,7 +11,7 @@ import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
-from broker.base import Action, BrokerError, Delivery, Outcome, Settlement
+from broker.base import Action, BrokerError, Delivery, Outcome, Poisoned, Settlement
 from broker.nats import NatsBroker
 from broker.nats_setup import QueueNames
 from tests.faultproxy import FaultProxy
@@ -73,8 +74,10 @@ async def stream_messages(js, stream: str) -> int:
     return (await js.stream_info(stream)).state.messages
 
 
-async def settle_one(broker: NatsBroker, action: Action, delivery: Delivery) -> Outcome:
-    [result] = await broker.settle([Settlement(action, delivery)])
+async def settle_one(
+    broker: NatsBroker, action: Action, delivery: Delivery, error: str | None = None
+) -> Outcome:
+    [result] = await broker.settle([Settlement(action, delivery, error)])
     return result.outcome
 
 
@@ -137,15 +140,38 @@ async def test_existing_consumer_with_other_settings_is_refused(
     assert "worker" in str(error.value)
 
 
-async def test_existing_php_layout_is_accepted(brokers, js):
-    """utopia-php/queue creates the work stream with a priority subject too."""
+async def test_existing_php_layout_is_accepted(brokers, js, caplog):
+    """utopia-php/queue creates the work stream with a priority subject too, and the
+    consumer with MaxDeliver 5: above max_attempts 3, nothing to warn about."""
     await js.add_stream(StreamConfig(
         name=NAMES.stream, subjects=[NAMES.subject, "q.stats-usage.priority"],
         retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
-    broker = await brokers(ack_wait=30, max_deliver=3)
+    await js.add_consumer(NAMES.stream, ConsumerConfig(
+        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5,
+        filter_subject=NAMES.subject))
+    with caplog.at_level(logging.WARNING, logger="broker.nats"):
+        broker = await brokers(ack_wait=30, max_attempts=3, max_deliver=5)
+    assert "max_deliver" not in caplog.text
     pid = await broker.publish(QUEUE, {"a": 1})
     [delivery] = (await broker.receive(10, 5)).deliveries
     assert delivery.pid == pid
+
+
+@pytest.mark.parametrize("max_attempts", [5, 6])
+async def test_max_deliver_not_above_max_attempts_is_accepted_with_a_warning(
+    brokers, js, caplog, max_attempts
+):
+    await js.add_stream(StreamConfig(
+        name=NAMES.stream, subjects=[NAMES.subject], retention=RetentionPolicy.WORK_QUEUE))
+    await js.add_consumer(NAMES.stream, ConsumerConfig(
+        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5,
+        filter_subject=NAMES.subject))
+    with caplog.at_level(logging.WARNING, logger="broker.nats"):
+        await brokers(ack_wait=30, max_attempts=max_attempts, max_deliver=5)
+    [warning] = [r.getMessage() for r in caplog.records if "max_deliver" in r.getMessage()]
+    assert f"max_deliver 5, not above max_attempts {max_attempts}" in warning
+    assert "stays in the stream until its max_age" in warning
+    assert "max_deliver = -1" in warning
 
 
 # -- receive -------------------------------------------------------------------------------
@@ -208,8 +234,9 @@ async def test_malformed_payload_goes_dead_at_once(brokers, js):
 # -- settle ---------------------------------------------------------------------------------
 
 
-async def test_max_deliver_reached_goes_to_the_dead_stream(brokers, js):
-    broker = await brokers(max_deliver=2, ack_wait=2)
+async def test_reject_at_max_attempts_goes_to_the_dead_stream(brokers, js):
+    broker = await brokers(max_attempts=2, ack_wait=2)
+    assert (await js.consumer_info(NAMES.stream, "worker")).config.max_deliver == -1
     pid = await broker.publish(QUEUE, {"fails": True})
     [first] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.REJECT, first) is Outcome.OK  # NAK: retried
@@ -225,7 +252,7 @@ async def test_max_deliver_reached_goes_to_the_dead_stream(brokers, js):
 
 
 async def test_reject_below_the_limit_waits_for_its_backoff(brokers):
-    broker = await brokers(max_deliver=5, retry_backoff=2.0, ack_wait=30)
+    broker = await brokers(max_attempts=5, retry_backoff=2.0, ack_wait=30)
     await broker.publish(QUEUE, {"x": 1})
     [delivery] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
@@ -248,8 +275,8 @@ async def test_release_is_available_to_another_consumer_at_once(brokers):
 
 
 async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
-    broker = await brokers(proxy.url, ack_wait=3, max_deliver=2, request_timeout=2.0)
-    other = await brokers(ack_wait=3, max_deliver=2)
+    broker = await brokers(proxy.url, ack_wait=3, max_attempts=2, request_timeout=2.0)
+    other = await brokers(ack_wait=3, max_attempts=2)
     limit_pid = await broker.publish(QUEUE, {"role": "limit"})
     [limit] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.RELEASE, limit) is Outcome.OK
@@ -278,6 +305,84 @@ async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
     assert (await js.get_msg(NAMES.dead_stream, 1)).data == limit.raw
     # The dropped commits were applied by the server: nothing is left, nothing is lost.
     assert (await other.receive(10, 4)).deliveries == []
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
+# -- attempts: JetStream counts every delivery, the broker enforces max_attempts -------------
+
+
+async def receive_poisoned(broker: NatsBroker, timeout: float = 20.0) -> Poisoned:
+    """Receive until one delivery comes back out of attempts; nothing reaches a handler."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        received = await broker.receive(10, 1.0)
+        assert received.deliveries == []
+        if received.poisoned:
+            [poisoned] = received.poisoned
+            return poisoned
+    raise AssertionError("no delivery came back out of attempts")
+
+
+async def dead_letter(js, seq: int = 1) -> tuple[bytes, dict[str, str]]:
+    message = await js.get_msg(NAMES.dead_stream, seq)
+    return message.data, message.headers
+
+
+async def test_last_attempt_lost_with_its_consumer_ends_dead_not_stuck(brokers, js):
+    first = await brokers(max_attempts=2, ack_wait=1)
+    pid = await first.publish(QUEUE, {"x": 1})
+    [attempt] = await receive_all(first, 1)
+    assert await settle_one(first, Action.REJECT, attempt, "failed once") is Outcome.OK
+    [last] = await receive_all(first, 1, timeout=10)
+    assert (last.pid, last.attempts) == (pid, 1)  # the last allowed attempt
+    await first.close()  # gone without settling it, like a killed supervisor
+
+    second = await brokers(max_attempts=2, ack_wait=1)
+    poisoned = await receive_poisoned(second)  # redelivered after ack_wait, never handled
+    assert poisoned.raw == last.raw
+    assert poisoned.reason.startswith("out of attempts after 3 deliveries")
+    assert "releases and lost workers count as deliveries on JetStream" in poisoned.reason
+    data, headers = await dead_letter(js)
+    assert data == last.raw and headers["Queue-Attempts"] == "3"
+    assert headers["Queue-Reason"] == poisoned.reason
+    assert await stream_messages(js, NAMES.stream) == 0
+    info = await js.consumer_info(NAMES.stream, "worker")
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+async def test_release_of_the_last_attempt_is_dead_lettered_at_the_next_receive(
+    brokers, js, max_attempts
+):
+    broker = await brokers(max_attempts=max_attempts, ack_wait=30)
+    await broker.publish(QUEUE, {"x": 1})
+    for _ in range(max_attempts - 1):
+        [delivery] = await receive_all(broker, 1)
+        assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
+    [last] = await receive_all(broker, 1)
+    assert last.attempts == max_attempts - 1
+    assert await settle_one(broker, Action.RELEASE, last) is Outcome.OK  # a graceful stop
+    # At once, not after the 30 s ack_wait: a release is an immediate redelivery.
+    poisoned = await asyncio.wait_for(receive_poisoned(broker), 10)
+    assert f"after {max_attempts + 1} deliveries" in poisoned.reason
+    assert (await dead_letter(js))[0] == last.raw
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
+async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(brokers, js):
+    broker = await brokers(max_attempts=1, ack_wait=1)
+    await broker.publish(QUEUE, {"x": 1})
+    [last] = await receive_all(broker, 1)
+    assert await settle_one(broker, Action.RELEASE, last) is Outcome.OK
+    dead_config = (await js.stream_info(NAMES.dead_stream)).config
+    await js.delete_stream(NAMES.dead_stream)  # the dead letter cannot be stored now
+    received = await broker.receive(10, 5)
+    assert (received.deliveries, received.poisoned) == ([], [])
+    assert await stream_messages(js, NAMES.stream) == 1  # not TERMinated
+    await js.add_stream(dead_config)
+    poisoned = await receive_poisoned(broker)  # back after ack_wait
+    assert "out of attempts after 3 deliveries" in poisoned.reason
+    assert (await dead_letter(js))[0] == last.raw
     assert await stream_messages(js, NAMES.stream) == 0
 
 
