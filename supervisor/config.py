@@ -82,6 +82,10 @@ def one_of(choices: tuple[str, ...]) -> Rule:
     return Rule(", ".join(choices), check)
 
 
+UNLIMITED_OR_POSITIVE = Rule(
+    "-1 or >= 1",
+    lambda value: None if value == -1 or value >= 1 else "must be -1 (unlimited) or >= 1",
+)
 NOT_EMPTY = Rule("not empty", lambda value: None if value.strip() else "must not be empty")
 NO_SPACES = Rule(
     "no spaces", lambda value: "must not contain spaces" if re.search(r"\s", value) else None
@@ -239,10 +243,11 @@ class NatsConfig:
         30.0, "JetStream AckWait (s): redelivery after this long without ack or renewal", above(0)
     )
     max_deliver: int = setting(
-        None,
-        "JetStream MaxDeliver of the durable consumer",
-        at_least(1),
-        same_as="job.max_attempts",
+        -1,
+        "JetStream MaxDeliver of the durable consumer; -1 = unlimited (max_attempts counts "
+        "attempts): a delivery lost on its last attempt comes back to be dead-lettered "
+        "instead of sticking in the stream",
+        UNLIMITED_OR_POSITIVE,
     )
 
 
@@ -545,12 +550,16 @@ def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
 
 
 def _max_deliver_reaches_dead_letter(values: _Values) -> str | None:
+    # Equal is allowed (an existing consumer, e.g. utopia-php/queue's MaxDeliver 5, may
+    # have to be kept): rejects still reach the dead letter, and the broker warns at
+    # connect that a delivery lost on its last attempt would stay in the stream.
     deliver, attempts = values["nats.max_deliver"], values["job.max_attempts"]
-    if deliver >= attempts:
+    if deliver == -1 or deliver >= attempts:
         return None
     return (
         f"[nats] max_deliver = {deliver} is below [job] max_attempts = {attempts}; JetStream "
-        "would stop redelivering before the job reaches its dead letter"
+        "would stop redelivering a failing job before it reaches its dead letter "
+        "(use -1, unlimited, or a value above max_attempts)"
     )
 
 
@@ -574,7 +583,10 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(
         "`cluster = true` needs a `{hash tag}` in the namespace", _cluster_namespace_has_hash_tag
     ),
-    CrossCheck("`[nats] max_deliver` >= `[job] max_attempts`", _max_deliver_reaches_dead_letter),
+    CrossCheck(
+        "`[nats] max_deliver` is -1 or >= `[job] max_attempts` (above it is safer)",
+        _max_deliver_reaches_dead_letter,
+    ),
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),

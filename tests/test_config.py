@@ -72,13 +72,13 @@ def test_defaults(tmp_path):
     assert (sup.shutdown_deadline, sup.lease, sup.maintenance_interval) == (30, 30, 5)
     assert (sup.recovery_age, sup.ring_slot_size, sup.ring_slots) == (90000, 256, 8192)
     assert (sup.max_envelope_bytes, sup.log_level) == (524288, "info")
-    assert (loaded.nats.ack_wait, loaded.nats.max_deliver) == (30, 3)
+    assert (loaded.nats.ack_wait, loaded.nats.max_deliver) == (30, -1)
 
 
 def test_derived_defaults_follow_their_source(tmp_path):
     loaded = load_text(tmp_path, with_job("coroutines = 4\nmax_attempts = 7\n"))
     assert loaded.job.prefetch == 4
-    assert loaded.nats.max_deliver == 7
+    assert loaded.nats.max_deliver == -1  # unlimited: the supervisor counts the attempts
 
 
 def test_seconds_accept_int_and_float(tmp_path):
@@ -99,7 +99,7 @@ def test_config_is_frozen(tmp_path):
 def test_sections_built_in_code_fill_their_derived_defaults():
     job = config.JobConfig(queue="q", handler="m:f", coroutines=3, max_attempts=5)
     assert job.prefetch == 3
-    assert Config(job=job).nats.max_deliver == 5
+    assert Config(job=job).nats.max_deliver == -1
 
 
 def test_the_quick_start_config_loads():
@@ -261,7 +261,8 @@ def test_wrong_types_are_errors(tmp_path, section, line, expected):
         ("supervisor", "ring_slot_size = 100", "ring_slot_size = 100 must be a multiple of 8"),
         ("supervisor", 'log_level = "warn"', 'log_level = "warn" must be one of'),
         ("broker", "block_timeout = 0", "[broker] block_timeout = 0 must be > 0"),
-        ("nats", "max_deliver = 0", "[nats] max_deliver = 0 must be >= 1"),
+        ("nats", "max_deliver = 0", "[nats] max_deliver = 0 must be -1 (unlimited) or >= 1"),
+        ("nats", "max_deliver = -2", "[nats] max_deliver = -2 must be -1 (unlimited) or >= 1"),
     ],
 )
 def test_values_out_of_range_are_errors(tmp_path, section, line, expected):
@@ -298,7 +299,17 @@ def test_a_ring_too_small_for_two_envelopes_is_an_error(tmp_path):
 def test_max_deliver_below_max_attempts_is_an_error(tmp_path):
     text = with_job("max_attempts = 5\n") + "[nats]\nmax_deliver = 3\n"
     message = error_of(tmp_path, text)
-    assert "[nats] max_deliver = 3" in message and "[job] max_attempts = 5" in message
+    assert message.startswith(f"{tmp_path / 'job.toml'}: [nats] max_deliver = 3 is below")
+    assert "[job] max_attempts = 5" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("max_deliver", [-1, 5, 6])
+def test_max_deliver_unlimited_or_at_least_max_attempts_is_accepted(tmp_path, max_deliver):
+    # Equal is kept for an existing consumer (utopia-php/queue's MaxDeliver 5); the broker
+    # warns at connect that a delivery lost on its last attempt would stay in the stream.
+    text = with_job("max_attempts = 5\n") + f"[nats]\nmax_deliver = {max_deliver}\n"
+    loaded = load_text(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
+    assert (loaded.job.max_attempts, loaded.nats.max_deliver) == (5, max_deliver)
 
 
 def test_ack_wait_must_span_two_renewals_with_nats_only(tmp_path):

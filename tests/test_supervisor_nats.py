@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import nats
+import psutil
 import pytest
 
 from broker.base import Action, Settlement
@@ -25,12 +26,11 @@ def nats_config(directory: Path, server: NatsServer, **sections) -> Path:
     return write_config(directory, server.url, **sections)
 
 
-def publish(server: NatsServer, payloads: list[dict], ack_wait: float = 2.0,
-            max_deliver: int = 3) -> list[str]:
+def publish(server: NatsServer, payloads: list[dict], ack_wait: float = 2.0) -> list[str]:
     """Publish through a broker set up as the job will be (it creates the stream/consumer)."""
 
     async def send() -> list[str]:
-        broker = NatsBroker(server.url, QUEUE, ack_wait=ack_wait, max_deliver=max_deliver)
+        broker = NatsBroker(server.url, QUEUE, ack_wait=ack_wait)
         await broker.connect()
         try:
             return await broker.publish_many(QUEUE, payloads)
@@ -90,8 +90,8 @@ def test_buffered_messages_are_renewed_and_each_delivered_once(tmp_path, nats_se
 
 
 def test_failures_and_malformed_end_dead_and_successes_commit(tmp_path, nats_server, start):
-    [failing] = publish(nats_server, [{"fail": True}], max_deliver=2)
-    ok = publish(nats_server, [{"n": n} for n in range(20)], max_deliver=2)
+    [failing] = publish(nats_server, [{"fail": True}])
+    ok = publish(nats_server, [{"n": n} for n in range(20)])
 
     async def malformed() -> None:
         client = await nats.connect(nats_server.url)
@@ -159,3 +159,71 @@ def test_handler_sees_attempts_rise_on_redelivery(tmp_path, nats_server, start):
         (pid, "0"), (pid, "1"), (pid, "2")
     ]
     wait_for(lambda: consumer_state(nats_server)["dead"] == 1, 10, "the dead letter")
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def dead_letters(server: NatsServer) -> list[tuple[bytes, dict[str, str]]]:
+    async def read() -> list[tuple[bytes, dict[str, str]]]:
+        client = await nats.connect(server.url)
+        try:
+            js = client.jetstream()
+            count = (await js.stream_info(NAMES.dead_stream)).state.messages
+            found = [await js.get_msg(NAMES.dead_stream, seq) for seq in range(1, count + 1)]
+            return [(m.data, m.headers or {}) for m in found]
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+def test_handler_that_kills_its_process_ends_dead_after_max_attempts(
+    tmp_path, nats_server, start
+):
+    [pid] = publish(nats_server, [{"crash": True}])
+    supervisor = start(nats_config(tmp_path, nats_server, job={"max_attempts": 2}))
+    wait_for(lambda: consumer_state(nats_server)["dead"] == 1, 30, "the dead letter")
+    assert [(p, attempts) for p, attempts, _ in started(tmp_path)] == [(pid, "0"), (pid, "1")]
+    [(_, headers)] = dead_letters(nats_server)
+    assert "worker lost" in headers["Queue-Reason"]
+    wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing left")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+
+
+def test_supervisor_killed_on_the_last_attempt_leaves_it_dead_not_stuck(
+    tmp_path, nats_server, start
+):
+    """JetStream counts the lost delivery: the next supervisor gets it once more, past
+    max_attempts, and dead-letters it without running it."""
+    [pid] = publish(nats_server, [{"n": 1}])
+    # The first supervisor hangs on everything: attempt 0 ends by handler_timeout (a
+    # reject), attempt 1 (the last) is still running when the whole supervisor is killed.
+    first_dir = tmp_path / "first"
+    first_dir.mkdir()
+    first = start(nats_config(first_dir, nats_server, job={"max_attempts": 2,
+                                                           "handler_timeout": 1.0}),
+                  E2E_HANG_ALWAYS="1")
+    wait_for(lambda: [a for _, a, _ in started(tmp_path)] == ["0", "1"], 30, "the last attempt")
+    family = first.family()
+    first.signal(signal.SIGKILL)
+    first.wait(10)
+    wait_for(lambda: not any(map(alive, family)), 10, "no process of the killed one left")
+    state = consumer_state(nats_server)
+    assert (state["stream"], state["dead"]) == (1, 0)  # in JetStream's hands, not settled
+
+    second = start(nats_config(tmp_path, nats_server, job={"max_attempts": 2}))
+    wait_for(lambda: consumer_state(nats_server)["dead"] == 1, 30, "the dead letter")
+    wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing stuck")
+    [(raw, headers)] = dead_letters(nats_server)
+    assert pid.encode() in raw
+    assert headers["Queue-Reason"].startswith("out of attempts after 3 deliveries")
+    assert len(started(tmp_path)) == 2  # never handed to a handler again
+    second.signal(signal.SIGTERM)
+    assert second.wait(15) == 0
+    assert "out of attempts after 3 deliveries" in second.output()
