@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="longest wait for recovery after the fault window (s)")
     parser.add_argument("--keep", action="store_true",
                         help="keep logs, ledger and database even when the run passes")
+    parser.add_argument("--log-level", default="warning",
+                        choices=("debug", "info", "warning", "error"),
+                        help="the supervisors' log level (logs are kept with --keep)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--sabotage", action="store_true",
                         help="self-test of the checks: one message is never published and "
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
         supervisors=args.supervisors, gap=(float(low), float(high or low)),
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
-        sabotage=args.sabotage,
+        sabotage=args.sabotage, log_level=args.log_level,
     )
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
     return run_all(brokers, settings)

@@ -8,6 +8,7 @@ after a call that had succeeded, i.e. a result that was lost).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,6 +71,46 @@ class Ledger:
             for previous, call in itertools.pairwise(ordered):
                 if previous.outcome == ".":
                     found.append((previous.time, call.time, pid))
+        return found
+
+    def recoveries(self, fault_times: list[float], published: dict[str, float],
+                   slow: set[str], shadow: float = 1.0) -> list[float]:
+        """Per fault (times in order): seconds until the last handler call of any message
+        published before it.
+
+        Faults are seconds apart and a message normally reaches a handler within
+        milliseconds of its publication, so a message published before a fault and called
+        after it was in flight when it struck: its last call is when its redelivery reached
+        a handler, whether it had been flushed before (a duplicate) or not. Slow messages,
+        and calls that waited in a handler process behind one (ending within ``shadow``
+        seconds after it), are left out: their lateness is the handler's, not recovery's.
+        """
+        slow_ends: dict[int, list[float]] = defaultdict(list)
+        for pid in slow:
+            for call in self.calls.get(pid, []):
+                slow_ends[call.process].append(call.time)
+        for ends in slow_ends.values():
+            ends.sort()
+        pairs = []
+        for pid, calls in self.calls.items():
+            if pid in slow or pid not in published:
+                continue
+            last = max(calls, key=lambda call: call.time)
+            ends = slow_ends.get(last.process, [])
+            index = bisect.bisect_left(ends, last.time) - 1
+            if index >= 0 and last.time - ends[index] <= shadow:
+                continue
+            pairs.append((published[pid], last.time))
+        pairs.sort()
+        times = [when for when, _ in pairs]
+        latest, running = 0.0, []
+        for _, last in pairs:
+            latest = max(latest, last)
+            running.append(latest)
+        found = []
+        for at in fault_times:
+            count = bisect.bisect_left(times, at)
+            found.append(max(0.0, running[count - 1] - at) if count else 0.0)
         return found
 
     def last_seen(self, pid: str) -> str:

@@ -157,6 +157,13 @@ class NatsSide:
                 await asyncio.sleep(0.1)
         raise AssertionError("unreachable")
 
+    async def consumer_of(self, process: int) -> None:
+        """JetStream does not say which deliveries a client holds: not measured."""
+        return None
+
+    async def held_by(self, consumer: str) -> int:
+        return 0
+
     async def outstanding(self) -> dict[str, int]:
         consumer = await self._retry(
             lambda: self.js.consumer_info(self.names.stream, CONSUMER))

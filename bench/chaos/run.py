@@ -11,10 +11,11 @@ Timeline (seconds from the start, S = ``--seconds``):
   nothing (that is maintenance's and the lease's work), SIGTERM the supervisors, read
   the broker, the ledger and the SQLite database, and check.
 
-Per fault, "recovery" is the time from the fault until the last flush of any message
-published before it: for a fault that lost deliveries, the time their recovery took (lease
-expiry, maintenance or redelivery, handling), whether they had been flushed before (a
-duplicate) or not.
+Per fault, "recovery" is the time from the fault until the last handler call of any
+message published before it: for a fault that lost deliveries, the time until they reached
+a handler again (lease expiry, maintenance or redelivery), see ``Ledger.recoveries``. On
+Redis, for a supervisor killed or stopped, "released" is the time until the broker held
+nothing for its consumer id any more (no owned processing entry, no reserved payload).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Settings:
     publish_share: float = 0.8
     drain_timeout: float = 60.0
     work_ms: float = 5.0  # a handler call takes this long (sleep) besides its own work
+    log_level: str = "warning"  # the supervisors' (their logs are kept with a failed run)
     sabotage: bool = False  # self-test: drop one message unpublished, corrupt one total
     keep: bool = False
     quiet: bool = False
@@ -84,7 +86,8 @@ class Fault:
     kind: str
     at: float  # unix time
     detail: str = ""
-    drain: float | None = None
+    recovery: float | None = None
+    released: float | None = None  # Redis, stopped supervisors: until nothing is theirs
     overlapped: bool = False
 
 
@@ -176,10 +179,10 @@ class Fleet:
         state = "busy" if busy else "idle"
         return f"SIGKILL {state} handler {process.pid} of supervisor {supervisor.pid}"
 
-    def kill_supervisor(self, rng: random.Random) -> str:
-        if not self.members:
-            return "skipped: no supervisor running"
-        victim = rng.choice(self.members)
+    def pick(self, rng: random.Random) -> Supervisor | None:
+        return rng.choice(self.members) if self.members else None
+
+    def kill_supervisor(self, victim: Supervisor) -> str:
         family = victim.family()[1:]
         victim.process.kill()
         victim.wait(10)
@@ -202,10 +205,7 @@ class Fleet:
             with contextlib.suppress(psutil.Error):
                 process.kill()
 
-    def term_supervisor(self, rng: random.Random) -> str:
-        if not self.members:
-            return "skipped: no supervisor running"
-        victim = rng.choice(self.members)
+    def term_supervisor(self, victim: Supervisor) -> str:
         self.members.remove(victim)
         victim.signal(signal.SIGTERM)
         self.spawn(self._stopped_then_replaced(victim))
@@ -311,7 +311,8 @@ class Soak:
                 "job": {"queue": QUEUE, "coroutines": s.coroutines, "prefetch": s.prefetch,
                         "max_attempts": s.max_attempts},
                 "supervisor": {"lease": s.lease, "maintenance_interval": s.maintenance_interval,
-                               "shutdown_deadline": s.shutdown_deadline, "log_level": "warning"},
+                               "shutdown_deadline": s.shutdown_deadline,
+                               "log_level": s.log_level},
             }
             for name, values in self.side.config_sections(s).items():
                 sections.setdefault(name, {}).update(values)
@@ -384,24 +385,44 @@ class Soak:
                 cycle = self.rng.sample(kinds, len(kinds))
             kind = cycle.pop()
             fault = Fault(kind, time.time())
-            fault.detail = await self.apply(kind)
+            fault.detail = await self.apply(fault)
             self.faults.append(fault)
             self.log(f"fault {kind}: {fault.detail}")
             at = max(at + self.rng.uniform(*s.gap), time.time() - self.began + s.gap[0] / 2)
 
-    async def apply(self, kind: str) -> str:
+    async def apply(self, fault: Fault) -> str:
         assert self.fleet is not None
+        kind = fault.kind
         try:
             if kind == "handler_kill":
                 return self.fleet.kill_handler(self.rng)
-            if kind == "supervisor_kill":
-                return self.fleet.kill_supervisor(self.rng)
-            if kind == "supervisor_term":
-                return self.fleet.term_supervisor(self.rng)
+            if kind in ("supervisor_kill", "supervisor_term"):
+                victim = self.fleet.pick(self.rng)
+                if victim is None:
+                    return "skipped: no supervisor running"
+                consumer = await self.side.consumer_of(victim.pid)
+                if kind == "supervisor_kill":
+                    detail = self.fleet.kill_supervisor(victim)
+                else:
+                    detail = self.fleet.term_supervisor(victim)
+                if consumer is not None:
+                    self.fleet.spawn(self.track_release(fault, consumer))
+                return detail
             return await self.side.inject(kind)
         except Exception as error:
             self.fleet.problems.append(f"fault {kind} could not be injected: {error!r}")
             return f"failed: {error!r}"
+
+    async def track_release(self, fault: Fault, consumer: str) -> None:
+        """Until the broker holds nothing for the stopped supervisor's consumer id: its
+        deliveries were recovered (or released) for other consumers to take."""
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            with contextlib.suppress(Exception):  # a restart of the server meanwhile
+                if not await self.side.held_by(consumer):
+                    fault.released = time.time() - fault.at
+                    return
+            await asyncio.sleep(0.05)
 
     async def watch(self, seconds: float) -> None:
         assert self.fleet is not None
@@ -508,8 +529,8 @@ class Soak:
         """timeline.json: the faults and when each message was published (unix times)."""
         timeline = {
             "began": self.began,
-            "faults": [{"kind": f.kind, "at": f.at, "detail": f.detail, "recovery": f.drain}
-                       for f in self.faults],
+            "faults": [{"kind": f.kind, "at": f.at, "detail": f.detail,
+                        "recovery": f.recovery, "released": f.released} for f in self.faults],
             "published": {m.pid or f"malformed-{n}": self.published_at.get(n)
                           for n, m in enumerate(self.messages)},
             "kinds": {m.pid: m.kind for m in self.messages if m.pid},
@@ -549,7 +570,7 @@ class Soak:
         return "\n".join(lines)
 
     def fault_table(self, drained: float) -> list[str]:
-        self.measure_drains()
+        self.measure_recoveries()
         times = [fault.at for fault in self.faults]
 
         def attribute(events: list[tuple[float, float, str]]) -> Counter:
@@ -571,22 +592,25 @@ class Soak:
             by_kind[fault.kind].append(fault)
         committed = max(1, len(self.ledger.commits))
         lines = [f"{'fault':<18} {'count':>5} {'dup commits':>11} {'dup/fault':>9} "
-                 f"{'re-runs':>7} {'worst recovery s':>16} {'mean recovery s':>15}"]
+                 f"{'re-runs':>7} {'worst recovery s':>16} {'mean recovery s':>15} "
+                 f"{'worst released s':>16}"]
         for kind in sorted(set(by_kind) | set(dups) | set(reruns)):
             faults = by_kind.get(kind, [])
-            drains = [f.drain for f in faults if f.drain is not None]
+            drains = [f.recovery for f in faults if f.recovery is not None]
             worst = max(drains) if drains else 0.0
             mean = sum(drains) / len(drains) if drains else 0.0
             per = dups[kind] / len(faults) if faults else 0.0
+            released = [f.released for f in faults if f.released is not None]
+            shown = f"{max(released):.2f}" if released else "-"
             lines.append(f"{kind:<18} {len(faults):>5} {dups[kind]:>11} {per:>9.2f} "
-                         f"{reruns[kind]:>7} {worst:>16.2f} {mean:>15.2f}")
+                         f"{reruns[kind]:>7} {worst:>16.2f} {mean:>15.2f} {shown:>16}")
         total_dups = sum(dups.values())
         lines.append(f"duplicate commits: {total_dups} of {committed} messages flushed "
                      f"({100 * total_dups / committed:.2f}%); re-runs {sum(reruns.values())}")
         if self.faults:
-            worst = max(self.faults, key=lambda f: f.drain or 0.0)
+            worst = max(self.faults, key=lambda f: f.recovery or 0.0)
             note = " (the next fault came before it recovered)" if worst.overlapped else ""
-            lines.append(f"worst fault-to-recovery: {worst.drain or 0:.2f}s after "
+            lines.append(f"worst fault-to-recovery: {worst.recovery or 0:.2f}s after "
                          f"{worst.kind} at +{worst.at - self.began:.1f}s{note}")
         if self.fleet is not None and self.fleet.stops:
             lines.append(f"graceful stops: {len(self.fleet.stops)}, longest "
@@ -597,32 +621,18 @@ class Soak:
         lines.append(f"final drain after the fault window: {drained:.1f}s")
         return lines
 
-    def measure_drains(self) -> None:
-        """Per fault: until the last flush of any message published before it.
-
-        Faults are seconds apart and a message is normally flushed and settled within
-        milliseconds (slow messages are left out), so a message published before the fault
-        and flushed after it was in flight when it struck: its last flush is the end of its
-        recovery, whether it had been flushed before (a duplicate after a lost settlement)
-        or not.
-        """
-        pairs = []
-        for index, message in enumerate(self.messages):
-            published = self.published_at.get(index)
-            flushes = self.ledger.commits.get(message.pid) if message.pid else None
-            if published is not None and flushes and message.kind != SLOW:
-                pairs.append((published, max(flushes)))
-        pairs.sort()
-        published_times = [published for published, _ in pairs]
-        latest, running = 0.0, []
-        for _, last in pairs:
-            latest = max(latest, last)
-            running.append(latest)
-        for n, fault in enumerate(self.faults):
-            count = bisect.bisect_left(published_times, fault.at)
-            fault.drain = max(0.0, running[count - 1] - fault.at) if count else 0.0
-            following = self.faults[n + 1].at if n + 1 < len(self.faults) else float("inf")
-            fault.overlapped = fault.at + fault.drain > following
+    def measure_recoveries(self) -> None:
+        """See ``Ledger.recoveries``; a recovery that outlasted the gap to the next fault
+        is marked overlapped (the next fault may have lengthened it)."""
+        published = {m.pid: self.published_at[n] for n, m in enumerate(self.messages)
+                     if m.pid is not None and n in self.published_at}
+        slow = {m.pid for m in self.messages if m.kind == SLOW and m.pid is not None}
+        times = [fault.at for fault in self.faults]
+        for n, recovery in enumerate(self.ledger.recoveries(times, published, slow)):
+            fault = self.faults[n]
+            fault.recovery = recovery
+            following = times[n + 1] if n + 1 < len(times) else float("inf")
+            fault.overlapped = fault.at + recovery > following
 
 
 def totals_of(messages: Any) -> Counter:

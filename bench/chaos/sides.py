@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -158,6 +159,27 @@ class RedisSide:
         raise AssertionError("unreachable")
 
     # -- state ------------------------------------------------------------------------------
+
+    async def consumer_of(self, process: int) -> str | None:
+        """The consumer id (``<host>-<process>-<hex>``) of the supervisor ``process``."""
+        prefix = self.keys.consumer("")
+        wanted = f"{socket.gethostname()}-{process}-".replace(":", "")
+        for key in await self._scan(self.keys.consumer("*")):
+            consumer = key.decode().removeprefix(prefix)
+            if consumer.startswith(wanted):
+                return consumer
+        return None
+
+    async def held_by(self, consumer: str) -> int:
+        """Processing entries owned, and payloads reserved, by ``consumer``."""
+        k = self.keys
+        pids = await self.admin.lrange(k.processing, 0, -1)
+        owners = await self.admin.mget([k.owner(p.decode()) for p in pids]) if pids else []
+        held = sum(1 for owner in owners if owner and owner.decode().startswith(consumer + ":"))
+        for key in await self.admin.zrange(k.reservations, 0, -1):
+            if key.decode().startswith(k.reservation(consumer + ":")):
+                held += await self.admin.llen(key)
+        return held
 
     async def outstanding(self) -> dict[str, int]:
         """Counts that must all reach zero once everything is recovered and settled."""
