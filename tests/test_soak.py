@@ -19,6 +19,8 @@ from bench.chaos.ledger import Ledger
 from tests.servers import environ_without_broker
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
 def soak(broker: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bench.chaos", "--broker", broker, "--quiet", *args],
