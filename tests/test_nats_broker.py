@@ -13,6 +13,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 
 from broker.base import Action, BrokerError, Delivery, Outcome, Poisoned, Settlement
 from broker.nats import NatsBroker
+from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats_setup import QueueNames
 from tests.faultproxy import FaultProxy
 from tests.servers import NatsServer
@@ -525,6 +526,75 @@ async def test_server_restart_mid_run_loses_nothing(brokers, nats_server):
     assert handled >= pids
     assert broker.reconnects >= 1
     await wait_until(lambda: _stream_empty(nats_server))
+
+
+# -- request deadlines (one shared timer, each request its own timeout) ---------------------
+
+
+@pytest.fixture
+async def silent(nats_server: NatsServer):
+    """(connection, subject): requests to ``subject`` reach a subscriber that never answers."""
+    listener = await nats.connect(nats_server.url)
+    await listener.subscribe("silent.>")
+    await listener.flush()
+    conn = await Connection.open(nats_server.url, lambda msg: None)
+    yield conn, "silent.x"
+    await conn.close()
+    await listener.close()
+
+
+async def test_each_request_times_out_at_its_own_deadline(silent):
+    conn, subject = silent
+    started = time.monotonic()
+    slow = asyncio.ensure_future(conn.request(subject, timeout=1.5))
+    fast = asyncio.ensure_future(conn.request(subject, timeout=0.3))  # made later, due first
+    with pytest.raises(RequestTimeout, match=r"no reply to silent\.x in 0\.3s"):
+        await fast
+    assert 0.3 <= time.monotonic() - started < 1.2
+    assert not slow.done()
+    with pytest.raises(RequestTimeout, match=r"in 1\.5s"):
+        await slow
+    assert time.monotonic() - started >= 1.5
+    assert conn._waiting == {}
+
+
+async def test_replies_and_cancels_leave_nothing_waiting(silent, nats_server):
+    conn, subject = silent
+
+    async def echo(msg) -> None:
+        await responder.publish(msg.reply, msg.data)
+
+    responder = await nats.connect(nats_server.url)
+    await responder.subscribe("echo", cb=echo)
+    await responder.flush()
+    try:
+        pending = asyncio.ensure_future(conn.request(subject, timeout=30))
+        replies = await asyncio.gather(
+            *(conn.request("echo", str(i).encode(), timeout=5) for i in range(500)))
+        assert [r.data for r in replies] == [str(i).encode() for i in range(500)]
+        reply, status = conn.expect_reply(5, "pull request")
+        status.cancel()  # forgets the subject: a late reply to it is ignored
+        await responder.publish(reply, b"late")
+        await responder.flush()
+        assert (await conn.request("echo", b"last", timeout=5)).data == b"last"
+        assert status.cancelled()
+        # Finished requests are dropped as new ones are made, not kept to their deadline:
+        # only the one still waiting is left.
+        [left] = conn._waiting.values()
+        assert not left.done() and not pending.done()
+    finally:
+        pending.cancel()
+        await responder.close()
+
+
+async def test_close_fails_waiting_requests_at_once(silent):
+    conn, subject = silent
+    waiting = asyncio.ensure_future(conn.request(subject, timeout=30))
+    await asyncio.sleep(0)
+    await conn.close()
+    with pytest.raises(ConnectionLost) as lost:
+        await asyncio.wait_for(waiting, 5)
+    assert lost.value.sent
 
 
 async def _at_least(value: int, count: int) -> bool:
