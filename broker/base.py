@@ -89,10 +89,12 @@ class Result:
 
 @dataclass(slots=True)
 class Poisoned:
-    """A payload that could not be decoded into a valid envelope (kept in poison/dead)."""
+    """A message that is never handed to a handler (kept in poison/dead): malformed, or
+    (``malformed=False``) out of attempts before it could run again (JetStream)."""
 
     raw: bytes
     reason: str
+    malformed: bool = True
 
 
 @dataclass(slots=True)

@@ -204,7 +204,7 @@ class NatsBroker:
                     received.deliveries.append(_delivery(msg, receipt, decoded))
                     continue
                 reason = self._out_of_attempts(receipt)
-                poisoned = self._poison(msg, receipt, reason, reason)
+                poisoned = self._poison(msg, receipt, reason, reason, malformed=False)
             poison.append(asyncio.ensure_future(poisoned))
         received.poisoned = [p for p in await asyncio.gather(*poison) if p is not None]
         return received
@@ -217,7 +217,8 @@ class NatsBroker:
                 f"JetStream")
 
     async def _poison(
-        self, msg: Msg, receipt: NatsReceipt, reason: str, dead_reason: str
+        self, msg: Msg, receipt: NatsReceipt, reason: str, dead_reason: str,
+        malformed: bool = True,
     ) -> Poisoned | None:
         """Never handed on: dead stream first (confirmed), then TERM. A dead letter that is
         not confirmed leaves the delivery alone: it comes back after ack_wait."""
@@ -232,7 +233,7 @@ class NatsBroker:
         log.debug("stream seq %d moved to %s (%s); TERM %s", receipt.stream_seq,
                   self._names.dead_stream, dead_reason, result.outcome)
         self._forget(receipt, result)
-        return Poisoned(msg.data, reason)
+        return Poisoned(msg.data, reason, malformed)
 
     # -- settle ------------------------------------------------------------------------
 

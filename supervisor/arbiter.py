@@ -175,9 +175,11 @@ class Arbiter:
                 continue
             failures = 0
             for poisoned in received.poisoned:
-                logs.log_malformed(log, self.config.job.queue, poisoned.reason)
-            if received.poisoned:
-                self.metrics.malformed(len(received.poisoned))
+                if poisoned.malformed:
+                    logs.log_malformed(log, self.config.job.queue, poisoned.reason)
+                    self.metrics.malformed()
+                else:
+                    log.warning("dead-lettered without running: %s", poisoned.reason)
             if received.deliveries:
                 self.metrics.received(len(received.deliveries))
                 self.buffer.add(received.deliveries)
