@@ -592,19 +592,24 @@ class Soak:
             by_kind[fault.kind].append(fault)
         committed = max(1, len(self.ledger.commits))
         lines = [f"{'fault':<18} {'count':>5} {'dup commits':>11} {'dup/fault':>9} "
-                 f"{'re-runs':>7} {'worst recovery s':>16} {'mean recovery s':>15} "
-                 f"{'worst released s':>16}"]
+                 f"{'re-runs':>7} {'recovery: worst':>15} {'alone':>6} {'mean':>6} "
+                 f"{'released: worst':>15}"]
         for kind in sorted(set(by_kind) | set(dups) | set(reruns)):
             faults = by_kind.get(kind, [])
             drains = [f.recovery for f in faults if f.recovery is not None]
             worst = max(drains) if drains else 0.0
             mean = sum(drains) / len(drains) if drains else 0.0
             per = dups[kind] / len(faults) if faults else 0.0
+            alone = max((f.recovery or 0.0 for f in faults if not f.overlapped), default=0.0)
             released = [f.released for f in faults if f.released is not None]
             shown = f"{max(released):.2f}" if released else "-"
             lines.append(f"{kind:<18} {len(faults):>5} {dups[kind]:>11} {per:>9.2f} "
-                         f"{reruns[kind]:>7} {worst:>16.2f} {mean:>15.2f} {shown:>16}")
+                         f"{reruns[kind]:>7} {worst:>15.2f} {alone:>6.2f} {mean:>6.2f} "
+                         f"{shown:>15}")
         total_dups = sum(dups.values())
+        lines.append("recovery: until the last message published before the fault reached a "
+                     "handler again (alone: not overlapping the next fault); released (Redis): "
+                     "until a stopped supervisor's consumer held nothing")
         lines.append(f"duplicate commits: {total_dups} of {committed} messages flushed "
                      f"({100 * total_dups / committed:.2f}%); re-runs {sum(reruns.values())}")
         if self.faults:
