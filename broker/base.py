@@ -11,7 +11,7 @@ Data path: ``receive`` -> handler -> ``settle`` (commit / reject / release), wit
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,6 +119,9 @@ class MaintenanceReport:
         return self.expired_reservations + self.dead_consumers + self.legacy
 
 
+ResultCallback = Callable[[int, "Result"], None]
+
+
 class Broker(Protocol):
     """What the supervisor needs from a broker. One instance serves one queue."""
 
@@ -130,6 +133,12 @@ class Broker(Protocol):
     #: which decides by itself: the ack took effect, or the message is redelivered after
     #: AckWait once we stop renewing it. In-flight operations are then never replayed.
     replay_uncertain: bool
+
+    #: How many settlement calls the supervisor may have in flight at once. Redis: 1 (a
+    #: call is one quick script; letting completions gather while it runs makes the next
+    #: group bigger). JetStream: several (a call is many independent acks; one whose reply
+    #: is lost must not hold back the completions that come after it).
+    settle_concurrency: int
 
     async def connect(self) -> None:
         """Open connections and prepare the queue (scripts, streams). Raises BrokerError."""
@@ -144,8 +153,14 @@ class Broker(Protocol):
         ``block_timeout`` seconds for the first message. Never waits to fill a batch.
         """
 
-    async def settle(self, settlements: Sequence[Settlement]) -> list[Result]:
-        """Apply commits, rejects and releases (any mix, <= MAX_BATCH), one result each."""
+    async def settle(
+        self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
+    ) -> list[Result]:
+        """Apply commits, rejects and releases (any mix, <= MAX_BATCH), one result each.
+
+        ``on_result(index, result)``, when given, is called for each message as soon as its
+        own result is known (before the call returns), so a slow reply delays nobody else.
+        """
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
         """Renew this consumer's lease; report per delivery whether it is still owned."""

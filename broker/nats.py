@@ -62,6 +62,7 @@ from broker.base import (
     Poisoned,
     Received,
     Result,
+    ResultCallback,
     Settlement,
 )
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
@@ -87,6 +88,7 @@ class NatsBroker:
     """One queue on NATS JetStream (see the module docstring for the protocol)."""
 
     replay_uncertain = False  # JetStream decides: acked, or redelivered after AckWait
+    settle_concurrency = 16  # acks are independent: a lost reply holds back nothing after it
 
     def __init__(
         self,
@@ -237,10 +239,20 @@ class NatsBroker:
 
     # -- settle ------------------------------------------------------------------------
 
-    async def settle(self, settlements: Sequence[Settlement]) -> list[Result]:
+    async def settle(
+        self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
+    ) -> list[Result]:
         if len(settlements) > MAX_BATCH:
             raise ValueError(f"at most {MAX_BATCH} settlements per call")
-        results = list(await asyncio.gather(*(self._settle_one(s) for s in settlements)))
+
+        async def settle_one(index: int, settlement: Settlement) -> Result:
+            result = await self._settle_one(settlement)
+            if on_result is not None:
+                on_result(index, result)  # as soon as its own reply is in
+            return result
+
+        results = list(await asyncio.gather(
+            *(settle_one(index, s) for index, s in enumerate(settlements))))
         _log_unsure(results, "settle")
         return results
 

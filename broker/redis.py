@@ -44,6 +44,7 @@ from broker.base import (
     Poisoned,
     Received,
     Result,
+    ResultCallback,
     Settlement,
 )
 from broker.keys import QueueKeys
@@ -154,6 +155,7 @@ def has_hash_tag(namespace: str) -> bool:
 
 class RedisBroker:
     replay_uncertain = True  # every script checks the owner token: a repeat is harmless
+    settle_concurrency = 1  # completions gather while a call runs: the next group is bigger
 
     """One queue on Redis (or Redis Cluster), as ``broker.base.Broker``."""
 
@@ -349,7 +351,11 @@ class RedisBroker:
 
     # -- settling -----------------------------------------------------------------------
 
-    async def settle(self, settlements: Sequence[Settlement]) -> list[Result]:
+    async def settle(
+        self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
+    ) -> list[Result]:
+        # One script answers for a whole group at once: results arrive together, so the
+        # caller applies the returned list (``on_result`` has nothing to report earlier).
         results: list[Result] = []
         for start in range(0, len(settlements), MAX_BATCH):
             results += await self._settle_batch(settlements[start:start + MAX_BATCH])

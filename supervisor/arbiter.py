@@ -71,7 +71,7 @@ class Arbiter:
         self.forkserver = forkserver
         self.buffer = Buffer(config.job.prefetch)
         self.wants_confirm = callable(getattr(handler_module, "on_success", None))
-        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics)
+        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
         self.exit_code = EXIT_OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
@@ -82,6 +82,8 @@ class Arbiter:
         self.settle_wanted = asyncio.Event()
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
+        self.settling: set[asyncio.Task] = set()  # settlement calls in flight
+        self.settle_failures = 0  # in a row: the back-off before the next try
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -264,23 +266,46 @@ class Arbiter:
     # -- settlement, renewal, maintenance ---------------------------------------------------
 
     async def settle_loop(self) -> None:
-        failures = 0
+        """Settle what has completed as soon as a settlement call may start.
+
+        With one call at a time (Redis), completions gather while it runs and the next
+        call takes them all; a broker whose calls are many independent requests (JetStream)
+        allows several, so one lost reply holds back nothing that completed after it.
+        """
+        calls = asyncio.Semaphore(self.broker.settle_concurrency)
         while not self.closed:
             await self.settle_wanted.wait()
             self.settle_wanted.clear()
             while self.buffer.completed:
-                ok = await self.settler.settle(self.buffer.take_completed(MAX_BATCH))
-                self.room.set()
-                self.progress.set()
-                for slot in self.slots:
-                    self.retire_if_idle(slot)
-                if not ok:  # the broker is unhappy: back off before trying those again
-                    failures += 1
-                    await asyncio.sleep(min(0.05 * 2**failures, 2.0))
+                await calls.acquire()
+                batch = self.buffer.take_completed(MAX_BATCH)
+                if not batch:
+                    calls.release()
                     break
-                failures = 0
-            if self.buffer.completed:
-                self.settle_wanted.set()
+                task = asyncio.create_task(self.settle_batch(batch, calls))
+                self.settling.add(task)
+                task.add_done_callback(self.settling.discard)
+
+    async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
+        try:
+            ok = await self.settler.settle(batch)
+            self.opened()
+            for slot in self.slots:
+                self.retire_if_idle(slot)
+            if ok:
+                self.settle_failures = 0
+            else:  # the broker is unhappy: back off before trying those again
+                self.settle_failures += 1
+                await asyncio.sleep(min(0.05 * 2**self.settle_failures, 2.0))
+        finally:
+            calls.release()
+        if self.buffer.completed:
+            self.settle_wanted.set()
+
+    def opened(self) -> None:
+        """Settlements were confirmed: room for receiving, progress for the stop sequence."""
+        self.room.set()
+        self.progress.set()
 
     async def renew_loop(self) -> None:
         period = self.config.supervisor.lease / 3
@@ -459,9 +484,9 @@ class Arbiter:
         await self.settle_remaining()
         await self.stop_children(deadline=max(deadline, time.monotonic() + 1))
         self.closed = True
-        for task in self.tasks:
+        for task in (*self.tasks, *self.settling):
             task.cancel()
-        await asyncio.wait(self.tasks, timeout=2)
+        await asyncio.wait([*self.tasks, *self.settling], timeout=2)
         owned = self.buffer.outstanding
         if owned:
             log.warning("%d deliveries still owned at exit: handing them to recovery", owned)

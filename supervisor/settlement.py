@@ -37,29 +37,41 @@ class Settler:
         buffer: Buffer,
         confirm: Callable[[Entry, bool], None],
         metrics: Metrics | None = None,
+        progress: Callable[[], None] = lambda: None,
     ) -> None:
         self.broker = broker
         self.buffer = buffer
         self.confirm = confirm  # tells the handler process (for on_success)
         self.metrics = metrics or Metrics()
+        self.progress = progress  # room opened before the call returned (early results)
         self.settled = {action: 0 for action in Action}
         self.uncertain = 0
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
         settlements = [settlement_for(entry) for entry in batch]
+        applied = [False] * len(batch)
+        retry: list[Entry] = []
+
+        def apply(index: int, result: Result) -> None:
+            applied[index] = True
+            if not self._apply(batch[index], settlements[index], result):
+                retry.append(batch[index])
+
+        def apply_early(index: int, result: Result) -> None:
+            apply(index, result)
+            self.progress()
+
         began = time.perf_counter()
         try:
-            results = await self.broker.settle(settlements)
+            results = await self.broker.settle(settlements, apply_early)
         except Exception as error:  # the broker is down or refused: keep everything outstanding
             log.error("settlement of %d deliveries failed: %s", len(batch), error)
             results = [Result(Outcome.ERROR, str(error))] * len(batch)
         self.metrics.settle_batch(len(batch), time.perf_counter() - began)
-        retry = [
-            entry
-            for entry, settlement, result in zip(batch, settlements, results, strict=True)
-            if not self._apply(entry, settlement, result)
-        ]
+        for index, result in enumerate(results):
+            if not applied[index]:
+                apply(index, result)
         if retry:
             self.buffer.retry_later(retry)
         return not retry

@@ -36,6 +36,7 @@ class FaultProxy:
         self._server: asyncio.Server | None = None
         self._pairs: set[_Pair] = set()
         self._victims: set[str] = set()
+        self._victim_prefixes: set[str] = set()  # one request each
         self._doomed: set[str] = set()  # reply subjects whose answers are dropped
         self._cut_pattern: bytes | None = None
         self._flowing = asyncio.Event()
@@ -59,6 +60,19 @@ class FaultProxy:
 
     def drop_replies_to(self, subjects: Iterable[str]) -> None:
         self._victims |= set(subjects)
+
+    def drop_replies_to_prefix(self, prefix: str) -> None:
+        """Drop the reply to the next request whose subject starts with ``prefix``."""
+        self._victim_prefixes.add(prefix)
+
+    def _doomed_request(self, subject: str) -> bool:
+        if subject in self._victims:
+            return True
+        for prefix in self._victim_prefixes:
+            if subject.startswith(prefix):
+                self._victim_prefixes.discard(prefix)
+                return True
+        return False
 
     def cut_after(self, pattern: bytes) -> None:
         self.triggered.clear()
@@ -97,7 +111,7 @@ class FaultProxy:
             if op in (b"PUB", b"HPUB"):
                 subject = args[0].decode()
                 self.published[subject] += 1
-                if subject in self._victims and len(args) >= (4 if op == b"HPUB" else 3):
+                if len(args) >= (4 if op == b"HPUB" else 3) and self._doomed_request(subject):
                     self._doomed.add(args[1].decode())
             pair.upstream.write(frame)
             await pair.upstream.drain()

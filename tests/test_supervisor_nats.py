@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -15,6 +18,7 @@ import pytest
 from broker.base import Action, Settlement
 from broker.nats import NatsBroker
 from broker.nats_setup import QueueNames
+from tests.faultproxy import FaultProxy
 from tests.servers import NatsServer
 from tests.supervision import QUEUE, lines, wait_for, write_config
 
@@ -227,3 +231,39 @@ def test_supervisor_killed_on_the_last_attempt_leaves_it_dead_not_stuck(
     second.signal(signal.SIGTERM)
     assert second.wait(15) == 0
     assert "out of attempts after 3 deliveries" in second.output()
+
+
+@contextlib.contextmanager
+def proxy_in_thread(port: int) -> Iterator[FaultProxy]:
+    """A fault proxy on its own event loop, for a supervisor running in another process."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = asyncio.run_coroutine_threadsafe(FaultProxy(port).start(), loop).result(10)
+    try:
+        yield proxy
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_a_lost_ack_reply_holds_back_no_later_commit(tmp_path, nats_server, start):
+    """SPEC §6: a success is confirmed as soon as its own reply arrives, not after an
+    unrelated reply times out (the ack request timeout is 5 s)."""
+    first = publish(nats_server, [{"n": n} for n in range(10)], ack_wait=30.0)
+    with proxy_in_thread(nats_server.port) as proxy:
+        # The reply to the first message's ack is lost on its way back.
+        proxy.drop_replies_to_prefix(f"$JS.ACK.{NAMES.stream}.worker.1.1.")
+        config = write_config(tmp_path, proxy.url, job={"prefetch": 30},
+                              nats={"ack_wait": 30.0}, supervisor={"lease": 30})
+        start(config)
+        wait_for(lambda: sorted(handled(tmp_path)) == sorted(first), 20, "the first wave")
+        wait_for(lambda: proxy.dropped == 1, 10, "the lost reply")
+        second = publish(nats_server, [{"n": n} for n in range(10, 20)], ack_wait=30.0)
+        began = time.monotonic()
+        wait_for(lambda: len(handled(tmp_path)) == 20, 10, "the second wave")
+        wait_for(lambda: consumer_state(nats_server)["ack_pending"] == 0, 10, "every ack")
+        # Well inside the 5 s the lost reply takes to time out.
+        assert time.monotonic() - began < 3.0
+        assert set(handled(tmp_path)) == set(first) | set(second)
