@@ -27,7 +27,8 @@ from broker.nats_setup import QueueNames
 NAMES = QueueNames.of(QUEUE)
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"
 ACK_WAIT_S = 30
-MAX_DELIVER = 3
+MAX_ATTEMPTS = 3
+MAX_DELIVER = -1  # unlimited: the supervisor dead-letters at max_attempts itself
 
 
 @dataclass

@@ -89,7 +89,7 @@ def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: 
     text = (
         f'[broker]\nurl = "{url}"\nnamespace = "{NAMESPACE}"\n'
         f'[job]\nqueue = "{QUEUE}"\nhandler = "{handler}"\ncoroutines = 1\n'
-        f"prefetch = {prefetch}\nmax_attempts = {nats_side.MAX_DELIVER}\n"
+        f"prefetch = {prefetch}\nmax_attempts = {nats_side.MAX_ATTEMPTS}\n"
         f'[supervisor]\nlog_level = "warning"\nmetrics_port = {metrics_port}\n'
     )
     if url.startswith(("nats://", "tls://")):
