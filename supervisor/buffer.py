@@ -100,6 +100,3 @@ class Buffer:
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries.values())
-
-    def count(self, state: State) -> int:
-        return sum(1 for entry in self.entries.values() if entry.state is state)

@@ -44,8 +44,6 @@ class Settler:
         self.confirm = confirm  # tells the handler process (for on_success)
         self.metrics = metrics or Metrics()
         self.progress = progress  # room opened before the call returned (early results)
-        self.settled = {action: 0 for action in Action}
-        self.uncertain = 0
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
@@ -80,7 +78,6 @@ class Settler:
         """Act on one result; False when the entry stays outstanding for another try."""
         outcome = result.outcome
         if outcome is Outcome.OK:
-            self.settled[settlement.action] += 1
             self.metrics.settled(settlement.action)
             self.buffer.forget(entry)
             self.confirm(entry, settlement.action is Action.COMMIT)
@@ -108,7 +105,6 @@ class Settler:
             self.confirm(entry, False)
             return True
         if outcome is Outcome.UNCERTAIN:
-            self.uncertain += 1
             self.metrics.uncertain()
             if not self.broker.replay_uncertain:
                 # Never replayed: the broker either applied it or redelivers the message.
