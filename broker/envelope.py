@@ -1,21 +1,59 @@
 """The job envelope, byte-compatible with what `utopia-php/queue` writes and reads.
 
 PHP's ``json_encode`` escapes ``/`` as ``\\/`` and writes an empty payload as ``[]``;
-we do the same when we write, and accept both spellings (and unknown extra fields) when
-we read. Anything else is malformed: it is reported with a reason and never handed on.
+we do the same when we write.
+
+When we read, ``decode`` accepts exactly what a queue-5 PHP worker accepts
+(``Broker\\Redis::claim()``): ``json_decode($raw, true, 512, JSON_THROW_ON_ERROR)``, an
+array holding non-null ``pid``, ``queue`` and ``timestamp``, ``(int)`` on the timestamp,
+then ``new Message($envelope)``, whose typed properties (``string $pid``, ``string $queue``,
+``int $timestamp``, ``array $payload``, ``int $attempts``, ``?int $sequence``, no
+``strict_types``) coerce the way PHP's weak mode does. Whatever throws there is poison
+here, and a value comes out as PHP would see it (``"pid": 12`` is the pid ``"12"``).
+On top of PHP, one project rule: a number PHP would silently wrap, saturate or round to
+fit a signed 64-bit integer (a ``timestamp`` or ``attempts`` outside that range) is poison,
+never a made-up value. ``tests/test_envelope.py`` holds the truth table, produced by PHP.
+Anything malformed is reported with a reason and never handed on.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
+import re
 import time
 from typing import Any
 
 import orjson
 
-#: Envelopes above this size are malformed (they would stall a batch and the ring).
-MAX_ENVELOPE_BYTES = 512 * 1024
+#: The default size limit of ``decode``: none, as in PHP. A caller may still pass one.
+MAX_ENVELOPE_BYTES: int | None = None
+
+#: PHP's ``json_decode`` default depth is 512, and it counts the level inside the innermost
+#: array or object too: 511 nested arrays/objects decode, 512 are a JSON error.
+MAX_NESTING = 511
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+_TWO_63 = 2.0**63  # (double) ZEND_LONG_MAX: a double fits a PHP int iff -2**63 <= d < 2**63
+
+#: Runs of 19 digits or more: a JSON integer outside signed 64-bit is one, above this.
+#: PHP reads such an integer as a double; orjson does not always: the reference path does.
+_LONG_DIGITS = re.compile(rb"[0-9]{19,}")
+_INT64_MAX_DIGITS = str(2**63 - 1).encode()
+# The same test, first, at memchr speed (the regex costs 6 ns a byte): digits as "0".
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x2E for byte in range(256))
+_NINETEEN_DIGITS = b"0" * 19
+
+# PHP's numeric strings (``is_numeric_string``): whitespace, sign, digits with an optional
+# fraction (either side of the point may be empty, not both) and exponent, whitespace.
+_PHP_SPACE = " \t\n\r\v\f"
+_NUMBER = r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?"
+_NUMERIC_STRING = re.compile(f"[{_PHP_SPACE}]*{_NUMBER}[{_PHP_SPACE}]*", re.ASCII)
+_NUMERIC_PREFIX = re.compile(f"[{_PHP_SPACE}]*{_NUMBER}", re.ASCII)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class MalformedEnvelope(ValueError):
@@ -52,34 +90,36 @@ def build(queue: str, payload: dict[str, Any], pid: str | None = None) -> tuple[
     )
 
 
-def decode(raw: bytes, max_bytes: int = MAX_ENVELOPE_BYTES) -> dict[str, Any]:
-    """Decode and validate one envelope; raises MalformedEnvelope with the reason.
+def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, Any]:
+    """Decode one envelope as a PHP queue-5 worker would; raises MalformedEnvelope (only)
+    with the reason where PHP would poison it (or where the project rule above does).
 
-    The returned dict has ``payload`` normalised to a dict and ``attempts`` filled in.
+    ``max_bytes`` (None: no limit, as in PHP) makes longer envelopes malformed too.
+    The returned dict holds every field of the envelope, unknown ones (``key``,
+    ``sequence`` ...) as they were, and: ``pid`` and ``queue`` (str), ``timestamp`` and
+    ``attempts`` (int, ``attempts`` 0 when missing or null) and ``payload``: a dict, or a
+    list for a non-empty JSON array; ``{}`` when empty, missing or null (PHP has one
+    empty array for both ``{}`` and ``[]``, and writes it as ``[]``).
     """
     if not raw:
         raise MalformedEnvelope("empty message")
-    if len(raw) > max_bytes:
+    if max_bytes is not None and len(raw) > max_bytes:
         raise MalformedEnvelope(f"envelope of {len(raw)} bytes exceeds {max_bytes}")
-    try:
-        envelope = orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        raise MalformedEnvelope(f"invalid JSON: {error}") from None
+    envelope, wide = _loads(raw)
     if not isinstance(envelope, dict):
         raise MalformedEnvelope(f"envelope is a JSON {_json_type(envelope)}, not an object")
-    _require(envelope, "pid", str)
-    if not envelope["pid"]:
-        raise MalformedEnvelope("pid is empty")
-    _require(envelope, "queue", str)
-    _require(envelope, "timestamp", int)
-    payload = envelope.get("payload", None)
-    if payload == []:
-        envelope["payload"] = {}
-    elif not isinstance(payload, dict):
-        raise MalformedEnvelope(f"payload is a JSON {_json_type(payload)}, not an object")
-    attempts = envelope.setdefault("attempts", 0)
-    if not _is_int(attempts) or attempts < 0:
-        raise MalformedEnvelope("attempts is not a non-negative integer")
+    for name in ("pid", "queue", "timestamp"):  # PHP: isset(), so null is missing too
+        if envelope.get(name) is None:
+            raise MalformedEnvelope(f"{name} is {'null' if name in envelope else 'missing'}")
+    envelope["timestamp"] = _int_cast(envelope["timestamp"], "timestamp" in wide)
+    envelope["pid"] = _string(envelope["pid"], "pid")
+    envelope["queue"] = _string(envelope["queue"], "queue")
+    envelope["payload"] = _payload(envelope.get("payload"))
+    attempts = envelope.get("attempts")
+    envelope["attempts"] = 0 if attempts is None else _int(attempts, "attempts", "attempts" in wide)
+    sequence = envelope.get("sequence")
+    if sequence is not None:  # checked as PHP does, kept as it was (nothing here reads it)
+        _int(sequence, "sequence", wide=False, exact=False)
     return envelope
 
 
@@ -88,17 +128,225 @@ def with_attempts(envelope: dict[str, Any], attempts: int) -> bytes:
     return encode({**envelope, "attempts": attempts})
 
 
-def _require(envelope: dict[str, Any], name: str, kind: type) -> None:
-    if name not in envelope:
-        raise MalformedEnvelope(f"{name} is missing")
-    value = envelope[name]
-    if not (_is_int(value) if kind is int else isinstance(value, kind)):
-        expected = "an integer" if kind is int else "a string"
-        raise MalformedEnvelope(f"{name} is a JSON {_json_type(value)}, not {expected}")
+def requeued(envelope: dict[str, Any], attempts: int, timestamp: int | None = None) -> bytes:
+    """The envelope a retry or a recovery pushes back: the same pid and payload, a new
+    timestamp (now, unless given) and the new attempts count."""
+    now = int(time.time()) if timestamp is None else timestamp
+    return encode({**envelope, "timestamp": now, "attempts": attempts})
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# --- JSON, as PHP's json_decode($raw, true, 512, JSON_THROW_ON_ERROR) reads it ---------------
+
+
+def _loads(raw: bytes) -> tuple[Any, frozenset[str]]:
+    """The decoded JSON and the top-level keys whose value is an integer literal outside
+    signed 64-bit (PHP reads it as a double: a float here, but see ``decode``).
+
+    orjson is the fast path. It agrees with PHP on every document it accepts that has no
+    integer outside signed 64-bit (orjson keeps one up to 2**64 - 1 an int) and is nested
+    at most 511 deep; everything else, and everything orjson refuses (such as ``1e400``,
+    which PHP reads as INF), goes through ``_loads_like_php``.
+    """
+    if _NINETEEN_DIGITS not in raw.translate(_DIGITS_AS_ZERO) or not any(
+        len(run) > 19 or run > _INT64_MAX_DIGITS for run in _LONG_DIGITS.findall(raw)
+    ):
+        try:
+            return _orjson_loads(raw), frozenset()
+        except orjson.JSONDecodeError:
+            pass
+    return _loads_like_php(raw)
+
+
+def _orjson_loads(raw: bytes) -> Any:
+    if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
+        return orjson.loads(raw)
+    # orjson refuses more than 1024 nested levels: inside _PAD arrays, that is PHP's 511.
+    # (Walking the result instead would cost a millisecond on a payload of many objects.)
+    value = orjson.loads(_PAD_OPEN + raw + _PAD_CLOSE)
+    for _ in range(_PAD):
+        # A level of more than one item means raw was not one document ("[1],[2]").
+        if len(value) != 1:
+            raise orjson.JSONDecodeError("not a single JSON document", "", 0)
+        value = value[0]
+    return value
+
+
+_PAD = 1024 - MAX_NESTING
+_PAD_OPEN, _PAD_CLOSE = b"[" * _PAD, b"]" * _PAD
+
+
+class _WideInt(float):
+    """A JSON integer literal outside signed 64-bit, read as PHP reads it: a double."""
+
+    __slots__ = ()
+
+
+def _parse_int(text: str) -> int | float:
+    digits = text.lstrip("-").lstrip("0")
+    if len(digits) <= 19:
+        value = int(text)
+        if _INT64_MIN <= value <= _INT64_MAX:
+            return value
+    return _WideInt(text)  # correctly rounded, like PHP's zend_strtod
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_PHP_JSON = json.JSONDecoder(parse_int=_parse_int, parse_constant=_refuse_constant)
+
+
+def _loads_like_php(raw: bytes) -> tuple[Any, frozenset[str]]:
+    """The reference reader: Python's json module, told what PHP's parser does differently
+    (no NaN/Infinity, no unpaired surrogate escapes, 511 levels, wide integers as doubles).
+    """
+    try:
+        # Strict UTF-8 (no BOM, no surrogates, no overlongs), as PHP's scanner checks it.
+        text = bytes(raw).decode("utf-8")
+        value = _PHP_JSON.decode(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError ...
+        raise MalformedEnvelope(f"invalid JSON: {error}") from None
+    wide = frozenset(
+        k for k, v in value.items() if type(v) is _WideInt
+    ) if isinstance(value, dict) else frozenset()
+    return _as_php_reads(value), wide
+
+
+def _as_php_reads(value: Any) -> Any:
+    """Check the depth and the strings, and turn ``_WideInt`` into plain floats (in place)."""
+    if type(value) is _WideInt:
+        return float(value)
+    if isinstance(value, str):
+        _check_string(value)
+        return value
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        container, depth = stack.pop()
+        if not isinstance(container, dict | list):
+            continue
+        if depth > MAX_NESTING:
+            raise MalformedEnvelope(f"invalid JSON: more than {MAX_NESTING} nested levels")
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_string(key)
+            if isinstance(item, str):
+                _check_string(item)
+            elif type(item) is _WideInt:
+                container[key] = float(item)
+            elif isinstance(item, dict | list):
+                stack.append((item, depth + 1))
+    return value
+
+
+def _check_string(text: str) -> None:
+    if _SURROGATE.search(text):
+        raise MalformedEnvelope("invalid JSON: single unpaired UTF-16 surrogate")
+
+
+# --- PHP's conversions -----------------------------------------------------------------------
+
+
+def _string(value: Any, name: str) -> str:
+    """``string`` typed property, weak mode: scalars convert, arrays are a TypeError."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else ""
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return php_float_string(value)
+    raise MalformedEnvelope(f"{name} is a JSON {_json_type(value)}, not a string")
+
+
+def _int_cast(value: Any, wide: bool) -> int:
+    """``(int) $value`` (the timestamp), refusing what would not fit signed 64-bit."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return _fitting_double(value, "timestamp", wide)
+    if isinstance(value, str):
+        match = _NUMERIC_PREFIX.match(value)  # "12abc" is 12, "abc" is 0
+        return 0 if match is None else _numeric(match, "timestamp", exact=True)
+    return 1 if value else 0  # an array: 0 when empty, else 1
+
+
+def _int(value: Any, name: str, wide: bool, exact: bool = True) -> int:
+    """``int`` typed property, weak mode: bools, integral-enough floats and fully numeric
+    strings convert; anything else is a TypeError. ``exact`` adds the project rule."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return _fitting_double(value, name, wide and exact)
+    if isinstance(value, str):
+        match = _NUMERIC_STRING.fullmatch(value)
+        if match is None:
+            raise MalformedEnvelope(f"{name} is a string that is not numeric")
+        return _numeric(match, name, exact)
+    raise MalformedEnvelope(f"{name} is a JSON {_json_type(value)}, not an integer")
+
+
+def _fitting_double(value: float, name: str, wide: bool) -> int:
+    if wide or math.isnan(value) or not -_TWO_63 <= value < _TWO_63:
+        raise MalformedEnvelope(f"{name} is outside the signed 64-bit range")
+    return int(value)  # toward zero, as PHP does (with a deprecation for a fraction)
+
+
+def _numeric(match: re.Match[str], name: str, exact: bool) -> int:
+    sign, mantissa, exponent = match.groups()
+    if "." not in mantissa and exponent is None:  # an integer string
+        digits = mantissa.lstrip("0")
+        if len(digits) <= 19:
+            value = int(sign + (digits or "0"))
+            if _INT64_MIN <= value <= _INT64_MAX:
+                return value
+        if exact:
+            raise MalformedEnvelope(f"{name} is outside the signed 64-bit range")
+    # PHP reads it as a double (zend_strtod; Python's float() rounds the same way).
+    return _fitting_double(float(sign + mantissa + (exponent or "")), name, wide=False)
+
+
+def _payload(value: Any) -> dict[str, Any] | list[Any]:
+    """``array`` typed property: a JSON object or array; null or missing is ``[]``."""
+    if value is None or value == []:
+        return {}
+    if isinstance(value, dict | list):
+        return value
+    raise MalformedEnvelope(f"payload is a JSON {_json_type(value)}, not an object or array")
+
+
+def php_float_string(value: float) -> str:
+    """PHP's ``(string) $float`` with the default ``precision = 14`` (``zend_gcvt``)."""
+    if math.isnan(value):
+        return "NAN"
+    if math.isinf(value):
+        return "INF" if value > 0 else "-INF"
+    sign = "-" if math.copysign(1.0, value) < 0 else ""
+    if value == 0:
+        return sign + "0"
+    # 14 significant digits, correctly rounded: zend_dtoa mode 2, ndigit 14.
+    mantissa, _, exponent = f"{abs(value):.13e}".partition("e")
+    digits = mantissa[0] + mantissa[2:]
+    whole_number = str(int(abs(value))) if value.is_integer() else ""
+    # zend_dtoa drops trailing zeros, except on its exact path for integers below 1e15 when
+    # a 15th digit of exactly 5 rounds down to even: 555129795735505.0 is "5.5512979573550E+14".
+    if not (len(whole_number) == 15 and whole_number[14] == "5" and digits == whole_number[:14]):
+        digits = digits.rstrip("0")
+    point = int(exponent) + 1  # decpt: digits before the decimal point
+    if (point < -3) if point < 0 else (point > 14):
+        exp = point - 1
+        return f"{sign}{digits[0]}.{digits[1:] or '0'}E{'-' if exp < 0 else '+'}{abs(exp)}"
+    if point < 0:
+        return f"{sign}0.{'0' * -point}{digits}"
+    whole = digits[:point].ljust(point, "0") or "0"
+    fraction = digits[point:]
+    return f"{sign}{whole}.{fraction}" if fraction else f"{sign}{whole}"
 
 
 def _json_type(value: Any) -> str:

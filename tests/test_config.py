@@ -71,7 +71,9 @@ def test_defaults(tmp_path):
     sup = loaded.supervisor
     assert (sup.shutdown_deadline, sup.lease, sup.maintenance_interval) == (30, 30, 5)
     assert (sup.recovery_age, sup.ring_slot_size, sup.ring_slots) == (90000, 256, 8192)
-    assert (sup.max_envelope_bytes, sup.log_level) == (524288, "info")
+    assert (sup.max_envelope_bytes, sup.log_level) == (0, "info")
+    # 0: no limit of its own, as in PHP; what half a ring carries is still the most.
+    assert sup.envelope_limit() == 8192 // 2 * 256 - 4 - 18
     assert (loaded.nats.ack_wait, loaded.nats.max_deliver) == (30, -1)
 
 
@@ -290,10 +292,22 @@ def test_prefetch_below_coroutines_is_an_error(tmp_path):
 
 
 def test_a_ring_too_small_for_two_envelopes_is_an_error(tmp_path):
-    text = with_job("ring_slot_size = 64\nring_slots = 1024\n", "supervisor")
+    text = with_job(
+        "ring_slot_size = 64\nring_slots = 1024\nmax_envelope_bytes = 524288\n", "supervisor"
+    )
     message = error_of(tmp_path, text)
     for part in ("ring_slot_size", "ring_slots", "max_envelope_bytes", "65536", "1048576"):
         assert part in message
+
+
+def test_without_an_envelope_limit_half_the_ring_is_the_limit(tmp_path):
+    text = with_job("ring_slot_size = 64\nring_slots = 1024\n", "supervisor")
+    loaded = load_text(tmp_path, text)
+    assert loaded.supervisor.envelope_limit() == 512 * 64 - 22
+    explicit = load_text(tmp_path, with_job("max_envelope_bytes = 4096\n", "supervisor"))
+    assert explicit.supervisor.envelope_limit() == 4096
+    message = error_of(tmp_path, with_job("max_envelope_bytes = 10\n", "supervisor"))
+    assert "must be 0 (no limit) or >= 1024" in message
 
 
 def test_max_deliver_below_max_attempts_is_an_error(tmp_path):

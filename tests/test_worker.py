@@ -158,6 +158,30 @@ def test_malformed_envelope_fails_without_reaching_the_handler(start, tmp_path: 
     assert failed[:2] == ("FAILED", 7) and failed[2].startswith("MalformedEnvelope")
 
 
+def test_every_attempts_value_reaches_the_handler(start, tmp_path: Path) -> None:
+    # The attempts beside the envelope are any signed 64-bit value, or unknown (None): then
+    # the envelope's own field counts. A JSON array payload reaches the handler as a list.
+    log = tmp_path / "log"
+    child = start("tests.handlers.attempts:handle")
+    child.outcomes(1)
+    sent = [0, 4294967296, 2**63 - 1, -1, -(2**63), None]
+    records = []
+    for delivery_id, attempts in enumerate(sent, start=1):
+        raw = envelope.encode({"pid": f"p{delivery_id}", "queue": "tests", "timestamp": 1,
+                               "payload": {"log": str(log)}, "attempts": 5})
+        records.append(protocol.encode_deliver(delivery_id, raw, attempts))
+    as_list = envelope.encode({"pid": "list", "queue": "tests", "timestamp": 1,
+                               "payload": [str(log)], "attempts": 2**63 - 1})
+    records.append(protocol.encode_deliver(len(sent) + 1, as_list))
+    child.send(*records)
+    outcomes = child.outcomes(2 * len(records))
+    assert [kind for kind, _, _ in outcomes] == ["STARTED", "DONE"] * len(records)
+    assert lines(log) == [
+        "p1 0 dict", "p2 4294967296 dict", f"p3 {2**63 - 1} dict", "p4 -1 dict",
+        f"p5 {-(2**63)} dict", "p6 5 dict", f"list {2**63 - 1} list",
+    ]
+
+
 def test_successes_are_done_only_after_flush_returned(start, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
     child = start("tests.handlers.flushing:handle")

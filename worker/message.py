@@ -11,13 +11,17 @@ from broker import envelope
 @dataclass(slots=True)
 class Message:
     """One job as the handler sees it. ``receipt`` identifies the delivery; it is opaque
-    to handlers and only meaningful to the supervisor that handed the job out."""
+    to handlers and only meaningful to the supervisor that handed the job out.
+
+    ``payload`` is what a PHP worker would get: usually a dict, but a list when the
+    producer sent a non-empty JSON array (PHP has one array type for both); ``attempts``
+    may be any signed 64-bit value, as in PHP."""
 
     pid: str
     queue: str
     timestamp: int
     attempts: int
-    payload: dict[str, Any]
+    payload: dict[str, Any] | list[Any]
     receipt: int = field(repr=False)
 
     @classmethod
@@ -26,7 +30,7 @@ class Message:
         MalformedEnvelope if it is not valid after all). ``attempts``, when the broker
         counts them itself, overrides the envelope's field."""
         # The supervisor applied its size limit; do not apply another one here.
-        fields = envelope.decode(raw, max_bytes=max(len(raw), 1))
+        fields = envelope.decode(raw, max_bytes=None)
         return cls(
             fields["pid"], fields["queue"], fields["timestamp"],
             fields["attempts"] if attempts is None else attempts,

@@ -3,9 +3,11 @@
 Every record starts with a 9-byte header: kind (u8) and delivery id (u64, 0 when the kind
 has none), followed by a kind-specific body.
 
-parent -> child: DELIVER (u32 attempts, then the raw envelope), CONFIRM (1 byte: committed),
-EXIT. The attempts travel beside the envelope because a broker may count them elsewhere
-(JetStream's delivery count): the envelope's own ``attempts`` field is only a fallback.
+parent -> child: DELIVER (u8 attempts known, i64 attempts, then the raw envelope), CONFIRM
+(1 byte: committed), EXIT. The attempts travel beside the envelope because a broker may count
+them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` field is only a
+fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
+(PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
 child -> parent: READY (1 byte: wants CONFIRM, i.e. the module has ``on_success``),
 STARTED, DONE, FAILED (UTF-8 error text), SKIPPED, INIT_FAILED (UTF-8 error text).
 """
@@ -34,16 +36,24 @@ KIND_NAMES = {
 MAX_ERROR_BYTES = 4096
 
 _HEAD = struct.Struct("<BQ")
-_ATTEMPTS = struct.Struct("<I")
-_UNKNOWN_ATTEMPTS = 0xFFFFFFFF  # take them from the envelope
+_ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
 _TEXT_KINDS = (FAILED, INIT_FAILED)
+
+#: Bytes a DELIVER record adds to its envelope.
+DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
 
 Decoded = tuple[int, int, tuple[int | None, bytes] | str | bool | None]
 
 
 def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
-    count = _UNKNOWN_ATTEMPTS if attempts is None else attempts
-    return _HEAD.pack(DELIVER, delivery_id) + _ATTEMPTS.pack(count) + raw
+    """Raises ValueError for attempts outside signed 64-bit (``decode`` never yields one)."""
+    if attempts is None:
+        body = _ATTEMPTS.pack(0, 0)
+    elif -(2**63) <= attempts < 2**63:
+        body = _ATTEMPTS.pack(1, attempts)
+    else:
+        raise ValueError(f"attempts {attempts} is outside the signed 64-bit range")
+    return _HEAD.pack(DELIVER, delivery_id) + body + raw
 
 
 def encode_confirm(delivery_id: int, committed: bool) -> bytes:
@@ -87,9 +97,9 @@ def decode(record: bytes) -> Decoded:
     """
     kind, delivery_id = _HEAD.unpack_from(record)
     if kind == DELIVER:
-        (attempts,) = _ATTEMPTS.unpack_from(record, _HEAD.size)
-        raw = record[_HEAD.size + _ATTEMPTS.size :]
-        return kind, delivery_id, (None if attempts == _UNKNOWN_ATTEMPTS else attempts, raw)
+        known, attempts = _ATTEMPTS.unpack_from(record, _HEAD.size)
+        raw = record[DELIVER_OVERHEAD:]
+        return kind, delivery_id, (attempts if known else None, raw)
     if kind in _TEXT_KINDS:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
     if kind in (CONFIRM, READY):

@@ -1,0 +1,78 @@
+"""The DELIVER record on a real ring: every attempts value an envelope may carry (any signed
+64-bit integer, as PHP's ``int``), and "unknown", arrive as they were sent."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker import envelope
+from supervisor.config import SupervisorConfig
+from worker import protocol
+from worker.ring import Ring
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def make_ring(slots: int = 16, slot_size: int = 64) -> Ring:
+    memory = mmap.mmap(-1, Ring.nbytes(slots, slot_size))
+    return Ring(memoryview(memory), slots, slot_size, os.eventfd(0, os.EFD_NONBLOCK))
+
+
+def through_ring(record: bytes, ring: Ring | None = None) -> bytes | None:
+    ring = ring or make_ring()
+    assert ring.put(record)
+    return ring.get()
+
+
+@pytest.mark.parametrize(
+    "attempts", [0, 1, 4294967295, 4294967296, INT64_MAX, -1, INT64_MIN, None],
+)
+def test_deliver_round_trips_every_attempts_value(attempts: int | None) -> None:
+    _, raw = envelope.build("q", {"n": 1})
+    record = through_ring(protocol.encode_deliver(42, raw, attempts))
+    assert protocol.decode(record) == (protocol.DELIVER, 42, (attempts, raw))
+
+
+def test_unknown_is_not_a_value_attempts_can_take() -> None:
+    # No attempts value is reserved to mean "unknown": the flag byte says it.
+    raw = b"{}"
+    unknown = protocol.encode_deliver(1, raw, None)
+    assert all(protocol.encode_deliver(1, raw, n) != unknown
+               for n in (0, -1, INT64_MIN, INT64_MAX, 0xFFFFFFFF))
+
+
+@pytest.mark.parametrize("attempts", [INT64_MAX + 1, INT64_MIN - 1, 2**64])
+def test_attempts_outside_signed_64_bit_are_refused_by_name(attempts: int) -> None:
+    with pytest.raises(ValueError, match="outside the signed 64-bit range"):
+        protocol.encode_deliver(1, b"{}", attempts)
+
+
+@given(attempts=st.integers(INT64_MIN, INT64_MAX))
+def test_every_attempts_that_decode_accepts_can_be_delivered(attempts: int) -> None:
+    raw = b'{"pid":"p","queue":"q","timestamp":1,"attempts":%d}' % attempts
+    decoded = envelope.decode(raw)
+    record = through_ring(protocol.encode_deliver(7, raw, decoded["attempts"]))
+    kind, delivery_id, (sent, body) = protocol.decode(record)
+    assert (kind, delivery_id, sent, body) == (protocol.DELIVER, 7, attempts, raw)
+    assert envelope.decode(body)["attempts"] == attempts
+
+
+@pytest.mark.parametrize("position", range(16))
+def test_the_largest_envelope_fits_an_empty_ring_wherever_it_stands(position: int) -> None:
+    # With max_envelope_bytes = 0 (no limit of its own, as in PHP), the ring sets the limit:
+    # a DELIVER of the largest envelope the broker hands on fits an empty ring at once.
+    config = SupervisorConfig(ring_slots=16, ring_slot_size=64, max_envelope_bytes=0)
+    ring = make_ring(16, 64)
+    for _ in range(position):  # move the indexes: an empty ring at slot `position`
+        assert ring.put(b"x" * 10) and ring.get() == b"x" * 10
+    raw = b"x" * config.envelope_limit()
+    record = protocol.encode_deliver(1, raw, 3)
+    assert ring.put(record)
+    assert protocol.decode(ring.get()) == (protocol.DELIVER, 1, (3, raw))
+    with pytest.raises(envelope.MalformedEnvelope, match="exceeds"):
+        envelope.decode(b"x" * (config.envelope_limit() + 1), config.envelope_limit())
