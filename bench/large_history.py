@@ -6,6 +6,8 @@ published just now, so maintenance must leave them alone (they are far younger t
 ``recovery_age``). It adds 100,000 keys of other queues in the same namespace. The runs
 with ``history=True`` then show whether settlement and its server time per call grow
 with that history, and ``time_maintain`` times ``RedisBroker.maintain()`` calls directly.
+The last maintenance case also puts 100,000 entries past ``recovery_age`` at the tail, so
+every sweep recovers a full window (1,000) behind the 100,000 young ones.
 """
 
 from __future__ import annotations
@@ -25,8 +27,23 @@ OTHER_KEYS = 100_000
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 
 
-def fill_history(client: redis.Redis, stale: int = STALE_PIDS, others: int = OTHER_KEYS) -> None:
+#: Seconds past the default recovery_age (90,000) of the old entries.
+OLD_AGE = 90_000 + 3_600
+
+
+def fill_history(
+    client: redis.Redis, stale: int = STALE_PIDS, others: int = OTHER_KEYS, old: int = 0
+) -> None:
     pipe = client.pipeline(transaction=False)
+    published = int(time.time()) - OLD_AGE
+    for n in range(old):  # pushed first: the tail, the oldest end
+        pid, _ = envelope.build(QUEUE, {})
+        raw = envelope.encode({"pid": pid, "queue": QUEUE, "timestamp": published,
+                               "payload": {"project": {"$id": f"old-{n % 50}"}}})
+        pipe.set(KEYS.job(pid), raw)
+        pipe.lpush(KEYS.processing, pid)
+        if len(pipe) >= 10_000:
+            pipe.execute()
     for n in range(stale):
         pid, raw = envelope.build(QUEUE, {"project": {"$id": f"legacy-{n % 50}"}, "metrics": []})
         pipe.set(KEYS.job(pid), raw)
@@ -58,7 +75,7 @@ async def _maintain(url: str, calls: int) -> list[dict[str, Any]]:
             redis_side.reset(stats, slowlog_usec=0)  # every call in the slow log
             cpu = redis_side.snapshot(stats).cpu
             began = time.perf_counter()
-            report = await broker.maintain()
+            report = await broker.maintain(force=True)  # the fleet's lock would space them
             seconds = time.perf_counter() - began
             server = redis_side.snapshot(stats).cpu - cpu
             scripts = [int(entry["duration"]) for entry in stats.slowlog_get(10000)
@@ -90,18 +107,20 @@ def time_maintain(url: str, calls: int = 5) -> list[dict[str, Any]]:
     return asyncio.run(_maintain(url, calls))
 
 
-SIZES = (0, 10_000, STALE_PIDS)
+SIZES = ((0, 0), (10_000, 0), (STALE_PIDS, 0), (STALE_PIDS, STALE_PIDS))
 
 
 def maintenance_comparison(client: redis.Redis, url: str, calls: int = 5) -> dict[str, Any]:
-    """``maintain()`` on an empty queue, then over 10,000 and 100,000 legacy entries (and as
-    many keys of other queues): bounded work per call means the last two cost the same."""
+    """``maintain()`` on an empty queue, then over 10,000 and 100,000 young legacy entries
+    (and as many keys of other queues), then with 100,000 old ones behind them at the tail:
+    bounded work per call means the young cases cost the same, and recovering a full window
+    from behind 100,000 entries stays bounded too."""
     cases = []
-    for size in SIZES:
+    for size, old in SIZES:
         client.flushdb()
-        if size:
-            fill_history(client, stale=size, others=size)
+        if size or old:
+            fill_history(client, stale=size, others=size, old=old)
         calls_figures = time_maintain(url, calls)
-        cases.append({"stale_pids": size, "calls": calls_figures,
+        cases.append({"stale_pids": size, "old_pids": old, "calls": calls_figures,
                       "processing_after": client.llen(KEYS.processing)})
     return {"calls": calls, "cases": cases}

@@ -140,8 +140,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{slow.get('count', 0)} calls > 5 ms "
                 f"(max {slow.get('max_usec', 0) / 1000:.1f} ms)")
     maint = results.get("maintenance")
-    if maint and len(maint["cases"]) >= 3:
-        small, large = maint["cases"][-2], maint["cases"][-1]
+    young = [case for case in (maint or {}).get("cases", []) if not case.get("old_pids")]
+    if maint and len(young) >= 3:
+        small, large = young[-2], young[-1]
 
         def mean(case: dict[str, Any]) -> float:
             return sum(c["server_cpu_ms"] for c in case["calls"]) / len(case["calls"])
@@ -226,13 +227,16 @@ def markdown(results: dict[str, Any]) -> str:
     if maint:
         out += ["## maintain() calls (Redis)", "",
                 f"{maint['calls']} consecutive `RedisBroker.maintain()` calls per case, "
-                "nothing else running; legacy entries are young, so they stay.", "",
-                "| stale pids in processing (+ as many other keys) | wall ms per call | "
-                "server CPU ms per call | longest script ms | longest command ms |",
-                "|---:|---|---|---|---|"]
+                "nothing else running; young legacy entries stay, old ones (past "
+                "recovery_age, at the tail) are recovered a window per call.", "",
+                "| young pids in processing (+ as many other keys) | old pids at the tail | "
+                "recovered per call | wall ms per call | server CPU ms per call | "
+                "longest script ms | longest command ms |",
+                "|---:|---:|---|---|---|---|---|"]
         for case in maint["cases"]:
             calls = case["calls"]
-            out.append(f"| {case['stale_pids']:,} | "
+            out.append(f"| {case['stale_pids']:,} | {case.get('old_pids', 0):,} | "
+                       + ", ".join(str(c.get("recovered", 0)) for c in calls) + " | "
                        + ", ".join(f"{c['wall_ms']:.1f}" for c in calls) + " | "
                        + ", ".join(f"{c['server_cpu_ms']:.2f}" for c in calls) + " | "
                        + ", ".join(f"{c['longest_script_ms']:.2f}" for c in calls) + " | "

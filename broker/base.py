@@ -60,7 +60,7 @@ class Delivery:
     queue: str
     timestamp: int
     attempts: int
-    payload: dict[str, Any]
+    payload: dict[str, Any] | list[Any]  # a list when the JSON payload is a non-empty array
     raw: bytes
     receipt: Any
     envelope: dict[str, Any] = field(repr=False, default_factory=dict)
@@ -103,6 +103,7 @@ class Received:
 
     deliveries: list[Delivery] = field(default_factory=list)
     poisoned: list[Poisoned] = field(default_factory=list)
+    deferred: int = 0  # copies of pids already being processed, put back to wait (Redis)
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ class MaintenanceReport:
     """What one maintenance pass recovered, by kind (counts of messages)."""
 
     expired_reservations: int = 0  # payloads returned from reservations past their deadline
-    dead_consumers: int = 0  # deliveries of consumers whose heartbeat expired
+    dead_consumers: int = 0  # deliveries whose claim (lease) lapsed: requeued or dead
     legacy: int = 0  # owner-less processing entries past the publish-age threshold
     skipped: bool = False  # another supervisor holds the maintenance lock
 
@@ -168,8 +169,8 @@ class Broker(Protocol):
     async def maintain(self) -> MaintenanceReport:
         """Recover work that dead consumers left behind (bounded work per call)."""
 
-    async def abandon(self) -> None:
-        """Declare this consumer gone (at every exit) so deliveries it still owns are
+    async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
+        """Declare this consumer gone (at every exit) so ``deliveries``, still owned, are
         recovered now instead of after the lease. Does not settle anything."""
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:

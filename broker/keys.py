@@ -1,4 +1,4 @@
-"""Redis key names of one queue, in the layout `utopia-php/queue` uses (SPEC §4).
+"""Redis key names of one queue, in queue 5's layout (SPEC §4).
 
 Every key is ``{ns}.{kind}.{queue}[.{suffix}]``. Lua scripts never build key names: Python
 builds them here and passes them in KEYS, so Redis Cluster and Dragonfly see every key a
@@ -8,13 +8,21 @@ State of one message (each pid is in exactly one place at any moment):
 
 - ready: the raw envelope is in ``queue`` (producers LPUSH, consumers take from the right).
 - reserved: the raw envelope is in a reservation list ``reservations.{q}.{token}`` whose key
-  is registered in the sorted set ``reservations.{q}`` with a deadline (ms, server clock).
-- processing: the pid is in ``processing``; ``jobs.{q}.{pid}`` holds the raw envelope and
-  ``owners.{q}.{pid}`` the owner token ``<consumer id>:<nonce>``; the consumer's heartbeat
-  ``consumers.{q}.{consumer id}`` expires after the lease unless renewed.
-- failed: the pid is in ``failed`` and its envelope is kept in ``jobs.{q}.{pid}`` (jobTtl).
+  is registered in the sorted set ``reservations.{q}`` with a deadline (whole seconds of the
+  server clock).
+- processing: the pid is in ``processing``; ``jobs.{q}.{pid}`` holds the raw envelope,
+  ``owners.{q}.{pid}`` the reservation's token (32 lowercase hex, the receipt) and
+  ``claims.{q}.{pid}`` the same token with the lease as its expiry: the delivery is live
+  while its claim exists. Recovery takes it only once the claim is gone.
+- failed / dead: the pid is in ``failed`` or ``dead``; its record stays in ``jobs.{q}.{pid}``
+  (with job_ttl).
 - poison: the undecodable raw bytes are in ``poison``.
 - done: committed; nothing of it remains.
+
+A keyed (coalesced) message also holds ``pending.{q}.{hex key}`` = its pid until it is
+committed or rejected. ``supervisors.{q}.{consumer id}`` is this project's own,
+informational record of a running supervisor (queue 5 never reads it; nothing depends on it).
+``consumers.{q}.{consumer id}`` was the previous format's heartbeat: only ``check`` reads it.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ class QueueKeys:
 
     @property
     def reservations(self) -> str:
-        """Sorted set: reservation list key -> deadline in ms of the server's clock."""
+        """Sorted set: reservation list key -> deadline in whole seconds of the server clock."""
         return self._key("reservations")
 
     def reservation(self, token: str) -> str:
@@ -64,7 +72,18 @@ class QueueKeys:
     def owner(self, pid: str) -> str:
         return f"{self._key('owners')}.{pid}"
 
-    def consumer(self, consumer_id: str) -> str:
+    def claim(self, pid: str) -> str:
+        return f"{self._key('claims')}.{pid}"
+
+    def pending(self, coalescing_key: str) -> str:
+        """The coalescing marker of a keyed message: the key's bytes in lowercase hex."""
+        return f"{self._key('pending')}.{coalescing_key.encode().hex()}"
+
+    def supervisor(self, consumer_id: str) -> str:
+        return f"{self._key('supervisors')}.{consumer_id}"
+
+    def legacy_consumer(self, consumer_id: str) -> str:
+        """The previous format's consumer heartbeat (read by ``check`` only)."""
         return f"{self._key('consumers')}.{consumer_id}"
 
     def stat(self, name: str) -> str:
@@ -87,7 +106,3 @@ class QueueKeys:
             *(self.stat(name) for name in ("total", "processing", "success", "failed")),
         ]
 
-
-def owner_consumer(token: str) -> str:
-    """The consumer id named by an owner token ``<consumer id>:<nonce>``."""
-    return token.rpartition(":")[0]

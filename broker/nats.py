@@ -179,7 +179,7 @@ class NatsBroker:
     async def maintain(self) -> MaintenanceReport:
         return MaintenanceReport()  # JetStream redelivers abandoned work itself
 
-    async def abandon(self) -> None:
+    async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
         """Nothing to do: JetStream redelivers unacknowledged deliveries after ack_wait."""
 
     # -- receive -----------------------------------------------------------------------

@@ -25,7 +25,7 @@ README_SECTION = 'README, "Running on a Redis Cluster"'
 # Samples for the variable parts of key names. Braces are included on purpose: a pid comes
 # from producers, and one with a "{" must not be able to move its keys to another slot.
 SAMPLE_PIDS = ("65f1c2a3b4c5d6.12345678", "0", "{pid}", "}{")
-SAMPLE_TOKENS = ("host-1-abcdef:0a1b2c3d-1", "{t}")
+SAMPLE_TOKENS = ("0123456789abcdef0123456789abcdef", "{t}")
 SAMPLE_CONSUMERS = ("host-1-abcdef", "{c}")
 
 
@@ -39,8 +39,10 @@ def queue_key_samples(keys: QueueKeys) -> list[str]:
         *keys.all_fixed(),
         *(keys.job(pid) for pid in SAMPLE_PIDS),
         *(keys.owner(pid) for pid in SAMPLE_PIDS),
+        *(keys.claim(pid) for pid in SAMPLE_PIDS),
+        *(keys.pending(key) for key in SAMPLE_PIDS),
         *(keys.reservation(token) for token in SAMPLE_TOKENS),
-        *(keys.consumer(consumer) for consumer in SAMPLE_CONSUMERS),
+        *(keys.supervisor(consumer) for consumer in SAMPLE_CONSUMERS),
     ]
 
 

@@ -1,99 +1,92 @@
-"""Maintenance of one Redis queue: return work that dead consumers left behind.
+"""Maintenance of one Redis queue: return work that dead consumers left behind, as queue 5's
+``maintain()`` does, so that it is safe beside PHP queue-5 workers on the same queue.
 
 One ``maintain()`` call does a bounded amount of work, in three steps:
 
-1. **Lock.** ``SET reap-lock <holder> NX PX lock_ms``; if another supervisor holds it, the
-   call reports ``skipped`` and does nothing. The lock only avoids duplicated work: every
-   state change below is re-checked inside a script, so two overlapping sweeps (say, after
-   the lock expired mid-sweep) cannot recover one message twice. It is released at the end
-   by compare-and-delete (``lua/unlock.lua``), so an expired lock taken over by someone
-   else is left alone.
+1. **Lock.** ``SET reap-lock <unix seconds> NX EX <maintenance interval>``. Like queue 5's,
+   the lock is never released: its expiry is the fleet's sweep schedule (one sweep per
+   interval across every supervisor and PHP worker of the queue). The lock only avoids
+   duplicated work: every state change below is re-checked inside a script.
 
-2. **Expired reservations.** Read the server clock, list registered reservations whose
-   deadline passed (``ZRANGEBYSCORE``, 100 at a time) and hand their keys to
-   ``recover_reservations.lua``. The list may be stale by the time the script runs: a
-   consumer may have renewed the deadline, or claimed the reservation (which unregisters
-   it). The script re-reads each deadline and the server clock atomically and skips any
-   reservation that is no longer registered or no longer expired, so a renewal or claim
-   that won the race is never undone; a claim that comes after the recovery finds the
-   reservation gone and claims nothing.
+2. **Expired reservations.** ``expired.lua`` lists registered reservations whose deadline
+   (whole seconds) has passed; ``recover.lua`` re-checks each deadline atomically and moves
+   what they hold back to the ready list. A reservation claimed meanwhile (unregistered) is
+   not touched.
 
-3. **Abandoned processing entries.** Look at the newest ``batch`` pids (the head, where
-   the fresh deliveries of a consumer that just died are) and one ``batch``-sized window of
-   the older part at a cursor kept in ``reap-cursor.{q}``. The cursor counts from the tail
-   (the oldest end), which new deliveries never shift, and moves on by the entries the
-   window kept; past the head it wraps to the tail. A long history is thus swept over
-   successive calls with bounded work per call.
+3. **Processing entries**, in queue 5's bounded sweep: a window of at most ``scan`` pids
+   ending ``retained`` entries from the tail (the oldest end), walked oldest first, with the
+   cursor ``reap-cursor = "<retained>:<remaining>"`` shared with PHP workers; plus the newest
+   ``scan`` pids at the head, where the deliveries of a consumer that just died are (they
+   leave the cursor alone). For each pid:
 
-   For each pid: an owner token whose consumer's heartbeat is missing is recovered as
-   "dead" (``'d'``); a pid without an owner (a legacy PHP consumer that never renews) is
-   recovered as "legacy" (``'l'``) once its envelope's timestamp is older than
-   ``recovery_age`` seconds of server time. These reads are not atomic either, so
-   ``recover_processing.lua`` re-checks each candidate: a dead candidate only if the
-   owner token is still the one read and the heartbeat is still missing (a settle deletes
-   the owner, a re-delivery rewrites it, a late renewal brings the heartbeat back: all
-   three make it skip); a legacy candidate only if there is still no owner and the pid is
-   still in processing. Recovering deletes the owner key, so the dead consumer's own
-   settle or renewal, if it ever comes, finds a stale owner and changes nothing.
+   - a live claim key (renewed by its owner, PHP or Python) keeps it;
+   - an owner key without a claim: the owner stopped renewing (died, or exited and gave its
+     claims up): recovered now;
+   - no owner key (a utopia-php/queue 1.x consumer, which never renews): recovered only once
+     its envelope is older than ``recovery_age`` seconds;
+   - no job record and no owner: a dangling pid, removed.
 
-The server clock read here only chooses candidates; the scripts decide with the clock of the
-node that holds the keys. On a Redis Cluster, TIME is sent to the node that serves the
-queue's slot (as the client last saw it), so both clocks are normally the same.
+   Recovery (``reclaim.lua``, which re-checks owner, claim, record and presence) requeues the
+   same pid with a new timestamp and ``attempts + 1`` at the producer end, or moves it to
+   ``dead`` once that would reach ``max_attempts``. Deleting the owner key makes any late
+   settle or renewal by the old owner stale.
 
-Script errors about wrong key types surface as ``WrongTypeError``, raised before the
-script's first write.
+The clock: candidates are chosen with the server's TIME (of the node holding the queue on a
+Cluster); the scripts decide with their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from redis.exceptions import RedisClusterException, ResponseError
 
+from broker import envelope
 from broker.base import MAX_BATCH, MaintenanceReport, WrongTypeError
-from broker.keys import QueueKeys, owner_consumer
+from broker.keys import QueueKeys
 from broker.scripts import Scripts
 
 log = logging.getLogger(__name__)
 
-#: Expired reservation keys handed to one recovery script call.
-RESERVATION_SCAN = 100
-#: Recovery script calls for expired reservations in one maintain() call.
-RESERVATION_ROUNDS = 10
-#: Upper bound of the default lock time: a holder that dies delays sweeps by at most this.
-DEFAULT_LOCK_MS = 5_000
+#: expired/recover rounds in one maintain() call (each moves at most MAX_BATCH payloads).
+RESERVATION_ROUNDS = 4
+#: List entries LREM may compare in one reclaim call, summed over its items (each scans
+#: from the nearer end): this bounds the server time of one call, however long the list.
+LREM_BUDGET = 200_000
 
-DEAD = "d"
-LEGACY = "l"
-REMOVED = frozenset({"ok", "missing"})  # statuses after which the pid left processing
+REQUEUE, DEAD, DANGLING = "q", "d", "x"
+_LEADING_INT = re.compile(r"[ \t\n\r\v\f]*[+-]?\d+")
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A processing entry that looked abandoned when it was read."""
+    """A processing entry that looked recoverable when it was read."""
 
-    mode: str  # DEAD or LEGACY
+    mode: str  # REQUEUE, DEAD or DANGLING
     pid: str
-    token: str = ""  # the owner token read (DEAD only)
+    owner: str = ""  # the owner token read ('' = none)
+    replacement: bytes = b""  # the requeued envelope (REQUEUE only)
+    marker: str | None = None  # the coalescing marker of a keyed message
+    from_tail: bool = False  # LREM from the tail (the pid sat nearer that end)
+    distance: int = 0  # entries between the pid and the end LREM starts from
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """The processing pids one call looks at, and where the older-part window was."""
+@dataclass(slots=True)
+class Window:
+    """The processing pids one call looks at, where they sat, and the cursor."""
 
+    size: int
     head: list[str]
-    window: list[str]
-    cursor: int
-
-    def pids(self) -> list[str]:
-        """Head then window, each pid once."""
-        return list(dict.fromkeys([*self.head, *self.window]))
+    window: list[str]  # oldest first
+    window_start: int  # index (from the head) of the window's newest entry
+    retained: int
+    remaining: int
 
 
 async def maintain(
@@ -101,81 +94,199 @@ async def maintain(
     scripts: Scripts,
     keys: QueueKeys,
     *,
-    consumer_id: str,
-    lease_ms: int,
+    lock_seconds: int,
     recovery_age: int,
-    batch: int = MAX_BATCH,
-    lock_ms: int | None = None,
+    max_attempts: int,
+    job_ttl: int = 0,
+    scan: int = MAX_BATCH,
+    force: bool = False,
 ) -> MaintenanceReport:
-    """Recover expired reservations and abandoned processing entries (bounded work).
+    """One bounded sweep, if the fleet's reap lock is free (else ``skipped``).
 
-    ``batch`` (at most 1,000) bounds the pids looked at per part of the processing list and
-    the items per script call. ``lock_ms`` defaults to the lease, at most 5 s.
+    ``force`` sweeps without the lock (an operator's ``recover``: the scripts re-check
+    everything, so a sweep beside another one recovers nothing twice).
     """
-    batch = max(1, min(batch, MAX_BATCH))
-    lock_ms = lock_ms or max(1, min(lease_ms, DEFAULT_LOCK_MS))
-    holder = f"{consumer_id}:{os.urandom(8).hex()}"
-    if not await client.set(keys.reap_lock, holder, nx=True, px=lock_ms):
+    taken = force or await client.set(
+        keys.reap_lock, str(int(time.time())), nx=True, ex=lock_seconds
+    )
+    if not taken:
         return MaintenanceReport(skipped=True)
     try:
-        report = await _sweep(client, scripts, keys, consumer_id, recovery_age, batch)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the lock expires anyway; keep the real error
-            await scripts.call("unlock", [keys.reap_lock], [holder])
-        raise
-    await scripts.call("unlock", [keys.reap_lock], [holder])
-    return report
-
-
-async def _sweep(
-    client: Any, scripts: Scripts, keys: QueueKeys, consumer_id: str, recovery_age: int,
-    batch: int,
-) -> MaintenanceReport:
-    try:
         report = MaintenanceReport()
-        report.expired_reservations = await recover_reservations(client, scripts, keys, batch)
-        seconds, _ = await server_time(client, keys.ready)
-        sample = await sample_processing(client, keys, batch)
-        candidates = await find_candidates(
-            client, keys, sample.pids(), now=int(seconds), recovery_age=recovery_age
-        )
-        statuses = await recover_candidates(
-            scripts, keys, candidates, placeholder=consumer_id, chunk=batch
-        )
-        await _advance_cursor(client, keys, sample, candidates, statuses)
+        report.expired_reservations = await recover_reservations(scripts, keys)
+        await reap(client, scripts, keys, report, recovery_age=recovery_age,
+                   max_attempts=max_attempts, job_ttl=job_ttl, scan=scan)
     except ResponseError as error:
         if "WRONGTYPE" in str(error):
             raise WrongTypeError(f"maintenance of queue {keys.queue!r}: {error}") from error
         raise
-    for candidate, status in zip(candidates, statuses, strict=True):
-        if status == "ok" and candidate.mode == DEAD:
-            report.dead_consumers += 1
-        elif status == "ok":
-            report.legacy += 1
-    if missing := statuses.count("missing"):
-        log.warning("queue %s: removed %d processing entries without a job record",
-                    keys.queue, missing)
     return report
 
 
-async def recover_reservations(client: Any, scripts: Scripts, keys: QueueKeys, batch: int) -> int:
+async def recover_reservations(scripts: Scripts, keys: QueueKeys) -> int:
     """Return the payloads of expired reservations to the ready list; returns how many."""
     moved = 0
     for _ in range(RESERVATION_ROUNDS):
-        seconds, micros = await server_time(client, keys.ready)
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        found = await client.zrangebyscore(
-            keys.reservations, "-inf", now_ms, start=0, num=RESERVATION_SCAN
-        )
+        found = await scripts.call("expired", [keys.reservations], [MAX_BATCH])
         if not found:
             break
-        step, done = await scripts.call(
-            "recover_reservations", [keys.ready, keys.reservations, *found], [batch]
-        )
-        moved += int(step)
-        if done == 0:  # every one was renewed or claimed meanwhile: nothing left to do now
-            break
+        step = int(await scripts.call(
+            "recover", [keys.reservations, keys.ready, *map(_text, found)], [MAX_BATCH]
+        ))
+        moved += step
+        if len(found) < MAX_BATCH and step < MAX_BATCH:
+            break  # every expired one was handled in this round
     return moved
+
+
+async def reap(
+    client: Any, scripts: Scripts, keys: QueueKeys, report: MaintenanceReport, *,
+    recovery_age: int, max_attempts: int, job_ttl: int = 0, scan: int = MAX_BATCH,
+) -> None:
+    """Recover abandoned processing entries from the head and one cursor window."""
+    scan = max(1, min(scan, MAX_BATCH))
+    sample = await sample_processing(client, keys, scan)
+    if sample is None:
+        return
+    now, _ = await server_time(client, keys.ready)
+    pids = list(dict.fromkeys([*sample.head, *sample.window]))
+    state = await _read_state(client, keys, pids)
+    in_window = {pid: i for i, pid in enumerate(sample.window)}
+    candidates: list[Candidate] = []
+    for index, pid in enumerate(sample.head):
+        if pid not in in_window:
+            candidate = judge(pid, *state[pid], keys=keys, now=now, recovery_age=recovery_age,
+                              max_attempts=max_attempts)
+            if candidate:
+                candidates.append(_from_end(candidate, index, sample.size))
+    window_candidates: dict[str, Candidate] = {}
+    for offset, pid in enumerate(sample.window):
+        candidate = judge(pid, *state[pid], keys=keys, now=now, recovery_age=recovery_age,
+                          max_attempts=max_attempts)
+        if candidate:
+            index = sample.window_start + len(sample.window) - 1 - offset
+            window_candidates[pid] = _from_end(candidate, index, sample.size)
+    candidates += window_candidates.values()
+    applied = await reclaim(scripts, keys, candidates, job_ttl=job_ttl)
+    removed = {c.pid for c, done in zip(candidates, applied, strict=True) if done}
+    for candidate, done in zip(candidates, applied, strict=True):
+        if done and candidate.mode != DANGLING:
+            if candidate.owner:
+                report.dead_consumers += 1
+            else:
+                report.legacy += 1
+    # queue 5's cursor: every entry looked at in the window spends one of `remaining`; the
+    # ones still there afterwards count as retained (they stay between us and the tail).
+    retained = sample.retained + sum(1 for pid in sample.window if pid not in removed)
+    remaining = sample.remaining - len(sample.window)
+    await client.set(keys.reap_cursor, f"{retained}:{remaining}")
+
+
+def judge(
+    pid: str, record: bytes | None, owner: bytes | None, claim: bytes | None, *,
+    keys: QueueKeys, now: int, recovery_age: int, max_attempts: int,
+) -> Candidate | None:
+    """What to do with one processing entry, from what was read of it (None: keep it)."""
+    if claim is not None:
+        return None  # live: its owner renews it
+    owner_text = _text(owner) if owner is not None else ""
+    if record is None:
+        if owner is not None:
+            log.warning("queue %s: processing entry %s has an owner but no job record; left "
+                        "alone", keys.queue, pid)
+            return None
+        return Candidate(DANGLING, pid)
+    try:
+        decoded: dict[str, Any] | None = envelope.decode(record, len(record))
+    except envelope.MalformedEnvelope:
+        decoded = None  # kept as it is in dead: no handler could run it
+    if owner is None and now - _published(pid, decoded) <= recovery_age:
+        return None  # a 1.x consumer (no owner, no renewals) may still be running it
+    marker = None
+    if decoded is not None and isinstance(decoded.get("key"), str) and decoded["key"]:
+        marker = keys.pending(decoded["key"])
+    attempts = decoded["attempts"] + 1 if decoded is not None else max_attempts
+    if attempts >= max_attempts or decoded is None:
+        return Candidate(DEAD, pid, owner_text, marker=marker)
+    return Candidate(REQUEUE, pid, owner_text, envelope.requeued(decoded, attempts, now), marker)
+
+
+async def reclaim(
+    scripts: Scripts, keys: QueueKeys, candidates: Sequence[Candidate], *, job_ttl: int = 0,
+) -> list[bool]:
+    """Run ``reclaim.lua`` over the candidates, in calls bounded by MAX_BATCH items and
+    LREM_BUDGET scanned entries; one flag (applied) per candidate."""
+    fixed = [keys.ready, keys.dead, keys.processing, keys.stat("processing")]
+    applied: list[bool] = []
+    for part in _calls(candidates):
+        item_keys: list[str] = []
+        args: list[Any] = [job_ttl]
+        for c in part:
+            job = keys.job(c.pid)
+            item_keys += [keys.owner(c.pid), keys.claim(c.pid), job, c.marker or job]
+            args += [c.mode, c.owner, c.pid, c.replacement, -1 if c.from_tail else 1,
+                     1 if c.marker else 0]
+        applied += [flag == 1 for flag in await scripts.call("reclaim", [*fixed, *item_keys], args)]
+    return applied
+
+
+def _calls(candidates: Sequence[Candidate]) -> list[list[Candidate]]:
+    calls: list[list[Candidate]] = [[]]
+    cost = 0
+    for candidate in candidates:
+        if calls[-1] and (len(calls[-1]) >= MAX_BATCH or cost + candidate.distance > LREM_BUDGET):
+            calls.append([])
+            cost = 0
+        calls[-1].append(candidate)
+        cost += candidate.distance
+    return [call for call in calls if call]
+
+
+def _from_end(candidate: Candidate, index: int, size: int) -> Candidate:
+    """Mark the end LREM should scan from: the one nearer to where the pid was read."""
+    from_tail = size - 1 - index < index
+    distance = (size - index) if from_tail else index + 1
+    return Candidate(candidate.mode, candidate.pid, candidate.owner, candidate.replacement,
+                     candidate.marker, from_tail, distance)
+
+
+async def sample_processing(client: Any, keys: QueueKeys, scan: int) -> Window | None:
+    """The newest ``scan`` pids and queue 5's cursor window (None: processing is empty)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.llen(keys.processing)
+    pipe.lrange(keys.processing, 0, scan - 1)
+    pipe.get(keys.reap_cursor)
+    size, head, stored = await pipe.execute()
+    if not size:
+        return None
+    retained, remaining = parse_cursor(stored)
+    if retained < 0 or retained >= size or remaining <= 0:
+        retained, remaining = 0, size
+    remaining = min(remaining, size - retained)
+    length = min(scan, remaining)
+    start = max(0, size - retained - length)
+    window = await client.lrange(keys.processing, start, start + length - 1)
+    return Window(size, _pids(head), _pids(reversed(window)), start, retained, remaining)
+
+
+def parse_cursor(stored: bytes | str | None) -> tuple[int, int]:
+    """``"<retained>:<remaining>"`` read as PHP's ``(int)`` casts read it (junk reads as 0)."""
+    parts = (_text(stored) if stored is not None else "").split(":")
+    return _php_int(parts[0]), _php_int(parts[1] if len(parts) > 1 else "")
+
+
+async def _read_state(
+    client: Any, keys: QueueKeys, pids: Sequence[str]
+) -> dict[str, tuple[bytes | None, bytes | None, bytes | None]]:
+    """Job record, owner and claim of each pid (record first: a settle deletes all three)."""
+    if not pids:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    pipe.mget([keys.job(pid) for pid in pids])
+    pipe.mget([keys.owner(pid) for pid in pids])
+    pipe.mget([keys.claim(pid) for pid in pids])
+    records, owners, claims = await pipe.execute()
+    return {pid: (records[i], owners[i], claims[i]) for i, pid in enumerate(pids)}
 
 
 async def server_time(client: Any, key: str) -> tuple[int, int]:
@@ -185,135 +296,30 @@ async def server_time(client: Any, key: str) -> tuple[int, int]:
         node_of = getattr(client, "get_node_from_key", None)
         node = node_of(key) if node_of is not None else None
     if node is None:
-        return await client.time()
-    return await client.time(target_nodes=node)
+        seconds, micros = await client.time()
+    else:
+        seconds, micros = await client.time(target_nodes=node)
+    return int(seconds), int(micros)
 
 
-async def sample_processing(client: Any, keys: QueueKeys, batch: int) -> Sample:
-    """The newest ``batch`` pids, plus a ``batch``-sized window of the older part.
-
-    The window starts ``cursor`` entries from the tail; a cursor that reached the head part
-    wraps to the tail.
-    """
-    pipe = client.pipeline(transaction=False)
-    pipe.llen(keys.processing)
-    pipe.lrange(keys.processing, 0, batch - 1)
-    pipe.get(keys.reap_cursor)
-    length, head, stored = await pipe.execute()
-    older = length - batch  # entries beyond the head part
-    cursor = _int_or_zero(stored)
-    if older <= 0 or cursor >= older:
-        cursor = 0
-    window: list[Any] = []
-    if older > 0:
-        window = await client.lrange(
-            keys.processing, -min(cursor + batch, older), -(cursor + 1)
-        )
-    return Sample([_text(pid) for pid in head], [_text(pid) for pid in window], cursor)
-
-
-async def find_candidates(
-    client: Any, keys: QueueKeys, pids: Sequence[str], *, now: int, recovery_age: int
-) -> list[Candidate]:
-    """The pids that look abandoned now (``now`` in seconds of server time), in order."""
-    if not pids:
-        return []
-    owners = [_text(owner) if owner is not None else None
-              for owner in await client.mget([keys.owner(pid) for pid in pids])]
-    dead = await _dead_consumers(client, keys, {owner_consumer(o) for o in owners if o})
-    candidates: dict[str, Candidate] = {}
-    for pid, owner in zip(pids, owners, strict=True):
-        if owner and owner_consumer(owner) in dead:
-            candidates[pid] = Candidate(DEAD, pid, owner)
-    ownerless = [pid for pid, owner in zip(pids, owners, strict=True) if owner is None]
-    if ownerless:
-        records = await client.mget([keys.job(pid) for pid in ownerless])
-        for pid, record in zip(ownerless, records, strict=True):
-            if now - _published(pid, record) > recovery_age:
-                candidates[pid] = Candidate(LEGACY, pid)
-    return [candidates[pid] for pid in pids if pid in candidates]
-
-
-async def recover_candidates(
-    scripts: Scripts, keys: QueueKeys, candidates: Sequence[Candidate], *,
-    placeholder: str, chunk: int = MAX_BATCH,
-) -> list[str]:
-    """Run ``recover_processing.lua`` on the candidates; one status per candidate.
-
-    ``placeholder`` is a consumer id whose heartbeat key stands in for legacy items (the
-    script does not read it; it only keeps every key of the call declared).
-    """
-    chunk = max(1, min(chunk, MAX_BATCH))
-    fixed = [keys.ready, keys.processing, keys.stat("processing")]
-    statuses: list[str] = []
-    for start in range(0, len(candidates), chunk):
-        part = candidates[start:start + chunk]
-        item_keys: list[str] = []
-        args: list[str] = []
-        for candidate in part:
-            consumer = owner_consumer(candidate.token) if candidate.mode == DEAD else placeholder
-            item_keys += [keys.job(candidate.pid), keys.owner(candidate.pid),
-                          keys.consumer(consumer)]
-            args += [candidate.mode, candidate.pid, candidate.token]
-        results = await scripts.call("recover_processing", [*fixed, *item_keys], args)
-        statuses += [_text(status) for status in results]
-    return statuses
-
-
-async def _dead_consumers(client: Any, keys: QueueKeys, consumer_ids: set[str]) -> set[str]:
-    """The consumers among ``consumer_ids`` whose heartbeat key is gone (one EXISTS each)."""
-    if not consumer_ids:
-        return set()
-    ordered = sorted(consumer_ids)
-    pipe = client.pipeline(transaction=False)
-    for consumer_id in ordered:
-        pipe.exists(keys.consumer(consumer_id))
-    alive = await pipe.execute()
-    return {cid for cid, exists in zip(ordered, alive, strict=True) if not exists}
-
-
-async def _advance_cursor(
-    client: Any, keys: QueueKeys, sample: Sample, candidates: Sequence[Candidate],
-    statuses: Sequence[str],
-) -> None:
-    """Move the cursor past the window, minus what was removed from it.
-
-    Removing entries inside the window moves the entries beyond it that many places toward
-    the tail, so the first entry not yet seen is ``len(window) - removed`` further on.
-    """
-    in_window = set(sample.window) - set(sample.head)
-    removed = sum(1 for candidate, status in zip(candidates, statuses, strict=True)
-                  if status in REMOVED and candidate.pid in in_window)
-    await client.set(keys.reap_cursor, sample.cursor + len(sample.window) - removed)
-
-
-def _published(pid: str, record: bytes | str | None) -> int:
-    """The envelope's timestamp (0 if undecodable: treated as old).
-
-    Without a record (a legacy consumer's job key may carry a TTL), the time encoded in a
-    PHP ``uniqid`` pid is used, so a pid that was settled a moment ago is not touched.
-    """
-    if record is None:
-        return _pid_time(pid)
-    try:
-        timestamp = orjson.loads(record).get("timestamp")
-    except (orjson.JSONDecodeError, AttributeError):
-        return 0
-    return timestamp if isinstance(timestamp, int) and not isinstance(timestamp, bool) else 0
-
-
-def _pid_time(pid: str) -> int:
+def _published(pid: str, decoded: dict[str, Any] | None) -> int:
+    """The envelope's timestamp; for an unreadable record, the time in a ``uniqid`` pid."""
+    if decoded is not None:
+        return int(decoded["timestamp"])
     try:
         return int(pid[:8], 16) if len(pid) >= 13 else 0
     except ValueError:
         return 0
 
 
-def _int_or_zero(value: bytes | str | None) -> int:
-    try:
-        return max(0, int(value)) if value is not None else 0
-    except ValueError:
-        return 0
+def _php_int(text: str) -> int:
+    """PHP's ``(int)`` of a string: its leading integer (after white space), else 0."""
+    match = _LEADING_INT.match(text)
+    return int(match.group(0)) if match else 0
+
+
+def _pids(values: Any) -> list[str]:
+    return [_text(value) for value in values]
 
 
 def _text(value: bytes | str) -> str:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import math
 import os
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +67,10 @@ _CLUSTER_ERRORS = (
 #: What a failed connect raises (the cluster client has its own exception family).
 _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
-#: Added to a blocking reservation's deadline so the claim after the move has time to run.
+#: How much longer than its own timeout a blocking move may take before we give up on it.
 BLOCK_MARGIN = 5.0
+#: Pause after a receive that found only copies of pids already being processed.
+DUPLICATE_PAUSE = 0.25
 #: Socket timeout of the (non-blocking) command connection, in seconds.
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
@@ -115,7 +118,11 @@ def _connection_class(url: str) -> type[Connection] | type[UnixDomainSocketConne
 
 @dataclass(slots=True)
 class Reservation:
-    """Payloads moved from the ready list into the reservation list ``key``, not yet claimed."""
+    """Payloads moved from the ready list into the reservation list ``key``, not yet claimed.
+
+    ``token`` (32 lowercase hex) names the reservation and becomes the owner token, the
+    receipt, of every delivery claimed from it.
+    """
 
     key: str
     token: str
@@ -129,12 +136,12 @@ class _ClaimPlan:
     reservation: Reservation
     keys: list[str]
     args: list[Any]
-    items: list[Delivery | Poisoned]  # one per payload, in reservation order
+    items: list[Delivery | Poisoned]  # one per payload, in the order taken
 
 
 def default_consumer_id() -> str:
-    """``<hostname>-<pid>-<6 random hex>``, without ':' (the owner token's separator)."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}".replace(":", "")
+    """``<hostname>-<pid>-<6 random hex>``: names this supervisor's informational record."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def redact(url: str) -> str:
@@ -171,30 +178,32 @@ class RedisBroker:
         max_attempts: int = 3,
         job_ttl: int = 0,
         recovery_age: int = 90000,
+        maintenance_interval: float = 5.0,
         max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
     ) -> None:
         self.url = url
         self.queue = queue
         self.namespace = namespace
         self.cluster = cluster
-        self.consumer_id = (consumer_id or default_consumer_id()).replace(":", "")
+        self.consumer_id = consumer_id or default_consumer_id()
         self.lease = lease
         self.max_attempts = max_attempts
         self.job_ttl = int(job_ttl)
         self.recovery_age = recovery_age
+        self.maintenance_interval = max(1, math.ceil(maintenance_interval))
         self.max_envelope_bytes = max_envelope_bytes
         self.keys = QueueKeys(namespace, queue)
         self.client = self._new_client(COMMAND_TIMEOUT)
         # Blocking reads get their own connection: they must never hold up settle or extend.
         self._blocking = self._new_client(None)
         self.scripts = Scripts(self.client)
-        self._lease_ms = max(1, int(lease * 1000))
-        self._token_prefix = f"{self.consumer_id}:{secrets.token_hex(4)}-"
-        self._nonces = itertools.count(1)
+        self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
         self._job_prefix = self.keys.job("")
         self._owner_prefix = self.keys.owner("")
-        self._heartbeat = self.keys.consumer(self.consumer_id)
+        self._claim_prefix = self.keys.claim("")
+        self._record = self.keys.supervisor(self.consumer_id)
+        self._record_value = f"{socket.gethostname()} {os.getpid()}"
 
     def _new_client(self, socket_timeout: float | None) -> Any:
         options: dict[str, Any] = {
@@ -238,7 +247,12 @@ class RedisBroker:
         reservation = await self.reserve(max_messages, block_timeout)
         if not reservation.payloads:
             return Received()
-        return await self.claim(reservation)
+        received = await self.claim(reservation)
+        if received.deferred and not (received.deliveries or received.poisoned):
+            # Only copies of pids being processed already: they wait behind the rest of the
+            # queue. Pausing keeps an otherwise idle queue holding one from spinning.
+            await asyncio.sleep(min(block_timeout, DUPLICATE_PAUSE))
+        return received
 
     async def reserve(self, n: int, block_timeout: float) -> Reservation:
         """Move up to ``n`` (1..1000) ready payloads into a fresh registered reservation.
@@ -247,22 +261,29 @@ class RedisBroker:
         ``block_timeout`` seconds for one payload.
         """
         n = min(max(int(n), 1), MAX_BATCH)
-        token = self._new_token()
+        token = secrets.token_hex(16)
         key = self.keys.reservation(token)
         keys = [self.keys.ready, self.keys.reservations, key]
+        wait = math.ceil(block_timeout) if block_timeout > 0 else 0
         async with _broker_errors("reserve"):
-            payloads = await self.scripts.call("reserve", keys, [n, self._lease_ms])
-            if not payloads and block_timeout > 0:
-                payloads = await self._reserve_blocking(key, block_timeout)
+            registered_at = time.monotonic()
+            payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
+            if not payloads and wait:
+                payloads = await self._reserve_blocking(key, block_timeout, registered_at)
         return Reservation(key, token, payloads)
 
-    async def _reserve_blocking(self, key: str, timeout: float) -> list[bytes]:
-        # Registered before the move: if we die right after it, maintenance finds the payload.
-        deadline_ms = int((timeout + BLOCK_MARGIN) * 1000)
-        keys = [self.keys.reservations, key]
-        await self.scripts.call("register_reservation", keys, [deadline_ms])
+    async def _reserve_blocking(
+        self, key: str, timeout: float, registered_at: float
+    ) -> list[bytes]:
+        # reserve.lua registered the empty reservation until lease + timeout from now, so a
+        # payload moved into it is discoverable even if we die before we see the reply.
+        if time.monotonic() - registered_at > self._lease / 2:
+            # Frozen (SIGSTOP, a VM pause) since the registration: it may be recovered and
+            # gone already, and a move into an unregistered list would strand the payload.
+            await self.client.zrem(self.keys.reservations, key)
+            return []
         move = self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
-        payload = await asyncio.wait_for(move, timeout + BLOCK_MARGIN / 2)
+        payload = await asyncio.wait_for(move, timeout + BLOCK_MARGIN)
         if payload is None:
             # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
             # maintenance drops the empty registration after its deadline.
@@ -285,21 +306,20 @@ class RedisBroker:
         keys = [
             self.keys.reservations, reservation.key, self.keys.ready, self.keys.processing,
             self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
-            self.keys.stat("failed"), self._heartbeat,
         ]
-        args: list[Any] = [self._lease_ms, self.consumer_id, len(reservation.payloads)]
+        token = reservation.token
+        args: list[Any] = [self._lease, token, len(reservation.payloads)]
         items: list[Delivery | Poisoned] = []
         for raw in reservation.payloads:
             try:
                 decoded = envelope.decode(raw, self.max_envelope_bytes)
             except envelope.MalformedEnvelope as error:
-                args += ("p", "", "")
+                args += ("p", "")
                 items.append(Poisoned(raw, str(error)))
                 continue
             pid = decoded["pid"]
-            token = self._new_token()
-            keys += (self._job_prefix + pid, self._owner_prefix + pid)
-            args += ("g", token, pid)
+            keys += (self._job_prefix + pid, self._claim_prefix + pid, self._owner_prefix + pid)
+            args += ("g", pid)
             items.append(Delivery(
                 pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
                 decoded["payload"], raw, token, decoded,
@@ -307,25 +327,25 @@ class RedisBroker:
         return _ClaimPlan(reservation, keys, args, items)
 
     async def _claimed(self, plan: _ClaimPlan, reply: Any) -> Received:
-        if reply == b"expired":
-            return await self._owned_after_expiry(plan)
         if reply == b"mismatch":
             log.error(
                 "reservation %s no longer holds the %d payloads reserved; left for maintenance",
                 plan.reservation.key, len(plan.items),
             )
             return Received()
+        if reply[0] == b"expired":
+            return await self._owned_after_expiry(plan, int(reply[1]))
         received = Received()
         for item, outcome in zip(plan.items, reply, strict=True):
             if outcome == b"deferred":
-                continue  # its pid is being processed already: back in the ready list
-            if isinstance(item, Delivery):
+                received.deferred += 1  # its pid is being processed already
+            elif isinstance(item, Delivery):
                 received.deliveries.append(item)
             else:
                 received.poisoned.append(item)
         return received
 
-    async def _owned_after_expiry(self, plan: _ClaimPlan) -> Received:
+    async def _owned_after_expiry(self, plan: _ClaimPlan, returned: int) -> Received:
         """'expired' also answers a claim that already ran (its reply was lost): keep ours."""
         candidates = [item for item in plan.items if isinstance(item, Delivery)]
         owned = await self.extend(candidates) if candidates else []
@@ -334,20 +354,21 @@ class RedisBroker:
             poisoned = [item for item in plan.items if isinstance(item, Poisoned)]
             return Received(deliveries, poisoned)
         log.warning(
-            "reservation %s expired before it was claimed; maintenance returns its %d payloads",
-            plan.reservation.key, len(plan.items),
+            "reservation %s expired before it was claimed; %d payloads went back to the ready "
+            "list", plan.reservation.key, returned,
         )
         return Received()
 
     async def _resolve_lost_claim(self) -> Received:
+        # The plan is dropped only once resolved: if this fails too (say the ownership check
+        # loses its connection), the next receive tries again, so claimed deliveries are
+        # never left owned and renewed by nobody.
         plan = self._unresolved[0]
         async with _broker_errors("claim (resolving a lost reply)"):
             reply = await self.scripts.call("claim", plan.keys, plan.args)
-            self._unresolved.pop(0)
-            return await self._claimed(plan, reply)
-
-    def _new_token(self) -> str:
-        return f"{self._token_prefix}{next(self._nonces):x}"
+            received = await self._claimed(plan, reply)
+        self._unresolved.pop(0)
+        return received
 
     # -- settling -----------------------------------------------------------------------
 
@@ -369,9 +390,12 @@ class RedisBroker:
         args: list[Any] = [self.job_ttl]
         for settlement in batch:
             delivery = settlement.delivery
-            keys += (self._job_prefix + delivery.pid, self._owner_prefix + delivery.pid)
+            job = self._job_prefix + delivery.pid
+            marker = self._marker(delivery.envelope)
+            keys += (self._claim_prefix + delivery.pid, job, self._owner_prefix + delivery.pid,
+                     marker or job)
             op, new_envelope = self._settle_op(settlement)
-            args += (op, delivery.receipt, delivery.pid, new_envelope)
+            args += (op, delivery.receipt, delivery.pid, new_envelope, "1" if marker else "0")
         try:
             reply = await self.scripts.call("settle", keys, args)
         except CONNECTION_ERRORS as error:
@@ -379,17 +403,23 @@ class RedisBroker:
             return [uncertain] * len(batch)
         return [_RESULTS[outcome] for outcome in reply]
 
+    def _marker(self, decoded: dict[str, Any]) -> str | None:
+        """The coalescing marker of a keyed message (queue 5's ``pending`` key), if any."""
+        key = decoded.get("key")
+        return self.keys.pending(key) if isinstance(key, str) and key else None
+
     def _settle_op(self, settlement: Settlement) -> tuple[str, bytes | str]:
-        """The script's op for one settlement and, for a reject, the envelope to store."""
+        """The script's op for one settlement and, for a retry, the envelope to requeue."""
         if settlement.action is Action.COMMIT:
             return "c", ""
         if settlement.action is Action.RELEASE:
             return "l", ""
         delivery = settlement.delivery
         attempts = delivery.attempts + 1
-        decoded = delivery.envelope or envelope.decode(delivery.raw, len(delivery.raw))
-        op = "f" if attempts >= self.max_attempts else "r"
-        return op, envelope.with_attempts(decoded, attempts)
+        if attempts >= self.max_attempts:
+            return "f", ""  # queue 5's reject: the failed list, the record kept
+        decoded = delivery.envelope or envelope.decode(delivery.raw)
+        return "r", envelope.requeued(decoded, attempts)
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])
@@ -408,35 +438,39 @@ class RedisBroker:
     # -- renewal, maintenance, publishing -----------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """Renew the heartbeat; per delivery, True while this consumer still owns it."""
+        """Renew each delivery's claim; per delivery, True while this consumer owns it."""
+        return await self._renew(deliveries, self._lease)
+
+    async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
+        """Delete the claims of deliveries still owned at exit (and this supervisor's record):
+        the next maintenance pass, ours or a PHP worker's, recovers them instead of waiting
+        for the lease to run out. Ownership stays: nothing is settled here."""
+        await self._renew(deliveries, 0)
+
+    async def _renew(self, deliveries: Sequence[Delivery], lease: int) -> list[bool]:
         owned: list[bool] = []
-        async with _broker_errors("extend"):
+        async with _broker_errors("extend" if lease else "abandon"):
             for start in range(0, max(len(deliveries), 1), MAX_BATCH):
-                owned += await self._extend_batch(deliveries[start:start + MAX_BATCH])
+                batch = deliveries[start:start + MAX_BATCH]
+                keys = [self._record]
+                for delivery in batch:
+                    keys += (self._claim_prefix + delivery.pid, self._owner_prefix + delivery.pid)
+                args: list[Any] = [lease, self._record_value]
+                args += [delivery.receipt for delivery in batch]
+                reply = await self.scripts.call("extend", keys, args)
+                owned += [flag == 1 for flag in reply]
         return owned
 
-    async def _extend_batch(self, batch: Sequence[Delivery]) -> list[bool]:
-        keys = [self._heartbeat]
-        keys += [self._owner_prefix + delivery.pid for delivery in batch]
-        args: list[Any] = [self._lease_ms, self.consumer_id]
-        args += [delivery.receipt for delivery in batch]
-        reply = await self.scripts.call("extend", keys, args)
-        return [flag == 1 for flag in reply]
-
-    async def maintain(self) -> MaintenanceReport:
+    async def maintain(self, *, force: bool = False) -> MaintenanceReport:
+        """One bounded recovery sweep when the fleet's reap lock allows (``force``: now)."""
         from broker import recovery
 
         async with _broker_errors("maintain"):
             return await recovery.maintain(
-                self.client, self.scripts, self.keys, consumer_id=self.consumer_id,
-                lease_ms=self._lease_ms, recovery_age=self.recovery_age,
+                self.client, self.scripts, self.keys, lock_seconds=self.maintenance_interval,
+                recovery_age=self.recovery_age, max_attempts=self.max_attempts,
+                job_ttl=self.job_ttl, force=force,
             )
-
-    async def abandon(self) -> None:
-        """Delete this consumer's heartbeat: the next maintenance pass (any supervisor's)
-        recovers what it still owns instead of waiting for the lease to run out."""
-        async with _broker_errors("abandon"):
-            await self.client.delete(self._heartbeat)
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         from broker import publish

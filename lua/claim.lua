@@ -1,12 +1,19 @@
--- claim: turn a registered, unexpired reservation into owned deliveries. Python decoded
--- the payloads it got from reserve; this script re-reads them from the reservation list
--- (the bytes are not sent again) and, per payload in reservation order:
---   good ('g'):   owner key absent -> SET job record (no TTL), SET owner token, LPUSH pid to
---                 processing: 'ok'. Owner key present (the pid is being processed already, or
---                 repeats in this batch) -> LPUSH the payload back to ready: 'deferred'.
---   poison ('p'): LPUSH the raw bytes to poison: 'poison'.
--- Then the counters, the reservation's removal and the consumer's heartbeat.
--- An unregistered or expired reservation is left alone: 'expired' (maintenance recovers it).
+-- claim: turn a registered, unexpired reservation into owned deliveries, as queue 5 does:
+-- per delivery a job record (no TTL), an owner key with the reservation's token (the
+-- receipt) and a claim key with the same token and the lease as its expiry (liveness).
+-- Python decoded the payloads it got from reserve; this script re-reads them from the
+-- reservation list (the bytes are not sent again). Per payload, in the order taken:
+--   good ('g'):   owner key absent -> job record, owner, claim, LPUSH pid to processing:
+--                 'ok'. Owner key present (the pid is being processed already, or repeats
+--                 in this batch) -> the payload goes back to the producer end of the ready
+--                 list, to wait behind the rest until the first delivery settles: 'deferred'.
+--   poison ('p'): LPUSH the raw bytes to poison: 'poison' (counted in no counter).
+-- total and processing grow by the deliveries made; the reservation is removed.
+--
+-- A reservation that is no longer registered or whose deadline passed is not claimed: what
+-- it still holds goes back to the consumer end of the ready list (first taken rightmost)
+-- and it is removed, so that no list is ever left that no registry names (a late blocking
+-- move into a reservation already recovered lands here). Reply {'expired', moved}.
 -- A reservation whose length differs from the count expected is left alone: 'mismatch'.
 --
 -- KEYS[1]   reservation registry    {ns}.reservations.{q}
@@ -16,15 +23,13 @@
 -- KEYS[5]   poison list             {ns}.poison.{q}
 -- KEYS[6]   counter                 {ns}.stats.{q}.total
 -- KEYS[7]   counter                 {ns}.stats.{q}.processing
--- KEYS[8]   counter                 {ns}.stats.{q}.failed
--- KEYS[9]   consumer heartbeat      {ns}.consumers.{q}.{consumer id}
--- KEYS[8+2g], KEYS[9+2g]            {ns}.jobs.{q}.{pid}, {ns}.owners.{q}.{pid} of the g-th good
--- ARGV[1]   lease_ms                heartbeat lifetime
--- ARGV[2]   consumer id             the heartbeat's value
+-- KEYS[5+3g], KEYS[6+3g], KEYS[7+3g]   jobs, claims, owners key of the g-th good payload
+-- ARGV[1]   lease                   seconds (the claim keys' expiry)
+-- ARGV[2]   token                   32 hex: the reservation's token, the owner of all
 -- ARGV[3]   n                       payloads expected in the reservation (<= 1000)
--- ARGV[4+3(i-1)..6+3(i-1)]          payload i: kind 'g' or 'p', owner token, pid ('' for 'p')
+-- ARGV[3+2i], ARGV[4+2i]            payload i (in the order taken): 'g' or 'p', pid
 --
--- Returns 'expired', 'mismatch', or an array of n results: 'ok', 'deferred' or 'poison'.
+-- Returns {'expired', moved}, 'mismatch', or n results: 'ok', 'deferred' or 'poison'.
 
 local function wrong_type(key, expected)
   local actual = redis.call('TYPE', key)['ok']
@@ -45,30 +50,45 @@ end
 
 local registry, reservation, ready, processing = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local n = tonumber(ARGV[3])
-local goods = (#KEYS - 9) / 2
-if not n or n > 1000 or #ARGV ~= 3 + 3 * n or goods ~= math.floor(goods) then
-  return redis.error_reply('QSARG claim needs 3 arguments per payload, at most 1000')
+local goods = (#KEYS - 7) / 3
+if not n or n > 1000 or #ARGV ~= 3 + 2 * n or goods ~= math.floor(goods) then
+  return redis.error_reply('QSARG claim needs 2 arguments per payload, at most 1000')
 end
 
 local err = wrong_type(registry, 'zset') or wrong_type(reservation, 'list')
   or wrong_type(ready, 'list') or wrong_type(processing, 'list') or wrong_type(KEYS[5], 'list')
-  or bad_counter(KEYS[6]) or bad_counter(KEYS[7]) or bad_counter(KEYS[8])
-  or wrong_type(KEYS[9], 'string')
+  or bad_counter(KEYS[6]) or bad_counter(KEYS[7])
 if err then return err end
+for k = 8, #KEYS do
+  err = wrong_type(KEYS[k], 'string')
+  if err then return err end
+end
+local good_args = 0
+for i = 1, n do
+  if ARGV[2 + 2 * i] == 'g' then good_args = good_args + 1 end
+end
+if good_args ~= goods then
+  return redis.error_reply('QSARG claim needs jobs, claims and owners keys per good payload')
+end
 
-local deadline = redis.call('ZSCORE', registry, reservation)
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-if not deadline or tonumber(deadline) <= now then return 'expired' end
+local deadline = tonumber(redis.call('ZSCORE', registry, reservation))
+local now = tonumber(redis.call('TIME')[1])
+if not deadline or deadline <= now then
+  local left = redis.call('LPOP', reservation, 1000)
+  if left then redis.call('RPUSH', ready, unpack(left)) end
+  redis.call('DEL', reservation)
+  redis.call('ZREM', registry, reservation)
+  return {'expired', left and #left or 0}
+end
 
-local payloads = redis.call('LRANGE', reservation, 0, -1)
-if #payloads ~= n then return 'mismatch' end
+local stored = redis.call('LRANGE', reservation, 0, -1)
+if #stored ~= n then return 'mismatch' end
 
--- Owner keys are only read here (MGET): one of another type reads as absent and is replaced.
+-- Owner keys are only read here (MGET), after the type check above.
 local owned = {}
 if goods > 0 then
   local owner_keys = {}
-  for g = 1, goods do owner_keys[g] = KEYS[9 + 2 * g] end
+  for g = 1, goods do owner_keys[g] = KEYS[7 + 3 * g] end
   local owners = redis.call('MGET', unpack(owner_keys))
   for g = 1, goods do
     if owners[g] then owned[owner_keys[g]] = true end
@@ -76,49 +96,39 @@ if goods > 0 then
 end
 
 local results, records, pids, poisoned, deferred = {}, {}, {}, {}, {}
+local token, lease = ARGV[2], ARGV[1]
 local g = 0
 for i = 1, n do
-  local arg = 4 + 3 * (i - 1)
-  if ARGV[arg] == 'g' then
+  local raw = stored[n + 1 - i]  -- the list holds the most recently taken at its head
+  if ARGV[2 + 2 * i] == 'g' then
     g = g + 1
-    local owner_key = KEYS[9 + 2 * g]
+    local owner_key = KEYS[7 + 3 * g]
     if owned[owner_key] then
-      deferred[#deferred + 1] = payloads[i]
+      deferred[#deferred + 1] = raw
       results[i] = 'deferred'
     else
       owned[owner_key] = true
-      records[#records + 1] = KEYS[8 + 2 * g]
-      records[#records + 1] = payloads[i]
+      records[#records + 1] = KEYS[5 + 3 * g]
+      records[#records + 1] = raw
       records[#records + 1] = owner_key
-      records[#records + 1] = ARGV[arg + 1]
-      pids[#pids + 1] = ARGV[arg + 2]
+      records[#records + 1] = token
+      redis.call('SET', KEYS[6 + 3 * g], token, 'EX', lease)
+      pids[#pids + 1] = ARGV[3 + 2 * i]
       results[i] = 'ok'
     end
   else
-    poisoned[#poisoned + 1] = payloads[i]
+    poisoned[#poisoned + 1] = raw
     results[i] = 'poison'
   end
 end
-if g ~= goods then
-  return redis.error_reply('QSARG claim needs one job and owner key per good payload')
-end
-
 if #pids > 0 then
   redis.call('MSET', unpack(records))
   redis.call('LPUSH', processing, unpack(pids))
+  redis.call('INCRBY', KEYS[6], #pids)
   redis.call('INCRBY', KEYS[7], #pids)
 end
-if #poisoned > 0 then
-  redis.call('LPUSH', KEYS[5], unpack(poisoned))
-  redis.call('INCRBY', KEYS[8], #poisoned)
-end
-if #pids + #poisoned > 0 then
-  redis.call('INCRBY', KEYS[6], #pids + #poisoned)
-end
-if #deferred > 0 then
-  redis.call('LPUSH', ready, unpack(deferred))
-end
+if #poisoned > 0 then redis.call('LPUSH', KEYS[5], unpack(poisoned)) end
+if #deferred > 0 then redis.call('LPUSH', ready, unpack(deferred)) end
 redis.call('DEL', reservation)
 redis.call('ZREM', registry, reservation)
-redis.call('SET', KEYS[9], ARGV[2], 'PX', ARGV[1])
 return results

@@ -1,31 +1,47 @@
--- extend: renew this consumer's heartbeat (one write however many deliveries are
--- outstanding) and report, per delivery, whether this consumer still owns it.
+-- extend: renew the claim (the lease) of each delivery this consumer still owns, as queue 5
+-- does, and report per delivery whether it is still owned. With lease 0 the claims are
+-- deleted instead (a consumer giving up its deliveries at exit, so that recovery takes them
+-- at once rather than after the lease). Only the owner key decides: an expired claim does
+-- not revoke ownership, a recovery (which deletes the owner key) does.
 --
--- KEYS[1]    consumer heartbeat     {ns}.consumers.{q}.{consumer id}
--- KEYS[1+i]  owner of delivery i    {ns}.owners.{q}.{pid}            (i = 1..n, n <= 1000)
--- ARGV[1]    lease_ms      heartbeat lifetime
--- ARGV[2]    consumer id   the heartbeat's value
--- ARGV[2+i]  owner token of delivery i
+-- KEYS[1]       this supervisor's record  {ns}.supervisors.{q}.{consumer id}: informational
+--               (for `status`); queue 5 never reads it and recovery does not depend on it
+-- KEYS[2i], KEYS[2i+1]   claims and owners key of delivery i   (i = 1..n, n <= 1000)
+-- ARGV[1]       lease        seconds (0: delete the claims and the record)
+-- ARGV[2]       record       the supervisor record's value
+-- ARGV[2+i]     owner token of delivery i
 --
 -- Returns an array of n integers: 1 still owned, 0 stale (recovered or settled meanwhile).
--- Owner keys are only read (MGET): a key of another type reads as absent, i.e. stale.
 
-local n = #KEYS - 1
-if n > 1000 or #ARGV ~= 2 + n then
-  return redis.error_reply('QSARG extend needs one token per owner key, at most 1000')
+local n = (#KEYS - 1) / 2
+local lease = tonumber(ARGV[1])
+if n ~= math.floor(n) or n > 1000 or #ARGV ~= 2 + n or not lease or lease < 0 then
+  return redis.error_reply('QSARG extend needs a claims key, an owners key and a token each')
+end
+for k = 1, #KEYS do
+  local actual = redis.call('TYPE', KEYS[k])['ok']
+  if actual ~= 'string' and actual ~= 'none' then
+    return redis.error_reply('QSTYPE ' .. KEYS[k] .. ' is ' .. actual .. ', expected string')
+  end
 end
 
-local actual = redis.call('TYPE', KEYS[1])['ok']
-if actual ~= 'string' and actual ~= 'none' then
-  return redis.error_reply('QSTYPE ' .. KEYS[1] .. ' is ' .. actual .. ', expected string')
+if lease > 0 then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', lease)
+else
+  redis.call('DEL', KEYS[1])
 end
-
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[1])
-if n == 0 then return {} end
-
-local owners = redis.call('MGET', unpack(KEYS, 2))
 local owned = {}
 for i = 1, n do
-  owned[i] = (owners[i] == ARGV[2 + i]) and 1 or 0
+  local token = ARGV[2 + i]
+  if redis.call('GET', KEYS[2 * i + 1]) == token then
+    owned[i] = 1
+    if lease > 0 then
+      redis.call('SET', KEYS[2 * i], token, 'EX', lease)
+    else
+      redis.call('DEL', KEYS[2 * i])
+    end
+  else
+    owned[i] = 0
+  end
 end
 return owned

@@ -1,15 +1,19 @@
--- reserve: move up to N ready payloads into a fresh reservation list and register the
--- reservation's deadline, atomically, so a consumer killed right after this call leaves
--- discoverable work (maintenance returns expired reservations to the ready list).
+-- reserve: move up to N ready payloads into a fresh reservation list and register it, as
+-- queue 5 does, so that a consumer killed right after this call leaves discoverable work.
+-- With nothing ready and a blocking timeout, the (empty) reservation is registered anyway:
+-- the caller then blocks with BLMOVE into it, and a payload moved there is discoverable even
+-- if the caller dies before it sees the reply.
 --
 -- KEYS[1]  ready list              {ns}.queue.{q}
--- KEYS[2]  reservation registry    {ns}.reservations.{q}  (zset: reservation key -> deadline ms)
+-- KEYS[2]  reservation registry    {ns}.reservations.{q}  (zset: reservation key -> deadline)
 -- KEYS[3]  reservation list        {ns}.reservations.{q}.{token}  (fresh, normally absent)
--- ARGV[1]  n          how many payloads at most (1..1000)
--- ARGV[2]  lease_ms   the deadline, counted from the server's clock now
+-- ARGV[1]  n           how many payloads at most (1..1000)
+-- ARGV[2]  lease       seconds
+-- ARGV[3]  timeout     whole seconds the caller will block for if nothing is ready (0: none)
 --
--- Returns the payloads in pop order (oldest first), the order they now have in the
--- reservation list; an empty array (and no registration) when the queue is empty.
+-- The deadline is whole seconds of the server clock: now + lease + timeout (queue 5's unit).
+-- The reservation list holds the most recently taken payload at its head (as RPOPLPUSH
+-- leaves it); the reply lists the payloads in the order they were taken (oldest first).
 -- Payloads are opaque here: they are never parsed.
 
 local function wrong_type(key, expected)
@@ -19,22 +23,21 @@ local function wrong_type(key, expected)
   end
 end
 
-local n = tonumber(ARGV[1])
-local lease_ms = tonumber(ARGV[2])
-if not n or n < 1 or n > 1000 or not lease_ms then
-  return redis.error_reply('QSARG reserve needs 1 <= n <= 1000 and a lease in ms')
+local n, lease, timeout = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if not n or n < 1 or n > 1000 or not lease or not timeout or timeout < 0 then
+  return redis.error_reply('QSARG reserve needs 1 <= n <= 1000, a lease and a timeout in s')
 end
 
 local err = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'zset')
   or wrong_type(KEYS[3], 'list')
 if err then return err end
 
-local time = redis.call('TIME')
-local deadline = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + lease_ms
-
-local payloads = redis.call('RPOP', KEYS[1], n)
-if not payloads then return {} end
-
-redis.call('RPUSH', KEYS[3], unpack(payloads))
-redis.call('ZADD', KEYS[2], string.format('%d', deadline), KEYS[3])
+local now = tonumber(redis.call('TIME')[1])
+local payloads = redis.call('RPOP', KEYS[1], n) or {}
+if #payloads > 0 then
+  redis.call('LPUSH', KEYS[3], unpack(payloads))
+end
+if #payloads > 0 or timeout > 0 then
+  redis.call('ZADD', KEYS[2], string.format('%d', now + lease + timeout), KEYS[3])
+end
 return payloads

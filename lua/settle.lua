@@ -1,14 +1,19 @@
--- settle: apply a group of commits, retries, failures and releases, each conditional on
--- the caller still owning the delivery (owner key == token), each with its own result:
---   'c' commit   DEL job + owner, remove pid from processing, success += 1.
---   'r' retry    LPUSH the new envelope (attempts + 1) to ready, DEL job + owner, remove pid.
---   'f' fail     LPUSH pid to failed, SET job = new envelope (EX job_ttl if > 0: the TTL
---                starts only now), DEL owner, remove pid, failed += 1.
---   'l' release  RPUSH the job record as stored (attempts unchanged) to ready's consumer end,
---                DEL job + owner, remove pid. Job record missing: 'missing', nothing changes
---                and the ownership is kept.
--- Applied: 'ok' (and processing -= 1). Owner absent or another token: 'stale', nothing changes.
--- The same owner key twice in one call: the first applied item makes the second stale.
+-- settle: apply a group of commits, retries, rejects and releases, each conditional on the
+-- caller still owning the delivery, each with its own result (queue 5's settle, grouped):
+--   'c' commit   DEL job; success += 1.
+--   'r' retry    this project's retry below max attempts: LPUSH the new envelope (same pid,
+--                new timestamp, attempts + 1) to the producer end of ready, DEL job;
+--                failed += 1 (a failed run).
+--   'f' reject   queue 5's reject: LPUSH pid to failed, the job record kept (EXPIRE job_ttl
+--                if > 0: it starts only now); failed += 1.
+--   'l' release  RPUSH the job record as stored (attempts unchanged) to the consumer end of
+--                ready, DEL job; no outcome counter.
+-- Checks in queue 5's order: owner key ~= token -> 'stale'; job record missing on 'f' or 'l'
+-- -> 'missing' (nothing changes, ownership kept); the pid not in processing -> 'stale'.
+-- Applied: claim and owner deleted, processing -= 1: 'ok'. A coalescing marker (keyed
+-- message) that still names this pid is freed by commit and reject ('c', 'f'); a retry keeps
+-- it (the same pid is still pending), and so does a release.
+-- Releases go back reversed, so the first released is the first consumed again.
 --
 -- KEYS[1]   ready list              {ns}.queue.{q}
 -- KEYS[2]   processing list         {ns}.processing.{q}
@@ -16,9 +21,11 @@
 -- KEYS[4]   counter                 {ns}.stats.{q}.processing
 -- KEYS[5]   counter                 {ns}.stats.{q}.success
 -- KEYS[6]   counter                 {ns}.stats.{q}.failed
--- KEYS[5+2i], KEYS[6+2i]            {ns}.jobs.{q}.{pid}, {ns}.owners.{q}.{pid} of item i
--- ARGV[1]   job_ttl_s               seconds a failed job record is kept; 0 = forever
--- ARGV[2+4(i-1)..5+4(i-1)]          item i: op, owner token, pid, new envelope ('' unless r/f)
+-- KEYS[3+4i..6+4i]                  item i: claims, jobs, owners key, marker key
+--                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed)
+-- ARGV[1]   job_ttl                 seconds a rejected job record is kept; 0 = forever
+-- ARGV[5i-3..5i+1]                  item i: op, token, pid, new envelope ('' unless 'r'),
+--                                   keyed ('1' or '0')
 --
 -- Returns an array of n results: 'ok', 'stale' or 'missing'.
 
@@ -39,95 +46,75 @@ local function bad_counter(key)
   end
 end
 
+local OPS = {c = true, r = true, f = true, l = true}
 local ready, processing, failed = KEYS[1], KEYS[2], KEYS[3]
-local n = (#KEYS - 6) / 2
+local n = (#KEYS - 6) / 4
 local job_ttl = tonumber(ARGV[1])
-if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 4 * n or not job_ttl then
-  return redis.error_reply('QSARG settle needs 2 keys and 4 arguments per item, at most 1000')
+if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 5 * n or not job_ttl then
+  return redis.error_reply('QSARG settle needs 4 keys and 5 arguments per item, at most 1000')
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(processing, 'list')
   or wrong_type(failed, 'list') or bad_counter(KEYS[4]) or bad_counter(KEYS[5])
   or bad_counter(KEYS[6])
 if err then return err end
-if n == 0 then return {} end
-
--- Owner keys are only read (MGET): one of another type reads as absent, i.e. stale.
-local owner_keys = {}
-for i = 1, n do owner_keys[i] = KEYS[6 + 2 * i] end
-local values = redis.call('MGET', unpack(owner_keys))
-local owner = {}
-for i = 1, n do owner[owner_keys[i]] = values[i] end
-
--- First pass: decide every item and read what releases need; no writes yet, so a job
--- record of the wrong type can still refuse the whole call.
-local results, applied, doomed, requeued, released, failures = {}, {}, {}, {}, {}, {}
-local commits = 0
+for k = 7, #KEYS do
+  err = wrong_type(KEYS[k], 'string')
+  if err then return err end
+end
 for i = 1, n do
-  local arg = 2 + 4 * (i - 1)
-  local op, job_key, owner_key = ARGV[arg], KEYS[5 + 2 * i], owner_keys[i]
-  local result = 'stale'
-  if owner[owner_key] == ARGV[arg + 1] then
-    result = 'ok'
-    if op == 'l' then
-      local record = redis.pcall('GET', job_key)
-      if type(record) == 'table' and record['err'] then
-        return redis.error_reply('QSTYPE ' .. job_key .. ' is '
-          .. redis.call('TYPE', job_key)['ok'] .. ', expected string')
-      elseif record then
-        released[#released + 1] = record
-      else
-        result = 'missing'
-      end
-    elseif op == 'c' then
-      commits = commits + 1
-    elseif op == 'r' then
-      requeued[#requeued + 1] = ARGV[arg + 3]
-    elseif op == 'f' then
-      failures[#failures + 1] = i
-    else
-      return redis.error_reply('QSARG settle op must be c, r, f or l, not ' .. op)
-    end
+  local op = ARGV[5 * i - 3]
+  if not OPS[op] then
+    return redis.error_reply('QSARG settle op must be c, r, f or l, not ' .. tostring(op))
   end
-  if result == 'ok' then
-    owner[owner_key] = false
-    applied[#applied + 1] = ARGV[arg + 2]
-    doomed[#doomed + 1] = owner_key
-    if op ~= 'f' then doomed[#doomed + 1] = job_key end
+end
+
+local results, requeued, released, rejected = {}, {}, {}, {}
+local commits, failures, applied = 0, 0, 0
+for i = 1, n do
+  local op, token, pid = ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1]
+  local claim, job, owner, marker = KEYS[3 + 4 * i], KEYS[4 + 4 * i], KEYS[5 + 4 * i], KEYS[6 + 4 * i]
+  local result = 'stale'
+  if redis.call('GET', owner) == token then
+    local record = redis.call('GET', job)
+    if not record and (op == 'f' or op == 'l') then
+      result = 'missing'
+    elseif redis.call('LREM', processing, 1, pid) > 0 then
+      result = 'ok'
+      applied = applied + 1
+      redis.call('DEL', claim, owner)
+      if op == 'f' then
+        rejected[#rejected + 1] = pid
+        if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
+        failures = failures + 1
+      else
+        redis.call('DEL', job)
+        if op == 'l' then
+          released[#released + 1] = record
+        elseif op == 'r' then
+          requeued[#requeued + 1] = ARGV[5 * i]
+          failures = failures + 1
+        else
+          commits = commits + 1
+        end
+      end
+      if ARGV[5 * i + 1] == '1' and (op == 'c' or op == 'f')
+          and redis.call('GET', marker) == pid then
+        redis.call('DEL', marker)
+      end
+    end
   end
   results[i] = result
 end
-if #applied == 0 then return results end
 
--- Second pass: the writes, grouped. Processing entries are removed scanning from the head,
--- where claims LPUSH them: live deliveries sit within the first (prefetch x consumers)
--- entries, while the tail may hold a long history of stale legacy pids that a scan from
--- that end would walk through for every message.
-for _, pid in ipairs(applied) do
-  redis.call('LREM', processing, 1, pid)
-end
-for _, i in ipairs(failures) do
-  local arg = 2 + 4 * (i - 1)
-  if job_ttl > 0 then
-    redis.call('SET', KEYS[5 + 2 * i], ARGV[arg + 3], 'EX', ARGV[1])
-  else
-    redis.call('SET', KEYS[5 + 2 * i], ARGV[arg + 3])
-  end
-end
-if #failures > 0 then
-  local pids = {}
-  for k, i in ipairs(failures) do pids[k] = ARGV[4 + 4 * (i - 1)] end
-  redis.call('LPUSH', failed, unpack(pids))
-  redis.call('INCRBY', KEYS[6], #failures)
-end
-redis.call('DEL', unpack(doomed))
+if #rejected > 0 then redis.call('LPUSH', failed, unpack(rejected)) end
 if #requeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
 if #released > 0 then
-  -- Reversed, so the first released is the first consumed again (original order).
   local reversed = {}
   for k = #released, 1, -1 do reversed[#reversed + 1] = released[k] end
   redis.call('RPUSH', ready, unpack(reversed))
 end
 if commits > 0 then redis.call('INCRBY', KEYS[5], commits) end
-redis.call('DECRBY', KEYS[4], #applied)
+if failures > 0 then redis.call('INCRBY', KEYS[6], failures) end
+if applied > 0 then redis.call('DECRBY', KEYS[4], applied) end
 return results

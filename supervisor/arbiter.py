@@ -491,7 +491,9 @@ class Arbiter:
         if owned:
             log.warning("%d deliveries still owned at exit: handing them to recovery", owned)
         with contextlib.suppress(BrokerError, OSError):
-            await self.broker.abandon()  # also tells `status` that this consumer is gone
+            # Their claims go now, so recovery need not wait out the lease; the record too,
+            # which tells `status` that this supervisor is gone.
+            await self.broker.abandon([entry.delivery for entry in self.buffer])
             await self.broker.close()
         log.info("stopped after %.1fs", self.config.supervisor.shutdown_deadline
                  - (deadline - time.monotonic()))

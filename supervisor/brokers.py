@@ -18,7 +18,8 @@ def make_broker(config: Config) -> Broker:
             config.broker.url, job.queue, namespace=config.broker.namespace,
             cluster=config.broker.cluster, lease=sup.lease, max_attempts=job.max_attempts,
             job_ttl=job.job_ttl, recovery_age=sup.recovery_age,
-            max_envelope_bytes=sup.max_envelope_bytes,
+            maintenance_interval=sup.maintenance_interval,
+            max_envelope_bytes=sup.envelope_limit(),
         )
     if scheme in ("nats", "tls"):
         from broker.nats import NatsBroker
@@ -27,6 +28,6 @@ def make_broker(config: Config) -> Broker:
             config.broker.url, job.queue, ack_wait=config.nats.ack_wait,
             max_attempts=job.max_attempts, max_deliver=config.nats.max_deliver,
             retry_backoff=job.retry_backoff,
-            max_envelope_bytes=sup.max_envelope_bytes, job_ttl=job.job_ttl,
+            max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
         )
     raise ValueError(f"no broker for URL scheme {scheme!r}")

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from broker.envelope import MAX_ENVELOPE_BYTES
+from worker.protocol import DELIVER_OVERHEAD
+from worker.ring import Ring
 
 #: When set and not empty, overrides ``[broker] url`` (so that secrets stay out of files).
 ENV_BROKER_URL = "QUEUE_BROKER_URL"
@@ -85,6 +86,10 @@ def one_of(choices: tuple[str, ...]) -> Rule:
 UNLIMITED_OR_POSITIVE = Rule(
     "-1 or >= 1",
     lambda value: None if value == -1 or value >= 1 else "must be -1 (unlimited) or >= 1",
+)
+ZERO_OR_AT_LEAST_1024 = Rule(
+    "0 or >= 1024",
+    lambda value: None if value == 0 or value >= 1024 else "must be 0 (no limit) or >= 1024",
 )
 NOT_EMPTY = Rule("not empty", lambda value: None if value.strip() else "must not be empty")
 NO_SPACES = Rule(
@@ -213,8 +218,14 @@ class SupervisorConfig:
     shutdown_deadline: float = setting(
         30.0, "seconds a graceful stop may take before running handlers are killed", above(0)
     )
-    lease: float = setting(30.0, "consumer heartbeat lease (s), renewed every lease/3", at_least(3))
-    maintenance_interval: float = setting(5.0, "seconds between recovery sweeps", above(0))
+    lease: float = setting(
+        30.0, "claim lease (s): a delivery not renewed for this long is recovered; renewed "
+        "every lease/3 (whole seconds on Redis)", at_least(3),
+    )
+    maintenance_interval: float = setting(
+        5.0, "seconds between recovery sweeps (on Redis the expiry of the fleet's reap lock, "
+        "shared with PHP workers)", above(0),
+    )
     recovery_age: int = setting(
         90000,
         "publish age (s) after which owner-less processing entries (legacy consumers) "
@@ -226,7 +237,10 @@ class SupervisorConfig:
     )
     ring_slots: int = setting(8192, "slots per ring", at_least(2))
     max_envelope_bytes: int = setting(
-        MAX_ENVELOPE_BYTES, "larger envelopes are malformed and go to poison", at_least(1024)
+        0,
+        "larger envelopes are malformed and go to poison; 0 = no limit of its own, as in PHP "
+        "(one must still fit half a ring: ring_slot_size * ring_slots / 2, less 22 bytes)",
+        ZERO_OR_AT_LEAST_1024,
     )
     log_level: str = setting("info", "least severe level logged", one_of(LOG_LEVELS))
     metrics_port: int = setting(
@@ -235,6 +249,15 @@ class SupervisorConfig:
     metrics_host: str = setting(
         "127.0.0.1", "address the metrics endpoint binds to", NOT_EMPTY, NO_SPACES
     )
+
+    def envelope_limit(self) -> int:
+        """The size above which an envelope is malformed: ``max_envelope_bytes``, or when
+        that is 0, the largest a DELIVER record in half a ring carries. Larger ones could not
+        be handed to a handler at all (or only after its ring drained completely)."""
+        if self.max_envelope_bytes:
+            return self.max_envelope_bytes
+        half_ring = self.ring_slots // 2 * self.ring_slot_size
+        return half_ring - Ring.RECORD_HEADER - DELIVER_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,7 +542,7 @@ def _prefetch_covers_coroutines(values: _Values) -> str | None:
 def _ring_holds_two_envelopes(values: _Values) -> str | None:
     size, slots = values["supervisor.ring_slot_size"], values["supervisor.ring_slots"]
     largest = values["supervisor.max_envelope_bytes"]
-    if size * slots >= 2 * largest:
+    if size * slots >= 2 * largest:  # 0: no limit of its own, the ring sets it
         return None
     return (
         f"[supervisor] ring_slot_size * ring_slots = {size} * {slots} = {size * slots} bytes is "

@@ -69,9 +69,10 @@ async def server_ms(client) -> int:
     return seconds * 1000 + micros // 1000
 
 
-async def wait_until_expired(client, deadline_ms: float, timeout: float = 10.0) -> None:
+async def wait_until_expired(client, deadline: float, timeout: float = 10.0) -> None:
+    """Until the server clock passed a registry deadline (whole seconds, as queue 5's)."""
     async with asyncio.timeout(timeout):
-        while await server_ms(client) <= deadline_ms:
+        while await server_ms(client) < deadline * 1000:
             await asyncio.sleep(0.01)
 
 
@@ -99,14 +100,16 @@ async def test_status_json_reports_the_queue_state(conf, run, redis_client, brok
     assert listed["key"] == reservation.key and listed["size"] == 1
     assert orjson.loads(listed["payloads"][0])["pid"] == ready_pids[2]
     assert 0 < listed["expires_in_ms"] <= 30_000
-    [live] = state["consumers"]
+    assert state["supervisors"] == []  # a record appears with the first renewal
+    await consumer.extend(received.deliveries)
+    [live] = orjson.loads((await run("status", conf, "--json"))[1])["supervisors"]
     assert live["id"] == "worker-a" and 0 < live["ttl_ms"] <= 30_000
     assert state["stats"] == {"total": 2, "processing": 2, "success": 0, "failed": 0}
     assert [d.pid for d in received.deliveries] == ready_pids[:2]
 
     code, text = await run("status", conf)  # the same, for a person
     assert code == 0
-    assert "processing    2 (owner records: 2)" in text and "worker-a  heartbeat" in text
+    assert "processing    2 (owner records: 2)" in text and "worker-a  " in text
 
 
 # -- check and recover ------------------------------------------------------------------------
@@ -116,7 +119,7 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
     conf, run, redis_client, brokers
 ):
     pids = await push(redis_client, {"n": 1}, {"n": 2})
-    dying = await brokers(lease=0.3)  # its reservation's deadline is 300 ms away
+    dying = await brokers(lease=1)  # its reservation's deadline is about 1 s away
     reservation = await dying.reserve(2, block_timeout=0)
     assert len(reservation.payloads) == 2
 
@@ -138,20 +141,23 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
 
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
     [pid] = await push(redis_client, {"n": 1})
-    dying = await brokers(consumer_id="dying", lease=0.3)  # heartbeat expires after 300 ms
+    dying = await brokers(consumer_id="dying", lease=1)  # claims expire after 1 s
     [delivery] = (await dying.receive(1, block_timeout=0)).deliveries
 
     code, out = await run("check", conf)
     assert code == 1 and "1 owner records" in out and keys().owner(pid) in out
 
     async with asyncio.timeout(10):
-        while await redis_client.exists(keys().consumer("dying")):
+        while await redis_client.exists(keys().claim(pid)):
             await asyncio.sleep(0.01)
     code, out = await run("recover", conf)
     assert code == 0 and "1 of dead consumers" in out
     code, _ = await run("check", conf)
     assert code == 0
-    assert await redis_client.lrange(keys().ready, 0, -1) == [delivery.raw]
+    [requeued] = await redis_client.lrange(keys().ready, 0, -1)
+    assert orjson.loads(requeued)["pid"] == pid
+    assert orjson.loads(requeued)["attempts"] == 1  # the lost run counts (queue 5)
+    assert orjson.loads(requeued)["payload"] == delivery.payload
 
 
 # -- retry --------------------------------------------------------------------------------------
@@ -175,7 +181,7 @@ async def ready_envelopes(redis_client) -> list[dict[str, Any]]:
 async def test_retry_keeps_attempts_and_is_bounded_by_limit(conf, run, redis_client, brokers):
     pids = await fail_all(redis_client, brokers, 3)
     code, out = await run("retry", conf, "--limit", "2")
-    assert code == 0 and "moved 2 failed jobs" in out and "attempts kept" in out
+    assert code == 0 and "moved 2 failed jobs" in out and "attempts + 1" in out
     moved = await ready_envelopes(redis_client)
     assert [job["pid"] for job in moved] == pids[:2]  # the oldest failures first
     assert [job["attempts"] for job in moved] == [1, 1]
@@ -202,7 +208,10 @@ async def test_retry_drops_expired_records_and_takes_from_dead(conf, run, redis_
     await redis_client.delete(keys().job("expired-pid"))
     code, out = await run("retry", conf, "--from", "dead")
     assert code == 0 and "moved 1 dead jobs" in out and "dropped 1" in out
-    assert await redis_client.lrange(keys().ready, 0, -1) == [raw]
+    [moved] = await redis_client.lrange(keys().ready, 0, -1)
+    # As queue 5's retry(): the same payload, attempts + 1 (the pid is kept here).
+    assert {**orjson.loads(moved), "timestamp": 0} == {
+        **orjson.loads(raw), "timestamp": 0, "attempts": 1}
     assert await redis_client.llen(keys().dead) == 0
 
 

@@ -23,7 +23,8 @@ def test_samples_cover_every_kind_of_key():
                 keys.reservations, keys.reap_lock, keys.reap_cursor, keys.stat("total"),
                 keys.stat("processing"), keys.stat("success"), keys.stat("failed")):
         assert key in samples
-    for prefix in (keys.job(""), keys.owner(""), keys.reservation(""), keys.consumer("")):
+    for prefix in (keys.job(""), keys.owner(""), keys.claim(""), keys.pending(""),
+                   keys.reservation(""), keys.supervisor("")):
         assert any(sample.startswith(prefix) and sample != prefix for sample in samples)
 
 

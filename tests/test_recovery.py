@@ -1,7 +1,8 @@
 """Maintenance: recovery of expired reservations and abandoned processing entries.
 
 States are written with plain Redis commands following the contract in ``broker.keys``
-(what RedisBroker writes), then ``maintain()`` runs against a real redis-server.
+(queue 5's layout, which RedisBroker and PHP queue-5 workers both write), then
+``maintain()`` runs against a real redis-server.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import pytest
 from broker import envelope
 from broker.base import WrongTypeError
 from broker.keys import QueueKeys
-from broker.recovery import find_candidates, maintain, recover_candidates
+from broker.recovery import maintain, parse_cursor
 from broker.scripts import Scripts
 
 KEYS = QueueKeys("utopia-queue", "v1-stats-usage")
-DAY = 86_400
 AGE = 90_000
+TOKEN = "0123456789abcdef0123456789abcdef"  # a queue-5 owner token: 32 lowercase hex
 
 
 class CountingScripts(Scripts):
@@ -32,63 +33,53 @@ class CountingScripts(Scripts):
         self.calls: list[tuple[str, int]] = []
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        items = len(args) // 3 if name == "recover_processing" else len(keys) - 2
+        items = (len(keys) - 4) // 4 if name == "reclaim" else len(keys) - 2
         self.calls.append((name, items))
         return await super().call(name, keys, args)
 
 
 async def run(client, scripts: Scripts | None = None, **options):
-    options = {"consumer_id": "sweeper", "lease_ms": 30_000, "recovery_age": AGE, **options}
+    """One sweep, as if the fleet's sweep interval had passed (the lock is never released)."""
+    await client.delete(KEYS.reap_lock)
+    options = {"lock_seconds": 60, "recovery_age": AGE, "max_attempts": 3, **options}
     return await maintain(client, scripts or Scripts(client), KEYS, **options)
-
-
-async def server_ms(client) -> int:
-    seconds, micros = await client.time()
-    return seconds * 1000 + micros // 1000
 
 
 async def server_s(client) -> int:
     return (await client.time())[0]
 
 
-async def reserve(client, token: str, payloads: list[bytes], deadline_ms: int) -> str:
+async def reserve(client, token: str, payloads: list[bytes], deadline: int) -> str:
+    """A reservation as reserve.lua (and queue 5) leaves it: the last taken at the head."""
     key = KEYS.reservation(token)
-    if payloads:
-        await client.rpush(key, *payloads)
-    await client.zadd(KEYS.reservations, {key: deadline_ms})
+    for payload in payloads:
+        await client.lpush(key, payload)
+    await client.zadd(KEYS.reservations, {key: deadline})
     return key
 
 
-def record(pid: str, timestamp: int, attempts: int = 0) -> bytes:
+def record(pid: str, timestamp: int, attempts: int = 0, **extra: Any) -> bytes:
     return envelope.encode({
         "pid": pid, "queue": KEYS.queue, "timestamp": timestamp, "payload": {"pid": pid},
-        "attempts": attempts,
+        "attempts": attempts, **extra,
     })
 
 
-async def deliver(client, consumer: str, pids: Sequence[str], timestamp: int) -> None:
-    """Claimed deliveries as RedisBroker writes them: processing + job + owner + counter."""
+async def deliver(
+    client, pids: Sequence[str], timestamp: int, *, token: str = TOKEN, live: bool = False,
+    attempts: int = 0, owner: bool = True,
+) -> None:
+    """Claimed deliveries as claim.lua writes them; ``live``: with a claim (lease) key."""
     pipe = client.pipeline(transaction=False)
     for pid in pids:
         pipe.lpush(KEYS.processing, pid)
-        pipe.set(KEYS.job(pid), record(pid, timestamp, attempts=2))
-        pipe.set(KEYS.owner(pid), f"{consumer}:nonce-{pid}")
+        pipe.set(KEYS.job(pid), record(pid, timestamp, attempts))
+        if owner:
+            pipe.set(KEYS.owner(pid), token)
+        if live:
+            pipe.set(KEYS.claim(pid), token, ex=90)
         pipe.incr(KEYS.stat("processing"))
     await pipe.execute()
-
-
-async def deliver_legacy(client, pids: Sequence[str], timestamp: int) -> None:
-    """Deliveries of a PHP consumer: processing + job + counter, no owner."""
-    pipe = client.pipeline(transaction=False)
-    for pid in pids:
-        pipe.lpush(KEYS.processing, pid)
-        pipe.set(KEYS.job(pid), record(pid, timestamp))
-        pipe.incr(KEYS.stat("processing"))
-    await pipe.execute()
-
-
-async def beat(client, consumer: str) -> None:
-    await client.set(KEYS.consumer(consumer), "1", px=60_000)
 
 
 async def taken_order(client) -> list[bytes]:
@@ -103,310 +94,301 @@ def pids_of(raws: Sequence[bytes]) -> list[str]:
 # --- expired reservations -------------------------------------------------------------
 
 
-async def test_reservation_left_by_a_death_after_the_blocking_move(redis_client):
+async def test_a_reservation_is_returned_once_its_deadline_in_seconds_passed(redis_client):
     await redis_client.lpush(KEYS.ready, b"newer")
-    deadline = await server_ms(redis_client) + 2000
-    key = await reserve(redis_client, "t1", [b"moved"], deadline)
+    now = await server_s(redis_client)
+    key = await reserve(redis_client, "t1", [b"p1", b"p2"], now + 2)
 
-    early = await run(redis_client)
-    assert early.expired_reservations == 0
+    assert (await run(redis_client)).expired_reservations == 0
     assert await redis_client.zcard(KEYS.reservations) == 1
-
-    while await server_ms(redis_client) <= deadline:
+    while await server_s(redis_client) < now + 2:
         await asyncio.sleep(0.05)
-    report = await run(redis_client)
-    assert report.expired_reservations == 1
-    assert await taken_order(redis_client) == [b"moved", b"newer"]
+    assert (await run(redis_client)).expired_reservations == 2
+    assert await taken_order(redis_client) == [b"p1", b"p2", b"newer"]
     assert await redis_client.zcard(KEYS.reservations) == 0
     assert await redis_client.exists(key) == 0
 
 
-async def test_payloads_return_in_the_order_they_were_taken(redis_client):
-    await redis_client.lpush(KEYS.ready, b"later")
-    await reserve(redis_client, "t1", [b"p1", b"p2", b"p3"], await server_ms(redis_client) - 1)
-    assert (await run(redis_client)).expired_reservations == 3
-    assert await taken_order(redis_client) == [b"p1", b"p2", b"p3", b"later"]
-
-
-async def test_stale_candidates_are_rechecked_by_the_script(redis_client):
-    past = await server_ms(redis_client) - 1000
+async def test_deadlines_are_rechecked_by_the_script(redis_client):
+    past = await server_s(redis_client) - 10
     renewed = await reserve(redis_client, "renewed", [b"r"], past)
     claimed = await reserve(redis_client, "claimed", [b"c"], past)
     expired = await reserve(redis_client, "expired", [b"e"], past)
-    found = await redis_client.zrangebyscore(KEYS.reservations, "-inf", past + 1)
+    found = await Scripts(redis_client).call("expired", [KEYS.reservations], [1000])
     assert len(found) == 3
-    unregistered = KEYS.reservation("unregistered")  # a list that is not registered (any more)
+    unregistered = KEYS.reservation("unregistered")  # a list no registry names
     await redis_client.rpush(unregistered, b"u")
 
-    # Meanwhile: one consumer renews its reservation, another claims its own.
-    await redis_client.zadd(KEYS.reservations, {renewed: await server_ms(redis_client) + 60_000})
+    # Meanwhile: one reservation gets a later deadline, another is claimed.
+    await redis_client.zadd(KEYS.reservations, {renewed: past + 3600})
     await redis_client.delete(claimed)
     await redis_client.zrem(KEYS.reservations, claimed)
 
-    moved, done = await Scripts(redis_client).call(
-        "recover_reservations", [KEYS.ready, KEYS.reservations, *found, unregistered], [1000]
-    )
-    assert (moved, done) == (1, 1)
+    keys = [KEYS.reservations, KEYS.ready, *map(bytes.decode, found), unregistered]
+    assert await Scripts(redis_client).call("recover", keys, [1000]) == 1
     assert await taken_order(redis_client) == [b"e"]
     assert await redis_client.exists(expired) == 0
     assert await redis_client.lrange(renewed, 0, -1) == [b"r"]
-    assert await redis_client.zscore(KEYS.reservations, renewed) > past
     assert await redis_client.lrange(unregistered, 0, -1) == [b"u"]
-    assert await redis_client.zcard(KEYS.reservations) == 1
 
 
 async def test_an_empty_expired_reservation_is_just_unregistered(redis_client):
-    await reserve(redis_client, "empty", [], await server_ms(redis_client) - 1)
-    report = await run(redis_client)
-    assert report.expired_reservations == 0
+    await reserve(redis_client, "empty", [], await server_s(redis_client) - 1)
+    assert (await run(redis_client)).expired_reservations == 0
     assert await redis_client.zcard(KEYS.reservations) == 0
 
 
-async def test_one_script_call_moves_at_most_max_items(redis_client):
-    past = await server_ms(redis_client) - 1
+async def test_one_recover_call_moves_at_most_its_limit(redis_client):
+    past = await server_s(redis_client) - 1
     found = [
         await reserve(redis_client, f"t{i}", [f"{i}-{j}".encode() for j in range(600)], past)
         for i in range(3)
     ]
     scripts = Scripts(redis_client)
-    keys = [KEYS.ready, KEYS.reservations, *found]
-    assert await scripts.call("recover_reservations", keys, [1000]) == [600, 1]
-    # The first reservation always goes, even when it alone is above the bound.
-    assert await scripts.call("recover_reservations", keys, [100]) == [600, 1]
-    assert await redis_client.llen(KEYS.ready) == 1200
-
-
-async def test_maintain_recovers_many_reservations_in_bounded_calls(redis_client):
-    past = await server_ms(redis_client) - 1
-    for i in range(250):
-        await reserve(redis_client, f"t{i}", [f"{i}-a".encode(), f"{i}-b".encode()], past)
-    scripts = CountingScripts(redis_client)
-    report = await run(redis_client, scripts, batch=100)
-    assert report.expired_reservations == 500
-    calls = [items for name, items in scripts.calls if name == "recover_reservations"]
-    assert all(items <= 100 for items in calls)
+    assert await scripts.call("recover", [KEYS.reservations, KEYS.ready, *found], [1000]) == 1000
+    # The one cut short stays registered (and expired) for the next call.
+    assert await redis_client.zcard(KEYS.reservations) == 2
+    assert (await run(redis_client)).expired_reservations == 800
     assert await redis_client.zcard(KEYS.reservations) == 0
+    assert await redis_client.llen(KEYS.ready) == 1800
+
+
+async def test_many_reservations_over_bounded_rounds(redis_client):
+    past = await server_s(redis_client) - 1
+    for i in range(1500):
+        await reserve(redis_client, f"t{i}", [f"{i}-a".encode()], past)
+    scripts = CountingScripts(redis_client)
+    assert (await run(redis_client, scripts)).expired_reservations == 1500
+    assert all(items <= 1000 for name, items in scripts.calls if name == "recover")
+    assert await redis_client.zcard(KEYS.reservations) == 0
+
+
+async def test_a_previous_format_reservation_in_ms_is_recovered_once_expired(redis_client):
+    seconds, micros = await redis_client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    old = await reserve(redis_client, "old", [b"o"], now_ms - 1)
+    future = await reserve(redis_client, "future", [b"f"], now_ms + 3_600_000)
+    assert (await run(redis_client)).expired_reservations == 1
+    assert await taken_order(redis_client) == [b"o"]
+    assert await redis_client.exists(old) == 0
+    assert await redis_client.zscore(KEYS.reservations, future) is not None
 
 
 # --- processing entries ---------------------------------------------------------------
 
 
-async def test_deliveries_of_a_dead_consumer_are_requeued(redis_client):
+async def test_a_delivery_whose_claim_lapsed_is_requeued_with_attempts_plus_one(redis_client):
     now = await server_s(redis_client)
-    await deliver(redis_client, "dead-1", ["d1", "d2", "d3"], now)
-    await deliver(redis_client, "live-1", ["l1", "l2"], now)
-    await beat(redis_client, "live-1")
-
+    await deliver(redis_client, ["d1", "d2"], now - 5, attempts=1)
+    await deliver(redis_client, ["l1"], now - 5, token="f" * 32, live=True)
     report = await run(redis_client)
-    assert (report.dead_consumers, report.legacy, report.expired_reservations) == (3, 0, 0)
-    ready = await taken_order(redis_client)
-    assert pids_of(ready) == ["d1", "d2", "d3"]  # the oldest delivery is taken first
-    assert all(orjson.loads(raw)["attempts"] == 2 for raw in ready)  # unchanged
-    for pid in ("d1", "d2", "d3"):
-        assert await redis_client.exists(KEYS.owner(pid), KEYS.job(pid)) == 0
-    assert sorted(await redis_client.lrange(KEYS.processing, 0, -1)) == [b"l1", b"l2"]
-    assert await redis_client.get(KEYS.stat("processing")) == b"2"
-    for pid in ("l1", "l2"):
-        assert await redis_client.exists(KEYS.owner(pid), KEYS.job(pid)) == 2
-
-    again = await run(redis_client)
-    assert again.total == 0
+    assert report.dead_consumers == 2
+    requeued = [orjson.loads(raw) for raw in await redis_client.lrange(KEYS.ready, 0, -1)]
+    assert sorted(e["pid"] for e in requeued) == ["d1", "d2"]  # the same pids
+    assert all(e["attempts"] == 2 and e["timestamp"] >= now for e in requeued)
+    assert all(e["payload"] == {"pid": e["pid"]} for e in requeued)
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"l1"]
+    for pid in ("d1", "d2"):
+        assert await redis_client.exists(KEYS.job(pid), KEYS.owner(pid), KEYS.claim(pid)) == 0
+    assert await redis_client.get(KEYS.stat("processing")) == b"1"
+    # The live one (a PHP worker's token, renewed) is untouched.
+    assert await redis_client.get(KEYS.owner("l1")) == b"f" * 32
 
 
-async def test_an_owner_rewritten_or_revived_after_the_scan_is_untouched(redis_client):
+async def test_at_max_attempts_a_lapsed_delivery_goes_to_dead(redis_client):
     now = await server_s(redis_client)
-    await deliver(redis_client, "dead-1", ["redelivered", "revived", "gone"], now)
-    candidates = await find_candidates(
-        redis_client, KEYS, ["redelivered", "revived", "gone"], now=now, recovery_age=AGE
-    )
-    assert [c.pid for c in candidates] == ["redelivered", "revived", "gone"]
-
-    # Between the scan and the script: one pid is re-delivered to someone else, and the
-    # owner of another turns out alive after all (its heartbeat key is back).
-    await redis_client.set(KEYS.owner("redelivered"), "other-1:nonce")
-    await beat(redis_client, "other-1")
-    revived = next(c for c in candidates if c.pid == "revived")
-    statuses = await recover_candidates(
-        Scripts(redis_client), KEYS, [c for c in candidates if c.pid != "revived"],
-        placeholder="sweeper",
-    )
-    assert statuses == ["skip", "ok"]
-    await beat(redis_client, "dead-1")
-    assert await recover_candidates(
-        Scripts(redis_client), KEYS, [revived], placeholder="sweeper"
-    ) == ["skip"]
-    assert await redis_client.get(KEYS.owner("redelivered")) == b"other-1:nonce"
-    assert await redis_client.exists(KEYS.job("redelivered"), KEYS.job("revived")) == 2
-    assert pids_of(await taken_order(redis_client)) == ["gone"]
-    assert await redis_client.get(KEYS.stat("processing")) == b"2"
-
-
-async def test_a_delivery_settled_after_the_scan_is_untouched(redis_client):
-    now = await server_s(redis_client)
-    await deliver(redis_client, "dead-1", ["p1"], now)
-    candidates = await find_candidates(redis_client, KEYS, ["p1"], now=now, recovery_age=AGE)
-    # The consumer committed it just before its heartbeat expired.
-    await redis_client.delete(KEYS.job("p1"), KEYS.owner("p1"))
-    await redis_client.lrem(KEYS.processing, 1, "p1")
-    await redis_client.decr(KEYS.stat("processing"))
-    statuses = await recover_candidates(Scripts(redis_client), KEYS, candidates,
-                                        placeholder="sweeper")
-    assert statuses == ["skip"]
+    await deliver(redis_client, ["x"], now, attempts=2)
+    keyed = record("k", now, 2, key="user:1")
+    await redis_client.lpush(KEYS.processing, "k")
+    await redis_client.set(KEYS.job("k"), keyed)
+    await redis_client.set(KEYS.owner("k"), TOKEN)
+    await redis_client.set(KEYS.pending("user:1"), "k", ex=86400)
+    await redis_client.set(KEYS.stat("processing"), 2)
+    report = await run(redis_client, max_attempts=3, job_ttl=3600)
+    assert report.dead_consumers == 2
+    assert sorted(await redis_client.lrange(KEYS.dead, 0, -1)) == [b"k", b"x"]
+    assert await redis_client.get(KEYS.job("k")) == keyed  # kept as stored
+    assert 0 < await redis_client.ttl(KEYS.job("x")) <= 3600
+    assert await redis_client.exists(KEYS.pending("user:1")) == 0  # the marker is freed
     assert await redis_client.llen(KEYS.ready) == 0
     assert await redis_client.get(KEYS.stat("processing")) == b"0"
 
 
-async def test_legacy_entries_are_recovered_only_past_the_age(redis_client):
+async def test_a_requeued_keyed_message_keeps_its_marker(redis_client):
     now = await server_s(redis_client)
-    await deliver_legacy(redis_client, ["old"], now - AGE - 10)
-    await deliver_legacy(redis_client, ["young"], now - AGE + 600)
-    report = await run(redis_client)
-    assert (report.legacy, report.dead_consumers) == (1, 0)
-    assert pids_of(await taken_order(redis_client)) == ["old"]
-    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"young"]
-    assert await redis_client.exists(KEYS.job("old")) == 0
-    assert await redis_client.get(KEYS.stat("processing")) == b"1"
+    await redis_client.lpush(KEYS.processing, "k")
+    await redis_client.set(KEYS.job("k"), record("k", now, 0, key="user:1"))
+    await redis_client.set(KEYS.owner("k"), TOKEN)
+    await redis_client.set(KEYS.pending("user:1"), "k", ex=86400)
+    assert (await run(redis_client)).dead_consumers == 1
+    [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
+    assert orjson.loads(requeued)["key"] == "user:1"
+    assert await redis_client.get(KEYS.pending("user:1")) == b"k"  # still pending: same pid
 
 
-async def test_legacy_entries_without_a_readable_record(redis_client):
+async def test_live_claims_are_never_recovered_whatever_their_age(redis_client):
     now = await server_s(redis_client)
-    old_pid = f"{now - 2 * DAY:08x}00000{1.5:.8f}"
-    fresh_pid = f"{now:08x}00000{1.5:.8f}"
-    await redis_client.lpush(KEYS.processing, "garbled", old_pid, fresh_pid)
-    await redis_client.set(KEYS.job("garbled"), b"{not json")  # undecodable: taken as old
-    await redis_client.set(KEYS.stat("processing"), 3)
+    await deliver(redis_client, ["php"], now - 2 * AGE, token="a" * 32, live=True)
+    await deliver(redis_client, ["ours"], now, live=True)
+    assert (await run(redis_client)).total == 0
+    assert await redis_client.llen(KEYS.processing) == 2
 
+
+async def test_owner_less_entries_are_recovered_only_past_the_age(redis_client):
+    now = await server_s(redis_client)
+    await deliver(redis_client, ["old"], now - AGE - 10, owner=False)
+    await deliver(redis_client, ["young"], now - AGE + 60, owner=False)
     report = await run(redis_client)
     assert report.legacy == 1
-    assert await taken_order(redis_client) == [b"{not json"]
-    # The old pid without a record was dangling: removed. The fresh one may be a PHP
-    # commit in progress (job deleted, pid not yet): left alone.
-    assert await redis_client.lrange(KEYS.processing, 0, -1) == [fresh_pid.encode()]
-    assert await redis_client.get(KEYS.stat("processing")) == b"1"
+    assert pids_of(await redis_client.lrange(KEYS.ready, 0, -1)) == ["old"]
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"young"]
 
 
-async def test_a_legacy_entry_that_gained_an_owner_is_untouched(redis_client):
+async def test_dangling_and_inconsistent_entries(redis_client):
     now = await server_s(redis_client)
-    await deliver_legacy(redis_client, ["p1"], now - AGE - 10)
-    candidates = await find_candidates(redis_client, KEYS, ["p1"], now=now, recovery_age=AGE)
-    await redis_client.set(KEYS.owner("p1"), "someone:nonce")
-    assert await recover_candidates(Scripts(redis_client), KEYS, candidates,
-                                    placeholder="sweeper") == ["skip"]
-    assert await redis_client.llen(KEYS.processing) == 1
+    await redis_client.lpush(KEYS.processing, "dangling", "owned-no-record")
+    await redis_client.set(KEYS.owner("owned-no-record"), TOKEN)
+    await redis_client.lpush(KEYS.processing, "unreadable")
+    await redis_client.set(KEYS.job("unreadable"), b"\x00 not json")
+    await redis_client.set(KEYS.owner("unreadable"), TOKEN)
+    await run(redis_client)
+    # A pid with neither record nor owner goes; one with an owner but no record is left
+    # alone (and logged); an unreadable record is kept in dead, never requeued.
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"owned-no-record"]
+    assert await redis_client.lrange(KEYS.dead, 0, -1) == [b"unreadable"]
+    assert await redis_client.get(KEYS.job("unreadable")) == b"\x00 not json"
+    del now
 
 
-async def test_work_is_bounded_and_a_long_history_is_swept_by_the_cursor(redis_client):
+async def test_changes_after_the_read_are_rechecked_by_the_script(redis_client):
     now = await server_s(redis_client)
-    dead = [f"dead-{i}" for i in range(5000)]
-    await deliver(redis_client, "dead-1", dead, now)  # oldest: at the tail
-    await deliver_legacy(redis_client, [f"young-{i}" for i in range(20_000)], now - 60)
+    await deliver(redis_client, ["renewed", "reowned", "settled"], now)
+    from broker import recovery
+
+    original = recovery._read_state
+
+    async def then_things_change(client, keys, pids):
+        state = await original(client, keys, pids)
+        await client.set(KEYS.claim("renewed"), TOKEN, ex=90)  # its owner renewed it
+        await client.set(KEYS.owner("reowned"), "b" * 32)  # recovered and re-delivered
+        await client.lrem(KEYS.processing, 1, "settled")  # settled by its owner
+        await client.delete(KEYS.job("settled"), KEYS.owner("settled"))
+        return state
+
+    recovery._read_state = then_things_change
+    try:
+        report = await run(redis_client)
+    finally:
+        recovery._read_state = original
+    assert report.total == 0
+    assert await redis_client.llen(KEYS.ready) == 0
+    assert sorted(await redis_client.lrange(KEYS.processing, 0, -1)) == [b"renewed", b"reowned"]
+
+
+# --- the shared cursor and bounded work -------------------------------------------------
+
+
+async def test_the_cursor_is_queue_5s_and_sweeps_a_long_history(redis_client):
+    now = await server_s(redis_client)
+    lapsed = [f"lapsed-{i}" for i in range(2500)]
+    await deliver(redis_client, lapsed, now)  # oldest: at the tail
+    await deliver(redis_client, [f"live-{i}" for i in range(3000)], now, live=True)
     scripts = CountingScripts(redis_client)
-
-    calls = 0
-    while await redis_client.llen(KEYS.processing) > 20_000:
-        calls += 1
-        assert calls <= 10, "the cursor does not make progress"
-        report = await run(redis_client, scripts, batch=1000)
+    cursors = []
+    for _ in range(3):
+        report = await run(redis_client, scripts, scan=1000)
         assert report.total <= 1000
-    recovered = [items for name, items in scripts.calls if name == "recover_processing"]
-    assert all(items <= 1000 for items in recovered)
-    assert calls == 5
-    assert sorted(pids_of(await redis_client.lrange(KEYS.ready, 0, -1))) == sorted(dead)
-    assert await redis_client.get(KEYS.stat("processing")) == b"20000"
+        cursors.append(parse_cursor(await redis_client.get(KEYS.reap_cursor)))
+    # queue 5's arithmetic: each window spends `remaining`; recovered entries leave the list.
+    assert cursors == [(0, 4500), (0, 3500), (500, 2500)]
+    assert sorted(pids_of(await redis_client.lrange(KEYS.ready, 0, -1))) == sorted(lapsed)
+    assert all(items <= 1000 for name, items in scripts.calls if name == "reclaim")
+    for _ in range(3):  # the live ones: retained, cursor moves on, wraps at the end
+        await run(redis_client, scripts, scan=1000)
+        cursors.append(parse_cursor(await redis_client.get(KEYS.reap_cursor)))
+    assert cursors[3:] == [(1500, 1500), (2500, 500), (3000, 0)]
+    assert await redis_client.get(KEYS.stat("processing")) == b"3000"
 
 
-async def test_the_cursor_wraps_and_finds_old_entries_anywhere(redis_client):
+async def test_a_cursor_in_another_format_is_reset(redis_client):
     now = await server_s(redis_client)
-    old = []
-    for i in range(3000):  # every third entry is past the age
-        if i % 3 == 0:
-            old.append(f"old-{i}")
-            await deliver_legacy(redis_client, [old[-1]], now - AGE - 1)
-        else:
-            await deliver_legacy(redis_client, [f"young-{i}"], now)
-    await redis_client.set(KEYS.reap_cursor, 2400)  # somewhere in the middle: must wrap
+    await deliver(redis_client, ["a", "b"], now, live=True)
+    for stored in (b"17", b"junk", b"-5:3", b"9:9"):
+        await redis_client.set(KEYS.reap_cursor, stored)
+        await run(redis_client)
+        assert await redis_client.get(KEYS.reap_cursor) == b"2:0"
 
-    calls = 0
-    while await redis_client.llen(KEYS.ready) < len(old):
-        calls += 1
-        assert calls <= 2 * 3000 // 200 + 2
-        report = await run(redis_client, batch=200)
-        assert report.legacy <= 2 * 200
-    assert sorted(pids_of(await redis_client.lrange(KEYS.ready, 0, -1))) == sorted(old)
-    assert await redis_client.llen(KEYS.processing) == 2000
+
+async def test_recovery_work_per_script_call_is_bounded_in_a_long_list(redis_client):
+    """100,000 young owner-less entries ahead of 1,000 lapsed ones: each LREM scans from the
+    nearer end, and the calls split by scanned entries, so no call is slow."""
+    now = await server_s(redis_client)
+    await deliver(redis_client, [f"old-{i}" for i in range(1000)], now)
+    pipe = redis_client.pipeline(transaction=False)
+    young = [f"young-{i}" for i in range(100_000)]
+    for start in range(0, len(young), 5000):
+        pipe.lpush(KEYS.processing, *young[start:start + 5000])
+    await pipe.execute()
+    # Also 1,000 lapsed ones in the middle, reached by a cursor window there.
+    middle = [f"mid-{i}" for i in range(1000)]
+    await deliver(redis_client, middle, now)
+    young2 = [f"young2-{i}" for i in range(50_000)]
+    await redis_client.lpush(KEYS.processing, *young2)
+    await redis_client.mset({KEYS.job(pid): record(pid, now) for pid in young2[-1000:]})
+    await redis_client.config_set("slowlog-log-slower-than", 100_000)  # 100 ms
+    await redis_client.slowlog_reset()
+
+    report = await run(redis_client)
+    assert report.dead_consumers == 1000  # the tail window
+    await redis_client.set(KEYS.reap_cursor, "100000:50000")  # 100,000 from the tail
+    report = await run(redis_client)
+    assert report.dead_consumers == 1000  # the middle window
+    assert await redis_client.slowlog_get() == []
+    assert await redis_client.llen(KEYS.processing) == 150_000
 
 
 # --- lock, errors, script cache -------------------------------------------------------
 
 
-async def test_of_two_concurrent_sweeps_one_does_the_work(redis_client):
+async def test_the_lock_is_queue_5s_and_schedules_the_fleet(redis_client):
     now = await server_s(redis_client)
-    await deliver(redis_client, "dead-1", [f"p{i}" for i in range(50)], now)
+    await deliver(redis_client, [f"p{i}" for i in range(50)], now)
+    scripts = Scripts(redis_client)
+    options = {"lock_seconds": 5, "recovery_age": AGE, "max_attempts": 3}
     first, second = await asyncio.gather(
-        run(redis_client, consumer_id="a"), run(redis_client, consumer_id="b")
+        maintain(redis_client, scripts, KEYS, **options),
+        maintain(redis_client, scripts, KEYS, **options),
     )
     assert sorted([first.skipped, second.skipped]) == [False, True]
-    assert first.total + second.total == 50
-    assert await redis_client.llen(KEYS.ready) == 50
-    assert await redis_client.exists(KEYS.reap_lock) == 0  # released
-    assert not (await run(redis_client)).skipped
+    assert first.dead_consumers + second.dead_consumers == 50
+    # Never released: it expires after the interval, as queue 5's does.
+    assert abs(int(await redis_client.get(KEYS.reap_lock)) - now) <= 2
+    assert 0 < await redis_client.ttl(KEYS.reap_lock) <= 5
+    assert (await maintain(redis_client, scripts, KEYS, **options)).skipped
 
 
-async def test_a_held_lock_skips_the_sweep(redis_client):
-    await deliver(redis_client, "dead-1", ["p1"], await server_s(redis_client))
-    await redis_client.set(KEYS.reap_lock, "other:nonce", px=60_000)
-    report = await run(redis_client)
-    assert report.skipped and report.total == 0
-    assert await redis_client.llen(KEYS.processing) == 1
-    assert await redis_client.get(KEYS.reap_lock) == b"other:nonce"
-
-
-async def test_a_wrong_typed_ready_list_changes_nothing(redis_client):
-    await redis_client.set(KEYS.ready, "not a list")
-    key = await reserve(redis_client, "t1", [b"p"], await server_ms(redis_client) - 1)
-    with pytest.raises(WrongTypeError, match="queue"):
-        await run(redis_client)
-    assert await redis_client.lrange(key, 0, -1) == [b"p"]
-    assert await redis_client.zcard(KEYS.reservations) == 1
-    assert await redis_client.exists(KEYS.reap_lock) == 0
-
-
-async def test_a_non_integer_counter_changes_nothing(redis_client):
-    await deliver(redis_client, "dead-1", ["p1", "p2"], await server_s(redis_client))
-    await redis_client.set(KEYS.stat("processing"), "many")
-    with pytest.raises(WrongTypeError, match="integer"):
-        await run(redis_client)
-    assert await redis_client.llen(KEYS.processing) == 2
-    assert await redis_client.exists(KEYS.owner("p1"), KEYS.job("p1")) == 2
-    assert await redis_client.llen(KEYS.ready) == 0
-
-
-async def test_a_wrong_typed_processing_list_is_reported(redis_client):
-    await redis_client.hset(KEYS.processing, "pid", "x")
+async def test_a_wrong_typed_key_changes_nothing(redis_client):
+    now = await server_s(redis_client)
+    await deliver(redis_client, ["p1"], now)
+    await redis_client.hset(KEYS.ready, "x", "y")
     with pytest.raises(WrongTypeError):
         await run(redis_client)
-    assert await redis_client.type(KEYS.processing) == b"hash"
-
-
-async def test_a_wrong_typed_job_record_changes_nothing(redis_client):
-    await deliver(redis_client, "dead-1", ["p1", "p2"], await server_s(redis_client))
-    await redis_client.delete(KEYS.job("p2"))
-    await redis_client.rpush(KEYS.job("p2"), "x")
-    with pytest.raises(WrongTypeError, match="jobs"):
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"p1"]
+    await redis_client.delete(KEYS.ready)
+    await redis_client.set(KEYS.stat("processing"), "abc")
+    with pytest.raises(WrongTypeError):
         await run(redis_client)
-    assert await redis_client.llen(KEYS.processing) == 2
-    assert await redis_client.exists(KEYS.owner("p1"), KEYS.job("p1")) == 2
+    assert await redis_client.exists(KEYS.owner("p1")) == 1
 
 
 async def test_maintain_survives_the_loss_of_the_script_cache(redis_client, redis_server):
     now = await server_s(redis_client)
     scripts = Scripts(redis_client)
-    await deliver(redis_client, "dead-1", ["p1"], now)
+    await deliver(redis_client, ["p1"], now)
     assert (await run(redis_client, scripts)).dead_consumers == 1
-
     redis_server.cli("SCRIPT", "FLUSH")
-    await deliver(redis_client, "dead-2", ["p2"], now)
-    await reserve(redis_client, "t1", [b"r"], await server_ms(redis_client) - 1)
+    await deliver(redis_client, ["p2"], now)
+    await reserve(redis_client, "t1", [b"r"], now - 1)
     report = await run(redis_client, scripts)
     assert (report.dead_consumers, report.expired_reservations) == (1, 1)
     assert await redis_client.llen(KEYS.processing) == 0
@@ -417,12 +399,12 @@ async def test_maintain_survives_the_loss_of_the_script_cache(redis_client, redi
 
 @pytest.fixture
 async def brokers(redis_url):
-    """Two consumers of one queue, ``a`` and ``b``, each with a 1 s lease."""
+    """Two consumers of one queue, ``a`` and ``b``, each with a 2 s lease."""
     from broker.redis import RedisBroker
 
     pair = [
         RedisBroker(redis_url, KEYS.queue, namespace=KEYS.namespace, consumer_id=name,
-                    lease=1.0)
+                    lease=2.0)
         for name in ("a", "b")
     ]
     for broker in pair:
@@ -432,10 +414,15 @@ async def brokers(redis_url):
         await broker.close()
 
 
+async def sweep(broker, client):
+    await client.delete(KEYS.reap_lock)
+    return await broker.maintain()
+
+
 async def wait_until_expired(client, reservation: str) -> None:
     deadline = await client.zscore(KEYS.reservations, reservation)
     assert deadline is not None
-    while await server_ms(client) <= deadline:
+    while await server_s(client) < deadline:
         await asyncio.sleep(0.05)
 
 
@@ -445,9 +432,9 @@ async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, red
     reservation = await a.reserve(3, 0)  # ... and a dies before claiming
     assert len(reservation.payloads) == 3
 
-    assert (await b.maintain()).expired_reservations == 0
+    assert (await sweep(b, redis_client)).expired_reservations == 0
     await wait_until_expired(redis_client, reservation.key)
-    assert (await b.maintain()).expired_reservations == 3
+    assert (await sweep(b, redis_client)).expired_reservations == 3
     late = await a.claim(reservation)  # a late claim finds the reservation gone
     assert late.deliveries == [] and late.poisoned == []
 
@@ -456,10 +443,7 @@ async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, red
     assert await redis_client.zcard(KEYS.reservations) == 0
 
 
-async def test_e2e_death_after_the_blocking_move(brokers, redis_client, monkeypatch):
-    import broker.redis
-
-    monkeypatch.setattr(broker.redis, "BLOCK_MARGIN", 0.5)
+async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     a, b = brokers
     blocked = asyncio.create_task(a.reserve(10, 1.0))
     while not await redis_client.zcard(KEYS.reservations):  # registered before the move
@@ -469,20 +453,57 @@ async def test_e2e_death_after_the_blocking_move(brokers, redis_client, monkeypa
     assert len(reservation.payloads) == 1
 
     await wait_until_expired(redis_client, reservation.key)
-    assert (await b.maintain()).expired_reservations == 1
+    assert (await sweep(b, redis_client)).expired_reservations == 1
     [delivery] = (await b.receive(10, 0)).deliveries
     assert (delivery.pid, delivery.payload) == (pid, {"late": True})
 
 
-async def test_e2e_a_dead_consumers_deliveries_go_to_the_living(brokers, redis_client):
+async def test_e2e_a_frozen_consumer_does_not_move_into_a_recovered_reservation(
+    brokers, redis_client
+):
+    """Hole 1: frozen between registering and BLMOVE past the deadline, the reservation is
+    recovered (empty: unregistered); a late BLMOVE would strand a payload in a list no
+    registry names. The consumer notices the freeze and does not move."""
+    a, b = brokers
+    original = a.scripts.call
+
+    async def freeze_after_reserve(name, keys, args=()):
+        result = await original(name, keys, args)
+        if name == "reserve" and not result:
+            await asyncio.sleep(a._lease / 2 + 0.2)  # SIGSTOP, a VM pause
+            await b.publish_many(KEYS.queue, [{"while": "frozen"}])
+        return result
+
+    a.scripts.call = freeze_after_reserve  # type: ignore[method-assign]
+    reservation = await a.reserve(10, 1.0)
+    assert reservation.payloads == []
+    assert await redis_client.zcard(KEYS.reservations) == 0
+    assert await redis_client.llen(KEYS.ready) == 1  # not moved anywhere
+
+
+async def test_e2e_a_late_move_into_an_unregistered_reservation_goes_back(brokers, redis_client):
+    """The same hole at the claim: whatever a reservation that is no longer registered
+    holds goes back to the ready list, never into a list no registry names."""
+    a, b = brokers
+    [pid] = await b.publish_many(KEYS.queue, [{"n": 1}])
+    reservation = await a.reserve(10, 0)
+    await redis_client.zrem(KEYS.reservations, reservation.key)  # recovered while empty
+    assert (await a.claim(reservation)).deliveries == []
+    assert await redis_client.exists(reservation.key) == 0
+    [delivery] = (await b.receive(10, 0)).deliveries
+    assert delivery.pid == pid
+
+
+async def test_e2e_lapsed_deliveries_go_to_the_living(brokers, redis_client):
     a, b = brokers
     pids = await a.publish_many(KEYS.queue, [{"i": i} for i in range(4)])
     taken = (await a.receive(10, 0)).deliveries
     assert [d.pid for d in taken] == pids
-    assert (await b.maintain()).total == 0  # a is alive
+    assert (await sweep(b, redis_client)).total == 0  # a's claims are live
 
-    await redis_client.delete(KEYS.consumer("a"))  # a's lease ran out
-    report = await b.maintain()
+    while await redis_client.exists(*(KEYS.claim(pid) for pid in pids)):
+        await asyncio.sleep(0.1)  # a stopped renewing: its lease runs out
+    report = await sweep(b, redis_client)
     assert report.dead_consumers == 4
     assert await redis_client.get(KEYS.stat("processing")) == b"0"
 
@@ -492,10 +513,21 @@ async def test_e2e_a_dead_consumers_deliveries_go_to_the_living(brokers, redis_c
 
     again = (await b.receive(10, 0)).deliveries
     assert sorted(d.pid for d in again) == sorted(pids)
-    assert all(d.attempts == 0 for d in again)
+    assert all(d.attempts == 1 for d in again)  # a crashed run counts (queue 5)
     assert [r.ok for r in await b.commit(again)] == [True] * 4
     assert await redis_client.llen(KEYS.processing) == 0
     assert await redis_client.get(KEYS.stat("processing")) == b"0"
+
+
+async def test_e2e_abandoned_deliveries_are_recovered_at_once(brokers, redis_client):
+    a, b = brokers
+    await a.publish_many(KEYS.queue, [{"i": i} for i in range(3)])
+    taken = (await a.receive(10, 0)).deliveries
+    await a.abandon(taken[:2])  # at exit, with two still running when killed
+    report = await sweep(b, redis_client)
+    assert report.dead_consumers == 2
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [taken[2].pid.encode()]
+    assert await a.extend(taken) == [False, False, True]
 
 
 async def test_e2e_deliveries_settled_by_their_owner_are_not_recovered(brokers, redis_client):
@@ -503,6 +535,5 @@ async def test_e2e_deliveries_settled_by_their_owner_are_not_recovered(brokers, 
     await a.publish_many(KEYS.queue, [{"i": i} for i in range(3)])
     taken = (await a.receive(10, 0)).deliveries
     assert [r.ok for r in await a.commit(taken)] == [True] * 3
-    await redis_client.delete(KEYS.consumer("a"))
-    assert (await b.maintain()).total == 0
+    assert (await sweep(b, redis_client)).total == 0
     assert await redis_client.llen(KEYS.ready) == 0

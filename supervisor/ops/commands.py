@@ -80,7 +80,7 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
             broker.client, broker.scripts, broker.keys, source=args.source,
             limit=args.limit, reset_attempts=args.reset_attempts,
         )
-    attempts = "reset to 0" if args.reset_attempts else "kept"
+    attempts = "reset to 0" if args.reset_attempts else "+ 1, as queue 5 retries"
     print(f"moved {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
           f"list (attempts {attempts})")
     if report.expired:
@@ -134,7 +134,8 @@ async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspec
     """Recover until no reservation or owner record is left, or the deadline passed.
 
     Owner records of a consumer that stopped without handing its work over are only
-    recoverable once its heartbeat expired (up to one lease): hence the retries.
+    recoverable once their claims expired (up to one lease): hence the retries. Each round
+    waits for the fleet's reap lock (one sweep per maintenance interval).
     """
     recovered = 0
     while True:
@@ -166,9 +167,13 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         f"  failed        {state['failed']}",
         f"  dead          {state['dead']}",
         f"  poison        {state['poison']}",
-        f"  consumers     {len(state['consumers'])}",
+        f"  supervisors   {len(state['supervisors'])}",
     ]
-    lines += [f"    {c['id']}  {_heartbeat(c['ttl_ms'])}" for c in state["consumers"]]
+    lines += [f"    {s['id']}  {s['where']}  {_heartbeat(s['ttl_ms'])}"
+              for s in state["supervisors"]]
+    if state["previous_format"]:
+        lines.append(f"  previous-format supervisors still running: {state['previous_format']}"
+                     " (stop them: see the README, upgrading)")
     lines.append("  stats         " + "  ".join(f"{k} {v}" for k, v in stats.items()))
     return lines
 
@@ -181,6 +186,8 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
         ("registered reservations", left.registered),
         ("reservation lists", left.lists),
         ("owner records", left.owners),
+        ("running supervisors of the previous format (stop them before this version runs; "
+         "their recovery would take live deliveries)", left.previous),
     ):
         if found.count:
             lines.append(f"  {found.count} {label}")

@@ -1,4 +1,4 @@
-"""Read one Redis queue's state: sizes, reservations, consumers, owner records, counters.
+"""Read one Redis queue's state: sizes, reservations, supervisors, owner records, counters.
 
 Keys that carry a pid, token or consumer id cannot be listed by name, so they are found
 with ``SCAN MATCH <prefix>* COUNT 1000``: bounded work per round trip, never ``KEYS``.
@@ -35,10 +35,15 @@ class Leftovers:
     registered: Found  # members of the reservation registry
     lists: Found  # reservation list keys (registered or not)
     owners: Found  # owner records of deliveries
+    #: Live heartbeats of the previous format's supervisors (``consumers.{q}.*``): they must
+    #: be stopped before this version runs, since their recovery takes every delivery whose
+    #: owner token has no consumer id in it (this version's and PHP workers').
+    previous: Found = field(default_factory=Found)
 
     @property
     def empty(self) -> bool:
-        return not (self.registered.count or self.lists.count or self.owners.count)
+        return not (self.registered.count or self.lists.count or self.owners.count
+                    or self.previous.count)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"empty": self.empty}
@@ -67,7 +72,8 @@ async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers
     )
     lists = await scan_prefix(client, keys.reservations + ".", show)
     owners = await scan_prefix(client, keys.owner(""), show)
-    return Leftovers(registered, lists, owners)
+    previous = await scan_prefix(client, keys.legacy_consumer(""), show)
+    return Leftovers(registered, lists, owners, previous)
 
 
 async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[str, Any]:
@@ -89,7 +95,8 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
         "dead": dead,
         "poison": poison,
         "owners": owners.count,
-        "consumers": await consumers(client, keys, show),
+        "supervisors": await supervisors(client, keys, show),
+        "previous_format": (await scan_prefix(client, keys.legacy_consumer(""), 0)).count,
         "stats": {name: _counter(value) for name, value in zip(STATS, stats, strict=True)},
     }
 
@@ -108,29 +115,37 @@ async def reservations(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
     for index, (key, deadline) in enumerate(registered):
         length, payloads = replies[2 * index], replies[2 * index + 1]
         total += length
-        expired += deadline <= now_ms
+        deadline_ms = deadline_in_ms(deadline)
+        expired += deadline_ms <= now_ms
         shown = [_text(raw) for raw in payloads[:budget]]
         budget -= len(shown)
         lists.append({
-            "key": _text(key), "deadline_ms": int(deadline),
-            "expires_in_ms": int(deadline - now_ms), "size": length, "payloads": shown,
+            "key": _text(key), "deadline_ms": deadline_ms,
+            "expires_in_ms": deadline_ms - now_ms, "size": length, "payloads": shown,
         })
     return {"count": count, "payloads": total, "expired": expired, "lists": lists}
 
 
-async def consumers(client: Any, keys: QueueKeys, show: int = SHOW) -> list[dict[str, Any]]:
-    """Consumers with a heartbeat key, and the milliseconds it has left."""
-    found = await scan_prefix(client, keys.consumer(""), show)
+async def supervisors(client: Any, keys: QueueKeys, show: int = SHOW) -> list[dict[str, Any]]:
+    """Running supervisors by their informational records: id, host and pid, time left."""
+    found = await scan_prefix(client, keys.supervisor(""), show)
     pipe = client.pipeline(transaction=False)
     for name in found.names:
+        pipe.get(name)
         pipe.pttl(name)
-    ttls = await pipe.execute() if found.names else []
-    prefix = len(keys.consumer(""))
-    return [
-        {"id": name[prefix:], "ttl_ms": ttl}
-        for name, ttl in zip(found.names, ttls, strict=True)
-        if ttl != -2  # expired between the scan and now
-    ]
+    replies = await pipe.execute() if found.names else []
+    prefix = len(keys.supervisor(""))
+    listed = []
+    for index, name in enumerate(found.names):
+        value, ttl = replies[2 * index], replies[2 * index + 1]
+        if value is not None:  # not expired between the scan and now
+            listed.append({"id": name[prefix:], "where": _text(value), "ttl_ms": ttl})
+    return listed
+
+
+def deadline_in_ms(score: float) -> int:
+    """A registry score in ms: whole seconds (queue 5), or ms (this project's old format)."""
+    return int(score) if score >= 1e11 else int(score) * 1000
 
 
 async def server_ms(client: Any) -> int:

@@ -2,34 +2,28 @@
 
 One maintenance call does bounded work: it looks at the newest 1,000 processing entries
 and one 1,000-entry window of the older ones. So "nothing recovered" only counts once
-enough empty sweeps in a row have covered the whole processing list. A sweep that another
-supervisor's maintenance lock skipped is tried again shortly.
+enough empty sweeps in a row have covered the whole processing list. The sweeps run without
+waiting for the fleet's reap lock: every change is re-checked inside a script, so a sweep
+beside a supervisor's or a PHP worker's recovers nothing twice.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Any
 
 from broker.base import MAX_BATCH, MaintenanceReport
 
-#: Pause before trying again after a sweep was skipped (the lock lasts at most 5 s).
-SKIPPED_PAUSE = 0.2
-
 
 async def recover(broker: Any, timeout: float = 60.0) -> tuple[MaintenanceReport, bool]:
     """Sweep until nothing is left to recover (or ``timeout``); returns the sum of what
-    was recovered and whether it finished (False: it timed out, e.g. always skipped)."""
+    was recovered and whether it finished (False: it timed out)."""
     total = MaintenanceReport()
     deadline = time.monotonic() + timeout
     empty_in_a_row = 0
     while time.monotonic() < deadline:
-        report = await broker.maintain()
-        if report.skipped:
-            await asyncio.sleep(SKIPPED_PAUSE)
-            continue
+        report = await broker.maintain(force=True)
         _add(total, report)
         empty_in_a_row = 0 if report.total else empty_in_a_row + 1
         if empty_in_a_row >= await _sweeps_to_cover(broker):

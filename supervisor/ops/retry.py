@@ -2,9 +2,10 @@
 
 The pids are read from the tail of the source list (the oldest end: failures are LPUSHed)
 in windows of at most 1,000, their job records fetched, and ``lua/retry.lua`` moves each
-one only if its pid and record are still what was read. Python builds the envelope to push
-(the record as stored, or re-encoded with ``attempts = 0``), so the script never parses a
-payload. A pid whose record expired (``job_ttl``) can never run again: it leaves the list.
+one only if its pid and record are still what was read. Python builds the envelope to push,
+as queue 5's ``retry()`` does (the same payload, a new timestamp and ``attempts + 1``: the
+failed run counts; or ``attempts = 0`` when asked), so the script never parses a payload.
+A pid whose record expired (``job_ttl``) can never run again: it leaves the list.
 
 The window is placed relative to the tail, which new failures (at the head) never shift;
 entries left in place (undecodable records, records changed meanwhile) are stepped over.
@@ -69,15 +70,14 @@ def _plan(
     for pid, record in zip(pids, records, strict=True):
         if record is None:
             items.append((pid, b"", b""))
-        elif not reset:
-            items.append((pid, record, record))
-        else:
-            try:
-                decoded = envelope.decode(record, max(len(record), 1))
-            except envelope.MalformedEnvelope:
-                kept += 1
-                continue
-            items.append((pid, record, envelope.with_attempts(decoded, 0)))
+            continue
+        try:
+            decoded = envelope.decode(record, max(len(record), 1))
+        except envelope.MalformedEnvelope:
+            kept += 1
+            continue
+        attempts = 0 if reset else decoded["attempts"] + 1
+        items.append((pid, record, envelope.requeued(decoded, attempts)))
     return items, kept
 
 

@@ -1,0 +1,95 @@
+-- reclaim: recover processing entries whose delivery is no longer live, as queue 5's reap
+-- does, for a group of candidates. The caller chose them from reads that may be stale;
+-- every condition is re-checked here:
+--   'q' requeue  only if the owner key is (still) the one read ('' = none), the claim key
+--   'd' dead     is absent, the job record exists and LREM removed the pid. Then the owner
+--                and claim keys go, processing -= 1, and: 'q' LPUSHes the replacement
+--                envelope (same pid, new timestamp, attempts + 1) to the producer end of
+--                ready and deletes the job record; 'd' LPUSHes the pid to dead and keeps the
+--                record (EXPIRE job_ttl if > 0), and frees a coalescing marker that still
+--                names this pid.
+--   'x' dangling a pid with neither job record nor owner key: LREM it (no counter changes).
+-- Deleting the owner key makes any later settle or renewal by the old owner stale.
+-- Each LREM scans from the end the caller names (1: head, -1: tail), the end nearer to
+-- where the pid was read, so the work stays bounded however long the list is.
+--
+-- KEYS[1]   ready list              {ns}.queue.{q}
+-- KEYS[2]   dead list               {ns}.dead.{q}
+-- KEYS[3]   processing list         {ns}.processing.{q}
+-- KEYS[4]   counter                 {ns}.stats.{q}.processing
+-- KEYS[1+4i..4+4i]                  item i: owners, claims, jobs key, marker key
+--                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed)
+-- ARGV[1]   job_ttl                 seconds a dead job record is kept; 0 = forever
+-- ARGV[6i-4..6i+1]                  item i: mode, expected owner, pid, replacement envelope,
+--                                   direction (1 or -1), keyed ('1' or '0')
+--
+-- Returns an array of n integers: 1 applied, 0 left alone.
+
+local function wrong_type(key, expected)
+  local actual = redis.call('TYPE', key)['ok']
+  if actual ~= expected and actual ~= 'none' then
+    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. actual .. ', expected ' .. expected)
+  end
+end
+
+local MODES = {q = true, d = true, x = true}
+local ready, dead, processing, counter = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local n = (#KEYS - 4) / 4
+local job_ttl = tonumber(ARGV[1])
+if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 6 * n or not job_ttl then
+  return redis.error_reply('QSARG reclaim needs 4 keys and 6 arguments per item, at most 1000')
+end
+
+local err = wrong_type(ready, 'list') or wrong_type(dead, 'list')
+  or wrong_type(processing, 'list') or wrong_type(counter, 'string')
+if err then return err end
+local count = redis.call('GET', counter)
+if count and not (#count <= 18 and string.match(count, '^%-?%d+$')) then
+  return redis.error_reply('QSTYPE ' .. counter .. ' is "' .. count .. '", expected an integer')
+end
+for k = 5, #KEYS do
+  err = wrong_type(KEYS[k], 'string')
+  if err then return err end
+end
+for i = 1, n do
+  local mode, direction = ARGV[6 * i - 4], ARGV[6 * i]
+  if not MODES[mode] or (direction ~= '1' and direction ~= '-1') then
+    return redis.error_reply('QSARG reclaim item ' .. i .. ': bad mode or direction')
+  end
+end
+
+local results, requeued, buried = {}, {}, {}
+local removed = 0
+for i = 1, n do
+  local mode, expected, pid = ARGV[6 * i - 4], ARGV[6 * i - 3], ARGV[6 * i - 2]
+  local direction = tonumber(ARGV[6 * i])
+  local owner, claim, job, marker = KEYS[1 + 4 * i], KEYS[2 + 4 * i], KEYS[3 + 4 * i], KEYS[4 + 4 * i]
+  local done = 0
+  if mode == 'x' then
+    if redis.call('EXISTS', owner) == 0 and redis.call('EXISTS', job) == 0 then
+      done = redis.call('LREM', processing, direction, pid) > 0 and 1 or 0
+    end
+  elseif (redis.call('GET', owner) or '') == expected and redis.call('EXISTS', claim) == 0
+      and redis.call('EXISTS', job) == 1
+      and redis.call('LREM', processing, direction, pid) > 0 then
+    done = 1
+    removed = removed + 1
+    redis.call('DEL', owner, claim)
+    if mode == 'q' then
+      requeued[#requeued + 1] = ARGV[6 * i - 1]
+      redis.call('DEL', job)
+    else
+      buried[#buried + 1] = pid
+      if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
+      if ARGV[6 * i + 1] == '1' and redis.call('GET', marker) == pid then
+        redis.call('DEL', marker)
+      end
+    end
+  end
+  results[i] = done
+end
+
+if #requeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
+if #buried > 0 then redis.call('LPUSH', dead, unpack(buried)) end
+if removed > 0 then redis.call('DECRBY', counter, removed) end
+return results
