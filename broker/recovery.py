@@ -281,11 +281,10 @@ async def _read_state(
     """Job record, owner and claim of each pid (record first: a settle deletes all three)."""
     if not pids:
         return {}
-    pipe = client.pipeline(transaction=False)
-    pipe.mget([keys.job(pid) for pid in pids])
-    pipe.mget([keys.owner(pid) for pid in pids])
-    pipe.mget([keys.claim(pid) for pid in pids])
-    records, owners, claims = await pipe.execute()
+    # Three MGETs, not a pipeline: a cluster client refuses MGET in a pipeline.
+    records = await client.mget([keys.job(pid) for pid in pids])
+    owners = await client.mget([keys.owner(pid) for pid in pids])
+    claims = await client.mget([keys.claim(pid) for pid in pids])
     return {pid: (records[i], owners[i], claims[i]) for i, pid in enumerate(pids)}
 
 

@@ -294,11 +294,13 @@ def php_json_decode(raw: bytes) -> Any:
     return value
 
 
-def _numeric(text: str) -> int | float | None:
-    match = _NUMERIC.match(text.encode())
-    if not match:
+def _numeric(text: str, whole: bool = False) -> int | float | None:
+    """The leading number of ``text`` (``whole``: only if nothing but white space follows)."""
+    data = text.encode()
+    match = _NUMERIC.match(data)
+    if not match or (whole and data[match.end():].strip(b" \t\n\r\v\f")):
         return None
-    if match.group(2) or match.group(3):
+    if b"." in match.group(0) or match.group(3):
         return float(match.group(0))
     number = int(match.group(0))
     return number if -_INT_MAX - 1 <= number <= _INT_MAX else float(number)
@@ -323,7 +325,7 @@ def _to_int(value: Any) -> int:
     """Assignment to a PHP ``int`` property in coercive mode."""
     if isinstance(value, bool | int):
         return int(value)
-    number = _numeric(value) if isinstance(value, str) else value
+    number = _numeric(value, whole=True) if isinstance(value, str) else value
     if isinstance(number, int):
         return number
     if isinstance(number, float) and math.isfinite(number) and abs(number) < 2.0**63:
@@ -340,8 +342,26 @@ def _to_str(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        return php_float(value, "E")
+        return php_string_of_float(value)
     raise PhpError(f"cannot assign {value!r} to a string property")
+
+
+def php_string_of_float(value: float) -> str:
+    """``(string) $float``: ``precision`` (14 significant digits), not serialize_precision."""
+    if not math.isfinite(value):
+        return "NAN" if math.isnan(value) else ("INF" if value > 0 else "-INF")
+    if value == 0:
+        return "-0" if math.copysign(1, value) < 0 else "0"
+    mantissa, _, exponent = f"{abs(value):.13e}".partition("e")
+    text, point = (mantissa[0] + mantissa[2:]).rstrip("0"), int(exponent) + 1
+    prefix = "-" if value < 0 else ""
+    if point > 14 or point < -3:
+        sign = "-" if point - 1 < 0 else "+"
+        return f"{prefix}{text[0]}.{text[1:] or '0'}E{sign}{abs(point - 1)}"
+    if point <= 0:
+        return f"{prefix}0.{'0' * -point}{text}"
+    whole, frac = text[:point].ljust(point, "0"), text[point:]
+    return prefix + whole + ("." + frac if frac else "")
 
 
 def uniqid() -> str:

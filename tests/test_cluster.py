@@ -117,7 +117,7 @@ async def server_ms(cluster: PrivateCluster) -> int:
 async def wait_until_expired(cluster: PrivateCluster, client, reservation: str) -> None:
     deadline = await client.zscore(KEYS.reservations, reservation)
     assert deadline is not None
-    while await server_ms(cluster) <= deadline:
+    while await server_ms(cluster) < deadline * 1000:  # deadlines are whole seconds
         await asyncio.sleep(0.05)
 
 
@@ -183,13 +183,13 @@ async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
     assert await client.lrange(reservation.key, 0, -1) == reservation.payloads
     assert await client.llen(KEYS.ready) == 0
 
-    deadline = await client.zscore(KEYS.reservations, reservation.key)
-    assert await server_ms(redis_cluster) < deadline
-    assert (await b.maintain()).expired_reservations == 0  # not before the deadline
+    deadline = await client.zscore(KEYS.reservations, reservation.key)  # whole seconds
+    assert await server_ms(redis_cluster) < deadline * 1000
+    assert (await b.maintain(force=True)).expired_reservations == 0  # not before the deadline
     assert await client.lrange(reservation.key, 0, -1) == reservation.payloads
 
     await wait_until_expired(redis_cluster, client, reservation.key)
-    assert (await b.maintain()).expired_reservations == 1
+    assert (await b.maintain(force=True)).expired_reservations == 1
     assert await client.exists(reservation.key) == 0
     [delivery] = (await b.receive(10, 0)).deliveries
     assert delivery.pid == pid
@@ -199,14 +199,15 @@ async def test_a_dead_consumers_deliveries_go_to_the_living(pair, client):
     a, b = pair
     pids = await a.publish_many(QUEUE, [{"i": i} for i in range(4)])
     taken = (await a.receive(10, 0)).deliveries
-    assert (await b.maintain()).total == 0  # a is alive
+    assert (await b.maintain(force=True)).total == 0  # a is alive
 
-    await a.abandon()  # a's heartbeat is gone, as after its lease ran out
-    assert (await b.maintain()).dead_consumers == 4
+    await a.abandon(taken)  # a's claims are gone, as after its lease ran out
+    assert (await b.maintain(force=True)).dead_consumers == 4
     assert await a.extend(taken) == [False] * 4
     assert [r.outcome for r in await a.commit(taken)] == [Outcome.STALE] * 4
     again = (await b.receive(10, 0)).deliveries
     assert sorted(d.pid for d in again) == sorted(pids)
+    assert all(d.attempts == 1 for d in again)  # the lost runs count (queue 5)
     assert [r.ok for r in await b.commit(again)] == [True] * 4
     assert await counters(client) == {"total": 8, "processing": 0, "success": 4, "failed": 0}
 
@@ -220,7 +221,7 @@ async def test_legacy_entries_are_recovered_past_the_age(redis_cluster, client):
             await client.set(KEYS.job(pid), envelope.encode(
                 {"pid": pid, "queue": QUEUE, "timestamp": now - age, "payload": {}}
             ))
-        assert (await consumer.maintain()).legacy == 1
+        assert (await consumer.maintain(force=True)).legacy == 1
         assert await client.lrange(KEYS.processing, 0, -1) == [b"young"]
         assert [d.pid for d in (await consumer.receive(10, 0)).deliveries] == ["old"]
     finally:
@@ -233,15 +234,14 @@ async def test_legacy_entries_are_recovered_past_the_age(redis_cluster, client):
 async def test_stale_owner_changes_nothing(redis_cluster, broker, client):
     await publish(client, 1)
     [delivery] = (await broker.receive(10, 0)).deliveries
-    await client.set(KEYS.owner(delivery.pid), b"other-host-1-abcdef:1")
+    await client.set(KEYS.owner(delivery.pid), b"0123456789abcdef0123456789abcdef")
     before = snapshot(redis_cluster)
     for settle in (broker.commit, broker.reject, broker.release):
         assert [r.outcome for r in await settle([delivery])] == [Outcome.STALE]
         assert snapshot(redis_cluster) == before
     assert await broker.extend([delivery]) == [False]
     after = snapshot(redis_cluster)
-    after.pop(KEYS.consumer("tester").encode())  # the renewal rewrote the heartbeat
-    before.pop(KEYS.consumer("tester").encode())
+    after.pop(KEYS.supervisor("tester").encode())  # the renewal wrote the record
     assert after == before
 
 
@@ -266,8 +266,8 @@ async def test_each_item_of_a_grouped_settle_gets_its_own_result(redis_cluster, 
         assert [r.outcome for r in results] == [
             Outcome.OK, Outcome.OK, Outcome.OK, Outcome.STALE, Outcome.MISSING, Outcome.OK,
         ]
-        assert await counters(client) == {
-            "total": 6, "processing": 2, "success": 1, "failed": 1,
+        assert await counters(client) == {  # failed counts failed runs: retry and reject
+            "total": 6, "processing": 2, "success": 1, "failed": 2,
         }
         assert await client.get(KEYS.owner(missing.pid)) == missing.receipt.encode()
         assert await client.get(KEYS.owner(stale.pid)) == b"someone-else:9"
@@ -297,7 +297,7 @@ async def test_script_cache_loss_on_the_slot_owner_loses_nothing(redis_cluster, 
     redis_cluster.flush_scripts()
     assert (await broker.receive(10, 0)).deliveries == []
     owner.client.script_flush()
-    assert (await broker.maintain()).total == 0
+    assert (await broker.maintain(force=True)).total == 0
     assert await counters(client) == {"total": 4, "processing": 2, "success": 2, "failed": 0}
 
 
@@ -373,7 +373,7 @@ async def test_every_operation_follows_the_slot_to_another_master(moving, broker
     assert [r.ok for r in await broker.commit(held[:2])] == [True, True]
     more = (await broker.receive(10, 0)).deliveries
     assert len(more) == 3
-    assert (await broker.maintain()).total == 0
+    assert (await broker.maintain(force=True)).total == 0
     assert [r.ok for r in await broker.commit([held[2], *more])] == [True] * 4
     await broker.publish(QUEUE, {"after": "move"})
     assert await counters(client) == {"total": 6, "processing": 0, "success": 6, "failed": 0}

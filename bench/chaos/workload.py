@@ -86,12 +86,13 @@ def _message(queue: str, n: int, kind: str, rng: random.Random) -> Message:
 
 
 def _malformed(queue: str, n: int, rng: random.Random) -> bytes:
-    """Distinct bytes each time, so the harness can find every one in poison/dead."""
+    """Distinct bytes each time, so the harness can find every one in poison/dead. Each is
+    one a queue-5 PHP worker poisons too (a numeric pid, say, it would run)."""
     choices = [
         f"{{not json {n}".encode(),
         f'["an array", {n}]'.encode(),
         f'{{"queue": "{queue}", "timestamp": {n}, "payload": {{}}}}'.encode(),  # no pid
-        f'{{"pid": {n}, "queue": "{queue}", "timestamp": 1, "payload": {{}}}}'.encode(),
+        f'{{"pid": "m{n}", "queue": "{queue}", "timestamp": 1, "payload": "text"}}'.encode(),
     ]
     return rng.choice(choices)
 
