@@ -295,3 +295,18 @@ async def test_redis_only_commands_refuse_a_nats_queue(run, tmp_path, capsys):
     conf = str(write_config(tmp_path, "nats://127.0.0.1:1", handler="examples.noop:handle"))
     code = await asyncio.to_thread(cli.main, ["check", conf])
     assert code == 2 and "for Redis queues only" in capsys.readouterr().err
+
+
+async def test_check_fails_while_a_previous_format_supervisor_runs(conf, run, redis_client):
+    """The previous format's recovery would take every live delivery of this version (and
+    of PHP workers): `check` fails while one of those supervisors still has a heartbeat."""
+    heartbeat = keys().legacy_consumer("oldhost-4242-abcdef")
+    await redis_client.set(heartbeat, "oldhost-4242-abcdef", px=30_000)
+    code, out = await run("check", conf)
+    assert code == 1
+    assert "running supervisors of the previous format" in out and heartbeat in out
+    code, out = await run("status", conf)
+    assert "previous-format supervisors still running: 1" in out
+    await redis_client.delete(heartbeat)
+    code, out = await run("check", conf)
+    assert code == 0 and out.startswith("ok:")

@@ -537,3 +537,17 @@ async def test_e2e_deliveries_settled_by_their_owner_are_not_recovered(brokers, 
     assert [r.ok for r in await a.commit(taken)] == [True] * 3
     assert (await sweep(b, redis_client)).total == 0
     assert await redis_client.llen(KEYS.ready) == 0
+
+
+async def test_what_a_previous_format_supervisor_left_is_recovered(redis_client):
+    """Its owner tokens were ``<consumer>:<nonce>`` and it never wrote claim keys: once it
+    is stopped, the first sweep takes its deliveries (and its ms-deadline reservations)."""
+    now = await server_s(redis_client)
+    await deliver(redis_client, ["old-1", "old-2"], now, token="host-1-abcdef:0a1b2c3d-7")
+    await reserve(redis_client, "host-1-abcdef:0a1b2c3d-8", [b"r"], now * 1000 - 1)
+    report = await run(redis_client)
+    assert (report.dead_consumers, report.expired_reservations) == (2, 1)
+    ready = await redis_client.lrange(KEYS.ready, 0, -1)
+    assert sorted(orjson.loads(raw)["pid"] for raw in ready if raw != b"r") == ["old-1", "old-2"]
+    assert await redis_client.llen(KEYS.processing) == 0
+    assert await redis_client.zcard(KEYS.reservations) == 0
