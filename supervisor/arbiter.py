@@ -341,8 +341,8 @@ class Arbiter:
             else:
                 if report.total:
                     log.info(
-                        "recovered %d deliveries (%d from expired reservations, %d of dead "
-                        "consumers, %d legacy)", report.total, report.expired_reservations,
+                        "recovered %d deliveries (%d from expired reservations, %d whose claim "
+                        "lapsed, %d legacy)", report.total, report.expired_reservations,
                         report.dead_consumers, report.legacy,
                     )
             await asyncio.sleep(self.config.supervisor.maintenance_interval)

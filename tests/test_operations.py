@@ -151,7 +151,7 @@ async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client
         while await redis_client.exists(keys().claim(pid)):
             await asyncio.sleep(0.01)
     code, out = await run("recover", conf)
-    assert code == 0 and "1 of dead consumers" in out
+    assert code == 0 and "1 whose claim lapsed" in out
     code, _ = await run("check", conf)
     assert code == 0
     [requeued] = await redis_client.lrange(keys().ready, 0, -1)

@@ -67,7 +67,7 @@ async def recover_now(config: Config, args: argparse.Namespace) -> int:
     print(
         f"recovered {report.total} deliveries of {config.job.queue}: "
         f"{report.expired_reservations} from expired reservations, "
-        f"{report.dead_consumers} of dead consumers, {report.legacy} legacy"
+        f"{report.dead_consumers} whose claim lapsed, {report.legacy} legacy"
     )
     if not finished:
         print(f"stopped after {args.timeout:g}s: maintenance was still busy or locked")
