@@ -1,64 +1,94 @@
-"""A property test of the Redis broker protocol (SPEC §5) against its guarantee (SPEC §9).
+"""A property test of the Redis protocol (SPEC §4, §5) against its guarantee (SPEC §9), in a
+mixed fleet: this project's consumers and PHP queue-5 workers on one queue.
 
-A hypothesis state machine interleaves, on one private redis-server, the operations of up to
-three ``RedisBroker`` consumers (different consumer ids, a 3 s lease) with the faults the
+A hypothesis state machine interleaves, on one private redis-server, the operations of
+``RedisBroker`` consumers (three acting at a time, a 3 s lease) and of PHP queue-5 workers
+(``tests.queue5.Queue5Consumer``, two acting at first, the same 3 s claim TTL and
+``reap_after`` 0 so that their sweeps do recover; every other one reaps as queue 5 B, which
+requeues whatever it reaps, the others as C with ``reapMaxAttempts``), with the faults the
 protocol must survive:
 
-- publish (``publish_many``; crafted envelopes, some with an old timestamp or a few attempts
-  already made; malformed raw bytes pushed with LPUSH, as a broken producer would),
-- reserve (non-blocking, and blocking on an empty queue with a message arriving meanwhile),
-  and claim -- or no claim: a consumer that dies between the move and the claim,
-- settle: commit, reject (retry, or failed at ``max_attempts``), release; several in one call,
-  the same delivery twice in one call included,
-- extend (also done automatically, as the renewal loop would, for every consumer whose
-  heartbeat is alive and older than lease/3),
-- heartbeat expiry (DEL of a consumer's heartbeat: the consumer is stalled, it may come back
-  and act later), a reservation's deadline passing (ZADD of a score in the past; done
-  automatically before a reservation could expire by itself), consumer death (it stops acting
-  and its heartbeat is deleted), an owner key deleted (the entry looks like a legacy PHP
-  consumer's),
-- maintenance from any consumer still acting: ``maintain()`` (the lock deleted first, or held
-  by someone else: then the run is skipped and changes nothing); maintenance while another
-  consumer renews or commits between maintenance's reads and its recovery script (the
-  script's re-checks decide); sweeps with a tiny batch, each of which may do part of the
-  work, and which one after another must reach every abandoned entry (the cursor),
-- SCRIPT FLUSH.
+- publish: ``publish_many``, PHP's ``publish``, crafted envelopes (an old timestamp, attempts
+  already made) and malformed bytes pushed with LPUSH, as a broken producer would; PHP's
+  ``coalesce()`` of keyed messages (published only while the key's marker is free);
+- receive, on either side: reserve then claim, or death between them; a blocking receive on
+  an empty queue with a message arriving meanwhile; and (ours) the *frozen* blocking receive:
+  the consumer registers its blocking reservation, is frozen past its deadline, recovery
+  (ours, PHP's, or nobody's) runs, then the late BLMOVE lands in the reservation and the
+  claim follows. RedisBroker's freeze guard avoids that move; the rule drives the lower level
+  to model the worst case: the payload must go back to the ready list, never stay in a list
+  no registry names;
+- settle, on either side: commit, reject (ours: a retry with the same pid, or failed at
+  ``max_attempts``; PHP's: failed), release; several in one call, the same delivery twice;
+  a PHP worker releasing all it holds;
+- extend (also done automatically, as the renewal loops would, for every actor that is not
+  stalled), a claim key deleted (its owner stalled past the lease; it may come back later),
+  abandon (ours, at exit), death (with its leases run out, or not yet), an owner key deleted
+  (the entry looks like a utopia-php/queue 1.x consumer's), SCRIPT FLUSH;
+- maintenance by either side: ours with the reap lock deleted first (the interval passed),
+  held by someone else (then skipped, changing nothing), or forced; PHP's ``maintain()``;
+  ours while an owner (ours or PHP) renews or commits, another full sweep (ours or PHP's)
+  runs, or another of ours recovers the entries, takes them again and stalls in turn,
+  between the sweep's reads and its recovery script (``recovery._read_state`` wrapped: the
+  scripts' re-checks decide); sweeps with a tiny scan window, ours, PHP's, or the two
+  alternating on the shared cursor, which must reach every abandoned entry in a bounded number
+  of passes.
 
-The model knows where every message is and what each consumer believes it holds. After every
-step the real Redis state is compared with it (SPEC §9): each published pid is in exactly one
-place -- the ready list, a registered reservation list (one that is a member of the
-reservations zset), processing (the pid in the processing list, a job record, and the owner
-token of its delivery, or no owner key when the test made it legacy), failed (job record
-kept), or done (committed: nowhere, no job record, no owner key). Malformed payloads are in
-the ready list, a reservation, or poison; poison never holds a valid envelope. Nothing is in
-two places, nothing valid is in none unless it was committed, no key is left that the model
-cannot explain, and each envelope still carries its payload and the attempts the model
-counted.
+The model follows every message by a unique id inside its payload (``uid``), not by its pid:
+PHP's reap requeues a *new* pid. It knows where each message is and what each actor believes
+it holds. After every step the real Redis state is compared with it (SPEC §9): each message
+is in exactly one place -- the ready list, a registered reservation list (one the
+reservations zset names, holding exactly the payloads the model says, in order, with the
+deadline expired exactly when the model says so and otherwise in whole seconds, at most
+lease + blocking timeout ahead), processing (the pid in the processing list, its job record,
+its owner token (none if made legacy), and its claim key, with the token and at most the
+lease to live, exactly when the model says the lease is live), failed or dead (the job
+record kept, no owner, no claim), poison (malformed bytes only), or done (committed: nothing
+of it left). Every envelope still carries the pid, the payload and the attempts the model
+expects. A coalescing marker exists exactly for each keyed message ready, reserved or
+processing, and names its current pid. No key is left that the model cannot explain (a list
+no registry names is reported as stranded).
 
-Counters (as ``lua/claim.lua``, ``lua/settle.lua`` and ``lua/recover_processing.lua`` keep
-them):
+Counters (both sides keep them alike, SPEC §4):
 
-- ``stats.total`` = deliveries claimed (a redelivery counts again) + payloads poisoned;
-- ``stats.processing`` = LLEN processing (claims add, every applied settlement and every
-  recovered entry subtracts);
-- ``stats.success`` = commits that returned ``ok``;
-- ``stats.failed`` = rejects at ``max_attempts`` that returned ``ok`` + payloads poisoned.
+- ``stats.total`` = deliveries claimed, by either side (a redelivery counts again);
+- ``stats.processing`` = LLEN processing = the entries the model has in processing;
+- ``stats.success`` = commits applied;
+- ``stats.failed`` = failed runs applied: our rejects (retried or failed), PHP's rejects;
+- poison counts in none.
 
 Outcomes are predicted, not just observed: a settlement or renewal of a delivery whose owner
-token is no longer the one it holds (recovered, re-delivered, made legacy, or settled earlier
-in the same call) must return ``stale`` (``False`` from extend) and change nothing; every other
-one must apply. A claim of an expired or recovered reservation claims nothing.
+token is no longer the one it holds must be ``stale`` (``False`` from extend, ``NotOwned``
+from PHP) and change nothing; any other one applies, whether its claim key still exists or
+not. A claim of an expired or unregistered reservation claims nothing (ours puts what the
+list holds back at the consumer end, first taken rightmost; PHP's fails and leaves it to
+recovery). Recovery returns expired reservations to the consumer end in taken order and
+requeues at the producer end: ours takes an owned entry once its claim is gone, an owner-less
+one only past ``recovery_age``, requeues the same pid with ``attempts + 1`` or dead-letters it
+once that reaches ``max_attempts``; PHP's takes any entry without a claim and requeues a new
+pid with ``attempts + 1`` (C: dead once ``attempts >= reapMaxAttempts``). Reports and return
+values must count exactly what was recovered. Reserve takes from the consumer end (right); a
+release goes back to that end in order, a retry to the producer end. A zero-argument rule,
+``advance``, walks the plain path (reserve, claim, settle) on both sides so that most examples
+get far enough for the faults to matter.
 
-Reserve must take from the consumer end (right); a release goes back to that end in order, a
-retry to the producer end. A zero-argument rule, ``advance``, walks the plain path (reserve,
-claim, settle) so that most examples get far enough for the faults to matter.
+Wall-clock time is done on purpose, so the model knows: live actors renew their claims every
+0.5 s; a claim nobody renewed for 1.5 s is deleted (it would lapse by itself at 3 s); a
+reservation 1 s old gets a deadline in the past (it could lapse by itself after 2 s).
 
-Size: ``QS_PROPERTY_EXAMPLES`` (default 30) examples of up to ``QS_PROPERTY_STEPS`` (default
-50) steps, a few seconds; a longer hunt is e.g. ``QS_PROPERTY_EXAMPLES=500
-QS_PROPERTY_STEPS=100``. ``QS_PROPERTY_SEED`` fixes hypothesis's seed (a failure names the seed
-it ran with, and prints the shrunk sequence of steps with what each one did). Wall-clock time
-only enters through the automatic renewals and deadlines above, so a seed replays the same
-steps unless a step is slower than about a second.
+At teardown the queue is drained: faults stop, every live actor claims what it reserved and
+commits what it still owns, then the leases of the dead run out and recovery (ours, then a
+PHP sweep for owner-less entries younger than ``recovery_age``) and a fresh consumer run
+until nothing is ready, reserved or processing. Every message must then be done, failed,
+dead or poison exactly once, no key stranded, ``stats.processing`` 0 and the other counters
+as the model predicts.
+
+Size: ``QS_PROPERTY_EXAMPLES`` (default 60) examples of up to ``QS_PROPERTY_STEPS`` (default
+80) steps, under ten seconds; a longer hunt is e.g. ``QS_PROPERTY_EXAMPLES=500
+QS_PROPERTY_STEPS=120`` (about two minutes). ``QS_PROPERTY_SEED`` fixes hypothesis's seed (a
+failure names the seed it ran with, and prints the shrunk sequence of steps with what each
+one did). Wall-clock time only enters through the renewals and deadlines above, so a seed
+replays the same steps unless a step is slower than about half a second.
 """
 
 from __future__ import annotations
@@ -67,8 +97,11 @@ import asyncio
 import math
 import os
 import random
+import re
+import secrets
+import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,10 +118,10 @@ from hypothesis.stateful import (
 )
 
 from broker import envelope, recovery
-from broker.base import Action, Delivery, Outcome, Result, Settlement
-from broker.keys import QueueKeys, owner_consumer
+from broker.base import Action, Outcome, Result, Settlement
+from broker.keys import QueueKeys
 from broker.redis import RedisBroker, Reservation
-from broker.scripts import Scripts
+from tests.queue5 import LIMIT, NotOwned, Queue5Consumer
 
 #: A passing run takes seconds; a failing one also shrinks its example, which can take minutes.
 pytestmark = pytest.mark.timeout(300)
@@ -96,78 +129,105 @@ pytestmark = pytest.mark.timeout(300)
 NS = "utopia-queue"
 QUEUE = "stats-usage"
 KEYS = QueueKeys(NS, QUEUE)
+URL = "https://example.com/a/b"  # in every payload: both sides write "/" as "\/"
+STATS = ("total", "processing", "success", "failed")
 
-LEASE = 3.0
+LEASE = 3  # our lease and PHP's claim TTL, seconds
 MAX_ATTEMPTS = 3
 RECOVERY_AGE = 90_000
 OLD = 100_000  # an old envelope is this many seconds older than now: past RECOVERY_AGE
-RENEW_AFTER = LEASE / 3  # a live consumer's heartbeat is renewed when older than this
-EXPIRE_GUARD = LEASE - 1.0  # a reservation this old is expired on purpose before it can lapse
+RENEW_AFTER = 0.5  # a live actor renews its claims once one is this old
+CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose (lapses at 3)
+RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline (it lapses after 2)
 
 MAX_ITEMS = 30  # messages published per example
-MAX_CONSUMERS = 6  # consumers started per example (at most three acting at once)
+MAX_OURS = 6  # our consumers started per example (at most three acting at once)
+MAX_PHP = 4  # PHP workers started per example (at most two acting at once)
 
-EXAMPLES = int(os.environ.get("QS_PROPERTY_EXAMPLES", "30"))
-STEPS = int(os.environ.get("QS_PROPERTY_STEPS", "50"))
+EXAMPLES = int(os.environ.get("QS_PROPERTY_EXAMPLES", "60"))
+STEPS = int(os.environ.get("QS_PROPERTY_STEPS", "80"))
 SEED = int(os.environ.get("QS_PROPERTY_SEED") or random.randrange(2**32))
 
-#: Malformed payloads (``%d`` keeps each one unique, so the model can follow it).
+#: Malformed payloads that both sides poison (``%d`` keeps each one unique).
 MALFORMED = (
     b"{not json %d",
     b'["an array", %d]',
     b'{"pid":"m%d","queue":"stats-usage","payload":{}}',  # no timestamp
-    b'{"pid":"m%d","queue":"stats-usage","timestamp":"1710000000","payload":{}}',
-    b'{"pid":"","queue":"stats-usage","timestamp":%d,"payload":{}}',
+    b'{"pid":"m%d","queue":"stats-usage","timestamp":null,"payload":{}}',
+    b'{"pid":["m"],"queue":"stats-usage","timestamp":%d,"payload":{}}',
     b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":"text"}',
-    b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":{},"attempts":-1}',
+    b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":{},"attempts":"-1x"}',
+    b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":{},"attempts":1e30}',
 )
 
 #: What the ``advance`` rule does with deliveries, in turn.
 ADVANCE_ACTIONS = (Action.COMMIT, Action.REJECT, Action.COMMIT, Action.RELEASE)
+PHP_OPS = ("commit", "reject", "commit", "release")
 
 # Where a message is (the model's view).
-READY, RESERVED, PROCESSING, FAILED, POISON, DONE = (
-    "ready", "reserved", "processing", "failed", "poison", "done",
+READY, RESERVED, PROCESSING, FAILED, DEAD, POISON, DONE = (
+    "ready", "reserved", "processing", "failed", "dead", "poison", "done",
 )
+TOKEN = re.compile(r"[0-9a-f]{32}")
+#: Places a coalesced message holds its marker in (it is freed in the others).
+PENDING = (READY, RESERVED, PROCESSING)
 
 
-@dataclass
+@dataclass(eq=False)
 class Item:
-    """One published message: a valid envelope (named by its pid) or malformed bytes."""
+    """One published message: a valid envelope (followed by the uid in its payload) or
+    malformed bytes (followed by the bytes)."""
 
-    name: str
-    raw: bytes
+    uid: str
     valid: bool
-    payload: dict[str, Any] = field(default_factory=dict)
+    raw: bytes = b""  # malformed: the bytes
+    pid: str | None = None  # the current pid (None: requeued by PHP, not looked up yet)
+    pids: list[str] = field(default_factory=list)  # every pid it had
+    key: str | None = None  # a coalesced message's key (its marker names the current pid)
     attempts: int = 0
-    old: bool = False  # published long ago (legacy recovery applies to it)
+    old: bool = False  # its timestamp is past RECOVERY_AGE
     place: str = READY
     reservation: str | None = None  # the reservation key while RESERVED
     owner: str | None = None  # the owner token while PROCESSING (None: made legacy)
+    holder: str | None = None  # the actor that claimed it, while PROCESSING
+    claim: bool = False  # its claims key exists (PROCESSING)
+    renewed: float = 0.0  # monotonic time before the claims key was last written
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return {"uid": self.uid, "url": URL}
 
 
-@dataclass
-class Registered:
-    """A reservation registered in the reservations zset, as the model expects it."""
+@dataclass(eq=False)
+class Res:
+    """A reservation list, as the model expects it."""
 
     key: str
-    names: list[str]  # in reservation order
+    uids: list[str]  # in the order taken
     started: float  # monotonic time before the reserve call
+    wait: int = 0  # the blocking timeout it was registered with (seconds)
     expired: bool = False  # its deadline was moved into the past
+    registered: bool = True  # the reservations zset names it
 
 
-@dataclass
-class Consumer:
+@dataclass(eq=False)
+class Actor:
+    """One of our consumers (``broker``) or a PHP queue-5 worker (``php``)."""
+
     name: str
-    broker: RedisBroker
+    broker: RedisBroker | None = None
+    php: Queue5Consumer | None = None
     dead: bool = False
-    heartbeat: bool = False  # the heartbeat key exists
-    renewed: float = 0.0  # monotonic time before the last heartbeat write
-    held: list[Delivery] = field(default_factory=list)  # claimed, not settled by it
-    pending: list[Reservation] = field(default_factory=list)  # reserved, not claimed
+    stalled: bool = False  # stopped renewing (a claim of it lapsed) until it extends again
+    held: list[Any] = field(default_factory=list)  # Delivery / Message: claimed, not settled
+    pending: list[Any] = field(default_factory=list)  # its reservations, not claimed
+
+    @property
+    def ours(self) -> bool:
+        return self.broker is not None
 
 
-consumer_pick = st.integers(0, 5)
+pick = st.integers(0, 5)
 
 
 class BrokerProtocol(RuleBasedStateMachine):
@@ -180,46 +240,69 @@ class BrokerProtocol(RuleBasedStateMachine):
         self.redis.script_flush()
         self.loop = asyncio.new_event_loop()
         self.items: dict[str, Item] = {}
-        self.malformed: dict[bytes, str] = {}  # raw -> name
-        self.registered: dict[str, Registered] = {}
-        self.consumers: list[Consumer] = []
+        self.malformed: dict[bytes, str] = {}  # raw -> uid
+        self.res: dict[str, Res] = {}
+        self.actors: dict[str, Actor] = {}
+        self.spawned = {"ours": 0, "php": 0}
         self.serial = 0
         self.forced = 0  # deadlines moved into the past so far
-        self.claims = self.poisoned = self.commits = self.fails = 0
+        self.claims = self.commits = self.fails = 0
         self.advances = 0
         for _ in range(3):
-            self._spawn()
+            self._spawn_ours()
+        for _ in range(2):
+            self._spawn_php()
 
     def teardown(self) -> None:
-        for consumer in self.consumers:
-            self.run(consumer.broker.close())
-        self.loop.close()
-        self.redis.close()
+        try:
+            if sys.exc_info()[1] is None:  # not while a step's failure is on its way out
+                self._drain()
+        finally:
+            for actor in self.actors.values():
+                if actor.broker is not None:
+                    self.run(actor.broker.close())
+                if actor.php is not None:
+                    actor.php.client.close()
+            self.loop.close()
+            self.redis.close()
 
     # -- helpers ----------------------------------------------------------------------
 
     def run(self, coroutine: Any) -> Any:
         return self.loop.run_until_complete(coroutine)
 
-    def _spawn(self) -> Consumer:
-        name = f"c{len(self.consumers)}"
+    def _spawn_ours(self) -> Actor:
+        name = f"c{self.spawned['ours']}"
+        self.spawned["ours"] += 1
         broker = RedisBroker(
             self.url, QUEUE, namespace=NS, consumer_id=name, lease=LEASE,
             max_attempts=MAX_ATTEMPTS, recovery_age=RECOVERY_AGE,
         )
-        consumer = Consumer(name, broker)
-        self.consumers.append(consumer)
-        return consumer
+        actor = self.actors[name] = Actor(name, broker=broker)
+        return actor
 
-    def _acting(self) -> list[Consumer]:
-        return [consumer for consumer in self.consumers if not consumer.dead]
+    def _spawn_php(self, max_attempts: int | str | None = "alternate") -> Actor:
+        number = self.spawned["php"]
+        self.spawned["php"] += 1
+        if max_attempts == "alternate":  # queue 5 B requeues whatever it reaps; C has a limit
+            max_attempts = None if number % 2 == 0 else MAX_ATTEMPTS
+        worker = Queue5Consumer(
+            redis.Redis.from_url(self.url), QUEUE, namespace=NS, claim_ttl=LEASE, reap_after=0,
+            max_attempts=max_attempts,  # type: ignore[arg-type]
+        )
+        name = f"php{number}"
+        actor = self.actors[name] = Actor(name, php=worker)
+        return actor
 
-    def _pick(self, index: int, consumers: list[Consumer] | None = None) -> Consumer:
-        consumers = self._acting() if consumers is None else consumers
-        return consumers[index % len(consumers)]
+    def _acting(self, ours: bool | None = None) -> list[Actor]:
+        return [
+            a for a in self.actors.values()
+            if not a.dead and (ours is None or a.ours == ours)
+        ]
 
-    def _by_id(self, consumer_id: str) -> Consumer:
-        return next(c for c in self.consumers if c.name == consumer_id)
+    @staticmethod
+    def _pick(index: int, actors: list[Actor]) -> Actor:
+        return actors[index % len(actors)]
 
     def _room(self) -> bool:
         return len(self.items) < MAX_ITEMS
@@ -227,9 +310,57 @@ class BrokerProtocol(RuleBasedStateMachine):
     def _in(self, place: str) -> list[Item]:
         return [item for item in self.items.values() if item.place == place]
 
-    def _owns(self, delivery: Delivery) -> bool:
-        item = self.items[delivery.pid]
-        return item.place == PROCESSING and item.owner == delivery.receipt
+    def _item(self, delivery: Any) -> Item:
+        return self.items[delivery.payload["uid"]]
+
+    def _owns(self, delivery: Any) -> bool:
+        item = self._item(delivery)
+        return (item.place == PROCESSING and item.pid == delivery.pid
+                and item.owner == delivery.receipt)
+
+    def _owned(self, actor: Actor) -> list[Any]:
+        return [d for d in actor.held if self._owns(d)]
+
+    def _expired(self) -> list[Res]:
+        return [r for r in self.res.values() if r.registered and r.expired]
+
+    def _recoverable(self, side: str, scan: int | None = None) -> list[Item]:
+        """Processing entries a sweep takes: ours, once the claim is gone and there is an
+        owner (or the envelope is past RECOVERY_AGE); PHP's (reap_after 0), without a claim.
+        With ``scan``: only those the sweep looks at (see ``_looked_at``)."""
+        looked_at = None if scan is None else self._looked_at(side, scan)
+        return [
+            item for item in self._in(PROCESSING)
+            if not item.claim and (side == "php" or item.owner is not None or item.old)
+            and (looked_at is None or item.pid in looked_at)
+        ]
+
+    def _looked_at(self, side: str, scan: int) -> set[str]:
+        """The processing pids one sweep looks at: queue 5's cursor window (``scan`` entries
+        ending ``retained`` from the tail; reset once spent), and for ours also the newest
+        ``scan`` (where the deliveries of a consumer that just died are)."""
+        pids = [pid.decode() for pid in self.redis.lrange(KEYS.processing, 0, -1)]
+        stored = self.redis.get(KEYS.reap_cursor)
+        assert stored is None or re.fullmatch(rb"-?\d+:-?\d+", stored), f"cursor {stored!r}"
+        retained, remaining = map(int, stored.split(b":")) if stored else (0, 0)
+        size = len(pids)
+        if retained < 0 or retained >= size or remaining <= 0:
+            retained, remaining = 0, size
+        length = min(scan, remaining, size - retained)
+        start = max(0, size - retained - length)
+        return {*pids[start:start + length], *(pids[:scan] if side == "ours" else ())}
+
+    def _new_uid(self) -> str:
+        self.serial += 1
+        return f"u{self.serial}"
+
+    def _add(self, item: Item) -> None:
+        assert item.uid not in self.items
+        self.items[item.uid] = item
+        if item.pid is not None:
+            item.pids.append(item.pid)
+        if not item.valid:
+            self.malformed[item.raw] = item.uid
 
     def _identify(self, raw: bytes) -> tuple[Item, dict[str, Any] | None]:
         """The model's item for raw bytes found in Redis (and the envelope, if valid)."""
@@ -239,130 +370,297 @@ class BrokerProtocol(RuleBasedStateMachine):
             decoded = envelope.decode(raw)
         except envelope.MalformedEnvelope as error:
             raise AssertionError(f"unknown malformed payload {raw[:80]!r}: {error}") from None
-        item = self.items.get(decoded["pid"])
-        assert item is not None and item.valid, f"unknown pid {decoded['pid']!r} in Redis"
+        payload = decoded["payload"]
+        item = self.items.get(payload.get("uid", "")) if isinstance(payload, dict) else None
+        assert item is not None and item.valid, f"unknown message {raw[:120]!r} in Redis"
         return item, decoded
 
-    def _add(self, item: Item) -> None:
-        assert item.name not in self.items
-        self.items[item.name] = item
-        if not item.valid:
-            self.malformed[item.raw] = item.name
+    def _ready_uids(self) -> list[str]:
+        """The ready list, producer end (head) first."""
+        return [self._identify(raw)[0].uid for raw in self.redis.lrange(KEYS.ready, 0, -1)]
+
+    @staticmethod
+    def _short(key: str) -> str:
+        return key.rpartition(".")[2][:8]
+
+    # -- what time does by itself, done on purpose ------------------------------------
 
     def _tick(self) -> None:
-        """What wall-clock time would do by itself, done on purpose so the model knows.
-
-        Live consumers renew their heartbeat every lease/3, as the supervisor's renewal loop
-        does; a reservation that is getting close to its deadline gets a deadline in the past.
-        """
+        """Live actors renew their claims, as the renewal loops do; a claim nobody renews is
+        deleted, and a reservation getting close to its deadline gets one in the past, before
+        either could lapse by itself."""
         now = time.monotonic()
-        for consumer in self._acting():
-            if consumer.heartbeat and now - consumer.renewed > RENEW_AFTER:
-                note(f"(renewal loop of {consumer.name})")
-                self._extend(consumer)
-        for registered in list(self.registered.values()):
-            if not registered.expired and now - registered.started > EXPIRE_GUARD:
-                note(f"(reservation {self._short(registered.key)} reaches its deadline)")
-                self._expire(registered)
+        for actor in self._acting():
+            owned = [self._item(d) for d in self._owned(actor)]
+            if not actor.stalled and any(
+                not item.claim or now - item.renewed > RENEW_AFTER for item in owned
+            ):
+                note(f"(renewal loop of {actor.name})")
+                self._renew(actor)
+        now = time.monotonic()
+        for item in self._in(PROCESSING):
+            if item.claim and now - item.renewed > CLAIM_GUARD:
+                note(f"(the claim of {item.uid} lapses)")
+                self._lapse(item)
+        for res in list(self.res.values()):
+            if res.registered and not res.expired and now - res.started > RESERVATION_GUARD:
+                note(f"(reservation {self._short(res.key)} reaches its deadline)")
+                self._expire(res)
 
-    def _expire(self, registered: Registered) -> None:
+    def _lapse(self, item: Item) -> None:
+        assert item.pid is not None
+        self.redis.delete(KEYS.claim(item.pid))
+        item.claim = False
+
+    def _expire(self, res: Res) -> None:
         self.forced += 1
-        score = {registered.key: self.forced}
-        changed = self.redis.zadd(KEYS.reservations, score, xx=True, ch=True)
-        assert changed == 1, f"{registered.key} was not registered"
-        registered.expired = True
+        changed = self.redis.zadd(KEYS.reservations, {res.key: self.forced}, xx=True, ch=True)
+        assert changed == 1, f"{res.key} was not registered"
+        res.expired = True
 
-    def _extend(self, consumer: Consumer) -> None:
-        expected = [self._owns(delivery) for delivery in consumer.held]
+    def _renew(self, actor: Actor) -> None:
+        if actor.ours:
+            self.run(self._extend_ours(actor))
+        else:
+            self._extend_php(actor)
+
+    async def _extend_ours(self, actor: Actor) -> None:
+        assert actor.broker is not None
+        expected = [self._owns(d) for d in actor.held]
         started = time.monotonic()
-        owned = self.run(consumer.broker.extend(consumer.held))
-        self._extended(consumer, owned, expected, started)
-
-    def _extended(
-        self, consumer: Consumer, owned: list[bool], expected: list[bool], started: float
-    ) -> None:
-        consumer.heartbeat, consumer.renewed = True, started
+        owned = await actor.broker.extend(actor.held)
         assert owned == expected, (
-            f"extend by {consumer.name} of {[d.pid for d in consumer.held]}: {owned}, "
+            f"extend by {actor.name} of {[d.pid for d in actor.held]}: {owned}, "
             f"expected {expected}"
         )
         if not all(owned):
             event("extend reports a stale delivery")
+        self._renewed(actor, started)
+
+    def _extend_php(self, actor: Actor) -> None:
+        assert actor.php is not None
+        started = time.monotonic()
+        if actor.held:
+            actor.php.extend(*actor.held)
+        self._renewed(actor, started)
+
+    def _renewed(self, actor: Actor, started: float) -> None:
+        actor.stalled = False
+        for delivery in self._owned(actor):
+            item = self._item(delivery)
+            item.claim, item.renewed = True, started
+
+    # -- model transitions --------------------------------------------------------------
+
+    def _reserved(
+        self, actor: Actor, handle: Any, key: str, payloads: list[bytes], started: float,
+        wait: int = 0,
+    ) -> None:
+        uids = []
+        for raw in payloads:
+            item, _ = self._identify(raw)
+            assert item.place == READY, f"{item.uid} reserved from {item.place}"
+            item.place, item.reservation = RESERVED, key
+            uids.append(item.uid)
+        self.res[key] = Res(key, uids, started, wait)
+        actor.pending.append(handle)
+        note(f"{actor.name} reserved {uids} in {self._short(key)}")
+
+    def _claimed(self, actor: Actor, item: Item, token: str, started: float) -> None:
+        assert TOKEN.fullmatch(token), f"owner token {token!r} is not 32 lowercase hex"
+        item.place, item.reservation, item.owner, item.holder = PROCESSING, None, token, actor.name
+        item.claim, item.renewed = True, started
+        self.claims += 1
 
     @staticmethod
-    def _short(key: str) -> str:
-        return key.rpartition(".")[2]
+    def _unhold(item: Item) -> None:
+        item.owner, item.holder, item.claim = None, None, False
+
+    def _returned(self, res: Res) -> list[str]:
+        """A reservation's payloads went back to the ready list (consumer end)."""
+        del self.res[res.key]
+        for uid in res.uids:
+            item = self.items[uid]
+            item.place, item.reservation = READY, None
+        return res.uids
+
+    def _recovered_ours(self, items: list[Item]) -> list[str]:
+        """Our recovery: the same pid requeued with attempts + 1, or dead at the limit.
+        Returns the uids requeued."""
+        requeued = []
+        for item in items:
+            self._unhold(item)
+            if item.attempts + 1 >= MAX_ATTEMPTS:
+                event("our recovery dead-letters at max_attempts")
+                item.place = DEAD
+            else:
+                item.place, item.attempts, item.old = READY, item.attempts + 1, False
+                requeued.append(item.uid)
+        return requeued
+
+    def _recovered_php(self, items: list[Item], max_attempts: int | None) -> list[str]:
+        """PHP's reap: a new pid requeued with attempts + 1, or (C) dead. Returns the uids
+        requeued."""
+        requeued = []
+        for item in items:
+            self._unhold(item)
+            if max_attempts is not None and item.attempts >= max_attempts:
+                event("PHP's reap dead-letters at reapMaxAttempts")
+                item.place = DEAD
+            else:
+                item.place, item.attempts, item.old = READY, item.attempts + 1, False
+                item.pid = None
+                requeued.append(item.uid)
+        if requeued:
+            self._find_new_pids()
+        return requeued
+
+    def _find_new_pids(self) -> None:
+        for raw in self.redis.lrange(KEYS.ready, 0, -1):
+            item, decoded = self._identify(raw)
+            if decoded is not None and item.pid is None:
+                assert decoded["pid"] not in item.pids, f"PHP requeued {item.uid} with its pid"
+                item.pid = decoded["pid"]
+                item.pids.append(item.pid)
+        lost = [i.uid for i in self.items.values() if i.valid and i.pid is None]
+        assert not lost, f"requeued by PHP but not in the ready list: {lost}"
+
+    def _check_ends(self, head: list[str], tail: list[list[str]]) -> None:
+        """Requeued ones are at the producer end; returned reservations at the consumer end,
+        each in the order it was taken (the first taken rightmost)."""
+        ready = self._ready_uids()
+        if head:
+            assert set(ready[:len(head)]) == set(head), f"requeued {head}, ready {ready}"
+        returned = [uid for group in tail for uid in group]
+        if returned:
+            assert set(ready[len(ready) - len(returned):]) == set(returned), (
+                f"returned {tail}, ready {ready}"
+            )
+        for group in tail:
+            positions = [ready.index(uid) for uid in group]
+            assert positions == sorted(positions, reverse=True), (
+                f"returned {group} out of order: ready {ready}"
+            )
 
     # -- publishing -------------------------------------------------------------------
 
     @precondition(lambda self: self._room())
     @rule(
-        c=consumer_pick, count=st.integers(1, 3), old=st.booleans(),
-        attempts=st.integers(0, MAX_ATTEMPTS - 1),
+        who=st.sampled_from(["ours", "php", "crafted"]), count=st.integers(1, 3),
+        old=st.booleans(), attempts=st.integers(0, MAX_ATTEMPTS - 1), keyed=st.booleans(),
     )
-    def publish(self, c: int, count: int, old: bool, attempts: int) -> None:
-        """Fresh messages through ``publish_many``; old ones, or ones with attempts already
-        made, as another producer (or a retry) wrote them, with a raw LPUSH."""
+    def publish(self, who: str, count: int, old: bool, attempts: int, keyed: bool) -> None:
+        """Fresh messages through ``publish_many`` or PHP's ``publish``; old ones, or ones with
+        attempts already made, as another producer (or a retry) wrote them, with LPUSH
+        (``keyed``: with a fresh coalescing key, its marker set as PHP's coalesce does)."""
         self._tick()
-        payloads = [{"n": self.serial + i, "url": "https://example.com/a/b"} for i in range(count)]
-        self.serial += count
-        if not old and not attempts:
-            pids = self.run(self._pick(c).broker.publish_many(QUEUE, payloads))
-            for pid, payload in zip(pids, payloads, strict=True):
-                self._add(Item(pid, b"", True, payload))
-            note(f"published {pids}")
+        uids = [self._new_uid() for _ in range(count)]
+        phps = self._acting(ours=False)
+        if who == "crafted" or old or attempts or (who == "php" and not phps):
+            timestamp = int(time.time()) - (OLD if old else 0)
+            for uid in uids:
+                item = Item(uid, True, pid=f"p{uid}", attempts=attempts, old=old)
+                fields: dict[str, Any] = {}
+                if keyed:
+                    item.key = fields["key"] = f"k{uid}"
+                    assert self.redis.set(KEYS.pending(item.key), item.pid, nx=True, ex=86400)
+                self.redis.lpush(KEYS.ready, envelope.encode({
+                    "pid": item.pid, "queue": QUEUE, "timestamp": timestamp,
+                    "payload": item.payload, "attempts": attempts, **fields,
+                }))
+                self._add(item)
             return
-        timestamp = int(time.time()) - (OLD if old else 0)
-        for payload in payloads:
-            pid = f"p{payload['n']}"
-            raw = envelope.encode({
-                "pid": pid, "queue": QUEUE, "timestamp": timestamp, "payload": payload,
-                "attempts": attempts,
-            })
-            self.redis.lpush(KEYS.ready, raw)
-            self._add(Item(pid, raw, True, payload, attempts, old))
+        items = [Item(uid, True) for uid in uids]
+        if who == "ours":
+            broker = self._acting(ours=True)[0].broker
+            assert broker is not None
+            pids = self.run(broker.publish_many(QUEUE, [item.payload for item in items]))
+        else:
+            worker = phps[0].php
+            assert worker is not None
+            pids = [worker.publish(item.payload) for item in items]
+        for item, pid in zip(items, pids, strict=True):
+            item.pid = pid
+            self._add(item)
+        note(f"published {uids} as {pids}")
+
+    @precondition(lambda self: self._room() and self._acting(ours=False))
+    @rule(p=pick, reuse=st.integers(0, 3))
+    def php_coalesce(self, p: int, reuse: int) -> None:
+        """PHP's ``coalesce()``: published only while no pending message holds the key (its
+        marker ``pending.{q}.{hex key}``, freed by the holder's commit, reject or dead letter,
+        kept by a retry or a release, moved to the successor pid by PHP's requeue).
+        ``reuse``: a key used before (0: a fresh one)."""
+        self._tick()
+        actor = self._pick(p, self._acting(ours=False))
+        assert actor.php is not None
+        used = sorted({item.key for item in self.items.values() if item.key})
+        key = used[reuse % len(used)] if reuse and used else f"ku{self.serial + 1}"
+        held = [i.uid for i in self.items.values() if i.key == key and i.place in PENDING]
+        item = Item(self._new_uid(), True, key=key)
+        published = actor.php.coalesce(item.payload, key)
+        assert published == (not held), f"coalesce on {key}: {published}, holders {held}"
+        if not published:
+            event("coalesce: the key is pending, nothing published")
+            return
+        if used and key in used:
+            event("coalesce: a key freed by its holder's settlement is used again")
+        self._add(item)
+        self._find_new_pids()
 
     @precondition(lambda self: self._room())
     @rule(kind=st.integers(0, len(MALFORMED) - 1))
     def publish_malformed(self, kind: int) -> None:
         self._tick()
-        self.serial += 1
+        uid = self._new_uid()
         raw = MALFORMED[kind] % self.serial
         self.redis.lpush(KEYS.ready, raw)
-        self._add(Item(f"m{self.serial}", raw, False))
-        note(f"m{self.serial} = {raw!r}")
+        self._add(Item(uid, False, raw))
+        note(f"{uid} = {raw!r}")
 
-    # -- receiving --------------------------------------------------------------------
+    # -- receiving: ours --------------------------------------------------------------
 
-    @rule(c=consumer_pick, n=st.integers(1, 4), then_claim=st.booleans())
+    @rule(c=pick, n=st.integers(1, 4), then_claim=st.booleans())
     def reserve(self, c: int, n: int, then_claim: bool) -> None:
         """Reserve up to n; with ``then_claim`` this is ``receive`` (reserve, then claim)."""
         self._tick()
-        consumer = self._pick(c)
+        actor = self._pick(c, self._acting(ours=True))
+        reservation = self.run(self._reserve_ours(actor, n))
+        if reservation is not None and then_claim:
+            self.run(self._claim_ours(actor, reservation))
+
+    async def _receive_ours(self, actor: Actor, n: int) -> None:
+        reservation = await self._reserve_ours(actor, n)
+        if reservation is not None:
+            await self._claim_ours(actor, reservation)
+
+    async def _reserve_ours(self, actor: Actor, n: int) -> Reservation | None:
+        assert actor.broker is not None
         ready = self.redis.lrange(KEYS.ready, 0, -1)
         registry = self.redis.zcard(KEYS.reservations)
         started = time.monotonic()
-        reservation = self.run(consumer.broker.reserve(n, 0))
+        reservation = await actor.broker.reserve(n, 0)
         assert reservation.payloads == ready[::-1][:n], "reserve must take from the right"
         if not reservation.payloads:
             assert self.redis.zcard(KEYS.reservations) == registry, "empty reservation kept"
-            return
-        self._reserved(consumer, reservation, started)
-        if then_claim:
-            self._claim(consumer, reservation)
+            return None
+        self._reserved(actor, reservation, reservation.key, reservation.payloads, started)
+        return reservation
 
     @precondition(lambda self: self._room() and not self._in(READY))
-    @rule(c=consumer_pick)
+    @rule(c=pick)
     def reserve_blocking(self, c: int) -> None:
         """On an empty queue: a message published while the consumer waits is reserved."""
         self._tick()
-        consumer = self._pick(c)
-        self.serial += 1
-        pid, raw = envelope.build(QUEUE, {"n": self.serial})
-        self._add(Item(pid, raw, True, {"n": self.serial}))
+        actor = self._pick(c, self._acting(ours=True))
+        assert actor.broker is not None
+        broker = actor.broker
+        item = Item(self._new_uid(), True)
+        item.pid, raw = envelope.build(QUEUE, item.payload)
+        self._add(item)
 
         async def wait_and_publish() -> Reservation:
-            waiting = asyncio.ensure_future(consumer.broker.reserve(2, 1.0))
+            waiting = asyncio.ensure_future(broker.reserve(2, 1.0))
             await asyncio.sleep(0.03)
             self.redis.lpush(KEYS.ready, raw)
             return await waiting
@@ -370,101 +668,230 @@ class BrokerProtocol(RuleBasedStateMachine):
         started = time.monotonic()
         reservation = self.run(wait_and_publish())
         assert reservation.payloads == [raw]
-        self._reserved(consumer, reservation, started)
+        self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 1)
 
-    def _reserved(self, consumer: Consumer, reservation: Reservation, started: float) -> None:
-        names = []
-        for raw in reservation.payloads:
-            item, _ = self._identify(raw)
-            assert item.place == READY, f"{item.name} reserved from {item.place}"
-            item.place, item.reservation = RESERVED, reservation.key
-            names.append(item.name)
-        self.registered[reservation.key] = Registered(reservation.key, names, started)
-        consumer.pending.append(reservation)
-        note(f"{consumer.name} reserved {names} in {self._short(reservation.key)}")
+    @precondition(lambda self: self._room() and not self._in(READY))
+    @rule(c=pick, recovered_by=st.sampled_from(["ours", "php", "nobody"]))
+    def frozen_blocking_receive(self, c: int, recovered_by: str) -> None:
+        """A blocking receive frozen (SIGSTOP, a VM pause) between registering its empty
+        reservation and the BLMOVE, past the deadline; recovery runs meanwhile (an expired
+        empty reservation is just unregistered); a message arrives; then the late BLMOVE
+        lands in the reservation and the claim follows. (RedisBroker skips a BLMOVE after a
+        freeze this long: this drives the lower level, the worst case.) The claim must put
+        the payload back, whether the reservation is still registered or not."""
+        self._tick()
+        actor = self._pick(c, self._acting(ours=True))
+        assert actor.broker is not None
+        token = secrets.token_hex(16)
+        key = KEYS.reservation(token)
+        started = time.monotonic()
+        moved = self.run(actor.broker.scripts.call(
+            "reserve", [KEYS.ready, KEYS.reservations, key], [2, LEASE, 1]
+        ))
+        assert moved == [] and self.redis.zscore(KEYS.reservations, key) is not None
+        res = self.res[key] = Res(key, [], started, 1)
+        note(f"{actor.name} registered blocking reservation {self._short(key)}, then froze")
+        self._expire(res)
+        phps = self._acting(ours=False)
+        if recovered_by == "ours":
+            sweeper = self._pick(c + 1, self._acting(ours=True))
+            self.run(self._maintain_ours(sweeper, force=True))
+        elif recovered_by == "php" and phps:
+            self._php_maintain(self._pick(c, phps))
+        item = Item(self._new_uid(), True)
+        item.pid, raw = envelope.build(QUEUE, item.payload)
+        self.redis.lpush(KEYS.ready, raw)
+        self._add(item)
+        late = self.redis.blmove(KEYS.ready, key, 1, "RIGHT", "LEFT")
+        assert late is not None
+        moved_item, _ = self._identify(late)
+        moved_item.place, moved_item.reservation = RESERVED, key
+        if key not in self.res:
+            event("a late blocking move lands in a reservation already recovered")
+            self.res[key] = Res(key, [], started, expired=True, registered=False)
+        self.res[key].uids.append(moved_item.uid)
+        reservation = Reservation(key, token, [late])
+        actor.pending.append(reservation)
+        self.run(self._claim_ours(actor, reservation))
 
-    @precondition(lambda self: any(c.pending for c in self._acting()))
-    @rule(c=consumer_pick, r=st.integers(0, 3))
+    @precondition(lambda self: any(a.pending for a in self._acting(ours=True)))
+    @rule(c=pick, r=st.integers(0, 3))
     def claim(self, c: int, r: int) -> None:
         self._tick()
-        consumer = self._pick(c, [c for c in self._acting() if c.pending])
-        self._claim(consumer, consumer.pending[r % len(consumer.pending)])
+        actor = self._pick(c, [a for a in self._acting(ours=True) if a.pending])
+        self.run(self._claim_ours(actor, actor.pending[r % len(actor.pending)]))
 
-    def _claim(self, consumer: Consumer, reservation: Reservation) -> None:
-        consumer.pending.remove(reservation)
+    async def _claim_ours(self, actor: Actor, reservation: Reservation) -> None:
+        assert actor.broker is not None
+        actor.pending.remove(reservation)
         items = [self._identify(raw)[0] for raw in reservation.payloads]
-        registered = self.registered.get(reservation.key)
+        res = self.res.get(reservation.key)
         started = time.monotonic()
-        received = self.run(consumer.broker.claim(reservation))
-        if registered is None or registered.expired:
-            event("claim of an expired or recovered reservation")
+        received = await actor.broker.claim(reservation)
+        if res is None or not res.registered or res.expired:
+            event("our claim of an expired or recovered reservation")
             assert not received.deliveries and not received.poisoned, (
-                f"{consumer.name} claimed from expired {reservation.key}: {received}"
+                f"{actor.name} claimed from expired {reservation.key}: {received}"
             )
-            if any(item.valid for item in items):  # the ownership check renewed the heartbeat
-                consumer.heartbeat, consumer.renewed = True, started
+            if res is not None:
+                returned = self._returned(res)
+                assert self._ready_uids()[::-1][:len(returned)] == returned, (
+                    f"{returned} not back at the consumer end in taken order"
+                )
             return
         good = [item for item in items if item.valid]
-        assert [d.pid for d in received.deliveries] == [item.name for item in good]
+        assert [d.pid for d in received.deliveries] == [item.pid for item in good]
         assert [p.raw for p in received.poisoned] == [i.raw for i in items if not i.valid]
+        assert received.deferred == 0
         for delivery, item in zip(received.deliveries, good, strict=True):
             assert (delivery.attempts, delivery.payload) == (item.attempts, item.payload)
-            item.place, item.reservation, item.owner = PROCESSING, None, delivery.receipt
-            self.claims += 1
+            self._claimed(actor, item, delivery.receipt, started)
+        assert len({d.receipt for d in received.deliveries}) <= 1, "one token per reservation"
+        self._poisoned(items)
+        del self.res[reservation.key]
+        actor.held += received.deliveries
+        note(f"{actor.name} holds {[(d.pid, d.receipt[:6]) for d in received.deliveries]}")
+
+    def _poisoned(self, items: list[Item]) -> None:
         for item in items:
             if not item.valid:
                 event("claim poisons a malformed payload")
                 item.place, item.reservation = POISON, None
-                self.poisoned += 1
-        del self.registered[reservation.key]
-        consumer.held += received.deliveries
-        consumer.heartbeat, consumer.renewed = True, started
-        note(f"{consumer.name} holds {[(d.pid, d.receipt) for d in received.deliveries]}")
+
+    # -- receiving: PHP ---------------------------------------------------------------
+
+    @precondition(lambda self: self._acting(ours=False))
+    @rule(p=pick, n=st.integers(1, 4), then_claim=st.booleans())
+    def php_receive(self, p: int, n: int, then_claim: bool) -> None:
+        """PHP's receive(); without ``then_claim`` it stops between reserve and claim."""
+        self._tick()
+        actor = self._pick(p, self._acting(ours=False))
+        self._php_reserve(actor, n, then_claim)
+
+    def _php_reserve(self, actor: Actor, n: int, then_claim: bool) -> None:
+        assert actor.php is not None
+        ready = self.redis.lrange(KEYS.ready, 0, -1)
+        started = time.monotonic()
+        reservation = actor.php.receive_reserve_only(n)
+        assert reservation.batch == ready[::-1][:n], "PHP reserves from the right"
+        if reservation.batch:
+            self._reserved(actor, reservation, reservation.key, reservation.batch, started)
+            if then_claim:
+                self._claim_php(actor, reservation)
+
+    @precondition(lambda self: self._room() and not self._in(READY) and self._acting(ours=False))
+    @rule(p=pick)
+    def php_receive_blocking(self, p: int) -> None:
+        """PHP on an empty queue: registers first, blocks in BRPOPLPUSH, a message arrives."""
+        self._tick()
+        actor = self._pick(p, self._acting(ours=False))
+        assert actor.php is not None
+        item = Item(self._new_uid(), True)
+        item.pid, raw = envelope.build(QUEUE, item.payload)
+        self._add(item)
+        producer = threading.Timer(0.03, self.redis.lpush, (KEYS.ready, raw))
+        started = time.monotonic()
+        producer.start()
+        try:
+            reservation = actor.php.receive_reserve_only(2, timeout=1)
+        finally:
+            producer.join()
+        assert reservation.batch == [raw]
+        self._reserved(actor, reservation, reservation.key, reservation.batch, started, 1)
+        self._claim_php(actor, reservation)
+
+    @precondition(lambda self: any(a.pending for a in self._acting(ours=False)))
+    @rule(p=pick, r=st.integers(0, 3))
+    def php_claim(self, p: int, r: int) -> None:
+        self._tick()
+        actor = self._pick(p, [a for a in self._acting(ours=False) if a.pending])
+        self._claim_php(actor, actor.pending[r % len(actor.pending)])
+
+    def _claim_php(self, actor: Actor, reservation: Any) -> None:
+        assert actor.php is not None
+        actor.pending.remove(reservation)
+        items = [self._identify(raw)[0] for raw in reservation.batch]
+        res = self.res.get(reservation.key)
+        started = time.monotonic()
+        if res is None or not res.registered or res.expired:
+            event("a PHP claim of an expired reservation fails (recovery returns it)")
+            with pytest.raises(redis.ResponseError, match="Queue reservation expired"):
+                actor.php.claim(reservation)
+            return
+        messages = actor.php.claim(reservation)
+        good = [item for item in items if item.valid]
+        assert [m.pid for m in messages] == [item.pid for item in good]
+        for message, item in zip(messages, good, strict=True):
+            assert (message.attempts, message.payload) == (item.attempts, item.payload)
+            self._claimed(actor, item, message.receipt, started)
+        self._poisoned(items)
+        del self.res[reservation.key]
+        actor.held += messages
+        note(f"{actor.name} holds {[(m.pid, m.receipt[:6]) for m in messages]}")
+
+    # -- the plain path -----------------------------------------------------------------
 
     @rule()
     def advance(self) -> None:
-        """The plain path, one step: the first consumer holding work settles its oldest
-        delivery (commit, reject, commit, release, in turn); else the first with a reservation
-        claims it; else one reserves up to 3 and claims them."""
+        """The plain path, one step: the first actor holding work settles its oldest delivery
+        (commit, reject, commit, release, in turn); else the first with a reservation claims
+        it; else one of ours or a PHP worker, in turn, receives up to 3."""
         self._tick()
         acting = self._acting()
-        holder = next((c for c in acting if c.held), None)
+        step = self.advances
+        self.advances += 1
+        holder = next((a for a in acting if a.held), None)
         if holder is not None:
-            action = ADVANCE_ACTIONS[self.advances % len(ADVANCE_ACTIONS)]
-            self.advances += 1
-            note(f"{holder.name} settles {holder.held[0].pid}: {action.value}")
-            self._settle(holder, [(holder.held[0], action)])
+            delivery = holder.held[0]
+            if holder.ours:
+                action = ADVANCE_ACTIONS[step % len(ADVANCE_ACTIONS)]
+                note(f"{holder.name} settles {delivery.pid}: {action.value}")
+                self.run(self._settle_ours(holder, [(delivery, action)]))
+            else:
+                op = PHP_OPS[step % len(PHP_OPS)]
+                note(f"{holder.name} settles {delivery.pid}: {op}")
+                self._settle_php(holder, delivery, op)
+                holder.held.remove(delivery)
             return
-        claimer = next((c for c in acting if c.pending), None)
+        claimer = next((a for a in acting if a.pending), None)
         if claimer is not None:
-            self._claim(claimer, claimer.pending[0])
+            if claimer.ours:
+                self.run(self._claim_ours(claimer, claimer.pending[0]))
+            else:
+                self._claim_php(claimer, claimer.pending[0])
             return
-        self.reserve(self.serial, 3, True)
+        phps = self._acting(ours=False)
+        if step % 2 and phps:
+            self._php_reserve(phps[0], 3, True)
+            return
+        self.run(self._receive_ours(self._acting(ours=True)[0], 3))
 
     # -- settling and renewing --------------------------------------------------------
 
-    @precondition(lambda self: any(c.held for c in self._acting()))
+    @precondition(lambda self: any(a.held for a in self._acting(ours=True)))
     @rule(
-        c=consumer_pick,
+        c=pick,
         picks=st.lists(
             st.tuples(st.integers(0, 7), st.sampled_from(list(Action))), min_size=1, max_size=3
         ),
     )
     def settle(self, c: int, picks: list[tuple[int, Action]]) -> None:
         self._tick()
-        consumer = self._pick(c, [c for c in self._acting() if c.held])
-        self._settle(consumer, [(consumer.held[i % len(consumer.held)], a) for i, a in picks])
+        actor = self._pick(c, [a for a in self._acting(ours=True) if a.held])
+        chosen = [(actor.held[i % len(actor.held)], action) for i, action in picks]
+        self.run(self._settle_ours(actor, chosen))
 
-    def _settle(self, consumer: Consumer, chosen: list[tuple[Delivery, Action]]) -> None:
+    async def _settle_ours(self, actor: Actor, chosen: list[tuple[Any, Action]]) -> None:
+        assert actor.broker is not None
         expected = self._expect_settle(chosen)
-        results = self.run(consumer.broker.settle(_settlements(chosen)))
-        released, retried = self._settled(consumer, chosen, results, expected)
+        results = await actor.broker.settle(_settlements(chosen))
+        released, retried = self._settled(actor, chosen, results, expected)
         # Releases go back to the consumer end in their order, retries to the producer end.
-        ready = [self._identify(raw)[0].name for raw in self.redis.lrange(KEYS.ready, 0, -1)]
+        ready = self._ready_uids()
         assert ready[::-1][:len(released)] == released, f"released {released}, ready {ready}"
         assert ready[:len(retried)] == retried[::-1], f"retried {retried}, ready {ready}"
 
-    def _expect_settle(self, chosen: list[tuple[Delivery, Action]]) -> list[Outcome]:
+    def _expect_settle(self, chosen: list[tuple[Any, Action]]) -> list[Outcome]:
         """Applied if still owned (the same delivery twice in one call: only the first)."""
         expected, applied = [], set()
         for delivery, _ in chosen:
@@ -475,13 +902,13 @@ class BrokerProtocol(RuleBasedStateMachine):
         return expected
 
     def _settled(
-        self, consumer: Consumer, chosen: list[tuple[Delivery, Action]], results: list[Result],
+        self, actor: Actor, chosen: list[tuple[Any, Action]], results: list[Result],
         expected: list[Outcome],
     ) -> tuple[list[str], list[str]]:
-        """Check the outcomes and apply them; returns (released, retried) names."""
+        """Check the outcomes and apply them; returns (released, retried) uids."""
         outcomes = [result.outcome for result in results]
         assert outcomes == expected, (
-            f"{consumer.name} settled {[(d.pid, a.value) for d, a in chosen]}: {outcomes}, "
+            f"{actor.name} settled {[(d.pid, a.value) for d, a in chosen]}: {outcomes}, "
             f"expected {expected}"
         )
         released, retried = [], []
@@ -489,77 +916,181 @@ class BrokerProtocol(RuleBasedStateMachine):
             if outcome is not Outcome.OK:
                 event("settle of a delivery no longer owned is stale")
                 continue
+            item = self._item(delivery)
+            if not item.claim:
+                event("settle after the claim lapsed still applies")
             event(f"settle {action.value}: ok")
-            item = self.items[delivery.pid]
-            item.owner = None
+            self._unhold(item)
             if action is Action.COMMIT:
                 item.place = DONE
                 self.commits += 1
             elif action is Action.RELEASE:
                 item.place = READY
-                released.append(item.name)
+                released.append(item.uid)
             else:
-                item.attempts = delivery.attempts + 1
-                if item.attempts >= MAX_ATTEMPTS:
+                self.fails += 1
+                if delivery.attempts + 1 >= MAX_ATTEMPTS:
                     event("reject at max_attempts: failed")
-                    item.place = FAILED
-                    self.fails += 1
+                    item.place = FAILED  # the record kept as it was
                 else:
-                    item.place = READY
-                    retried.append(item.name)
+                    item.place, item.attempts, item.old = READY, delivery.attempts + 1, False
+                    retried.append(item.uid)
         for delivery, _ in chosen:
-            if delivery in consumer.held:
-                consumer.held.remove(delivery)
+            if delivery in actor.held:
+                actor.held.remove(delivery)
         return released, retried
 
-    @rule(c=consumer_pick)
+    @precondition(lambda self: any(a.held for a in self._acting(ours=False)))
+    @rule(
+        p=pick,
+        picks=st.lists(
+            st.tuples(st.integers(0, 7), st.sampled_from(["commit", "reject", "release"])),
+            min_size=1, max_size=3,
+        ),
+    )
+    def php_settle(self, p: int, picks: list[tuple[int, str]]) -> None:
+        """PHP settles one message per call; the same one twice: the second is NotOwned."""
+        self._tick()
+        actor = self._pick(p, [a for a in self._acting(ours=False) if a.held])
+        chosen = [(actor.held[i % len(actor.held)], op) for i, op in picks]
+        for message, op in chosen:
+            self._settle_php(actor, message, op)
+        for message, _ in chosen:
+            if message in actor.held:
+                actor.held.remove(message)
+
+    def _settle_php(self, actor: Actor, message: Any, op: str) -> None:
+        assert actor.php is not None
+        settle = getattr(actor.php, op)
+        if not self._owns(message):
+            event("a PHP settlement of a delivery no longer owned: NotOwned")
+            with pytest.raises(NotOwned):
+                settle(message)
+            return
+        settle(message)
+        item = self._item(message)
+        self._unhold(item)
+        if op == "commit":
+            item.place = DONE
+            self.commits += 1
+        elif op == "reject":
+            item.place = FAILED
+            self.fails += 1
+        else:
+            item.place = READY
+            assert self._ready_uids()[-1] == item.uid, "PHP releases to the consumer end"
+
+    @precondition(lambda self: any(self._owned(a) for a in self._acting(ours=False)))
+    @rule(p=pick)
+    def php_release_all(self, p: int) -> None:
+        """A PHP worker stopping gracefully releases what it holds, in order."""
+        self._tick()
+        actor = self._pick(p, [a for a in self._acting(ours=False) if self._owned(a)])
+        assert actor.php is not None
+        owned = self._owned(actor)
+        actor.php.release(*owned)
+        for message in owned:
+            self._unhold(self._item(message))
+            self._item(message).place = READY
+            actor.held.remove(message)
+        uids = [self._item(m).uid for m in owned]
+        assert self._ready_uids()[::-1][:len(uids)] == uids, "released out of order"
+
+    @rule(c=pick)
     def extend(self, c: int) -> None:
         self._tick()
-        self._extend(self._pick(c))
+        self.run(self._extend_ours(self._pick(c, self._acting(ours=True))))
+
+    @precondition(lambda self: self._acting(ours=False))
+    @rule(p=pick)
+    def php_extend(self, p: int) -> None:
+        self._tick()
+        self._extend_php(self._pick(p, self._acting(ours=False)))
 
     # -- faults -----------------------------------------------------------------------
 
-    @precondition(lambda self: any(c.heartbeat for c in self._acting()))
-    @rule(c=consumer_pick)
-    def expire_heartbeat(self, c: int) -> None:
-        """The consumer stalls past its lease; it may act again later."""
+    @precondition(lambda self: any(item.claim for item in self._in(PROCESSING)))
+    @rule(i=st.integers(0, 29))
+    def lapse_claim(self, i: int) -> None:
+        """A delivery's claim expires: its owner stalled past the lease (it may come back:
+        extending renews it, settling still applies until someone recovers it)."""
         self._tick()
-        consumer = self._pick(c, [c for c in self._acting() if c.heartbeat])
-        self.redis.delete(KEYS.consumer(consumer.name))
-        consumer.heartbeat = False
+        live = [item for item in self._in(PROCESSING) if item.claim]
+        if not live:  # _tick may have let them all lapse
+            return
+        item = live[i % len(live)]
+        self._lapse(item)
+        holder = self.actors.get(item.holder or "")
+        if holder is not None and not holder.dead:
+            holder.stalled = True
+        note(f"the claim of {item.uid} ({item.holder}) lapsed")
 
-    @precondition(lambda self: any(not r.expired for r in self.registered.values()))
+    @precondition(lambda self: any(not r.expired and r.registered for r in self.res.values()))
     @rule(r=st.integers(0, 7))
     def expire_reservation(self, r: int) -> None:
         self._tick()
-        live = [k for k, v in self.registered.items() if not v.expired]  # oldest first
+        live = [res for res in self.res.values() if res.registered and not res.expired]
         if live:  # _tick may have expired them all
-            self._expire(self.registered[live[r % len(live)]])
+            self._expire(live[r % len(live)])
 
-    @precondition(lambda self: len(self._acting()) > 1 or len(self.consumers) < MAX_CONSUMERS)
-    @rule(c=consumer_pick)
-    def die(self, c: int) -> None:
-        """The consumer stops for good: what it holds or reserved is left to maintenance.
-        A new consumer replaces it (while fewer than MAX_CONSUMERS were started)."""
+    def _die(self, actor: Actor, lapsed: bool) -> None:
+        """The actor stops for good. ``lapsed``: and its leases have run out already."""
+        if lapsed:
+            for delivery in self._owned(actor):
+                if self._item(delivery).claim:
+                    self._lapse(self._item(delivery))
+            for handle in actor.pending:
+                res = self.res.get(handle.key)
+                if res is not None and res.registered and not res.expired:
+                    self._expire(res)
+        if actor.pending:
+            event("an actor dies between reserve and claim")
+        if self._owned(actor):
+            event("an actor dies holding deliveries")
+        actor.dead, actor.held, actor.pending = True, [], []
+
+    @precondition(
+        lambda self: len(self._acting(ours=True)) > 1 or self.spawned["ours"] < MAX_OURS
+    )
+    @rule(c=pick, abandon=st.integers(0, 3), lapsed=st.booleans())
+    def die(self, c: int, abandon: int, lapsed: bool) -> None:
+        """One of ours stops for good, giving up the claims of its first ``abandon``
+        deliveries at exit; a new consumer replaces it (while fewer than MAX_OURS started)."""
         self._tick()
-        consumer = self._pick(c)
-        self.redis.delete(KEYS.consumer(consumer.name))
-        consumer.dead, consumer.heartbeat = True, False
-        if consumer.pending:
-            event("a consumer dies between reserve and claim")
-        consumer.held, consumer.pending = [], []
-        if len(self.consumers) < MAX_CONSUMERS:
-            note(f"{self._spawn().name} replaces {consumer.name}")
+        actor = self._pick(c, self._acting(ours=True))
+        assert actor.broker is not None
+        if abandon and actor.held:
+            chosen = actor.held[:abandon]
+            owned = [d for d in chosen if self._owns(d)]
+            self.run(actor.broker.abandon(chosen))
+            for delivery in owned:
+                self._item(delivery).claim = False
+            event("a consumer abandons its deliveries at exit")
+        self._die(actor, lapsed)
+        if self.spawned["ours"] < MAX_OURS:
+            note(f"{self._spawn_ours().name} replaces {actor.name}")
 
-    @precondition(lambda self: any(i.place == PROCESSING and i.owner for i in self.items.values()))
+    @precondition(lambda self: self._acting(ours=False))
+    @rule(p=pick, lapsed=st.booleans())
+    def php_die(self, p: int, lapsed: bool) -> None:
+        """A PHP worker is killed (its claims stay until its leases run out)."""
+        self._tick()
+        actor = self._pick(p, self._acting(ours=False))
+        self._die(actor, lapsed)
+        if self.spawned["php"] < MAX_PHP:
+            note(f"{self._spawn_php().name} replaces {actor.name}")
+
+    @precondition(lambda self: any(i.owner for i in self._in(PROCESSING)))
     @rule(i=st.integers(0, 29))
     def make_legacy(self, i: int) -> None:
-        """Delete an owner key: the entry looks like a legacy consumer's (never renewed)."""
+        """Delete an owner key and its claim: the entry looks like a utopia-php/queue 1.x
+        consumer's (never renewed, no owner)."""
         self._tick()
-        owned = [n for n, it in self.items.items() if it.place == PROCESSING and it.owner]
-        item = self.items[owned[i % len(owned)]]
-        self.redis.delete(KEYS.owner(item.name))
-        item.owner = None
+        owned = [item for item in self._in(PROCESSING) if item.owner]
+        item = owned[i % len(owned)]
+        assert item.pid is not None
+        self.redis.delete(KEYS.owner(item.pid), KEYS.claim(item.pid))
+        self._unhold(item)
 
     @rule()
     def script_flush(self) -> None:
@@ -568,187 +1099,231 @@ class BrokerProtocol(RuleBasedStateMachine):
 
     # -- maintenance ------------------------------------------------------------------
 
-    def _abandoned(self) -> tuple[list[Item], list[Item]]:
-        """Processing entries maintenance must recover: (owner's heartbeat gone, legacy)."""
-        dead, legacy = [], []
-        for item in self._in(PROCESSING):
-            if item.owner is None:
-                if item.old:
-                    legacy.append(item)
-            elif not self._by_id(owner_consumer(item.owner)).heartbeat:
-                dead.append(item)
-        return dead, legacy
-
-    @rule(c=consumer_pick, locked=st.booleans())
-    def maintain(self, c: int, locked: bool) -> None:
+    @rule(c=pick, mode=st.sampled_from(["interval", "locked", "forced"]))
+    def maintain(self, c: int, mode: str) -> None:
+        """Our sweep: the lock deleted first (the interval passed), held by another member
+        of the fleet (skipped: nothing changes), or forced (the operator's ``recover``)."""
         self._tick()
-        consumer = self._pick(c)
-        if locked:
-            self.redis.set(KEYS.reap_lock, "another-supervisor:1", px=60_000)
-            report = self.run(consumer.broker.maintain())
+        actor = self._pick(c, self._acting(ours=True))
+        assert actor.broker is not None
+        if mode == "locked":
+            self.redis.set(KEYS.reap_lock, str(int(time.time())), ex=60)
+            report = self.run(actor.broker.maintain())
             assert report.skipped and report.total == 0, report
             self.redis.delete(KEYS.reap_lock)
             return
-        self.redis.delete(KEYS.reap_lock)
-        expired = [r for r in self.registered.values() if r.expired]
-        dead, legacy = self._abandoned()
-        report = self.run(consumer.broker.maintain())
-        expected = (sum(len(r.names) for r in expired), len(dead), len(legacy))
+        self.run(self._maintain_ours(actor, force=mode == "forced"))
+
+    async def _maintain_ours(self, actor: Actor, *, force: bool) -> None:
+        assert actor.broker is not None
+        if not force:
+            self.redis.delete(KEYS.reap_lock)
+        expired, candidates = self._expired(), self._recoverable("ours", LIMIT)
+        report = await actor.broker.maintain(force=force)
+        expected = (
+            sum(len(r.uids) for r in expired),
+            sum(1 for item in candidates if item.owner is not None),
+            sum(1 for item in candidates if item.owner is None),
+        )
         actual = (report.expired_reservations, report.dead_consumers, report.legacy)
         assert actual == expected and not report.skipped, (
-            f"maintain by {consumer.name}: (reservations, dead, legacy) = {actual}, "
+            f"maintain by {actor.name}: (reservations, dead, legacy) = {actual}, "
             f"expected {expected}"
         )
-        for registered in expired:
-            self._requeue_reservation(registered)
-        for item in dead + legacy:
-            item.place, item.owner = READY, None
-        if dead:
-            event("maintain recovers a dead consumer's deliveries")
-        if legacy:
-            event("maintain recovers a legacy entry")
+        tail = [self._returned(r) for r in expired]
+        self._check_ends(self._recovered_ours(candidates), tail)
+        if expected[1]:
+            event("our sweep recovers deliveries whose claim lapsed")
+        if expected[2]:
+            event("our sweep recovers an old owner-less entry")
 
-    @precondition(lambda self: any(c.held for c in self._acting()))
-    @rule(
-        c=consumer_pick, o=consumer_pick, stalled=st.booleans(),
-        meanwhile=st.sampled_from(["extend", "commit", "maintain"]),
-    )
-    def maintain_racing(self, c: int, o: int, stalled: bool, meanwhile: str) -> None:
-        """Maintenance while something happens between its reads and its recovery script:
-        a consumer holding work renews its heartbeat (``extend``) or commits its oldest
-        delivery, or a second maintenance pass runs in full (the lock expired under the
-        first). The scripts re-check: what was renewed, settled or recovered meanwhile is
-        untouched, and the two passes together recover each message once.
-        ``stalled``: the consumer's heartbeat expired just before, so its work looks
-        abandoned."""
+    @precondition(lambda self: self._acting(ours=False))
+    @rule(p=pick, locked=st.booleans())
+    def php_maintain(self, p: int, locked: bool) -> None:
+        """PHP's sweep: the same lock (another holds it: skipped), then its own recovery."""
         self._tick()
-        consumer = self._pick(c)
-        holders = [c for c in self._acting() if c.held]
-        other = self._pick(o, sorted(holders, key=lambda c: c.heartbeat))  # stalled first
-        if stalled:
-            self.redis.delete(KEYS.consumer(other.name))
-            other.heartbeat = False
+        actor = self._pick(p, self._acting(ours=False))
+        assert actor.php is not None
+        if locked:
+            self.redis.set(KEYS.reap_lock, str(int(time.time())), ex=5)
+            assert actor.php.maintain() is None
+            self.redis.delete(KEYS.reap_lock)
+            return
+        self._php_maintain(actor)
+
+    def _php_maintain(self, actor: Actor) -> None:
+        assert actor.php is not None
         self.redis.delete(KEYS.reap_lock)
-        expired = [r for r in self.registered.values() if r.expired]
-        dead, legacy = self._abandoned()
-        chosen = [(other.held[0], Action.COMMIT)]
-        expected: list[Any] = {
-            "extend": lambda: [self._owns(delivery) for delivery in other.held],
-            "commit": lambda: self._expect_settle(chosen),
-            "maintain": lambda: [],
-        }[meanwhile]()
-        started = time.monotonic()
-        done: list[Any] = []
+        expired, candidates = self._expired(), self._recoverable("php", 2 * LIMIT)
+        requeued = actor.php.maintain()
+        tail = [self._returned(r) for r in expired]
+        head = self._recovered_php(candidates, actor.php.max_attempts)
+        assert requeued == len(head), f"PHP's reap requeued {requeued}, expected {head}"
+        self._check_ends(head, tail)
+        if candidates:
+            event("PHP's sweep recovers entries without a claim")
+
+    @precondition(lambda self: any(self._owned(a) for a in self._acting()))
+    @rule(
+        c=pick, o=pick,
+        meanwhile=st.sampled_from(
+            ["extend", "commit", "maintain", "php_maintain", "redelivered"]
+        ),
+    )
+    def maintain_racing(self, c: int, o: int, meanwhile: str) -> None:
+        """Our sweep while something happens between its reads and its recovery script: an
+        owner (ours or PHP) whose claims had lapsed renews them (``extend``) or commits its
+        oldest delivery, or another sweep (ours, or PHP's) runs in full, or (``redelivered``)
+        another of ours recovers them (the same pids), takes everything ready and stalls in
+        turn (its claims lapse too). The scripts re-check: what was renewed, settled,
+        recovered or re-owned meanwhile is untouched (the owner is no longer the one read),
+        and the sweeps together recover each message once."""
+        self._tick()
+        sweeper = self._pick(c, self._acting(ours=True))
+        assert sweeper.broker is not None
+        holders = [a for a in self._acting() if self._owned(a)]
+        if not holders:  # _tick may have changed who owns what
+            return
+        other = self._pick(o, holders)
+        for delivery in self._owned(other):  # it stalled: its work looks abandoned
+            if self._item(delivery).claim:
+                self._lapse(self._item(delivery))
+        other.stalled = True
+        phps = self._acting(ours=False)
+        if meanwhile == "php_maintain" and not phps:
+            meanwhile = "maintain"
+        self.redis.delete(KEYS.reap_lock)
+        expired = self._expired()
+        read: list[tuple[Item, str | None, str | None]] = []
 
         async def act() -> None:
             if meanwhile == "extend":
-                done.append(await other.broker.extend(other.held))
+                if other.ours:
+                    await self._extend_ours(other)
+                else:
+                    self._extend_php(other)
             elif meanwhile == "commit":
-                done.append(await other.broker.settle(_settlements(chosen)))
+                delivery = self._owned(other)[0]
+                if other.ours:
+                    await self._settle_ours(other, [(delivery, Action.COMMIT)])
+                else:
+                    self._settle_php(other, delivery, "commit")
+                    other.held.remove(delivery)
+            elif meanwhile == "maintain":
+                await self._maintain_ours(self._pick(o + 1, self._acting(ours=True)), force=True)
+            elif meanwhile == "redelivered":
+                party = self._pick(o + 1, self._acting(ours=True))
+                await self._maintain_ours(party, force=True)
+                before = set(map(id, party.held))
+                await self._receive_ours(party, MAX_ITEMS)
+                for delivery in party.held:
+                    if id(delivery) not in before and self._owns(delivery):
+                        self._lapse(self._item(delivery))
+                party.stalled = True
             else:
-                await self._expire_lock(other)
-                done.append(await other.broker.maintain())
+                self._php_maintain(self._pick(o, phps))
 
-        # A second pass races best on the first script the first pass runs.
-        hook = "recover_reservations" if meanwhile == "maintain" and expired else (
-            "recover_processing"
+        original = recovery._read_state
+        fired: list[bool] = []
+
+        async def read_then_act(client: Any, keys: QueueKeys, pids: Any) -> Any:
+            state = await original(client, keys, pids)
+            if not fired:
+                fired.append(True)
+                for res in expired:  # recovered before the reads
+                    self._returned(res)
+                read.extend((i, i.pid, i.owner) for i in self._recoverable("ours", LIMIT))
+                await act()
+            return state
+
+        recovery._read_state = read_then_act
+        try:
+            report = self.run(sweeper.broker.maintain())
+        finally:
+            recovery._read_state = original
+        assert fired, "someone owns work, so the sweep reads the processing entries"
+        if read:
+            event(f"{meanwhile} between our sweep's reads and its recovery script")
+        recovered = [
+            item for item, pid, owner in read
+            if item.place == PROCESSING and (item.pid, item.owner) == (pid, owner)
+            and not item.claim
+        ]
+        expected = (
+            sum(len(r.uids) for r in expired),
+            sum(1 for item in recovered if item.owner is not None),
+            sum(1 for item in recovered if item.owner is None),
         )
-        scripts = _Interleaved(consumer.broker.client, hook, act)
-        report = self.run(recovery.maintain(
-            consumer.broker.client, scripts, KEYS, consumer_id=consumer.name,
-            lease_ms=int(LEASE * 1000), recovery_age=RECOVERY_AGE,
-        ))
-        if not done:  # nothing looked abandoned: the script never ran; act now
-            self.run(act())
-        elif meanwhile == "maintain" or any(
-            owner_consumer(item.owner or "") == other.name for item in dead
-        ):
-            event(f"{meanwhile} between maintenance's reads and its recovery script")
-        if meanwhile == "extend":
-            self._extended(other, done[0], expected, started)
-        elif meanwhile == "commit":
-            self._settled(other, chosen, done[0], expected)
-        still_dead, still_legacy = (set(map(id, items)) for items in self._abandoned())
-        dead = [item for item in dead if id(item) in still_dead]
-        legacy = [item for item in legacy if id(item) in still_legacy]
-        expected_report = (sum(len(r.names) for r in expired), len(dead), len(legacy))
-        reports = [report] + ([done[0]] if meanwhile == "maintain" else [])
-        actual = tuple(
-            sum(getattr(r, kind) for r in reports)
-            for kind in ("expired_reservations", "dead_consumers", "legacy")
-        )
-        assert actual == expected_report and not any(r.skipped for r in reports), (
-            f"maintain by {consumer.name} with {meanwhile} by {other.name} meanwhile: "
-            f"(reservations, dead, legacy) = {actual}, expected {expected_report}, "
-            f"reports {reports}"
-        )
-        for registered in expired:
-            self._requeue_reservation(registered)
-        for item in dead + legacy:
-            item.place, item.owner = READY, None
-
-    async def _expire_lock(self, consumer: Consumer) -> None:
-        """The first pass's lock expires (deleted with the second pass's connection)."""
-        await consumer.broker.client.delete(KEYS.reap_lock)
-
-    def _requeue_reservation(self, registered: Registered) -> None:
-        del self.registered[registered.key]
-        for name in registered.names:
-            item = self.items[name]
-            item.place, item.reservation = READY, None
-
-    def _bounded_maintain(self, consumer: Consumer, batch: int) -> int:
-        """One sweep with a tiny batch: it may do part of the work; what it did must add up."""
-        self.redis.delete(KEYS.reap_lock)
-        expired = {r.key: r for r in self.registered.values() if r.expired}
-        dead, legacy = self._abandoned()
-        broker = consumer.broker
-        report = self.run(recovery.maintain(
-            broker.client, broker.scripts, KEYS, consumer_id=consumer.name,
-            lease_ms=int(LEASE * 1000), recovery_age=RECOVERY_AGE, batch=batch,
-        ))
-        registry = {key.decode() for key in self.redis.zrange(KEYS.reservations, 0, -1)}
-        processing = {pid.decode() for pid in self.redis.lrange(KEYS.processing, 0, -1)}
-        moved = 0
-        for key, registered in expired.items():
-            if key not in registry:
-                moved += len(registered.names)
-                self._requeue_reservation(registered)
-        recovered = {"dead": 0, "legacy": 0}
-        for kind, items in (("dead", dead), ("legacy", legacy)):
-            for item in items:
-                if item.name not in processing:  # the invariant checks it is in ready now
-                    recovered[kind] += 1
-                    item.place, item.owner = READY, None
         actual = (report.expired_reservations, report.dead_consumers, report.legacy)
-        assert actual == (moved, recovered["dead"], recovered["legacy"]), (
-            f"maintain(batch={batch}) reported {actual}, the state shows "
-            f"{(moved, recovered['dead'], recovered['legacy'])}"
+        assert actual == expected and not report.skipped, (
+            f"maintain by {sweeper.name} with {meanwhile} by {other.name} meanwhile: "
+            f"(reservations, dead, legacy) = {actual}, expected {expected}"
         )
-        return report.total
+        self._recovered_ours(recovered)
 
-    @rule(c=consumer_pick, batch=st.integers(1, 3), until_done=st.booleans())
-    def sweep(self, c: int, batch: int, until_done: bool) -> None:
-        """Maintenance with a tiny batch: one pass may do part of the work. ``until_done``:
-        passes one after another reach every abandoned entry (the cursor) in a bounded number
-        of passes."""
+    @rule(
+        c=pick, side=st.sampled_from(["ours", "php", "both"]), scan=st.integers(1, 3),
+        until_done=st.booleans(),
+    )
+    def sweep(self, c: int, side: str, scan: int, until_done: bool) -> None:
+        """Sweeps with a tiny scan window: one pass may do part of the work. ``until_done``:
+        passes one after another (ours, PHP's, or the two alternating on the shared cursor)
+        reach every abandoned entry in a bounded number of passes."""
         self._tick()
-        consumer = self._pick(c)
+        ours = self._pick(c, self._acting(ours=True))
+        phps = self._acting(ours=False)
+        php = self._pick(c, phps) if phps else None
+        sides = {"ours": ["ours"], "php": ["php"], "both": ["ours", "php"]}[side]
+        if php is None:
+            sides = ["ours"]
         if not until_done:
-            self._bounded_maintain(consumer, batch)
+            self._sweep_pass(sides[0], ours, php, scan)
             return
-        bound = 2 * math.ceil(len(self._in(PROCESSING)) / batch) + 3
+        # PHP's sweeps (reap_after 0) also take young owner-less entries, which ours leave:
+        # taking turns with ours on the cursor they need not reach those.
+        target = "php" if sides == ["php"] else "ours"
+        bound = len(sides) * (2 * math.ceil(len(self._in(PROCESSING)) / scan) + 3)
         for passes in range(bound):
-            dead, legacy = self._abandoned()
-            if not dead and not legacy and not any(r.expired for r in self.registered.values()):
-                if passes > 1:
+            if not self._recoverable(target) and (sides == ["php"] or not self._expired()):
+                if passes > len(sides):
                     event("a sweep took several passes")
                 return
-            self._bounded_maintain(consumer, batch)
-        dead, legacy = self._abandoned()
-        left = [item.name for item in dead + legacy]
-        left += [r.key for r in self.registered.values() if r.expired]
-        raise AssertionError(f"{bound} passes of batch {batch} left {left} unrecovered")
+            self._sweep_pass(sides[passes % len(sides)], ours, php, scan)
+        left = [item.uid for item in self._recoverable(target)]
+        raise AssertionError(f"{bound} passes of scan {scan} by {sides} left {left}")
+
+    def _sweep_pass(self, side: str, ours: Actor, php: Actor | None, scan: int) -> None:
+        """One sweep with a tiny scan: it takes exactly the recoverable entries it looks at."""
+        candidates = self._recoverable(side, scan)
+        if side == "ours":
+            assert ours.broker is not None
+            broker = ours.broker
+            expired = self._expired()
+            report = self.run(recovery.maintain(
+                broker.client, broker.scripts, KEYS, lock_seconds=5, recovery_age=RECOVERY_AGE,
+                max_attempts=MAX_ATTEMPTS, scan=scan, force=True,
+            ))
+            actual = (report.expired_reservations, report.dead_consumers, report.legacy)
+            expected = (
+                sum(len(r.uids) for r in expired),
+                sum(1 for item in candidates if item.owner is not None),
+                sum(1 for item in candidates if item.owner is None),
+            )
+            assert actual == expected, f"our sweep(scan={scan}) reported {actual}, not {expected}"
+            tail = [self._returned(r) for r in expired]
+            self._check_ends(self._recovered_ours(candidates), tail)
+        else:
+            assert php is not None and php.php is not None
+            worker = php.php
+            requeued = worker.reap(
+                worker.reap_after, limit=LIMIT, max_attempts=worker.max_attempts,
+                newer_than=worker.newer_than, scan=scan,
+            )
+            head = self._recovered_php(candidates, worker.max_attempts)
+            assert requeued == len(head), f"PHP's reap(scan={scan}) said {requeued}, not {head}"
+            self._check_ends(head, [])
+        if candidates:
+            event(f"a sweep with a tiny scan ({side}) recovers entries")
 
     # -- the invariant ----------------------------------------------------------------
 
@@ -756,137 +1331,202 @@ class BrokerProtocol(RuleBasedStateMachine):
     def every_message_is_in_exactly_one_place(self) -> None:
         r = self.redis
         pipe = r.pipeline(transaction=False)
-        pipe.lrange(KEYS.ready, 0, -1)
-        pipe.lrange(KEYS.processing, 0, -1)
-        pipe.lrange(KEYS.failed, 0, -1)
-        pipe.lrange(KEYS.poison, 0, -1)
+        for key in (KEYS.ready, KEYS.processing, KEYS.failed, KEYS.dead, KEYS.poison):
+            pipe.lrange(key, 0, -1)
         pipe.zrange(KEYS.reservations, 0, -1, withscores=True)
-        pipe.mget([KEYS.stat(name) for name in ("total", "processing", "success", "failed")])
+        pipe.mget([KEYS.stat(name) for name in STATS])
         pipe.keys(f"{NS}.*")
         pipe.time()
-        ready, processing, failed, poison, registry, stats, keys, now = pipe.execute()
-        now_ms = now[0] * 1000 + now[1] // 1000
+        ready, processing, failed, dead, poison, registry, stats, keys, now = pipe.execute()
         keys = {key.decode() for key in keys}
+        markers = sorted(k for k in keys if k.startswith(KEYS.pending("")))
         registry = {key.decode(): score for key, score in registry}
-        reservation_lists = sorted(k for k in keys if k.startswith(KEYS.reservations + "."))
-        processing = [pid.decode() for pid in processing]
-        failed = [pid.decode() for pid in failed]
+        lists = sorted(k for k in keys if k.startswith(KEYS.reservations + "."))
+        places = [(PROCESSING, processing), (FAILED, failed), (DEAD, dead)]
+        entries = [(place, pid.decode()) for place, pids in places for pid in pids]
 
         pipe = r.pipeline(transaction=False)
-        for key in reservation_lists:
+        for key in lists:
             pipe.lrange(key, 0, -1)
-        for pid in processing + failed:
+        for _, pid in entries:
             pipe.get(KEYS.job(pid))
             pipe.get(KEYS.owner(pid))
+            pipe.get(KEYS.claim(pid))
+            pipe.pttl(KEYS.claim(pid))
+        for key in markers:
+            pipe.get(key)
         replies = pipe.execute()
-        contents = dict(zip(reservation_lists, replies, strict=False))
-        records = replies[len(reservation_lists):]
+        contents = dict(zip(lists, replies, strict=False))
+        records = replies[len(lists):len(replies) - len(markers)]
+        holders = {
+            key: value.decode() for key, value in zip(
+                markers, replies[len(replies) - len(markers):], strict=True
+            )
+        }
 
         seen: dict[str, list[str]] = {}
 
         def found(item: Item, place: str, decoded: dict[str, Any] | None) -> None:
-            seen.setdefault(item.name, []).append(place)
+            seen.setdefault(item.uid, []).append(place)
             if decoded is not None:
-                got = (decoded["attempts"], decoded["payload"])
-                assert got == (item.attempts, item.payload), (
-                    f"{item.name} in {place}: (attempts, payload) {got}, "
-                    f"expected {(item.attempts, item.payload)}"
-                )
+                got = (decoded["pid"], decoded["attempts"], decoded["payload"], decoded.get("key"))
+                want = (item.pid, item.attempts, item.payload, item.key)
+                assert got == want, f"{item.uid} in {place}: {got}, expected {want}"
 
         for raw in ready:
             item, decoded = self._identify(raw)
-            found(item, "ready", decoded)
+            found(item, READY, decoded)
 
-        assert set(registry) == set(self.registered), (
+        expected_registry = {key for key, res in self.res.items() if res.registered}
+        assert set(registry) == expected_registry, (
             f"registered reservations {sorted(map(self._short, registry))}, expected "
-            f"{sorted(map(self._short, self.registered))}"
+            f"{sorted(map(self._short, expected_registry))}"
         )
-        for key in reservation_lists:
-            assert key in registry, f"unregistered reservation list {key}: {contents[key]}"
-        for key, registered in self.registered.items():
-            names = []
-            for raw in contents.get(key, []):
+        for key in lists:
+            assert key in registry, f"stranded: a list no registry names: {key} {contents[key]}"
+        for key, res in self.res.items():
+            uids = []
+            for raw in reversed(contents.get(key, [])):  # the last taken is at the head
                 item, decoded = self._identify(raw)
                 found(item, f"reservation {self._short(key)}", decoded)
-                names.append(item.name)
-            assert names == registered.names, f"{key} holds {names}, expected {registered.names}"
-            assert (registry[key] <= now_ms) == registered.expired, (
-                f"{key} deadline {registry[key]} (now {now_ms}), expected expired: "
-                f"{registered.expired}"
-            )
+                uids.append(item.uid)
+            assert uids == res.uids, f"{key} holds {uids}, expected {res.uids}"
+            if res.registered:
+                score = registry[key]
+                assert (score <= now[0]) == res.expired, (
+                    f"{key} deadline {score} (now {now[0]}), expected expired: {res.expired}"
+                )
+                # Whole seconds of the server clock: now + lease (+ the blocking timeout).
+                due = now[0] + LEASE + res.wait
+                assert res.expired or (score == int(score) and score <= due), (
+                    f"{key} deadline {score}: not now + {LEASE} (+ {res.wait}) s (now {now[0]})"
+                )
 
-        for index, pid in enumerate(processing + failed):
-            place = PROCESSING if index < len(processing) else FAILED
-            item = self.items.get(pid)
-            assert item is not None and item.valid, f"{place} holds unknown pid {pid!r}"
-            record, owner = records[2 * index], records[2 * index + 1]
+        by_pid = {item.pid: item for item in self.items.values() if item.pid is not None}
+        for index, (place, pid) in enumerate(entries):
+            item = by_pid.get(pid)
+            assert item is not None, f"{place} holds unknown pid {pid!r}"
+            record, owner, claim, ttl = records[4 * index:4 * index + 4]
             assert record is not None, f"{pid} in {place} without a job record"
             found(item, place, envelope.decode(record))
-            expected_owner = item.owner if place == PROCESSING else None
-            assert (owner.decode() if owner else None) == expected_owner, (
-                f"{pid} in {place}: owner {owner!r}, expected {expected_owner!r}"
-            )
+            if place == PROCESSING:
+                assert (owner.decode() if owner else None) == item.owner, (
+                    f"{item.uid} ({pid}) in processing: owner {owner!r}, expected {item.owner}"
+                )
+                assert (claim is not None) == item.claim, (
+                    f"{item.uid} ({pid}): claim {claim!r}, expected a claim: {item.claim}"
+                )
+                assert claim is None or claim == owner, f"{pid}: claim {claim!r} owner {owner!r}"
+                assert claim is None or 0 < ttl <= LEASE * 1000, f"{pid}: claim for {ttl} ms"
+            else:
+                assert owner is None and claim is None, f"{pid} in {place} still owned"
 
         for raw in poison:
             assert raw in self.malformed, f"poison holds {raw[:80]!r}, not a malformed payload"
-            found(self.items[self.malformed[raw]], "poison", None)
+            found(self.items[self.malformed[raw]], POISON, None)
 
         for item in self.items.values():
             expected = {
-                READY: ["ready"], PROCESSING: [PROCESSING], FAILED: [FAILED], POISON: ["poison"],
-                DONE: [],
+                READY: [READY], PROCESSING: [PROCESSING], FAILED: [FAILED], DEAD: [DEAD],
+                POISON: [POISON], DONE: [],
                 RESERVED: [f"reservation {self._short(item.reservation or '')}"],
             }[item.place]
-            places = seen.get(item.name, [])
-            assert places == expected, f"{item.name} is in {places}, expected {expected}"
-
-        # No key the model cannot explain (job records and owners of settled work are gone).
-        explained = {
-            KEYS.ready, KEYS.processing, KEYS.failed, KEYS.poison, KEYS.reservations,
-            KEYS.reap_cursor, *(KEYS.stat(n) for n in ("total", "processing", "success", "failed")),
-            *reservation_lists,
-            *(KEYS.job(pid) for pid in processing + failed),
-            *(KEYS.owner(i.name) for i in self._in(PROCESSING) if i.owner),
-            *(KEYS.consumer(c.name) for c in self.consumers if c.heartbeat),
-        }
-        assert keys <= explained, f"unexplained keys: {sorted(keys - explained)}"
-        for consumer in self.consumers:
-            assert (KEYS.consumer(consumer.name) in keys) == consumer.heartbeat, (
-                f"heartbeat of {consumer.name}: expected {consumer.heartbeat}"
+            assert seen.get(item.uid, []) == expected, (
+                f"{item.uid} is in {seen.get(item.uid, [])}, expected {expected}"
             )
 
-        total, in_process, success, failures = (int(v or 0) for v in stats)
-        counted = {
-            "total": total, "processing": in_process, "success": success, "failed": failures,
+        expected_holders = {
+            KEYS.pending(i.key): i.pid for i in self.items.values() if i.key and i.place in PENDING
         }
+        assert holders == expected_holders, (
+            f"coalescing markers {holders}, expected {expected_holders}"
+        )
+
+        # No key the model cannot explain (records, owners and claims of settled work gone).
+        held = self._in(PROCESSING)
+        explained = {
+            *KEYS.all_fixed(), KEYS.dead, *lists,
+            *(KEYS.job(pid) for _, pid in entries),
+            *(KEYS.owner(i.pid) for i in held if i.owner and i.pid),
+            *(KEYS.claim(i.pid) for i in held if i.claim and i.pid),
+            *(KEYS.supervisor(a.name) for a in self.actors.values() if a.ours),
+            *markers,
+        }
+        assert keys <= explained, f"unexplained keys: {sorted(keys - explained)}"
+
+        counted = dict(zip(STATS, (int(v or 0) for v in stats), strict=True))
         expected_stats = {
-            "total": self.claims + self.poisoned, "processing": len(processing),
-            "success": self.commits, "failed": self.fails + self.poisoned,
+            "total": self.claims, "processing": len(processing), "success": self.commits,
+            "failed": self.fails,
         }
         assert counted == expected_stats, f"counters {counted}, expected {expected_stats}"
+        assert len(processing) == len(held), f"processing {processing}, model {held}"
+
+    # -- the end: drain ---------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Faults stop; live actors settle what they hold; the leases of the dead run out;
+        recovery and a fresh consumer run until nothing is left but done, failed, dead and
+        poison."""
+        note("drain")
+        for actor in self._acting():
+            actor.stalled = False
+            for handle in list(actor.pending):
+                if actor.ours:
+                    self.run(self._claim_ours(actor, handle))
+                else:
+                    self._claim_php(actor, handle)
+            owned = self._owned(actor)
+            if actor.ours and owned:
+                self.run(self._settle_ours(actor, [(d, Action.COMMIT) for d in owned]))
+            for message in owned if not actor.ours else []:
+                self._settle_php(actor, message, "commit")
+            actor.held = []
+        self.every_message_is_in_exactly_one_place()
+        ours, php = self._spawn_ours(), self._spawn_php(max_attempts=MAX_ATTEMPTS)
+        assert ours.broker is not None
+        for _ in range(5):
+            for res in self.res.values():
+                if res.registered and not res.expired:
+                    self._expire(res)
+            for item in self._in(PROCESSING):
+                if item.claim:
+                    self._lapse(item)
+            self.run(self._maintain_ours(ours, force=True))
+            self._php_maintain(php)  # owner-less entries younger than RECOVERY_AGE too
+            for _ in range(MAX_ITEMS):
+                if not self._in(READY):
+                    break
+                self.run(self._receive_ours(ours, 10))
+                if ours.held:
+                    self.run(self._settle_ours(ours, [(d, Action.COMMIT) for d in ours.held]))
+            self.every_message_is_in_exactly_one_place()
+            if not any(self._in(place) for place in (READY, RESERVED, PROCESSING)):
+                break
+        left = {i.uid: i.place for i in self.items.values() if i.place not in (
+            DONE, FAILED, DEAD, POISON)}
+        assert not left, f"drain left {left}"
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.llen(KEYS.ready)
+        pipe.llen(KEYS.processing)
+        pipe.exists(KEYS.reservations)
+        pipe.get(KEYS.stat("processing"))
+        pipe.keys(f"{NS}.*")
+        ready, processing, registry, in_process, keys = pipe.execute()
+        assert (ready, processing, registry, int(in_process or 0)) == (0, 0, 0, 0)
+        stranded = [
+            k for k in keys
+            if re.match(rb".*\.(reservations|owners|claims)\." + QUEUE.encode() + rb"\.", k)
+        ]
+        assert not stranded, f"keys left after the drain: {stranded}"
+        assert self.commits == len(self._in(DONE))
 
 
-def _settlements(chosen: list[tuple[Delivery, Action]]) -> list[Settlement]:
+def _settlements(chosen: list[tuple[Any, Action]]) -> list[Settlement]:
     return [
         Settlement(action, delivery, "handler failed" if action is Action.REJECT else None)
         for delivery, action in chosen
     ]
-
-
-class _Interleaved(Scripts):
-    """Scripts that run ``before()`` once, just before the first call of script ``name``:
-    another consumer acts between maintenance's reads and its recovery script."""
-
-    def __init__(self, client: Any, name: str, before: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(client)
-        self.name = name
-        self.before: Callable[[], Awaitable[None]] | None = before
-
-    async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        if name == self.name and self.before is not None:
-            before, self.before = self.before, None
-            await before()
-        return await super().call(name, keys, args)
 
 
 def test_redis_broker_protocol(redis_url: str) -> None:
