@@ -106,6 +106,8 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
     if max_bytes is not None and len(raw) > max_bytes:
         raise MalformedEnvelope(f"envelope of {len(raw)} bytes exceeds {max_bytes}")
     envelope, wide = _loads(raw)
+    if type(envelope) is dict and _plain(envelope):
+        return envelope  # what producers write: no cast or coercion to make
     if not isinstance(envelope, dict):
         raise MalformedEnvelope(f"envelope is a JSON {_json_type(envelope)}, not an object")
     for name in ("pid", "queue", "timestamp"):  # PHP: isset(), so null is missing too
@@ -126,6 +128,21 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
 def with_attempts(envelope: dict[str, Any], attempts: int) -> bytes:
     """The envelope re-encoded with a new ``attempts`` value (used by retries)."""
     return encode({**envelope, "attempts": attempts})
+
+
+def _plain(envelope: dict[str, Any]) -> bool:
+    """True (and ``attempts`` filled in) for the common envelope whose fields already have
+    the types PHP would give them: string pid and queue, a 64-bit integer timestamp, an
+    object payload, attempts absent, null or a 64-bit integer, no sequence."""
+    timestamp, attempts = envelope.get("timestamp"), envelope.get("attempts")
+    if not (type(envelope.get("pid")) is str and type(envelope.get("queue")) is str
+            and type(timestamp) is int and _INT64_MIN <= timestamp <= _INT64_MAX
+            and type(envelope.get("payload")) is dict and "sequence" not in envelope
+            and (attempts is None or (type(attempts) is int
+                                      and _INT64_MIN <= attempts <= _INT64_MAX))):
+        return False
+    envelope["attempts"] = attempts or 0
+    return True
 
 
 def requeued(envelope: dict[str, Any], attempts: int, timestamp: int | None = None) -> bytes:
@@ -158,7 +175,8 @@ def _loads(raw: bytes) -> tuple[Any, frozenset[str]]:
 
 
 def _orjson_loads(raw: bytes) -> Any:
-    if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
+    # Deeper nesting needs MAX_NESTING + 1 opening brackets and as many closing ones.
+    if len(raw) <= 2 * MAX_NESTING or raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
         return orjson.loads(raw)
     # orjson refuses more than 1024 nested levels: inside _PAD arrays, that is PHP's 511.
     # (Walking the result instead would cost a millisecond on a payload of many objects.)

@@ -57,11 +57,14 @@ log = logging.getLogger(__name__)
 #: expired/recover rounds in one maintain() call (each moves at most MAX_BATCH payloads).
 RESERVATION_ROUNDS = 4
 #: List entries LREM may compare in one reclaim call, summed over its items (each scans
-#: from the nearer end): this bounds the server time of one call, however long the list.
-LREM_BUDGET = 200_000
+#: from the nearer end), and items per call: together they keep one call within a few
+#: milliseconds of server time, however long the list.
+LREM_BUDGET = 50_000
+RECLAIM_ITEMS = 250
 
 REQUEUE, DEAD, DANGLING = "q", "d", "x"
 _LEADING_INT = re.compile(r"[ \t\n\r\v\f]*[+-]?\d+")
+_UNIQID = re.compile(r"[0-9a-f]{13}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,17 +153,19 @@ async def reap(
         return
     now, _ = await server_time(client, keys.ready)
     pids = list(dict.fromkeys([*sample.head, *sample.window]))
-    state = await _read_state(client, keys, pids)
+    state = await _read_state(client, keys, pids, now=now, recovery_age=recovery_age)
     in_window = {pid: i for i, pid in enumerate(sample.window)}
     candidates: list[Candidate] = []
     for index, pid in enumerate(sample.head):
-        if pid not in in_window:
+        if pid not in in_window and pid in state:
             candidate = judge(pid, *state[pid], keys=keys, now=now, recovery_age=recovery_age,
                               max_attempts=max_attempts)
             if candidate:
                 candidates.append(_from_end(candidate, index, sample.size))
     window_candidates: dict[str, Candidate] = {}
     for offset, pid in enumerate(sample.window):
+        if pid not in state:
+            continue  # live, or young by its pid: kept
         candidate = judge(pid, *state[pid], keys=keys, now=now, recovery_age=recovery_age,
                           max_attempts=max_attempts)
         if candidate:
@@ -214,7 +219,7 @@ def judge(
 async def reclaim(
     scripts: Scripts, keys: QueueKeys, candidates: Sequence[Candidate], *, job_ttl: int = 0,
 ) -> list[bool]:
-    """Run ``reclaim.lua`` over the candidates, in calls bounded by MAX_BATCH items and
+    """Run ``reclaim.lua`` over the candidates, in calls bounded by RECLAIM_ITEMS items and
     LREM_BUDGET scanned entries; one flag (applied) per candidate."""
     fixed = [keys.ready, keys.dead, keys.processing, keys.stat("processing")]
     applied: list[bool] = []
@@ -234,7 +239,8 @@ def _calls(candidates: Sequence[Candidate]) -> list[list[Candidate]]:
     calls: list[list[Candidate]] = [[]]
     cost = 0
     for candidate in candidates:
-        if calls[-1] and (len(calls[-1]) >= MAX_BATCH or cost + candidate.distance > LREM_BUDGET):
+        full = len(calls[-1]) >= RECLAIM_ITEMS or cost + candidate.distance > LREM_BUDGET
+        if calls[-1] and full:
             calls.append([])
             cost = 0
         calls[-1].append(candidate)
@@ -276,16 +282,42 @@ def parse_cursor(stored: bytes | str | None) -> tuple[int, int]:
 
 
 async def _read_state(
-    client: Any, keys: QueueKeys, pids: Sequence[str]
+    client: Any, keys: QueueKeys, pids: Sequence[str], *, now: int, recovery_age: int,
 ) -> dict[str, tuple[bytes | None, bytes | None, bytes | None]]:
-    """Job record, owner and claim of each pid (record first: a settle deletes all three)."""
+    """Job record, owner and claim of each pid that may need recovery; pids left out are
+    kept. A live claim keeps a pid; so does an owner-less pid whose ``uniqid`` time is
+    younger than ``recovery_age`` (its record is not read: a long young history costs no
+    record reads). Plain MGETs: a cluster client refuses MGET in a pipeline."""
     if not pids:
         return {}
-    # Three MGETs, not a pipeline: a cluster client refuses MGET in a pipeline.
-    records = await client.mget([keys.job(pid) for pid in pids])
-    owners = await client.mget([keys.owner(pid) for pid in pids])
     claims = await client.mget([keys.claim(pid) for pid in pids])
-    return {pid: (records[i], owners[i], claims[i]) for i, pid in enumerate(pids)}
+    idle = [pid for pid, claim in zip(pids, claims, strict=True) if claim is None]
+    if not idle:
+        return {}
+    owners = dict(zip(idle, await client.mget([keys.owner(pid) for pid in idle]), strict=True))
+    wanted = [pid for pid in idle
+              if owners[pid] is not None or not _young_by_pid(pid, now, recovery_age)]
+    if not wanted:
+        return {}
+    records = dict(zip(wanted, await client.mget([keys.job(pid) for pid in wanted]),
+                       strict=True))
+    settled = [pid for pid in wanted if records[pid] is None and owners[pid] is not None]
+    if settled:  # read after the owner: settled meanwhile, or really without a record?
+        for pid, owner in zip(settled, await client.mget([keys.owner(p) for p in settled]),
+                              strict=True):
+            owners[pid] = owner
+    return {pid: (records[pid], owners[pid], None) for pid in wanted
+            if not (records[pid] is None and pid in settled and owners[pid] is None)}
+
+
+def _young_by_pid(pid: str, now: int, recovery_age: int) -> bool:
+    """True if ``pid`` looks like PHP's ``uniqid`` (13 hex digits first) and the time in it
+    is younger than ``recovery_age``: its envelope, published then or requeued later, is
+    at least as young. Anything else is not judged young here."""
+    if len(pid) < 13 or not _UNIQID.match(pid):
+        return False
+    published = int(pid[:8], 16)
+    return published <= now + 60 and now - published <= recovery_age
 
 
 async def server_time(client: Any, key: str) -> tuple[int, int]:

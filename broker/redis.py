@@ -388,14 +388,17 @@ class RedisBroker:
             self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
         ]
         args: list[Any] = [self.job_ttl]
+        markers: list[str] = []
         for settlement in batch:
             delivery = settlement.delivery
-            job = self._job_prefix + delivery.pid
-            marker = self._marker(delivery.envelope)
-            keys += (self._claim_prefix + delivery.pid, job, self._owner_prefix + delivery.pid,
-                     marker or job)
+            pid = delivery.pid
+            keys += (self._claim_prefix + pid, self._job_prefix + pid, self._owner_prefix + pid)
             op, new_envelope = self._settle_op(settlement)
-            args += (op, delivery.receipt, delivery.pid, new_envelope, "1" if marker else "0")
+            marker = self._marker(delivery.envelope)
+            if marker:
+                markers.append(marker)
+            args += (op, delivery.receipt, pid, new_envelope, "1" if marker else "0")
+        keys += markers
         try:
             reply = await self.scripts.call("settle", keys, args)
         except CONNECTION_ERRORS as error:

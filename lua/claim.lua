@@ -59,10 +59,6 @@ local err = wrong_type(registry, 'zset') or wrong_type(reservation, 'list')
   or wrong_type(ready, 'list') or wrong_type(processing, 'list') or wrong_type(KEYS[5], 'list')
   or bad_counter(KEYS[6]) or bad_counter(KEYS[7])
 if err then return err end
-for k = 8, #KEYS do
-  err = wrong_type(KEYS[k], 'string')
-  if err then return err end
-end
 local good_args = 0
 for i = 1, n do
   if ARGV[2 + 2 * i] == 'g' then good_args = good_args + 1 end
@@ -84,7 +80,8 @@ end
 local stored = redis.call('LRANGE', reservation, 0, -1)
 if #stored ~= n then return 'mismatch' end
 
--- Owner keys are only read here (MGET), after the type check above.
+-- Owner keys are only read (MGET: one of another type reads as absent) and then written
+-- with MSET and SET, which replace a key of any type: no write can fail halfway.
 local owned = {}
 if goods > 0 then
   local owner_keys = {}

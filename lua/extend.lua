@@ -18,22 +18,21 @@ local lease = tonumber(ARGV[1])
 if n ~= math.floor(n) or n > 1000 or #ARGV ~= 2 + n or not lease or lease < 0 then
   return redis.error_reply('QSARG extend needs a claims key, an owners key and a token each')
 end
-for k = 1, #KEYS do
-  local actual = redis.call('TYPE', KEYS[k])['ok']
-  if actual ~= 'string' and actual ~= 'none' then
-    return redis.error_reply('QSTYPE ' .. KEYS[k] .. ' is ' .. actual .. ', expected string')
-  end
-end
-
+-- Owner keys are only read (MGET: one of another type reads as stale); claims and the record
+-- are replaced or deleted whatever their type, so no write can fail halfway.
 if lease > 0 then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', lease)
 else
   redis.call('DEL', KEYS[1])
 end
 local owned = {}
+if n == 0 then return owned end
+local owner_keys = {}
+for i = 1, n do owner_keys[i] = KEYS[2 * i + 1] end
+local owners = redis.call('MGET', unpack(owner_keys))
 for i = 1, n do
   local token = ARGV[2 + i]
-  if redis.call('GET', KEYS[2 * i + 1]) == token then
+  if owners[i] == token then
     owned[i] = 1
     if lease > 0 then
       redis.call('SET', KEYS[2 * i], token, 'EX', lease)

@@ -47,16 +47,21 @@ local count = redis.call('GET', counter)
 if count and not (#count <= 18 and string.match(count, '^%-?%d+$')) then
   return redis.error_reply('QSTYPE ' .. counter .. ' is "' .. count .. '", expected an integer')
 end
-for k = 5, #KEYS do
-  err = wrong_type(KEYS[k], 'string')
-  if err then return err end
-end
 for i = 1, n do
   local mode, direction = ARGV[6 * i - 4], ARGV[6 * i]
   if not MODES[mode] or (direction ~= '1' and direction ~= '-1') then
     return redis.error_reply('QSARG reclaim item ' .. i .. ': bad mode or direction')
   end
 end
+
+-- Owner keys and markers are only read with MGET (one of another type reads as absent);
+-- the rest is EXISTS, DEL and EXPIRE, which work on any type: no write can fail halfway.
+local reads = {}
+for i = 1, n do
+  reads[2 * i - 1] = KEYS[1 + 4 * i]
+  reads[2 * i] = KEYS[4 + 4 * i]
+end
+local values = n > 0 and redis.call('MGET', unpack(reads)) or {}
 
 local results, requeued, buried = {}, {}, {}
 local removed = 0
@@ -69,7 +74,7 @@ for i = 1, n do
     if redis.call('EXISTS', owner) == 0 and redis.call('EXISTS', job) == 0 then
       done = redis.call('LREM', processing, direction, pid) > 0 and 1 or 0
     end
-  elseif (redis.call('GET', owner) or '') == expected and redis.call('EXISTS', claim) == 0
+  elseif (values[2 * i - 1] or '') == expected and redis.call('EXISTS', claim) == 0
       and redis.call('EXISTS', job) == 1
       and redis.call('LREM', processing, direction, pid) > 0 then
     done = 1
@@ -81,7 +86,7 @@ for i = 1, n do
     else
       buried[#buried + 1] = pid
       if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
-      if ARGV[6 * i + 1] == '1' and redis.call('GET', marker) == pid then
+      if ARGV[6 * i + 1] == '1' and values[2 * i] == pid then
         redis.call('DEL', marker)
       end
     end

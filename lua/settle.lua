@@ -14,6 +14,8 @@
 -- message) that still names this pid is freed by commit and reject ('c', 'f'); a retry keeps
 -- it (the same pid is still pending), and so does a release.
 -- Releases go back reversed, so the first released is the first consumed again.
+-- Per-message keys are only read with MGET (one of another type reads as absent: the item is
+-- 'stale' or 'missing') and only deleted or expired otherwise, so no write can fail halfway.
 --
 -- KEYS[1]   ready list              {ns}.queue.{q}
 -- KEYS[2]   processing list         {ns}.processing.{q}
@@ -21,8 +23,8 @@
 -- KEYS[4]   counter                 {ns}.stats.{q}.processing
 -- KEYS[5]   counter                 {ns}.stats.{q}.success
 -- KEYS[6]   counter                 {ns}.stats.{q}.failed
--- KEYS[3+4i..6+4i]                  item i: claims, jobs, owners key, marker key
---                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed)
+-- KEYS[4+3i..6+3i]                  item i: claims, jobs, owners key
+-- KEYS[6+3n+m]                      the m-th keyed item's marker {ns}.pending.{q}.{hex key}
 -- ARGV[1]   job_ttl                 seconds a rejected job record is kept; 0 = forever
 -- ARGV[5i-3..5i+1]                  item i: op, token, pid, new envelope ('' unless 'r'),
 --                                   keyed ('1' or '0')
@@ -48,20 +50,21 @@ end
 
 local OPS = {c = true, r = true, f = true, l = true}
 local ready, processing, failed = KEYS[1], KEYS[2], KEYS[3]
-local n = (#KEYS - 6) / 4
+local n = (#ARGV - 1) / 5
 local job_ttl = tonumber(ARGV[1])
-if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 5 * n or not job_ttl then
-  return redis.error_reply('QSARG settle needs 4 keys and 5 arguments per item, at most 1000')
+local keyed = 0
+for i = 1, n do
+  if ARGV[5 * i + 1] == '1' then keyed = keyed + 1 end
+end
+if n ~= math.floor(n) or n > 1000 or #KEYS ~= 6 + 3 * n + keyed or not job_ttl then
+  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed) and 5 arguments per item, '
+    .. 'at most 1000')
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(processing, 'list')
   or wrong_type(failed, 'list') or bad_counter(KEYS[4]) or bad_counter(KEYS[5])
   or bad_counter(KEYS[6])
 if err then return err end
-for k = 7, #KEYS do
-  err = wrong_type(KEYS[k], 'string')
-  if err then return err end
-end
 for i = 1, n do
   local op = ARGV[5 * i - 3]
   if not OPS[op] then
@@ -69,26 +72,44 @@ for i = 1, n do
   end
 end
 
-local results, requeued, released, rejected = {}, {}, {}, {}
-local commits, failures, applied = 0, 0, 0
+-- One MGET for the owners; a job record is read only where a reject or release needs it,
+-- a marker only for a keyed message. An item applied earlier in this call is not owned.
+local owner_keys = {}
+for i = 1, n do owner_keys[i] = KEYS[6 + 3 * i] end
+local owners = redis.call('MGET', unpack(owner_keys))
+
+-- Which end LREM scans from: the oldest deliveries, the ones that complete first, sit
+-- nearest the tail; a long list keeps a legacy history there, so scan from the head then.
+local from = redis.call('LLEN', processing) <= 1000 and -1 or 1
+
+local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
+local commits, failures, applied, settled, markers = 0, 0, 0, {}, 0
 for i = 1, n do
   local op, token, pid = ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1]
-  local claim, job, owner, marker = KEYS[3 + 4 * i], KEYS[4 + 4 * i], KEYS[5 + 4 * i], KEYS[6 + 4 * i]
+  local claim, job, owner = KEYS[4 + 3 * i], KEYS[5 + 3 * i], KEYS[6 + 3 * i]
+  local marker_at = 0  -- the index in KEYS of this item's marker (0: not keyed)
+  if ARGV[5 * i + 1] == '1' then
+    markers = markers + 1
+    marker_at = 6 + 3 * n + markers
+  end
   local result = 'stale'
-  if redis.call('GET', owner) == token then
-    local record = redis.call('GET', job)
+  if owners[i] == token and not settled[owner] then
+    local record = nil
+    if op == 'f' or op == 'l' then record = redis.call('MGET', job)[1] end
     if not record and (op == 'f' or op == 'l') then
       result = 'missing'
-    elseif redis.call('LREM', processing, 1, pid) > 0 then
+    elseif redis.call('LREM', processing, from, pid) > 0 then
       result = 'ok'
       applied = applied + 1
-      redis.call('DEL', claim, owner)
+      settled[owner] = true
+      doomed[#doomed + 1] = claim
+      doomed[#doomed + 1] = owner
       if op == 'f' then
         rejected[#rejected + 1] = pid
         if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
         failures = failures + 1
       else
-        redis.call('DEL', job)
+        doomed[#doomed + 1] = job
         if op == 'l' then
           released[#released + 1] = record
         elseif op == 'r' then
@@ -98,14 +119,16 @@ for i = 1, n do
           commits = commits + 1
         end
       end
-      if ARGV[5 * i + 1] == '1' and (op == 'c' or op == 'f')
-          and redis.call('GET', marker) == pid then
-        redis.call('DEL', marker)
+      if marker_at > 0 and (op == 'c' or op == 'f')
+          and redis.call('MGET', KEYS[marker_at])[1] == pid then
+        doomed[#doomed + 1] = KEYS[marker_at]
       end
     end
   end
   results[i] = result
 end
+
+if #doomed > 0 then redis.call('DEL', unpack(doomed)) end
 
 if #rejected > 0 then redis.call('LPUSH', failed, unpack(rejected)) end
 if #requeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end

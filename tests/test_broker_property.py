@@ -1226,8 +1226,8 @@ class BrokerProtocol(RuleBasedStateMachine):
         original = recovery._read_state
         fired: list[bool] = []
 
-        async def read_then_act(client: Any, keys: QueueKeys, pids: Any) -> Any:
-            state = await original(client, keys, pids)
+        async def read_then_act(client: Any, keys: QueueKeys, pids: Any, **options: Any) -> Any:
+            state = await original(client, keys, pids, **options)
             if not fired:
                 fired.append(True)
                 for res in expired:  # recovered before the reads

@@ -95,7 +95,7 @@ def count_script_calls(broker: RedisBroker) -> list[tuple[str, int]]:
         size = {
             "reserve": lambda: int(args[0]),
             "claim": lambda: int(args[2]),
-            "settle": lambda: (len(keys) - 6) // 4,
+            "settle": lambda: (len(args) - 1) // 5,
             "extend": lambda: (len(keys) - 1) // 2,
         }.get(name, lambda: 0)()
         calls.append((name, size))
@@ -596,17 +596,22 @@ async def test_non_integer_counter_is_refused_by_settle(broker, redis_client, co
     assert await snapshot(redis_client) == before
 
 
-async def test_wrong_typed_job_record_refuses_the_whole_release(broker, redis_client):
+async def test_a_wrong_typed_job_record_is_missing_for_its_item_alone(broker, redis_client):
+    """A record of another type reads as absent (never a half-applied script): its release
+    is refused as 'missing' with ownership kept, and the rest of the group applies."""
     await publish_new(redis_client, 2)
     first, second = (await broker.receive(10, 0)).deliveries
     await redis_client.delete(job_key(second.pid))
     await redis_client.rpush(job_key(second.pid), "not a record")
-    before = await snapshot(redis_client)
-    with pytest.raises(WrongTypeError, match="is list, expected string"):
-        await broker.settle([
-            Settlement(Action.COMMIT, first), Settlement(Action.RELEASE, second),
-        ])
-    assert await snapshot(redis_client) == before
+    results = await broker.settle([
+        Settlement(Action.COMMIT, first), Settlement(Action.RELEASE, second),
+    ])
+    assert [r.outcome for r in results] == [Outcome.OK, Outcome.MISSING]
+    assert await redis_client.get(owner_key(second.pid)) == second.receipt.encode()
+    assert await redis_client.lrange(job_key(second.pid), 0, -1) == [b"not a record"]
+    assert await counters(redis_client) == {
+        "total": 2, "processing": 1, "success": 1, "failed": 0,
+    }
 
 
 # -- bounded batches --------------------------------------------------------------------
