@@ -37,7 +37,7 @@ def fill_history(
     pipe = client.pipeline(transaction=False)
     published = int(time.time()) - OLD_AGE
     for n in range(old):  # pushed first: the tail, the oldest end
-        pid, _ = envelope.build(QUEUE, {})
+        pid = envelope.new_pid(at=published)  # published then, as a PHP producer would
         raw = envelope.encode({"pid": pid, "queue": QUEUE, "timestamp": published,
                                "payload": {"project": {"$id": f"old-{n % 50}"}}})
         pipe.set(KEYS.job(pid), raw)

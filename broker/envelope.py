@@ -60,13 +60,13 @@ class MalformedEnvelope(ValueError):
     """The bytes are not a valid job envelope; ``str(error)`` is the reason."""
 
 
-def new_pid() -> str:
-    """A 23-character pid in the shape of PHP's ``uniqid('', true)``.
+def new_pid(at: float | None = None) -> str:
+    """A 23-character pid in the shape of PHP's ``uniqid('', true)``, made now (or ``at``).
 
     8 hex digits of seconds, 5 of microseconds, then a random ``D.DDDDDDDD`` tail. The
     ``random`` module is reseeded after ``fork`` so handler processes do not collide.
     """
-    now = time.time()
+    now = time.time() if at is None else at
     seconds = int(now)
     micros = int((now - seconds) * 1_000_000)
     return f"{seconds:08x}{micros:05x}{random.random() * 10:.8f}"
