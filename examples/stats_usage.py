@@ -145,7 +145,10 @@ def connect(path: str) -> sqlite3.Connection:
     """Open (and create if needed) the database; several processes may share it."""
     # Autocommit mode: transactions are the explicit BEGIN IMMEDIATE of transaction().
     db = sqlite3.connect(path, timeout=BUSY_TIMEOUT, isolation_level=None)
-    db.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
+    # WAL: readers never block the writer. Switching to it takes a lock without waiting on
+    # the busy timeout, so it is done only when the mode is not WAL yet (the first process).
+    if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+        db.execute("PRAGMA journal_mode = WAL")
     # FULL: a commit is on disk when flush() returns, before the messages are acknowledged.
     db.execute("PRAGMA synchronous = FULL")
     db.executescript(SCHEMA)

@@ -40,9 +40,11 @@ end
 
 -- What INCRBY accepts, with room left for adding a batch.
 local function bad_counter(key)
-  local err = wrong_type(key, 'string')
-  if err then return err end
-  local value = redis.call('GET', key)
+  local value = redis.pcall('GET', key)  -- one call: a key of another type errors here
+  if type(value) == 'table' and value['err'] then
+    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. redis.call('TYPE', key)['ok']
+      .. ', expected string')
+  end
   if value and value ~= '0' and not (#value <= 18 and string.match(value, '^%-?[1-9]%d*$')) then
     return redis.error_reply('QSTYPE ' .. key .. ' is "' .. value .. '", expected an integer')
   end
@@ -109,7 +111,7 @@ for i = 1, n do
       records[#records + 1] = raw
       records[#records + 1] = owner_key
       records[#records + 1] = token
-      redis.call('SET', KEYS[6 + 3 * g], token, 'EX', lease)
+      redis.call('SETEX', KEYS[6 + 3 * g], lease, token)
       pids[#pids + 1] = ARGV[3 + 2 * i]
       results[i] = 'ok'
     end
