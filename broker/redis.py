@@ -387,18 +387,23 @@ class RedisBroker:
             self.keys.ready, self.keys.processing, self.keys.failed,
             self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
         ]
-        args: list[Any] = [self.job_ttl]
+        args: list[Any] = [self.job_ttl, len(batch)]
         markers: list[str] = []
+        envelopes: list[bytes] = []
         for settlement in batch:
             delivery = settlement.delivery
             pid = delivery.pid
             keys += (self._claim_prefix + pid, self._job_prefix + pid, self._owner_prefix + pid)
             op, new_envelope = self._settle_op(settlement)
+            if new_envelope:
+                envelopes.append(new_envelope)
             marker = self._marker(delivery.envelope)
             if marker:
                 markers.append(marker)
-            args += (op, delivery.receipt, pid, new_envelope, "1" if marker else "0")
+                op = op.upper()  # keyed: the marker follows the items' keys
+            args += (op, delivery.receipt, pid)
         keys += markers
+        args += envelopes
         try:
             reply = await self.scripts.call("settle", keys, args)
         except CONNECTION_ERRORS as error:

@@ -26,8 +26,9 @@
 -- KEYS[4+3i..6+3i]                  item i: claims, jobs, owners key
 -- KEYS[6+3n+m]                      the m-th keyed item's marker {ns}.pending.{q}.{hex key}
 -- ARGV[1]   job_ttl                 seconds a rejected job record is kept; 0 = forever
--- ARGV[5i-3..5i+1]                  item i: op, token, pid, new envelope ('' unless 'r'),
---                                   keyed ('1' or '0')
+-- ARGV[2]   n                       items (<= 1000)
+-- ARGV[3i..2+3i]                    item i: op (upper case: a keyed message), token, pid
+-- ARGV[3+3n+r]                      the new envelope of the r-th retry ('r' or 'R')
 --
 -- Returns an array of n results: 'ok', 'stale' or 'missing'.
 
@@ -52,27 +53,29 @@ end
 
 local OPS = {c = true, r = true, f = true, l = true}
 local ready, processing, failed = KEYS[1], KEYS[2], KEYS[3]
-local n = (#ARGV - 1) / 5
-local job_ttl = tonumber(ARGV[1])
-local keyed = 0
-for i = 1, n do
-  if ARGV[5 * i + 1] == '1' then keyed = keyed + 1 end
+local n, job_ttl = tonumber(ARGV[2]), tonumber(ARGV[1])
+if not n or n > 1000 or not job_ttl or #ARGV < 2 + 3 * n then
+  return redis.error_reply('QSARG settle needs a job_ttl, a count and 3 arguments per item')
 end
-if n ~= math.floor(n) or n > 1000 or #KEYS ~= 6 + 3 * n + keyed or not job_ttl then
-  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed) and 5 arguments per item, '
-    .. 'at most 1000')
+local keyed, retries = 0, 0
+for i = 1, n do
+  local op = ARGV[3 * i]
+  local lower = string.lower(op)
+  if not OPS[lower] then
+    return redis.error_reply('QSARG settle op must be c, r, f or l, not ' .. tostring(op))
+  end
+  if op ~= lower then keyed = keyed + 1 end
+  if lower == 'r' then retries = retries + 1 end
+end
+if #KEYS ~= 6 + 3 * n + keyed or #ARGV ~= 2 + 3 * n + retries then
+  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed) per item and an envelope '
+    .. 'per retry, at most 1000 items')
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(processing, 'list')
   or wrong_type(failed, 'list') or bad_counter(KEYS[4]) or bad_counter(KEYS[5])
   or bad_counter(KEYS[6])
 if err then return err end
-for i = 1, n do
-  local op = ARGV[5 * i - 3]
-  if not OPS[op] then
-    return redis.error_reply('QSARG settle op must be c, r, f or l, not ' .. tostring(op))
-  end
-end
 
 -- One MGET for the owners; a job record is read only where a reject or release needs it,
 -- a marker only for a keyed message. An item applied earlier in this call is not owned.
@@ -85,14 +88,21 @@ local owners = redis.call('MGET', unpack(owner_keys))
 local from = redis.call('LLEN', processing) <= 1000 and -1 or 1
 
 local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
-local commits, failures, applied, settled, markers = 0, 0, 0, {}, 0
+local commits, failures, applied, settled, markers, retried = 0, 0, 0, {}, 0, 0
 for i = 1, n do
-  local op, token, pid = ARGV[5 * i - 3], ARGV[5 * i - 2], ARGV[5 * i - 1]
+  local op, token, pid = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
   local claim, job, owner = KEYS[4 + 3 * i], KEYS[5 + 3 * i], KEYS[6 + 3 * i]
   local marker_at = 0  -- the index in KEYS of this item's marker (0: not keyed)
-  if ARGV[5 * i + 1] == '1' then
+  local lower = string.lower(op)
+  if op ~= lower then
     markers = markers + 1
     marker_at = 6 + 3 * n + markers
+    op = lower
+  end
+  local envelope_at = 0
+  if op == 'r' then
+    retried = retried + 1
+    envelope_at = 2 + 3 * n + retried
   end
   local result = 'stale'
   if owners[i] == token and not settled[owner] then
@@ -115,7 +125,7 @@ for i = 1, n do
         if op == 'l' then
           released[#released + 1] = record
         elseif op == 'r' then
-          requeued[#requeued + 1] = ARGV[5 * i]
+          requeued[#requeued + 1] = ARGV[envelope_at]
           failures = failures + 1
         else
           commits = commits + 1

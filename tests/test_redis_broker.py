@@ -95,7 +95,7 @@ def count_script_calls(broker: RedisBroker) -> list[tuple[str, int]]:
         size = {
             "reserve": lambda: int(args[0]),
             "claim": lambda: int(args[2]),
-            "settle": lambda: (len(args) - 1) // 5,
+            "settle": lambda: int(args[1]),
             "extend": lambda: (len(keys) - 1) // 2,
         }.get(name, lambda: 0)()
         calls.append((name, size))
