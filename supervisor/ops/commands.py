@@ -169,7 +169,7 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         f"  poison        {state['poison']}",
         f"  supervisors   {len(state['supervisors'])}",
     ]
-    lines += [f"    {s['id']}  {s['where']}  {_heartbeat(s['ttl_ms'])}"
+    lines += [f"    {s['id']}  {s['where']}  {_record_expiry(s['ttl_ms'])}"
               for s in state["supervisors"]]
     if state["previous_format"]:
         lines.append(f"  previous-format supervisors still running: {state['previous_format']}"
@@ -201,8 +201,8 @@ def _expiry(ms: int) -> str:
     return f"expires in {ms / 1000:.1f}s" if ms > 0 else f"expired {-ms / 1000:.1f}s ago"
 
 
-def _heartbeat(ms: int) -> str:
-    return "heartbeat without expiry" if ms < 0 else f"heartbeat {ms / 1000:.1f}s left"
+def _record_expiry(ms: int) -> str:
+    return "record without expiry" if ms < 0 else f"record expires in {ms / 1000:.1f}s"
 
 
 def _cut(text: str) -> str:
