@@ -83,9 +83,28 @@ local owner_keys = {}
 for i = 1, n do owner_keys[i] = KEYS[6 + 3 * i] end
 local owners = redis.call('MGET', unpack(owner_keys))
 
--- Which end LREM scans from: the oldest deliveries, the ones that complete first, sit
--- nearest the tail; a long list keeps a legacy history there, so scan from the head then.
-local from = redis.call('LLEN', processing) <= 1000 and -1 or 1
+-- Removing the pids from processing. The oldest deliveries, the ones that complete first,
+-- sit nearest the tail: while the list is short, the last n + 16 entries are read once and
+-- the settled pids found there are taken out by rewriting that tail (one LTRIM, one RPUSH)
+-- instead of one LREM each; any other pid is removed by LREM from the tail. A long list
+-- keeps a legacy history at its tail, so there every pid is removed by LREM from the head.
+local length = redis.call('LLEN', processing)
+local from, window, in_window, taken = 1, {}, {}, {}
+if length <= 1000 then
+  from = -1
+  window = redis.call('LRANGE', processing, -(n + 16), -1)
+  for _, entry in ipairs(window) do in_window[entry] = (in_window[entry] or 0) + 1 end
+end
+
+-- Takes pid out of processing (from the window if it is there); false if it is not there.
+local function remove(pid)
+  if (in_window[pid] or 0) > 0 then
+    in_window[pid] = in_window[pid] - 1
+    taken[pid] = (taken[pid] or 0) + 1
+    return true
+  end
+  return redis.call('LREM', processing, from, pid) > 0
+end
 
 local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
 local commits, failures, applied, settled, markers, retried = 0, 0, 0, {}, 0, 0
@@ -110,7 +129,7 @@ for i = 1, n do
     if op == 'f' or op == 'l' then record = redis.call('MGET', job)[1] end
     if not record and (op == 'f' or op == 'l') then
       result = 'missing'
-    elseif redis.call('LREM', processing, from, pid) > 0 then
+    elseif remove(pid) then
       result = 'ok'
       applied = applied + 1
       settled[owner] = true
@@ -140,6 +159,25 @@ for i = 1, n do
   results[i] = result
 end
 
+if next(taken) then
+  -- Rewrite the tail window without the entries taken: per removal the occurrence nearest
+  -- the tail, as LREM from the tail would take it.
+  local keep = {}
+  for k = #window, 1, -1 do
+    local entry = window[k]
+    if (taken[entry] or 0) > 0 then
+      taken[entry] = taken[entry] - 1
+    else
+      keep[k] = true
+    end
+  end
+  local kept = {}
+  for k = 1, #window do
+    if keep[k] then kept[#kept + 1] = window[k] end
+  end
+  redis.call('LTRIM', processing, 0, -(#window + 1))
+  if #kept > 0 then redis.call('RPUSH', processing, unpack(kept)) end
+end
 if #doomed > 0 then redis.call('DEL', unpack(doomed)) end
 
 if #rejected > 0 then redis.call('LPUSH', failed, unpack(rejected)) end

@@ -727,3 +727,22 @@ async def test_publish_and_maintain_are_delegated(broker, redis_client):
     assert received.deliveries[0].payload == {"a": "b/c"}
     report = await broker.maintain()
     assert report.total == 0 and not report.skipped
+
+
+async def test_settling_keeps_the_order_of_what_stays_in_processing(broker, redis_client):
+    """Settled pids found near the tail are taken out by rewriting the tail: the rest keeps
+    its order (the shared sweep cursor counts positions from the tail), duplicates included."""
+    await publish_new(redis_client, 40)
+    deliveries = (await broker.receive(40, 0)).deliveries
+    processing = f"{NS}.processing.{QUEUE}"
+    await redis_client.lpush(processing, deliveries[5].pid)  # a stray copy near the head
+    await redis_client.rpush(processing, "foreign-1", deliveries[7].pid)  # and at the tail
+    before = await redis_client.lrange(processing, 0, -1)
+    chosen = [deliveries[i] for i in (0, 1, 7, 20, 39)]  # the oldest, a middle one, the newest
+    assert [r.ok for r in await broker.commit(chosen)] == [True] * 5
+    after = await redis_client.lrange(processing, 0, -1)
+    expected = list(before)
+    for delivery in chosen:  # one occurrence each, the one nearest the tail
+        index = len(expected) - 1 - expected[::-1].index(delivery.pid.encode())
+        del expected[index]
+    assert after == expected
