@@ -125,9 +125,11 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
     return envelope
 
 
-def with_attempts(envelope: dict[str, Any], attempts: int) -> bytes:
-    """The envelope re-encoded with a new ``attempts`` value (used by retries)."""
-    return encode({**envelope, "attempts": attempts})
+def requeued(envelope: dict[str, Any], attempts: int, timestamp: int | None = None) -> bytes:
+    """The envelope a retry or a recovery pushes back: the same pid and payload, a new
+    timestamp (now, unless given) and the new attempts count."""
+    now = int(time.time()) if timestamp is None else timestamp
+    return encode({**envelope, "timestamp": now, "attempts": attempts})
 
 
 def _plain(envelope: dict[str, Any]) -> bool:
@@ -143,13 +145,6 @@ def _plain(envelope: dict[str, Any]) -> bool:
         return False
     envelope["attempts"] = attempts or 0
     return True
-
-
-def requeued(envelope: dict[str, Any], attempts: int, timestamp: int | None = None) -> bytes:
-    """The envelope a retry or a recovery pushes back: the same pid and payload, a new
-    timestamp (now, unless given) and the new attempts count."""
-    now = int(time.time()) if timestamp is None else timestamp
-    return encode({**envelope, "timestamp": now, "attempts": attempts})
 
 
 # --- JSON, as PHP's json_decode($raw, true, 512, JSON_THROW_ON_ERROR) reads it ---------------

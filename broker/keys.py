@@ -28,6 +28,7 @@ informational record of a running supervisor (queue 5 never reads it; nothing de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,12 @@ class QueueKeys:
     def pending(self, coalescing_key: str) -> str:
         """The coalescing marker of a keyed message: the key's bytes in lowercase hex."""
         return f"{self._key('pending')}.{coalescing_key.encode().hex()}"
+
+    def marker(self, envelope: dict[str, Any]) -> str | None:
+        """The coalescing marker of a decoded envelope, if it is keyed (a non-empty string
+        ``key``, as queue 5's coalesce() writes it)."""
+        key = envelope.get("key")
+        return self.pending(key) if isinstance(key, str) and key else None
 
     def supervisor(self, consumer_id: str) -> str:
         return f"{self._key('supervisors')}.{consumer_id}"

@@ -42,7 +42,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.exceptions import RedisClusterException, ResponseError
@@ -152,26 +152,21 @@ async def reap(
     if sample is None:
         return
     now, _ = await server_time(client, keys.ready)
-    pids = list(dict.fromkeys([*sample.head, *sample.window]))
-    state = await _read_state(client, keys, pids, now=now, recovery_age=recovery_age)
-    in_window = {pid: i for i, pid in enumerate(sample.window)}
-    candidates: list[Candidate] = []
+    # Where each pid was read (index from the head); a pid in both parts counts as the
+    # window's, since the cursor's arithmetic depends on what leaves the window.
+    oldest = sample.window_start + len(sample.window) - 1  # the window is oldest first
+    positions = {pid: oldest - offset for offset, pid in enumerate(sample.window)}
     for index, pid in enumerate(sample.head):
-        if pid not in in_window and pid in state:
-            candidate = judge(pid, *state[pid], keys=keys, now=now, recovery_age=recovery_age,
-                              max_attempts=max_attempts)
-            if candidate:
-                candidates.append(_from_end(candidate, index, sample.size))
-    window_candidates: dict[str, Candidate] = {}
-    for offset, pid in enumerate(sample.window):
+        positions.setdefault(pid, index)
+    state = await _read_state(client, keys, list(positions), now=now, recovery_age=recovery_age)
+    candidates: list[Candidate] = []
+    for pid, index in positions.items():
         if pid not in state:
             continue  # live, or young by its pid: kept
         candidate = judge(pid, *state[pid], keys=keys, now=now, recovery_age=recovery_age,
                           max_attempts=max_attempts)
         if candidate:
-            index = sample.window_start + len(sample.window) - 1 - offset
-            window_candidates[pid] = _from_end(candidate, index, sample.size)
-    candidates += window_candidates.values()
+            candidates.append(_from_end(candidate, index, sample.size))
     applied = await reclaim(scripts, keys, candidates, job_ttl=job_ttl)
     removed = {c.pid for c, done in zip(candidates, applied, strict=True) if done}
     for candidate, done in zip(candidates, applied, strict=True):
@@ -202,14 +197,12 @@ def judge(
             return None
         return Candidate(DANGLING, pid)
     try:
-        decoded: dict[str, Any] | None = envelope.decode(record, len(record))
+        decoded: dict[str, Any] | None = envelope.decode(record)
     except envelope.MalformedEnvelope:
         decoded = None  # kept as it is in dead: no handler could run it
     if owner is None and now - _published(pid, decoded) <= recovery_age:
         return None  # a 1.x consumer (no owner, no renewals) may still be running it
-    marker = None
-    if decoded is not None and isinstance(decoded.get("key"), str) and decoded["key"]:
-        marker = keys.pending(decoded["key"])
+    marker = keys.marker(decoded) if decoded is not None else None
     attempts = decoded["attempts"] + 1 if decoded is not None else max_attempts
     if attempts >= max_attempts or decoded is None:
         return Candidate(DEAD, pid, owner_text, marker=marker)
@@ -251,9 +244,8 @@ def _calls(candidates: Sequence[Candidate]) -> list[list[Candidate]]:
 def _from_end(candidate: Candidate, index: int, size: int) -> Candidate:
     """Mark the end LREM should scan from: the one nearer to where the pid was read."""
     from_tail = size - 1 - index < index
-    distance = (size - index) if from_tail else index + 1
-    return Candidate(candidate.mode, candidate.pid, candidate.owner, candidate.replacement,
-                     candidate.marker, from_tail, distance)
+    return replace(candidate, from_tail=from_tail,
+                   distance=(size - index) if from_tail else index + 1)
 
 
 async def sample_processing(client: Any, keys: QueueKeys, scan: int) -> Window | None:
@@ -314,10 +306,8 @@ def _young_by_pid(pid: str, now: int, recovery_age: int) -> bool:
     """True if ``pid`` looks like PHP's ``uniqid`` (13 hex digits first) and the time in it
     is younger than ``recovery_age``: its envelope, published then or requeued later, is
     at least as young. Anything else is not judged young here."""
-    if len(pid) < 13 or not _UNIQID.match(pid):
-        return False
-    published = int(pid[:8], 16)
-    return published <= now + 60 and now - published <= recovery_age
+    published = _uniqid_seconds(pid) if _UNIQID.match(pid) else None
+    return published is not None and published <= now + 60 and now - published <= recovery_age
 
 
 async def server_time(client: Any, key: str) -> tuple[int, int]:
@@ -337,10 +327,15 @@ def _published(pid: str, decoded: dict[str, Any] | None) -> int:
     """The envelope's timestamp; for an unreadable record, the time in a ``uniqid`` pid."""
     if decoded is not None:
         return int(decoded["timestamp"])
+    return _uniqid_seconds(pid) or 0
+
+
+def _uniqid_seconds(pid: str) -> int | None:
+    """The seconds in the first 8 hex digits of a ``uniqid`` pid (None: not one)."""
     try:
-        return int(pid[:8], 16) if len(pid) >= 13 else 0
+        return int(pid[:8], 16) if len(pid) >= 13 else None
     except ValueError:
-        return 0
+        return None
 
 
 def _php_int(text: str) -> int:

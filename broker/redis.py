@@ -397,7 +397,7 @@ class RedisBroker:
             op, new_envelope = self._settle_op(settlement)
             if new_envelope:
                 envelopes.append(new_envelope)
-            marker = self._marker(delivery.envelope)
+            marker = self.keys.marker(delivery.envelope)
             if marker:
                 markers.append(marker)
                 op = op.upper()  # keyed: the marker follows the items' keys
@@ -410,11 +410,6 @@ class RedisBroker:
             uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {error!r}")
             return [uncertain] * len(batch)
         return [_RESULTS[outcome] for outcome in reply]
-
-    def _marker(self, decoded: dict[str, Any]) -> str | None:
-        """The coalescing marker of a keyed message (queue 5's ``pending`` key), if any."""
-        key = decoded.get("key")
-        return self.keys.pending(key) if isinstance(key, str) and key else None
 
     def _settle_op(self, settlement: Settlement) -> tuple[str, bytes | str]:
         """The script's op for one settlement and, for a retry, the envelope to requeue."""

@@ -96,8 +96,8 @@ def test_build_makes_a_fresh_php_shaped_pid():
         envelope.build("q", ["not", "a", "dict"])  # type: ignore[arg-type]
 
 
-def test_with_attempts_reencodes():
-    raw = envelope.with_attempts(envelope.decode(PHP), 3)
+def test_requeued_reencodes():
+    raw = envelope.requeued(envelope.decode(PHP), 3)
     decoded = envelope.decode(raw)
     assert decoded["attempts"] == 3 and decoded["payload"]["url"] == "https://example.com/a/b"
     assert b"\\/" in raw
@@ -271,7 +271,7 @@ def check_decode(raw: bytes) -> dict[str, Any] | None:
         assert type(decoded[name]) is int and INT64_MIN <= decoded[name] <= INT64_MAX
     assert isinstance(decoded["payload"], dict | list)
     # Whatever was accepted can be re-encoded for a retry, and decodes again.
-    again = envelope.decode(envelope.with_attempts(decoded, 1))
+    again = envelope.decode(envelope.requeued(decoded, 1, decoded["timestamp"]))
     assert (again["pid"], again["queue"], again["timestamp"], again["attempts"]) == (
         decoded["pid"], decoded["queue"], decoded["timestamp"], 1)
     return decoded
@@ -327,7 +327,8 @@ def test_the_orjson_fast_path_agrees_with_the_reference_parser(document, edits):
 def test_round_trip(payload, attempts):
     pid, raw = envelope.build("queue/with/slashes", payload)
     assert b"/" not in raw.replace(b"\\/", b"")
-    decoded = envelope.decode(envelope.with_attempts(envelope.decode(raw), attempts))
+    first = envelope.decode(raw)
+    decoded = envelope.decode(envelope.requeued(first, attempts, first["timestamp"]))
     assert decoded["pid"] == pid and decoded["queue"] == "queue/with/slashes"
     assert decoded["payload"] == payload and decoded["attempts"] == attempts
 

@@ -134,8 +134,8 @@ async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspec
     """Recover until no reservation or owner record is left, or the deadline passed.
 
     Owner records of a consumer that stopped without handing its work over are only
-    recoverable once their claims expired (up to one lease): hence the retries. Each round
-    waits for the fleet's reap lock (one sweep per maintenance interval).
+    recoverable once their claims expired (up to one lease): hence the retries. The sweeps
+    do not wait for the fleet's reap lock (see ``supervisor.ops.recover``).
     """
     recovered = 0
     while True:

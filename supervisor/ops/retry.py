@@ -72,7 +72,7 @@ def _plan(
             items.append((pid, b"", b""))
             continue
         try:
-            decoded = envelope.decode(record, max(len(record), 1))
+            decoded = envelope.decode(record)
         except envelope.MalformedEnvelope:
             kept += 1
             continue
