@@ -1,38 +1,31 @@
-"""The NATS JetStream broker: the same interface as the Redis one, JetStream semantics.
+"""The NATS JetStream broker: the same interface as the Redis one, queue 5's JetStream protocol.
 
-JetStream itself keeps the pending deliveries and the recovery of abandoned work
-(redelivery after ``ack_wait``), so this adapter is thin:
+JetStream itself keeps the pending deliveries and recovers abandoned work (redelivery after
+the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 workers
+(``broker.nats_setup`` adopts their stream and consumer) and counts attempts as they do:
 
+- attempts = JetStream's ``num_delivered`` - 1. The budget is read from the consumer
+  (MaxDeliver, minus the spare delivery queue 5 marks in its metadata).
 - receive: a pull that waits for the first message, then no-wait top-ups for the rest of
-  the room (``broker.nats_pull``). Undecodable messages go to the dead stream, then TERM.
-- commit: an ack sent as a request, so the server's reply confirms it (``ack_sync``
-  style). Many are in flight at once; each result is reported when its own reply arrives.
-  A reply lost to a timeout or a broken connection is UNCERTAIN and is never replayed.
-- reject: NAK with a backoff delay while the delivery count (JetStream's
-  ``num_delivered``) is below ``max_attempts``; at ``max_attempts`` the payload is
-  published to the dead subject (PubAck awaited), then the message is TERMinated.
-- release: NAK without delay. JetStream counts every delivery, so a released message
-  comes back with ``attempts`` one higher and has used one of its ``max_attempts``,
-  unlike on Redis. A worker or supervisor that dies holding a delivery uses one too.
-- extend: ``+WPI`` (in progress) for every delivery, as requests. The server answers the
-  same way whether or not the delivery is still pending, so ``False`` is reported only
-  for what we know is gone: a delivery superseded by a newer delivery of the same message
-  that reached us, or one whose consumer no longer exists.
-- maintain: nothing to do (JetStream recovers); abandon: nothing to do either, since an
-  unacknowledged delivery is redelivered by the server once its ``ack_wait`` runs out.
-
-Attempts are counted here, not by JetStream. ``max_attempts`` (the job's) decides when a
-rejected delivery is dead-lettered; ``max_deliver`` is only the consumer's MaxDeliver and
-defaults to -1 (unlimited). With a MaxDeliver equal to ``max_attempts``, a delivery whose
-last attempt ended without a settlement (its supervisor was killed, or a graceful stop
-released it) would never be redelivered, dead-lettered or acknowledged: it would stay in
-the work stream until the stream's max_age. Unlimited, it comes back once more, and a
-delivery received with ``num_delivered > max_attempts`` is dead-lettered at once (PubAck
-awaited, then TERM), never handed to a handler, and reported in ``Received.poisoned``.
-If that dead letter is not confirmed, the delivery is left alone and comes back after
-``ack_wait``: nothing is TERMinated without its dead letter. An existing consumer with a
-positive MaxDeliver is used as configured; at or below ``max_attempts`` a warning says
-what it risks.
+  the room (``broker.nats_pull``). A delivery at the spare (every earlier run of it died
+  unsettled) and an undecodable one go to the dead stream, then TERM, never to a handler.
+- commit: an ack sent as a request, so the server's reply confirms it. Many are in flight
+  at once; each result is reported when its own reply arrives. A reply lost to a timeout
+  or a broken connection is UNCERTAIN and is never replayed.
+- reject: below the budget a NAK with the backoff (the consumer's list, else
+  ``retry_backoff`` doubling per delivery); at the budget the payload is published to the
+  dead subject (PubAck awaited), then TERM.
+- release (a graceful stop hands back what never started): republished under the id
+  ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
+  queue 5's newest line does. On a work stream with size limits (where a republish could
+  push out another message) a NAK delayed by ``RELEASE_DELAY`` instead.
+- extend: ``+WPI`` for every delivery held, and for what arrived but was not handed out
+  yet. ``False`` only for what we know is gone: a delivery superseded by a newer delivery
+  of the same message that reached us, or one whose consumer no longer exists.
+- maintain: the server's max-deliveries advisories (subscribed in queue 5's queue group, so
+  one worker of the fleet acts on each) name messages that ran out of deliveries while
+  nobody held them: each is copied to the dead stream, then deleted from the work stream.
+- abandon: nothing to do; an unacknowledged delivery comes back after the ack wait.
 
 The connection is replaced, never repaired (``broker.nats_link``): operations in flight
 when it breaks end UNCERTAIN (or ERROR when they were never sent); every other delivery
@@ -42,6 +35,8 @@ stays valid, since its acks go to its own reply subject from whichever connectio
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,13 +61,31 @@ from broker.base import (
     Settlement,
 )
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
-from broker.nats_link import Link
+from broker.nats_held import Holdings
+from broker.nats_link import RETRYABLE, Link
 from broker.nats_pull import Puller
-from broker.nats_setup import UNLIMITED, ConsumerSettings, QueueNames, ensure_queue
+from broker.nats_setup import (
+    Adopted,
+    QueueNames,
+    Wanted,
+    adopt_queue,
+    deliver_limit,
+    identity,
+    read_consumer_policy,
+    reread_consumer,
+)
 
 log = logging.getLogger("broker.nats")
 
 ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
+CONTENT_TYPE = "Content-Type"
+JSON = "application/json"
+#: Queue 5's queue group for the max-deliveries advisory: one subscriber of the fleet each.
+ADVISORY_GROUP = "utopia_queue_dead_letter"
+#: Seconds a released message waits on a size-limited stream (queue 5's release delay).
+RELEASE_DELAY = 5.0
+#: Advisories kept for the next maintenance pass at most (they are rare; this bounds memory).
+MAX_EXHAUSTED = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,8 @@ class NatsReceipt:
     reply: str  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...
     stream_seq: int
     delivered: int  # JetStream's num_delivered for this delivery (1 = first)
+    subject: str = ""  # where it was published (a release republishes there)
+    content_type: str | None = None
 
 
 class NatsBroker:
@@ -97,35 +112,29 @@ class NatsBroker:
         *,
         ack_wait: float = 30.0,
         max_attempts: int = 3,
-        max_deliver: int = UNLIMITED,
         retry_backoff: float = 0.0,
+        namespace: str = "utopia-queue",
         max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
-        lease: float | None = None,
         job_ttl: float = 0.0,
         request_timeout: float = 5.0,
         connect_timeout: float = 5.0,
         ping_interval: float = 10.0,
         options: dict[str, Any] | None = None,
     ) -> None:
-        """``max_attempts`` is the handler's attempts (a rejected delivery is dead-lettered
-        at that delivery count); ``max_deliver`` is only the consumer's MaxDeliver (-1 =
-        unlimited, see the module docstring). ``lease``, when given, is the supervisor's
-        lease and becomes the ``ack_wait``: both say how long an unrenewed delivery stays
-        ours. ``job_ttl`` (s, 0 = forever) is the max age of dead letters in a dead stream
-        we create. ``options`` go to ``nats.connect`` (credentials, TLS)."""
+        """``ack_wait`` and ``max_attempts`` are the settings of a consumer this broker
+        creates (MaxDeliver = max_attempts + 1, queue 5's spare delivery); an existing one
+        is adopted as it is, and its budget wins. ``namespace`` makes the queue identity
+        kept in the stream metadata. ``job_ttl`` (s, 0 = forever) is the max age of dead
+        letters in a dead stream we create. ``options`` go to ``nats.connect``."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if max_deliver != UNLIMITED and max_deliver < 1:
-            raise ValueError("max_deliver must be -1 (unlimited) or at least 1")
-        self.queue = queue
-        self._max_attempts = max_attempts
-        self._names = QueueNames.of(queue)
-        self._settings = ConsumerSettings(
-            ack_wait=float(lease if lease is not None else ack_wait),
-            max_deliver=max_deliver, job_ttl=job_ttl,
-        )
-        if self._settings.ack_wait <= 0:
+        if ack_wait <= 0:
             raise ValueError("ack_wait must be positive")
+        self.queue = queue
+        self._names = QueueNames.of(queue)
+        self._wanted = Wanted(ack_wait=float(ack_wait), max_attempts=max_attempts,
+                              identity=identity(namespace, queue), job_ttl=job_ttl)
+        self._policy: Adopted | None = None
         self._retry_backoff = retry_backoff
         self._max_bytes = max_envelope_bytes
         self._timeout = request_timeout
@@ -140,44 +149,60 @@ class NatsBroker:
         }
         self._link = Link(url, on_pulled=self._puller.on_pulled, prepare=self._prepare,
                           options=connect_options)
-        # stream seq -> highest num_delivered we received: an older delivery is stale.
-        self._latest: dict[int, int] = {}
+        self._held = Holdings()
+        self._exhausted: collections.deque[int] = collections.deque(maxlen=MAX_EXHAUSTED)
 
     @property
     def names(self) -> QueueNames:
         return self._names
 
     @property
+    def policy(self) -> Adopted:
+        """The queue's settings as adopted at the last (re)connection."""
+        if self._policy is None:
+            raise BrokerError("not connected yet")
+        return self._policy
+
+    @property
+    def lease(self) -> float:
+        """How long an unrenewed delivery stays ours: the consumer's ack wait (or backoff)."""
+        return self._policy.lease if self._policy else self._wanted.ack_wait
+
+    @property
     def reconnects(self) -> int:
         """How many times the connection was replaced (for status output and tests)."""
         return max(0, self._link.generation - 1)
+
+    @property
+    def held(self) -> int:
+        """Messages with a delivery held by this broker (bounded by what is outstanding)."""
+        return len(self._held)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     async def connect(self) -> None:
         await self._connection(self._connect_timeout)
-        max_deliver = self._settings.max_deliver
-        if max_deliver != UNLIMITED and max_deliver <= self._max_attempts:
-            log.warning(
-                "NATS consumer %r on %s has max_deliver %d, not above max_attempts %d: a "
-                "delivery lost on its last allowed attempt (a killed supervisor, a release at "
-                "a graceful stop) is never redelivered nor dead-lettered and stays in the "
-                "stream until its max_age. Use max_deliver = -1 (unlimited) or above "
-                "max_attempts.", self._names.consumer, self._names.stream, max_deliver,
-                self._max_attempts)
 
     async def close(self) -> None:
-        """Release what arrived but was never returned, then close the connection."""
+        """Hand back what arrived but was never returned, then close the connection."""
         leftovers = self._puller.take_backlog()
-        conn = self._link.connection
-        if leftovers and conn is not None:
-            await asyncio.gather(
-                *(self._request(conn, m.reply, NAK) for m in leftovers if m.reply))
+        if leftovers and self._link.connection is not None:
+            await asyncio.gather(*(self._release_unreturned(msg) for msg in leftovers))
         await self._link.close()
-        self._latest.clear()
+        self._held.clear()
 
     async def maintain(self) -> MaintenanceReport:
-        return MaintenanceReport()  # JetStream redelivers abandoned work itself
+        """Dead-letter what the max-deliveries advisories named (JetStream redelivers the rest)."""
+        for _ in range(len(self._exhausted)):
+            seq = self._exhausted.popleft()
+            try:
+                await self._bury_exhausted(seq)
+            except BrokerError as error:
+                log.warning("stream seq %d ran out of deliveries; not dead-lettered yet, "
+                            "tried again at the next pass: %s", seq, error)
+                self._exhausted.append(seq)
+                break
+        return MaintenanceReport()
 
     async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
         """Nothing to do: JetStream redelivers unacknowledged deliveries after ack_wait."""
@@ -191,50 +216,50 @@ class NatsBroker:
         msgs = await self._puller.pull(conn, max_messages, block_timeout)
         received = Received()
         poison: list[asyncio.Future[Poisoned | None]] = []
+        reread = False
         for msg in msgs:
             receipt = _receipt(msg)
             if receipt is None:
                 continue
-            self._latest[receipt.stream_seq] = max(
-                self._latest.get(receipt.stream_seq, 0), receipt.delivered)
+            self._held.add(receipt.stream_seq, receipt.delivered)
+            spare = self.policy.spare
+            if spare is not None and receipt.delivered >= spare and not reread:
+                reread = True  # the consumer is shared: its budget may have grown since
+                await self._reread_policy(conn)
+                spare = self.policy.spare
+            if spare is not None and receipt.delivered >= spare:
+                reason = (f"out of attempts: delivery {receipt.delivered} of a consumer that "
+                          f"allows {self.policy.budget} runs (every earlier one ended "
+                          f"unsettled: a killed worker or supervisor, or a release)")
+                poison.append(asyncio.ensure_future(
+                    self._poison(msg, receipt, reason, malformed=False)))
+                continue
             try:
                 decoded = envelope.decode(msg.data, self._max_bytes)
             except envelope.MalformedEnvelope as error:
-                poisoned = self._poison(msg, receipt, str(error), f"malformed: {error}")
-            else:
-                if receipt.delivered <= self._max_attempts:
-                    received.deliveries.append(_delivery(msg, receipt, decoded))
-                    continue
-                reason = self._out_of_attempts(receipt)
-                poisoned = self._poison(msg, receipt, reason, reason, malformed=False)
-            poison.append(asyncio.ensure_future(poisoned))
+                poison.append(asyncio.ensure_future(
+                    self._poison(msg, receipt, f"malformed: {error}")))
+                continue
+            received.deliveries.append(_delivery(msg, receipt, decoded))
         received.poisoned = [p for p in await asyncio.gather(*poison) if p is not None]
         return received
 
-    def _out_of_attempts(self, receipt: NatsReceipt) -> str:
-        """Why a delivery past max_attempts is not handled (its last attempt was used up by
-        a release or by a worker or supervisor that died holding it)."""
-        return (f"out of attempts after {receipt.delivered} deliveries (max_attempts "
-                f"{self._max_attempts}); releases and lost workers count as deliveries on "
-                f"JetStream")
-
     async def _poison(
-        self, msg: Msg, receipt: NatsReceipt, reason: str, dead_reason: str,
-        malformed: bool = True,
+        self, msg: Msg, receipt: NatsReceipt, reason: str, malformed: bool = True
     ) -> Poisoned | None:
         """Never handed on: dead stream first (confirmed), then TERM. A dead letter that is
         not confirmed leaves the delivery alone: it comes back after ack_wait."""
+        self._held.drop(receipt.stream_seq, receipt.delivered)
         try:
-            await self._dead_letter(msg.data, receipt, dead_reason)
+            await self._dead_letter(msg.data, receipt, reason, keep_content_type=True)
         except BrokerError as error:
             log.warning("stream seq %d not dead-lettered yet (%s), it comes back after "
-                        "ack_wait: %s", receipt.stream_seq, dead_reason, error)
+                        "ack_wait: %s", receipt.stream_seq, reason, error)
             return None
         result = await self._respond(receipt, TERM)
         # The caller logs what it gets back (once); this line adds where it went.
         log.debug("stream seq %d moved to %s (%s); TERM %s", receipt.stream_seq,
-                  self._names.dead_stream, dead_reason, result.outcome)
-        self._forget(receipt, result)
+                  self._names.dead_stream, reason, result.outcome)
         return Poisoned(msg.data, reason, malformed)
 
     # -- settle ------------------------------------------------------------------------
@@ -258,19 +283,22 @@ class NatsBroker:
 
     async def _settle_one(self, settlement: Settlement) -> Result:
         receipt: NatsReceipt = settlement.delivery.receipt
+        seq, delivered = receipt.stream_seq, receipt.delivered
         action = settlement.action
-        if action is not Action.COMMIT and self._is_stale(receipt):
+        if action is not Action.COMMIT and not self._held.owns(seq, delivered):
             # A newer delivery of this message reached us: a NAK/TERM here would hit it.
+            self._held.drop(seq, delivered)
             return Result(Outcome.STALE, "superseded by a newer delivery")
         if action is Action.COMMIT:
             result = await self._respond(receipt, ACK)
         elif action is Action.RELEASE:
-            result = await self._respond(receipt, NAK)
-        elif receipt.delivered >= self._max_attempts:
+            result = await self._release(settlement.delivery)
+        elif delivered >= self.policy.budget:
             result = await self._bury(settlement)
         else:
-            result = await self._respond(receipt, self._nak_with_backoff(receipt))
-        self._forget(receipt, result)
+            result = await self._respond(receipt, self._nak_with_backoff(delivered))
+        if result.outcome is not Outcome.ERROR:  # on ERROR it is still ours: settled again
+            self._held.drop(seq, delivered)
         return result
 
     async def _bury(self, settlement: Settlement) -> Result:
@@ -285,29 +313,97 @@ class NatsBroker:
             return result
         return Result(result.outcome, f"dead-lettered, but TERM: {result.detail}")
 
-    def _nak_with_backoff(self, receipt: NatsReceipt) -> bytes:
-        delay = self._retry_backoff * 2 ** (receipt.delivered - 1)
-        if delay <= 0:
-            return NAK
-        return NAK + b" " + orjson.dumps({"delay": int(delay * 1e9)})
+    async def _release(self, delivery: Delivery) -> Result:
+        """Back to the queue without spending an attempt: republish, then ACK."""
+        receipt: NatsReceipt = delivery.receipt
+        delayed = _nak_after(RELEASE_DELAY)
+        if self.policy.bounded:
+            return await self._respond(receipt, delayed)
+        headers = {"Nats-Msg-Id": f"{delivery.pid}.released.{receipt.stream_seq}"}
+        if receipt.content_type is not None:
+            headers[CONTENT_TYPE] = receipt.content_type
+        try:
+            await self._js_publish(receipt.subject or self._names.subject, delivery.raw, headers)
+        except BrokerError as error:
+            log.warning("release of stream seq %d by republishing failed (%s); NAK with "
+                        "delay instead (spends an attempt)", receipt.stream_seq, error)
+            return await self._respond(receipt, delayed)
+        result = await self._respond(receipt, ACK)
+        if result.ok:
+            return result
+        # The copy is stored; unless the ACK landed, the original comes back too.
+        return Result(result.outcome, f"republished, but ACK: {result.detail}")
+
+    async def _release_unreturned(self, msg: Msg) -> None:
+        """Close: a message that arrived after its receive gave up goes back the same way."""
+        receipt = _receipt(msg)
+        if receipt is None:
+            return
+        try:
+            decoded = envelope.decode(msg.data, self._max_bytes)
+        except envelope.MalformedEnvelope:
+            await self._respond(receipt, NAK)  # dead-lettered at its next delivery
+            return
+        await self._release(_delivery(msg, receipt, decoded))
+
+    def _nak_with_backoff(self, delivered: int) -> bytes:
+        backoff = self.policy.backoff
+        if backoff:  # the consumer's list, as queue 5 reads it (the last entry repeats)
+            delay = backoff[min(max(delivered, 1), len(backoff)) - 1]
+        else:
+            delay = self._retry_backoff * 2 ** (delivered - 1)
+        return _nak_after(delay)
 
     # -- extend ------------------------------------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        results = await asyncio.gather(*(self._renew(d.receipt) for d in deliveries))
+        unreturned = [r for r in map(_receipt, self._puller.backlog()) if r is not None]
+        results = await asyncio.gather(
+            *(self._renew(d.receipt) for d in deliveries),
+            *(self._respond(r, WPI) for r in unreturned))
+        results = results[:len(deliveries)]
         _log_unsure(results, "renewal")
         return [r.outcome is not Outcome.STALE for r in results]
 
     async def _renew(self, receipt: NatsReceipt) -> Result:
-        if self._is_stale(receipt):
+        if not self._held.owns(receipt.stream_seq, receipt.delivered):
+            self._held.drop(receipt.stream_seq, receipt.delivered)
             return Result(Outcome.STALE, "superseded by a newer delivery")
         return await self._respond(receipt, WPI)
+
+    # -- exhausted deliveries (max-deliveries advisories) ---------------------------------
+
+    def _on_advisory(self, msg: Msg) -> None:
+        try:
+            seq = orjson.loads(msg.data).get("stream_seq")
+        except (orjson.JSONDecodeError, AttributeError):
+            seq = None
+        if isinstance(seq, int) and seq > 0:
+            self._exhausted.append(seq)
+
+    async def _bury_exhausted(self, seq: int) -> None:
+        """Copy the stored message to the dead stream (confirmed), then delete it."""
+        stream = self._names.stream
+        found = await self._api(f"$JS.API.STREAM.MSG.GET.{stream}", {"seq": seq})
+        if "error" in found:
+            return  # acknowledged, deleted or buried by another worker since the advisory
+        stored = found["message"]
+        raw = base64.b64decode(stored.get("data") or "")
+        content_type = _stored_header(stored, CONTENT_TYPE)
+        receipt = NatsReceipt("", seq, 0, stored.get("subject", ""), content_type)
+        await self._dead_letter(raw, receipt, "max deliveries exceeded (server advisory)",
+                                keep_content_type=True)
+        deleted = await self._api(f"$JS.API.STREAM.MSG.DELETE.{stream}", {"seq": seq})
+        if "error" in deleted and deleted["error"].get("code") != 404:
+            raise BrokerError(f"dead-lettered, but not deleted: {deleted['error']}")
+        log.warning("stream seq %d ran out of deliveries while nobody held it: moved to %s",
+                    seq, self._names.dead_stream)
 
     # -- publish -----------------------------------------------------------------------
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         pid, raw = envelope.build(queue, payload)
-        await self._js_publish(QueueNames.of(queue).subject, raw, {"Nats-Msg-Id": pid})
+        await self._js_publish(QueueNames.of(queue).subject, raw, _publish_headers(pid))
         return pid
 
     async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
@@ -318,7 +414,7 @@ class NatsBroker:
         for start in range(0, len(built), MAX_BATCH):
             chunk = built[start:start + MAX_BATCH]
             outcomes = await asyncio.gather(
-                *(self._js_publish(subject, raw, {"Nats-Msg-Id": pid}) for pid, raw in chunk),
+                *(self._js_publish(subject, raw, _publish_headers(pid)) for pid, raw in chunk),
                 return_exceptions=True,
             )
             failed += [o for o in outcomes if isinstance(o, BaseException)]
@@ -327,10 +423,17 @@ class NatsBroker:
                               f"(the others are stored): {failed[0]}")
         return [pid for pid, _ in built]
 
-    async def _dead_letter(self, raw: bytes, receipt: NatsReceipt, reason: str) -> None:
-        # The id makes a repeated dead-lettering of the same message a no-op (dedup window).
-        headers = {"Nats-Msg-Id": f"{self._names.stream}:{receipt.stream_seq}",
-                   "Queue-Attempts": str(receipt.delivered)}
+    async def _dead_letter(
+        self, raw: bytes, receipt: NatsReceipt, reason: str, keep_content_type: bool = False
+    ) -> None:
+        """The bytes as they arrived, on the dead subject. Queue 5 copies the Content-Type
+        when it parks a message; the id makes a repeated dead-lettering of the same message
+        a no-op (duplicate window); the Queue-* headers say why (queue 5 ignores them)."""
+        headers = {"Nats-Msg-Id": f"{self._names.stream}:{receipt.stream_seq}"}
+        if keep_content_type and receipt.content_type is not None:
+            headers[CONTENT_TYPE] = receipt.content_type
+        if receipt.delivered:
+            headers["Queue-Attempts"] = str(receipt.delivered)
         if reason:
             headers["Queue-Reason"] = _header_value(reason)
         await self._js_publish(self._names.dead_subject, raw, headers)
@@ -358,7 +461,61 @@ class NatsBroker:
         return await self._link.current(timeout)
 
     async def _prepare(self, conn: Connection) -> None:
-        await ensure_queue(conn, self._names, self._settings, self._timeout)
+        """Every new connection: adopt the queue's settings, subscribe to the advisory."""
+        try:
+            policy = await adopt_queue(conn, self._names, self._wanted, self._timeout)
+        except BrokerError as error:
+            if self._policy is None or isinstance(error, RETRYABLE):
+                raise  # at start, a refusal stops us; a reconnect never refuses
+            log.error("NATS queue %s: its settings changed into ones a start would refuse "
+                      "(%s); carrying on with %s", self.queue, error, self._policy.describe())
+            policy = self._policy
+        self._use(policy)
+        await conn.subscribe(self._names.advisory_subject, self._on_advisory,
+                             queue=ADVISORY_GROUP)
+
+    def _use(self, policy: Adopted) -> None:
+        previous, self._policy = self._policy, policy
+        if previous == policy:
+            return
+        log.info("NATS queue %s: %s", self.queue, policy.describe())
+        if policy.budget != self._wanted.max_attempts:
+            log.warning("NATS consumer %r on %s allows %d attempts; [job] max_attempts = %d "
+                        "only applies to a consumer this supervisor creates (the consumer's "
+                        "budget is shared with every worker of the queue, so it wins)",
+                        self._names.consumer, self._names.stream, policy.budget,
+                        self._wanted.max_attempts)
+        if policy.spare is None:
+            log.warning("NATS consumer %r on %s keeps no spare delivery (MaxDeliver %d "
+                        "without %s): a job whose last delivery dies unsettled is only "
+                        "dead-lettered if a worker receives the server's advisory",
+                        self._names.consumer, self._names.stream, policy.max_deliver,
+                        "utopia_queue_spare_delivery")
+        if policy.lease < self._wanted.ack_wait:
+            log.warning("NATS consumer %r on %s waits %gs for an ack; deliveries are renewed "
+                        "every %gs", self._names.consumer, self._names.stream, policy.lease,
+                        policy.lease / 3)
+
+    async def _reread_policy(self, conn: Connection) -> None:
+        """Queue 5 does the same before dead-lettering a delivery at the spare."""
+        try:
+            consumer = await reread_consumer(conn, self._names, self._timeout)
+        except BrokerError as error:
+            log.warning("could not re-read NATS consumer %r (%s); using its last settings",
+                        self._names.consumer, error)
+            return
+        budget, spare = read_consumer_policy(consumer, self._wanted)
+        if (budget, spare) != (self.policy.budget, self.policy.spare):
+            self._use(Adopted(budget, spare, deliver_limit(consumer.get("max_deliver")),
+                              self.policy.ack_wait, self.policy.backoff, self.policy.bounded))
+
+    async def _api(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+        conn = await self._connection(self._timeout)
+        try:
+            reply = await conn.request(subject, orjson.dumps(body), timeout=self._timeout)
+            return orjson.loads(reply.data)
+        except (ConnectionLost, RequestTimeout, orjson.JSONDecodeError) as error:
+            raise BrokerError(f"{subject}: {error}") from error
 
     def _suspect(self, conn: Connection) -> None:
         self._link.suspect(conn, self._timeout)
@@ -387,14 +544,6 @@ class NatsBroker:
             return Result(Outcome.STALE, "no responder: the consumer no longer exists")
         return Result(Outcome.OK)
 
-    def _is_stale(self, receipt: NatsReceipt) -> bool:
-        return self._latest.get(receipt.stream_seq, 0) > receipt.delivered
-
-    def _forget(self, receipt: NatsReceipt, result: Result) -> None:
-        """A settled delivery needs no staleness tracking any more."""
-        if result.ok and self._latest.get(receipt.stream_seq) == receipt.delivered:
-            del self._latest[receipt.stream_seq]
-
 
 def _receipt(msg: Msg) -> NatsReceipt | None:
     try:
@@ -402,7 +551,9 @@ def _receipt(msg: Msg) -> NatsReceipt | None:
     except (NotJSMessageError, ValueError, IndexError):
         log.warning("ignored a message without JetStream metadata on the pull inbox")
         return None
-    return NatsReceipt(msg.reply, meta.sequence.stream, meta.num_delivered)
+    content_type = (msg.headers or {}).get(CONTENT_TYPE)
+    return NatsReceipt(msg.reply, meta.sequence.stream, meta.num_delivered, msg.subject,
+                       content_type)
 
 
 def _delivery(msg: Msg, receipt: NatsReceipt, decoded: dict[str, Any]) -> Delivery:
@@ -411,6 +562,27 @@ def _delivery(msg: Msg, receipt: NatsReceipt, decoded: dict[str, Any]) -> Delive
         attempts=receipt.delivered - 1, payload=decoded["payload"], raw=msg.data,
         receipt=receipt, envelope=decoded,
     )
+
+
+def _publish_headers(pid: str) -> dict[str, str]:
+    """As queue 5 publishes: the pid as message id (deduplication), JSON content type."""
+    return {"Nats-Msg-Id": pid, CONTENT_TYPE: JSON}
+
+
+def _nak_after(delay: float) -> bytes:
+    if delay <= 0:
+        return NAK
+    return NAK + b" " + orjson.dumps({"delay": int(delay * 1e9)})
+
+
+def _stored_header(stored: dict[str, Any], name: str) -> str | None:
+    """One header of a message read with STREAM.MSG.GET (NATS/1.0 header block, base64)."""
+    block = base64.b64decode(stored.get("hdrs") or "").decode("utf-8", "replace")
+    for line in block.split("\r\n")[1:]:
+        key, _, value = line.partition(":")
+        if key.strip().lower() == name.lower():
+            return value.strip()
+    return None
 
 
 def _check_puback(subject: str, reply: Msg) -> None:

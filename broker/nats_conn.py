@@ -142,6 +142,17 @@ class Connection:
                 OSError) as error:
             raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
 
+    async def subscribe(self, subject: str, cb: Callable[[Msg], None], *, queue: str) -> None:
+        """A queue-group subscription whose messages go to ``cb`` (ends with the connection)."""
+
+        async def deliver(msg: Msg) -> None:
+            cb(msg)
+
+        try:
+            await self.client.subscribe(subject, queue=queue, cb=deliver)
+        except (nats.errors.ConnectionClosedError, OSError) as error:
+            raise ConnectionLost(f"not subscribed: {error!r}", sent=False) from error
+
     async def check(self, timeout: float) -> bool:
         """PING/PONG round trip; a connection that fails it is closed (so requests end)."""
         if self.closed:

@@ -5,13 +5,21 @@ hand to ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with a reply subject o
 connection's inbox. A request's status (404 no messages, 408 expired, 409 ...) comes back
 on that reply subject, but its messages carry their original subject: every pulled message
 lands in one backlog, whichever request it answers. So nothing is ever dropped: a message
-that arrives after its receive gave up (a late reply) is simply returned by the next one.
+that arrives after its receive gave up (a late reply) is simply returned by the next one,
+and renewed with the rest until then (``backlog``).
+
+A request that got no answer in time may still be answered: what it asked for is "owed"
+and counted against the room of the next top-ups (so late arrivals do not push the
+outstanding count past prefetch), until a later request's status shows the server has
+answered everything before it, the connection is replaced, or twice the request timeout
+has passed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -39,11 +47,17 @@ class Puller:
         self._backlog: deque[Msg] = deque()
         self._arrived = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._owed = 0  # asked for by requests that timed out; may still arrive
+        self._owed_until = 0.0
 
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
         self._backlog.append(msg)
         self._arrived.set()
+
+    def backlog(self) -> list[Msg]:
+        """What arrived but was not returned yet (renewed with the held deliveries)."""
+        return list(self._backlog)
 
     def take_backlog(self) -> list[Msg]:
         """Everything that arrived but was not returned (used at close to release it)."""
@@ -60,33 +74,34 @@ class Puller:
                 if not got and block_timeout > 0:
                     await self._wait_first(conn, block_timeout)
                     got = self._take(max_messages)
-                if len(got) < max_messages:
-                    await self._top_up(conn, max_messages - len(got))
+                room = max_messages - len(got) - self._still_owed()
+                if room > 0:
+                    await self._top_up(conn, room)
             except ConnectionLost as error:
+                self._owed = 0  # nothing more comes from a closed connection
                 log.info("pull ended early: %s", error)
             except RequestTimeout as error:
                 log.warning("pull request got no answer: %s", error)
                 self._on_silence(conn)
             return got + self._take(max_messages - len(got))
 
+    def _still_owed(self) -> int:
+        if self._owed and time.monotonic() >= self._owed_until:
+            self._owed = 0
+        return self._owed
+
     async def _wait_first(self, conn: Connection, block_timeout: float) -> None:
         """A pull for one message that the server holds open for ``block_timeout``."""
         body = {"batch": 1, "expires": max(1, int(block_timeout * 1e9))}
         status = await self._request(conn, body, block_timeout + EXPIRY_GRACE)
-        try:
-            await self._until(lambda: bool(self._backlog), status)
-        finally:
-            status.cancel()
+        await self._until(lambda: bool(self._backlog), status, 1)
 
     async def _top_up(self, conn: Connection, room: int) -> None:
         """A no-wait pull for ``room`` messages: ends at a status or when all arrived."""
         start = len(self._backlog)
         status = await self._request(conn, {"batch": room, "no_wait": True},
                                      self._request_timeout)
-        try:
-            await self._until(lambda: len(self._backlog) - start >= room, status)
-        finally:
-            status.cancel()
+        await self._until(lambda: len(self._backlog) - start >= room, status, room)
 
     async def _request(self, conn: Connection, body: dict, timeout: float) -> asyncio.Future[Msg]:
         reply, status = conn.expect_reply(timeout, "pull request")
@@ -97,17 +112,27 @@ class Puller:
             raise
         return status
 
-    async def _until(self, enough: Callable[[], bool], status: asyncio.Future[Msg]) -> None:
+    async def _until(
+        self, enough: Callable[[], bool], status: asyncio.Future[Msg], batch: int
+    ) -> None:
         """Wait until ``enough()`` or the request's status (or its timeout) arrives."""
-        while not enough() and not status.done():
-            self._arrived.clear()
-            waiter = asyncio.ensure_future(self._arrived.wait())
-            try:
-                await asyncio.wait({waiter, status}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-        if status.done() and not status.cancelled():
-            _log_status(status.result())  # raises ConnectionLost / RequestTimeout
+        try:
+            while not enough() and not status.done():
+                self._arrived.clear()
+                waiter = asyncio.ensure_future(self._arrived.wait())
+                try:
+                    await asyncio.wait({waiter, status}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            if status.done() and not status.cancelled():
+                _log_status(status.result())  # raises ConnectionLost / RequestTimeout
+                self._owed = 0  # answered: so was every request before it
+        except RequestTimeout:
+            self._owed += batch
+            self._owed_until = time.monotonic() + 2 * self._request_timeout
+            raise
+        finally:
+            status.cancel()
 
     def _take(self, limit: int) -> list[Msg]:
         taken: list[Msg] = []

@@ -1,12 +1,24 @@
-"""JetStream names of a queue, and creating/checking its streams and consumer.
+"""JetStream names of a queue, and adopting (or creating) its streams and consumer.
 
-Names (the same as `utopia-php/queue` uses): stream ``Q_<NAME>`` (upper-cased, characters
-outside ``A-Za-z0-9_-`` become ``_``) on subject ``q.<name>.normal`` (lower-cased, same
-sanitising), durable pull consumer ``worker``; dead letters to ``q.<name>.dead`` in
-stream ``Q_<NAME>_DEAD``.
+Names (queue 5's): stream ``Q_<NAME>`` (upper-cased, characters outside ``A-Za-z0-9_-``
+become ``_``) on subject ``q.<name>.normal`` and, for coalescing keys,
+``q.<name>.normal.<hex>``; durable pull consumer ``worker``; dead letters to
+``q.<name>.dead`` in stream ``Q_<NAME>_DEAD``.
 
-What is missing is created. What exists with other settings is never changed: the
-operator gets a BrokerError that names the setting and what to do about it.
+PHP queue-5 workers and this supervisor share a queue, so whoever comes first creates it
+and the other **adopts** what it finds: the attempt budget is read from the consumer (its
+MaxDeliver, and queue 5's ``utopia_queue_spare_delivery`` metadata that marks one delivery
+kept back for dead-lettering), its ack wait and backoff are used as they are. Nothing that
+exists is ever rewritten. Only settings under which sharing would be unsafe are refused,
+with the setting named: a stream that does not remove acknowledged messages, a consumer
+that is not an explicit-ack pull consumer, filters or stream subjects that are not this
+queue's, a stream that another queue identity owns.
+
+What is missing is created as queue 5's newest lines create it: both work subjects,
+duplicate window 120 s, the queue identity in the stream metadata; the consumer with
+MaxDeliver = ``max_attempts`` + 1 and the spare-delivery mark. One deliberate difference:
+no ``max_age`` on the work stream (queue 5 sets its job TTL there), because a job nobody
+consumed in time would then vanish unhandled.
 """
 
 from __future__ import annotations
@@ -26,6 +38,12 @@ log = logging.getLogger("broker.nats")
 
 CONSUMER = "worker"
 MAX_STREAM_NAME = 255
+#: Consumer metadata queue 5 writes when MaxDeliver includes one spare delivery.
+SPARE_DELIVERY = "utopia_queue_spare_delivery"
+#: Stream metadata naming the queue that owns a stream ("<len(ns)>:<ns>:<name>").
+IDENTITY = "utopia_queue_identity"
+#: Queue 5's duplicate window for message ids (seconds).
+DUPLICATE_WINDOW = 120.0
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _NS = 1_000_000_000
 
@@ -52,48 +70,121 @@ class QueueNames:
         return names
 
     @property
+    def keyed_subject(self) -> str:
+        """Queue 5's subjects for coalescing keys (``<subject>.<hex(key)>``)."""
+        return f"{self.subject}.*"
+
+    @property
+    def work_subjects(self) -> list[str]:
+        return [self.subject, self.keyed_subject]
+
+    @property
     def next_subject(self) -> str:
         """Where pull requests for the consumer go."""
         return f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}"
 
+    @property
+    def advisory_subject(self) -> str:
+        """Where the server announces deliveries that ran out of MaxDeliver."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.*"
 
-#: MaxDeliver that JetStream reads as "no limit" (it also reports 0 that way).
-UNLIMITED = -1
+
+def identity(namespace: str, queue: str) -> str:
+    """Queue 5's queue identity, kept in the stream metadata."""
+    return f"{len(namespace.encode())}:{namespace}:{queue}"
 
 
 @dataclass(frozen=True, slots=True)
-class ConsumerSettings:
+class Wanted:
+    """What this supervisor creates when the queue's streams or consumer are missing."""
+
     ack_wait: float  # seconds
-    max_deliver: int = UNLIMITED  # the consumer's MaxDeliver; not the handler's max_attempts
+    max_attempts: int  # handler runs before the dead letter
+    identity: str
     job_ttl: float = 0.0  # seconds dead letters are kept; 0 = forever
 
 
-async def ensure_queue(
-    conn: Connection, names: QueueNames, settings: ConsumerSettings, timeout: float
-) -> None:
-    """Create the streams and consumer when missing; raise BrokerError when they differ."""
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    """The settings of the queue as found (or made): what the broker works by."""
+
+    budget: int  # a rejected delivery with num_delivered >= budget is dead-lettered
+    spare: int | None  # a delivery with num_delivered >= spare is dead-lettered on arrival
+    max_deliver: int  # the consumer's MaxDeliver (-1 = unlimited)
+    ack_wait: float  # the consumer's, seconds
+    backoff: tuple[float, ...] = ()  # the consumer's redelivery delays, seconds
+    bounded: bool = False  # the work stream has size limits (release must not republish)
+
+    @property
+    def lease(self) -> float:
+        """How long an unrenewed delivery stays ours: the shortest wait the server uses."""
+        return min((self.ack_wait, *self.backoff))
+
+    def describe(self) -> str:
+        spare = f", delivery {self.spare} dead-lettered on arrival" if self.spare else ""
+        backoff = f", backoff {list(self.backoff)}s" if self.backoff else ""
+        return (f"{self.budget} attempts (MaxDeliver {self.max_deliver}{spare}), "
+                f"ack_wait {self.ack_wait:g}s{backoff}")
+
+
+async def adopt_queue(
+    conn: Connection, names: QueueNames, wanted: Wanted, timeout: float
+) -> Adopted:
+    """Create what is missing; adopt what exists; raise BrokerError where sharing is unsafe."""
     api = _Api(conn, timeout)
     work = await api.stream(names.stream, {
-        "name": names.stream, "subjects": [names.subject], "retention": "workqueue",
-        "storage": "file",
+        "name": names.stream, "subjects": names.work_subjects, "retention": "workqueue",
+        "storage": "file", "num_replicas": 1,
+        "duplicate_window": int(DUPLICATE_WINDOW * _NS),
+        "metadata": {IDENTITY: wanted.identity},
     })
-    _check_work_stream(names, work)
+    _check_work_stream(names, wanted, work)
     dead: dict[str, Any] = {
         "name": names.dead_stream, "subjects": [names.dead_subject],
-        "retention": "workqueue", "storage": "file",
+        "retention": "workqueue", "storage": "file", "num_replicas": 1,
+        "metadata": {IDENTITY: wanted.identity},
     }
-    if settings.job_ttl > 0:
-        dead["max_age"] = int(settings.job_ttl * _NS)
+    if wanted.job_ttl > 0:
+        dead["max_age"] = int(wanted.job_ttl * _NS)
     _check_dead_stream(names, await api.stream(names.dead_stream, dead))
     consumer = await api.consumer(names.stream, names.consumer, {
-        "durable_name": names.consumer, "ack_policy": "explicit",
-        "ack_wait": int(settings.ack_wait * _NS), "max_deliver": settings.max_deliver,
-        "filter_subject": names.subject, "deliver_policy": "all",
+        "durable_name": names.consumer, "ack_policy": "explicit", "deliver_policy": "all",
+        "ack_wait": int(wanted.ack_wait * _NS), "max_deliver": wanted.max_attempts + 1,
+        "filter_subjects": names.work_subjects, "metadata": {SPARE_DELIVERY: "1"},
     })
-    _check_consumer(names, settings, consumer)
+    _check_consumer(names, work, consumer)
+    return _adopted(consumer, work, wanted)
 
 
-def _check_work_stream(names: QueueNames, config: dict[str, Any]) -> None:
+def read_consumer_policy(consumer: dict[str, Any], wanted: Wanted) -> tuple[int, int | None]:
+    """(budget, spare) as queue 5 reads them from a consumer's MaxDeliver and metadata.
+
+    Marked with the spare delivery: MaxDeliver - 1 attempts, the last delivery is only
+    dead-lettered. Unmarked: MaxDeliver attempts, and a delivery that ran out while no
+    handler held it is announced by the server's max-deliveries advisory. Unlimited: our
+    ``max_attempts``, with the next delivery dead-lettered on arrival (a job whose every
+    run died unsettled, e.g. it kills its supervisor, must not come back forever).
+    """
+    max_deliver = deliver_limit(consumer.get("max_deliver"))
+    if max_deliver == UNLIMITED:
+        return wanted.max_attempts, wanted.max_attempts + 1
+    if (consumer.get("metadata") or {}).get(SPARE_DELIVERY) is not None and max_deliver > 1:
+        return max_deliver - 1, max_deliver
+    return max_deliver, None
+
+
+def _adopted(consumer: dict[str, Any], work: dict[str, Any], wanted: Wanted) -> Adopted:
+    budget, spare = read_consumer_policy(consumer, wanted)
+    limits = ("max_msgs", "max_bytes", "max_msgs_per_subject")
+    return Adopted(
+        budget=budget, spare=spare, max_deliver=deliver_limit(consumer.get("max_deliver")),
+        ack_wait=consumer.get("ack_wait", 30 * _NS) / _NS,
+        backoff=tuple(b / _NS for b in consumer.get("backoff") or ()),
+        bounded=any((work.get(limit) or -1) > 0 for limit in limits),
+    )
+
+
+def _check_work_stream(names: QueueNames, wanted: Wanted, config: dict[str, Any]) -> None:
     where = f"NATS stream {names.stream}"
     if config.get("retention") != "workqueue":
         raise BrokerError(
@@ -102,11 +193,18 @@ def _check_work_stream(names: QueueNames, config: dict[str, Any]) -> None:
             f"changed in place: drain the stream and delete it (nats stream rm "
             f"{names.stream}) so it is recreated, or use another queue name."
         )
-    if names.subject not in (config.get("subjects") or []):
+    subjects = config.get("subjects") or []
+    if names.subject not in subjects:
         raise BrokerError(
-            f"{where} has subjects {config.get('subjects')}, which do not include "
-            f"{names.subject!r}: add it (nats stream edit {names.stream} --subjects ...) "
-            f"or delete the stream so it is recreated."
+            f"{where} has subjects {subjects}, which do not include {names.subject!r}: "
+            f"add it (nats stream edit {names.stream} --subjects ...) or delete the stream "
+            f"so it is recreated."
+        )
+    owner = (config.get("metadata") or {}).get(IDENTITY)
+    if owner is not None and owner != wanted.identity:
+        raise BrokerError(
+            f"{where} belongs to queue {owner!r} (metadata {IDENTITY}), not "
+            f"{wanted.identity!r}: two queues map to one stream; rename one of them."
         )
     if config.get("max_age", 0) > 0:
         log.warning("%s has max_age %.0fs: jobs not consumed in time expire unhandled",
@@ -122,30 +220,27 @@ def _check_dead_stream(names: QueueNames, config: dict[str, Any]) -> None:
         )
 
 
-def _check_consumer(names: QueueNames, settings: ConsumerSettings, config: dict[str, Any]) -> None:
+def _check_consumer(names: QueueNames, work: dict[str, Any], config: dict[str, Any]) -> None:
     where = f"NATS consumer {names.consumer!r} on stream {names.stream}"
-    fix = (f"change the job's configuration to match, or edit/delete the consumer "
-           f"(nats consumer rm {names.stream} {names.consumer}) so it is recreated")
+    recreate = (f"delete it (nats consumer rm {names.stream} {names.consumer}) so it is "
+                f"recreated")
     if config.get("deliver_subject"):
-        raise BrokerError(f"{where} is a push consumer; a pull consumer is needed: delete it "
-                          f"(nats consumer rm {names.stream} {names.consumer}) so it is recreated")
+        raise BrokerError(f"{where} is a push consumer (deliver_subject "
+                          f"{config['deliver_subject']!r}); a pull consumer is needed: "
+                          f"{recreate}")
     if config.get("ack_policy") != "explicit":
         raise BrokerError(f"{where} has ack_policy {config.get('ack_policy')!r}, not "
-                          f"'explicit': {fix}")
-    ack_wait = config.get("ack_wait", 0) / _NS
-    if abs(ack_wait - settings.ack_wait) > 0.001:
-        raise BrokerError(f"{where} has ack_wait {ack_wait:g}s, but this worker is configured "
-                          f"with {settings.ack_wait:g}s (the lease): {fix}")
-    max_deliver = deliver_limit(config.get("max_deliver"))
-    if max_deliver != settings.max_deliver:
-        raise BrokerError(f"{where} has max_deliver {max_deliver}, but this worker is "
-                          f"configured with {settings.max_deliver} ([nats] max_deliver, "
-                          f"-1 = unlimited): {fix}")
+                          f"'explicit': {recreate}")
     filters = config.get("filter_subjects") or (
         [config["filter_subject"]] if config.get("filter_subject") else [])
-    if filters and filters != [names.subject]:
-        raise BrokerError(f"{where} has filter subjects {filters}, not [{names.subject!r}]: "
-                          f"{fix}")
+    ours = set(names.work_subjects)
+    # No filter means every subject of the stream: only safe if they are all ours.
+    seen = filters or (work.get("subjects") or [])
+    if names.subject not in seen or not set(seen) <= ours:
+        what = f"filter subjects {filters}" if filters else f"no filter (stream subjects {seen})"
+        raise BrokerError(f"{where} has {what}; it must take {names.subject!r} (and may take "
+                          f"{names.keyed_subject!r}) and nothing else, or it hands this "
+                          f"queue's workers foreign messages or none: {recreate}")
 
 
 class _Api:
@@ -168,15 +263,18 @@ class _Api:
 
     async def consumer(self, stream: str, name: str, config: dict[str, Any]) -> dict[str, Any]:
         """The consumer's config, creating it with ``config`` when it does not exist."""
-        found = await self._call(f"$JS.API.CONSUMER.INFO.{stream}.{name}")
+        found = await self.consumer_info(stream, name)
         if _not_found(found):
             body = {"stream_name": stream, "config": config, "action": "create"}
             created = await self._call(f"$JS.API.CONSUMER.CREATE.{stream}.{name}", body)
             if "error" not in created:
                 log.info("created NATS consumer %s on %s", name, stream)
                 return created["config"]
-            found = await self._call(f"$JS.API.CONSUMER.INFO.{stream}.{name}")
+            found = await self.consumer_info(stream, name)
         return _config_or_raise(found, f"consumer {name} on {stream}")
+
+    async def consumer_info(self, stream: str, name: str) -> dict[str, Any]:
+        return await self._call(f"$JS.API.CONSUMER.INFO.{stream}.{name}")
 
     async def _call(self, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = orjson.dumps(body) if body is not None else b""
@@ -194,6 +292,18 @@ class _Api:
         if error and error.get("code") == 503:
             raise NotReady(f"JetStream not ready: {error.get('description')}")
         return answer
+
+
+async def reread_consumer(
+    conn: Connection, names: QueueNames, timeout: float
+) -> dict[str, Any]:
+    """The consumer's current config (it is shared: another worker may have changed it)."""
+    found = await _Api(conn, timeout).consumer_info(names.stream, names.consumer)
+    return _config_or_raise(found, f"consumer {names.consumer} on {names.stream}")
+
+
+#: MaxDeliver that JetStream reads as "no limit" (it also reports 0 that way).
+UNLIMITED = -1
 
 
 def deliver_limit(value: Any) -> int:

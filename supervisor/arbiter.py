@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -308,7 +309,9 @@ class Arbiter:
         self.progress.set()
 
     async def renew_loop(self) -> None:
-        period = self.config.supervisor.lease / 3
+        # The broker may hold deliveries for less than our lease (an adopted NATS consumer).
+        lease = min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
+        period = lease / 3
         while not self.closed:
             await asyncio.sleep(period)
             entries = list(self.buffer)

@@ -26,8 +26,8 @@ def make_broker(config: Config) -> Broker:
 
         return NatsBroker(
             config.broker.url, job.queue, ack_wait=config.nats.ack_wait,
-            max_attempts=job.max_attempts, max_deliver=config.nats.max_deliver,
-            retry_backoff=job.retry_backoff,
+            max_attempts=job.max_attempts, retry_backoff=job.retry_backoff,
+            namespace=config.broker.namespace,
             max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
         )
     raise ValueError(f"no broker for URL scheme {scheme!r}")

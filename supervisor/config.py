@@ -36,6 +36,13 @@ NATS_SCHEMES = ("nats", "tls")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: Old ``[job]`` names still read, with a deprecation warning: old name -> new name.
 LEGACY_KEYS = {"maxCoroutines": "coroutines", "batch": "prefetch"}
+#: Keys no longer used, accepted with a warning that says why: (section, name) -> reason.
+RETIRED_KEYS = {
+    ("nats", "max_deliver"): (
+        "the attempt budget is read from the consumer (queue 5's MaxDeliver and spare "
+        "delivery); a consumer the supervisor creates gets MaxDeliver = [job] max_attempts + 1"
+    ),
+}
 REQUIRED = MISSING
 
 
@@ -83,10 +90,6 @@ def one_of(choices: tuple[str, ...]) -> Rule:
     return Rule(", ".join(choices), check)
 
 
-UNLIMITED_OR_POSITIVE = Rule(
-    "-1 or >= 1",
-    lambda value: None if value == -1 or value >= 1 else "must be -1 (unlimited) or >= 1",
-)
 ZERO_OR_AT_LEAST_1024 = Rule(
     "0 or >= 1024",
     lambda value: None if value == 0 or value >= 1024 else "must be 0 (no limit) or >= 1024",
@@ -263,14 +266,8 @@ class SupervisorConfig:
 @dataclass(frozen=True, slots=True)
 class NatsConfig:
     ack_wait: float = setting(
-        30.0, "JetStream AckWait (s): redelivery after this long without ack or renewal", above(0)
-    )
-    max_deliver: int = setting(
-        -1,
-        "JetStream MaxDeliver of the durable consumer; -1 = unlimited (max_attempts counts "
-        "attempts): a delivery lost on its last attempt comes back to be dead-lettered "
-        "instead of sticking in the stream",
-        UNLIMITED_OR_POSITIVE,
+        30.0, "AckWait (s) of a consumer the supervisor creates (an existing one keeps its "
+        "own): redelivery after this long without ack or renewal", above(0)
     )
 
 
@@ -447,6 +444,11 @@ class _Values:
             table = dict(document.get(section, {}))
             if section == "job":
                 self.map_legacy(table)
+            for (retired_section, name), reason in RETIRED_KEYS.items():
+                if retired_section == section and table.pop(name, None) is not None:
+                    self.warnings.append(
+                        f"{self.path}: [{section}] {name} is no longer used and is ignored: "
+                        f"{reason}; remove it")
             self.read_section(section, table)
         self.fill_defaults()
 
@@ -572,20 +574,6 @@ def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
     )
 
 
-def _max_deliver_reaches_dead_letter(values: _Values) -> str | None:
-    # Equal is allowed (an existing consumer, e.g. utopia-php/queue's MaxDeliver 5, may
-    # have to be kept): rejects still reach the dead letter, and the broker warns at
-    # connect that a delivery lost on its last attempt would stay in the stream.
-    deliver, attempts = values["nats.max_deliver"], values["job.max_attempts"]
-    if deliver == -1 or deliver >= attempts:
-        return None
-    return (
-        f"[nats] max_deliver = {deliver} is below [job] max_attempts = {attempts}; JetStream "
-        "would stop redelivering a failing job before it reaches its dead letter "
-        "(use -1, unlimited, or a value above max_attempts)"
-    )
-
-
 def _ack_wait_covers_renewal(values: _Values) -> str | None:
     ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
     if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
@@ -605,10 +593,6 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck("`cluster = true` only with a redis:// or rediss:// URL", _cluster_is_redis),
     CrossCheck(
         "`cluster = true` needs a `{hash tag}` in the namespace", _cluster_namespace_has_hash_tag
-    ),
-    CrossCheck(
-        "`[nats] max_deliver` is -1 or >= `[job] max_attempts` (above it is safer)",
-        _max_deliver_reaches_dead_letter,
     ),
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal

@@ -74,13 +74,12 @@ def test_defaults(tmp_path):
     assert (sup.max_envelope_bytes, sup.log_level) == (0, "info")
     # 0: no limit of its own, as in PHP; what half a ring carries is still the most.
     assert sup.envelope_limit() == 8192 // 2 * 256 - 4 - 18
-    assert (loaded.nats.ack_wait, loaded.nats.max_deliver) == (30, -1)
+    assert loaded.nats.ack_wait == 30
 
 
 def test_derived_defaults_follow_their_source(tmp_path):
     loaded = load_text(tmp_path, with_job("coroutines = 4\nmax_attempts = 7\n"))
     assert loaded.job.prefetch == 4
-    assert loaded.nats.max_deliver == -1  # unlimited: the supervisor counts the attempts
 
 
 def test_seconds_accept_int_and_float(tmp_path):
@@ -101,7 +100,7 @@ def test_config_is_frozen(tmp_path):
 def test_sections_built_in_code_fill_their_derived_defaults():
     job = config.JobConfig(queue="q", handler="m:f", coroutines=3, max_attempts=5)
     assert job.prefetch == 3
-    assert Config(job=job).nats.max_deliver == -1
+    assert Config(job=job).nats.ack_wait == 30
 
 
 def test_the_quick_start_config_loads():
@@ -263,8 +262,6 @@ def test_wrong_types_are_errors(tmp_path, section, line, expected):
         ("supervisor", "ring_slot_size = 100", "ring_slot_size = 100 must be a multiple of 8"),
         ("supervisor", 'log_level = "warn"', 'log_level = "warn" must be one of'),
         ("broker", "block_timeout = 0", "[broker] block_timeout = 0 must be > 0"),
-        ("nats", "max_deliver = 0", "[nats] max_deliver = 0 must be -1 (unlimited) or >= 1"),
-        ("nats", "max_deliver = -2", "[nats] max_deliver = -2 must be -1 (unlimited) or >= 1"),
     ],
 )
 def test_values_out_of_range_are_errors(tmp_path, section, line, expected):
@@ -310,20 +307,18 @@ def test_without_an_envelope_limit_half_the_ring_is_the_limit(tmp_path):
     assert "must be 0 (no limit) or >= 1024" in message
 
 
-def test_max_deliver_below_max_attempts_is_an_error(tmp_path):
-    text = with_job("max_attempts = 5\n") + "[nats]\nmax_deliver = 3\n"
-    message = error_of(tmp_path, text)
-    assert message.startswith(f"{tmp_path / 'job.toml'}: [nats] max_deliver = 3 is below")
-    assert "[job] max_attempts = 5" in message and "\n" not in message
-
-
-@pytest.mark.parametrize("max_deliver", [-1, 5, 6])
-def test_max_deliver_unlimited_or_at_least_max_attempts_is_accepted(tmp_path, max_deliver):
-    # Equal is kept for an existing consumer (utopia-php/queue's MaxDeliver 5); the broker
-    # warns at connect that a delivery lost on its last attempt would stay in the stream.
+@pytest.mark.parametrize("max_deliver", [-1, 3, 5])
+def test_retired_max_deliver_is_ignored_with_a_warning_that_says_why(tmp_path, max_deliver):
+    """Configs written for the old NATS protocol still load after an upgrade; the budget
+    now comes from the consumer (queue 5's MaxDeliver and spare delivery)."""
     text = with_job("max_attempts = 5\n") + f"[nats]\nmax_deliver = {max_deliver}\n"
-    loaded = load_text(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
-    assert (loaded.job.max_attempts, loaded.nats.max_deliver) == (5, max_deliver)
+    with pytest.warns(DeprecationWarning, match="max_deliver is no longer used"):
+        loaded = load_text(tmp_path, text,
+                           environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
+    assert loaded.job.max_attempts == 5
+    [warning] = loaded.warnings
+    assert "[nats] max_deliver is no longer used and is ignored" in warning
+    assert "MaxDeliver = [job] max_attempts + 1" in warning and warning.endswith("remove it")
 
 
 def test_ack_wait_must_span_two_renewals_with_nats_only(tmp_path):

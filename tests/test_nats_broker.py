@@ -82,26 +82,32 @@ async def settle_one(
     return result.outcome
 
 
-# -- names and settings --------------------------------------------------------------------
+# -- names and settings: create as queue 5's newest line, adopt what exists ---------------
 
 
-async def test_creates_streams_and_consumer_with_the_contract_names(brokers, js):
-    broker = await brokers(ack_wait=7, max_deliver=4)
+async def test_creates_streams_and_consumer_as_queue_5_does(brokers, js):
+    broker = await brokers(ack_wait=7, max_attempts=4)
     assert broker.names == QueueNames(
         "Q_STATS-USAGE", "q.stats-usage.normal", "Q_STATS-USAGE_DEAD", "q.stats-usage.dead")
     work = (await js.stream_info(NAMES.stream)).config
     assert work.retention == RetentionPolicy.WORK_QUEUE
     assert work.storage == StorageType.FILE
-    assert work.subjects == [NAMES.subject]
+    assert work.subjects == [NAMES.subject, NAMES.subject + ".*"]
+    assert work.duplicate_window == 120
+    assert work.max_age in (None, 0)  # a job nobody consumed in time must not vanish
+    assert work.metadata["utopia_queue_identity"] == "12:utopia-queue:stats-usage"
     dead = (await js.stream_info(NAMES.dead_stream)).config
     assert dead.subjects == [NAMES.dead_subject]
+    assert dead.retention == RetentionPolicy.WORK_QUEUE
     consumer = (await js.consumer_info(NAMES.stream, "worker")).config
     assert consumer.durable_name == "worker"
     assert consumer.ack_policy == AckPolicy.EXPLICIT
     assert consumer.ack_wait == 7
-    assert consumer.max_deliver == 4
-    assert consumer.filter_subject == NAMES.subject
+    assert consumer.max_deliver == 5  # max_attempts + queue 5's spare delivery
+    assert consumer.metadata["utopia_queue_spare_delivery"] == "1"
+    assert consumer.filter_subjects == [NAMES.subject, NAMES.subject + ".*"]
     assert consumer.deliver_subject is None  # a pull consumer
+    assert (broker.policy.budget, broker.policy.spare) == (4, 5)
 
 
 def test_names_are_sanitised_like_the_php_producer():
@@ -112,20 +118,80 @@ def test_names_are_sanitised_like_the_php_producer():
     assert names.dead_subject == "q.v1-stats_usage_x.dead"
 
 
-async def test_existing_stream_with_other_retention_is_refused(brokers, js):
+async def php_queue(js, *, max_deliver: int, spare: bool, ack_wait: float = 30,
+                    keyed: bool = False, backoff: list[float] | None = None,
+                    stream: dict | None = None) -> None:
+    """The stream and consumer as a queue-5 worker provisions them (N1: MaxDeliver 5,
+    one subject; N2: spare delivery and key subjects; N3: spare delivery)."""
+    subjects = [NAMES.subject, NAMES.subject + ".*"] if keyed else [NAMES.subject]
+    await js.add_stream(StreamConfig(
+        name=NAMES.stream, subjects=subjects, retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE, duplicate_window=120,
+        metadata={"utopia_queue_identity": "12:utopia-queue:stats-usage"}, **(stream or {})))
+    await js.add_stream(StreamConfig(
+        name=NAMES.dead_stream, subjects=[NAMES.dead_subject],
+        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
+    config = ConsumerConfig(
+        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait,
+        max_deliver=max_deliver, backoff=backoff,
+        metadata={"utopia_queue_spare_delivery": "1"} if spare else None)
+    if keyed:
+        config.filter_subjects = subjects
+    else:
+        config.filter_subject = NAMES.subject
+    await js.add_consumer(NAMES.stream, config)
+
+
+@pytest.mark.parametrize(("layout", "budget", "spare"), [
+    ({"max_deliver": 5, "spare": False}, 5, None),  # N1
+    ({"max_deliver": 6, "spare": True, "keyed": True}, 5, 6),  # N2
+    ({"max_deliver": 6, "spare": True}, 5, 6),  # N3
+    ({"max_deliver": -1, "spare": False}, 3, 4),  # unlimited: our max_attempts
+])
+async def test_a_php_made_queue_is_adopted_never_rewritten(
+    brokers, js, caplog, layout, budget, spare
+):
+    await php_queue(js, **layout)
+    before = (await js.consumer_info(NAMES.stream, "worker")).config
+    with caplog.at_level(logging.INFO, logger="broker.nats"):
+        broker = await brokers(ack_wait=10, max_attempts=3)
+    assert (broker.policy.budget, broker.policy.spare) == (budget, spare)
+    assert broker.policy.ack_wait == 30 and broker.lease == 30
+    assert (await js.consumer_info(NAMES.stream, "worker")).config == before
+    assert f"{budget} attempts" in caplog.text  # what was adopted is logged
+    if budget != 3:
+        assert "[job] max_attempts = 3 only applies to a consumer this supervisor creates" \
+            in caplog.text
+    if spare is None:
+        assert "keeps no spare delivery" in caplog.text
+    pid = await broker.publish(QUEUE, {"a": 1})
+    [delivery] = (await broker.receive(10, 5)).deliveries
+    assert delivery.pid == pid
+
+
+async def test_stream_with_other_retention_is_refused(brokers, js):
     await js.add_stream(StreamConfig(name=NAMES.stream, subjects=[NAMES.subject]))  # limits
     with pytest.raises(BrokerError, match="retention 'limits'"):
         await brokers()
     assert (await js.stream_info(NAMES.stream)).config.retention == RetentionPolicy.LIMITS
 
 
+async def test_stream_of_another_queue_identity_is_refused(brokers, js):
+    await js.add_stream(StreamConfig(
+        name=NAMES.stream, subjects=[NAMES.subject], retention=RetentionPolicy.WORK_QUEUE,
+        metadata={"utopia_queue_identity": "5:other:stats-usage"}))
+    with pytest.raises(BrokerError, match="belongs to queue '5:other:stats-usage'"):
+        await brokers()
+
+
 @pytest.mark.parametrize(("setting", "existing", "match"), [
-    ("max_deliver", {"max_deliver": 5}, "max_deliver 5"),
-    ("ack_wait", {"ack_wait": 60}, "ack_wait 60s"),
     ("filter subjects", {"filter_subject": "q.stats-usage.priority"}, "priority"),
+    ("filter subjects", {"filter_subjects": [NAMES.subject, "q.stats-usage.priority"]},
+     "priority"),
+    ("no filter", {}, "stream subjects"),
     ("push consumer", {"deliver_subject": "elsewhere"}, "pull consumer is needed"),
 ])
-async def test_existing_consumer_with_other_settings_is_refused(
+async def test_a_consumer_that_is_unsafe_to_share_is_refused(
     brokers, js, setting, existing, match
 ):
     # (A workqueue stream refuses any ack policy but explicit, so that cannot differ.)
@@ -133,46 +199,45 @@ async def test_existing_consumer_with_other_settings_is_refused(
         name=NAMES.stream, subjects=[NAMES.subject, "q.stats-usage.priority"],
         retention=RetentionPolicy.WORK_QUEUE))
     config = {"durable_name": "worker", "ack_policy": AckPolicy.EXPLICIT, "ack_wait": 30,
-              "max_deliver": 3, "filter_subject": NAMES.subject, **existing}
+              "max_deliver": 3, **existing}
     await js.add_consumer(NAMES.stream, ConsumerConfig(**config))
+    before = (await js.consumer_info(NAMES.stream, "worker")).config
     with pytest.raises(BrokerError, match=match) as error:
-        await brokers(ack_wait=30, max_deliver=3)
+        await brokers(ack_wait=30)
     assert setting in str(error.value)
     assert "worker" in str(error.value)
+    assert (await js.consumer_info(NAMES.stream, "worker")).config == before
 
 
-async def test_existing_php_layout_is_accepted(brokers, js, caplog):
-    """utopia-php/queue creates the work stream with a priority subject too, and the
-    consumer with MaxDeliver 5: above max_attempts 3, nothing to warn about."""
-    await js.add_stream(StreamConfig(
-        name=NAMES.stream, subjects=[NAMES.subject, "q.stats-usage.priority"],
-        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
+async def test_settings_rewritten_by_php_are_adopted_on_reconnect(brokers, js, proxy, caplog):
+    """Queue 5's ensure mode rewrites the consumer we made; our next connection adopts
+    what it finds (it never refuses what start accepted)."""
+    broker = await brokers(proxy.url, ack_wait=30, max_attempts=3)
+    assert broker.policy.budget == 3
+    await js.delete_consumer(NAMES.stream, "worker")
     await js.add_consumer(NAMES.stream, ConsumerConfig(
         durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5,
-        filter_subject=NAMES.subject))
+        filter_subject=NAMES.subject))  # N1's ensure: MaxDeliver 5, no spare
+    await proxy.cut()
     with caplog.at_level(logging.WARNING, logger="broker.nats"):
-        broker = await brokers(ack_wait=30, max_attempts=3, max_deliver=5)
-    assert "max_deliver" not in caplog.text
-    pid = await broker.publish(QUEUE, {"a": 1})
+        pid = await broker.publish(QUEUE, {"after": "rewrite"})
+        await wait_until(lambda: _true(broker.reconnects >= 1))
+    assert (broker.policy.budget, broker.policy.spare) == (5, None)
     [delivery] = (await broker.receive(10, 5)).deliveries
     assert delivery.pid == pid
-
-
-@pytest.mark.parametrize("max_attempts", [5, 6])
-async def test_max_deliver_not_above_max_attempts_is_accepted_with_a_warning(
-    brokers, js, caplog, max_attempts
-):
-    await js.add_stream(StreamConfig(
-        name=NAMES.stream, subjects=[NAMES.subject], retention=RetentionPolicy.WORK_QUEUE))
+    # Then something a start would refuse (a push consumer): logged, the last settings kept.
+    await js.delete_consumer(NAMES.stream, "worker")
     await js.add_consumer(NAMES.stream, ConsumerConfig(
-        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5,
-        filter_subject=NAMES.subject))
-    with caplog.at_level(logging.WARNING, logger="broker.nats"):
-        await brokers(ack_wait=30, max_attempts=max_attempts, max_deliver=5)
-    [warning] = [r.getMessage() for r in caplog.records if "max_deliver" in r.getMessage()]
-    assert f"max_deliver 5, not above max_attempts {max_attempts}" in warning
-    assert "stays in the stream until its max_age" in warning
-    assert "max_deliver = -1" in warning
+        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, deliver_subject="elsewhere"))
+    await proxy.cut()
+    with caplog.at_level(logging.ERROR, logger="broker.nats"):
+        await wait_until(lambda: _true(broker.reconnects >= 2))
+    assert "carrying on with 5 attempts" in caplog.text
+    assert broker.policy.budget == 5
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 # -- receive -------------------------------------------------------------------------------
@@ -237,7 +302,6 @@ async def test_malformed_payload_goes_dead_at_once(brokers, js):
 
 async def test_reject_at_max_attempts_goes_to_the_dead_stream(brokers, js):
     broker = await brokers(max_attempts=2, ack_wait=2)
-    assert (await js.consumer_info(NAMES.stream, "worker")).config.max_deliver == -1
     pid = await broker.publish(QUEUE, {"fails": True})
     [first] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.REJECT, first) is Outcome.OK  # NAK: retried
@@ -246,8 +310,9 @@ async def test_reject_at_max_attempts_goes_to_the_dead_stream(brokers, js):
     [result] = await broker.settle([Settlement(Action.REJECT, second, "boom\nagain")])
     assert result.outcome is Outcome.OK
     dead = await js.get_msg(NAMES.dead_stream, 1)
-    assert dead.data == second.raw
+    assert dead.data == second.raw  # the bytes as they were, as queue 5 dead-letters them
     assert dead.headers["Queue-Reason"] == "boom again"
+    assert "Content-Type" not in dead.headers  # queue 5 copies it only when it parks
     assert await stream_messages(js, NAMES.stream) == 0
     assert (await broker.receive(10, 3)).deliveries == []  # terminated: past ack_wait too
 
@@ -262,7 +327,7 @@ async def test_reject_below_the_limit_waits_for_its_backoff(brokers):
     assert again.attempts == 1
 
 
-async def test_release_is_available_to_another_consumer_at_once(brokers):
+async def test_release_is_available_to_another_consumer_at_once(brokers, js):
     first = await brokers(ack_wait=30)
     second = await brokers(ack_wait=30)
     pids = await first.publish_many(QUEUE, [{"i": i} for i in range(10)])
@@ -272,7 +337,40 @@ async def test_release_is_available_to_another_consumer_at_once(brokers):
     # Well before the 30 s ack_wait: released deliveries are not waiting for expiry.
     again = await receive_all(second, 10, timeout=10)
     assert sorted(d.pid for d in again) == sorted(pids)
-    assert {d.attempts for d in again} == {1}  # JetStream counts a release as a delivery
+    assert {d.attempts for d in again} == {0}  # republished: no attempt spent
+    assert [d.raw for d in again] == [d.raw for d in held]
+    copy = await js.get_msg(NAMES.stream, again[0].receipt.stream_seq)
+    assert copy.headers["Nats-Msg-Id"] == f"{held[0].pid}.released.{held[0].receipt.stream_seq}"
+    assert copy.headers["Content-Type"] == "application/json"
+    assert await stream_messages(js, NAMES.stream) == 10  # the originals were acknowledged
+
+
+async def test_release_on_a_size_limited_stream_is_a_delayed_nak(brokers, js):
+    """A republish could push another message out of a bounded stream: queue 5 NAKs with
+    a delay there instead, which spends a delivery."""
+    await php_queue(js, max_deliver=6, spare=True, stream={"max_msgs": 100})
+    broker = await brokers(ack_wait=30)
+    assert broker.policy.bounded
+    pid = await broker.publish(QUEUE, {"x": 1})
+    [held] = await receive_all(broker, 1)
+    assert await settle_one(broker, Action.RELEASE, held) is Outcome.OK
+    assert (await broker.receive(10, 2)).deliveries == []  # waits out the 5 s delay
+    [again] = await receive_all(broker, 1, timeout=10)
+    assert (again.pid, again.attempts, again.receipt.stream_seq) == \
+        (pid, 1, held.receipt.stream_seq)
+
+
+async def test_twenty_releases_spend_no_attempt(brokers, js):
+    broker = await brokers(ack_wait=30, max_attempts=1)
+    pid = await broker.publish(QUEUE, {"x": 1})
+    for _ in range(20):
+        [held] = await receive_all(broker, 1)
+        assert (held.pid, held.attempts) == (pid, 0)
+        assert await settle_one(broker, Action.RELEASE, held) is Outcome.OK
+    [held] = await receive_all(broker, 1)
+    assert await settle_one(broker, Action.COMMIT, held) is Outcome.OK
+    assert await stream_messages(js, NAMES.dead_stream) == 0
+    assert await stream_messages(js, NAMES.stream) == 0
 
 
 async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
@@ -280,7 +378,7 @@ async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
     other = await brokers(ack_wait=3, max_attempts=2)
     limit_pid = await broker.publish(QUEUE, {"role": "limit"})
     [limit] = await receive_all(broker, 1)
-    assert await settle_one(broker, Action.RELEASE, limit) is Outcome.OK
+    assert await settle_one(broker, Action.REJECT, limit) is Outcome.OK  # its first attempt
     pids = await broker.publish_many(QUEUE, [{"i": i} for i in range(6)])
     held = await receive_all(broker, 7)
     by_pid = {d.pid: d for d in held}
@@ -309,7 +407,7 @@ async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
-# -- attempts: JetStream counts every delivery, the broker enforces max_attempts -------------
+# -- attempts as queue 5 counts them: the consumer's budget, the spare delivery, advisories --
 
 
 async def receive_poisoned(broker: NatsBroker, timeout: float = 20.0) -> Poisoned:
@@ -329,7 +427,7 @@ async def dead_letter(js, seq: int = 1) -> tuple[bytes, dict[str, str]]:
     return message.data, message.headers
 
 
-async def test_last_attempt_lost_with_its_consumer_ends_dead_not_stuck(brokers, js):
+async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(brokers, js):
     first = await brokers(max_attempts=2, ack_wait=1)
     pid = await first.publish(QUEUE, {"x": 1})
     [attempt] = await receive_all(first, 1)
@@ -339,52 +437,92 @@ async def test_last_attempt_lost_with_its_consumer_ends_dead_not_stuck(brokers, 
     await first.close()  # gone without settling it, like a killed supervisor
 
     second = await brokers(max_attempts=2, ack_wait=1)
-    poisoned = await receive_poisoned(second)  # redelivered after ack_wait, never handled
-    assert poisoned.raw == last.raw
-    assert poisoned.reason.startswith("out of attempts after 3 deliveries")
-    assert "releases and lost workers count as deliveries on JetStream" in poisoned.reason
+    poisoned = await receive_poisoned(second)  # the spare delivery, never handled
+    assert poisoned.raw == last.raw and not poisoned.malformed
+    assert poisoned.reason.startswith("out of attempts: delivery 3 of a consumer that "
+                                      "allows 2 runs")
     data, headers = await dead_letter(js)
     assert data == last.raw and headers["Queue-Attempts"] == "3"
-    assert headers["Queue-Reason"] == poisoned.reason
+    assert headers["Content-Type"] == "application/json"  # copied, as queue 5 parks
     assert await stream_messages(js, NAMES.stream) == 0
     info = await js.consumer_info(NAMES.stream, "worker")
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
 
 
-@pytest.mark.parametrize("max_attempts", [1, 2])
-async def test_release_of_the_last_attempt_is_dead_lettered_at_the_next_receive(
-    brokers, js, max_attempts
-):
-    broker = await brokers(max_attempts=max_attempts, ack_wait=30)
-    await broker.publish(QUEUE, {"x": 1})
-    for _ in range(max_attempts - 1):
-        [delivery] = await receive_all(broker, 1)
-        assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
-    [last] = await receive_all(broker, 1)
-    assert last.attempts == max_attempts - 1
-    assert await settle_one(broker, Action.RELEASE, last) is Outcome.OK  # a graceful stop
-    # At once, not after the 30 s ack_wait: a release is an immediate redelivery.
-    poisoned = await asyncio.wait_for(receive_poisoned(broker), 10)
-    assert f"after {max_attempts + 1} deliveries" in poisoned.reason
-    assert (await dead_letter(js))[0] == last.raw
-    assert await stream_messages(js, NAMES.stream) == 0
+async def test_the_spare_is_read_again_before_a_delivery_is_parked(brokers, js):
+    """The consumer is shared: when another worker gave it a larger budget since we
+    adopted it, the delivery runs instead of being parked on a stale threshold."""
+    broker = await brokers(max_attempts=1, ack_wait=1)  # MaxDeliver 2, spare delivery 2
+    pid = await broker.publish(QUEUE, {"x": 1})
+    [first] = await receive_all(broker, 1)
+    config = (await js.consumer_info(NAMES.stream, "worker")).config
+    config.max_deliver = 4
+    await js.add_consumer(NAMES.stream, config)  # an update of the durable
+    await asyncio.sleep(1.5)  # lost: redelivered after ack_wait
+    [again] = await receive_all(broker, 1, timeout=10)
+    assert (again.pid, again.attempts) == (pid, 1)
+    assert (broker.policy.budget, broker.policy.spare) == (3, 4)
+    assert first.receipt.stream_seq == again.receipt.stream_seq
 
 
 async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(brokers, js):
     broker = await brokers(max_attempts=1, ack_wait=1)
     await broker.publish(QUEUE, {"x": 1})
-    [last] = await receive_all(broker, 1)
-    assert await settle_one(broker, Action.RELEASE, last) is Outcome.OK
+    [last] = await receive_all(broker, 1)  # then lost: never settled
     dead_config = (await js.stream_info(NAMES.dead_stream)).config
     await js.delete_stream(NAMES.dead_stream)  # the dead letter cannot be stored now
-    received = await broker.receive(10, 5)
-    assert (received.deliveries, received.poisoned) == ([], [])
+    deadline = time.monotonic() + 10
+    while (await js.consumer_info(NAMES.stream, "worker")).num_redelivered == 0:
+        assert time.monotonic() < deadline
+        received = await broker.receive(10, 1)
+        assert (received.deliveries, received.poisoned) == ([], [])
     assert await stream_messages(js, NAMES.stream) == 1  # not TERMinated
     await js.add_stream(dead_config)
-    poisoned = await receive_poisoned(broker)  # back after ack_wait
-    assert "out of attempts after 3 deliveries" in poisoned.reason
+    # That was the server's last delivery: its advisory is the fallback, as in queue 5.
+    deadline = time.monotonic() + 10
+    while not await stream_messages(js, NAMES.dead_stream):
+        assert time.monotonic() < deadline
+        assert (await broker.receive(10, 0.25)).deliveries == []
+        await broker.maintain()
     assert (await dead_letter(js))[0] == last.raw
     assert await stream_messages(js, NAMES.stream) == 0
+
+
+async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(brokers, js):
+    """Queue 5's older consumers have no spare: the server stops delivering and announces
+    it; one subscriber of the fleet's queue group copies the message to dead, deletes it."""
+    await php_queue(js, max_deliver=2, spare=False, ack_wait=1)
+    broker = await brokers(max_attempts=2)
+    watcher = await brokers(max_attempts=2)  # a second worker in the same queue group
+    pid = await broker.publish(QUEUE, {"x": 1})
+    for attempt in range(2):
+        [held] = await receive_all(broker, 1, timeout=10)
+        assert (held.pid, held.attempts) == (pid, attempt)  # then lost: never settled
+    for _ in range(40):
+        # The server notices the exhaustion when a pull asks for more.
+        assert (await broker.receive(10, 0.25)).deliveries == []
+        await asyncio.gather(broker.maintain(), watcher.maintain())
+        if await stream_messages(js, NAMES.dead_stream):
+            break
+        await asyncio.sleep(0.25)
+    data, headers = await dead_letter(js)
+    assert data == held.raw
+    assert "max deliveries exceeded" in headers["Queue-Reason"]
+    await asyncio.gather(broker.maintain(), watcher.maintain())
+    assert await stream_messages(js, NAMES.dead_stream) == 1  # one copy for the fleet
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
+async def test_reject_follows_the_consumers_backoff_list(brokers, js):
+    await php_queue(js, max_deliver=6, spare=True, ack_wait=2, backoff=[2, 4])
+    broker = await brokers(max_attempts=5, retry_backoff=0)
+    assert broker.policy.backoff == (2.0, 4.0) and broker.lease == 2
+    await broker.publish(QUEUE, {"x": 1})
+    [delivery] = await receive_all(broker, 1)
+    started = time.monotonic()
+    assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
+    [again] = await receive_all(broker, 1, timeout=10)
+    assert again.attempts == 1 and time.monotonic() - started >= 1.8
 
 
 async def test_each_commit_reports_as_soon_as_its_own_reply_arrives(brokers, proxy):

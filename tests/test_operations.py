@@ -276,7 +276,7 @@ async def test_status_of_a_nats_queue_reads_the_stream_and_consumer(run, tmp_pat
     code, out = await run("status", conf, "--json")  # nothing exists yet: nothing created
     assert code == 0 and orjson.loads(out)["stream"] is None
 
-    broker = NatsBroker(nats_server.url, QUEUE, ack_wait=30, max_deliver=3)
+    broker = NatsBroker(nats_server.url, QUEUE, ack_wait=30, max_attempts=3)
     try:
         await broker.connect()
         await broker.publish_many(QUEUE, [{"n": n} for n in range(3)])
@@ -288,7 +288,7 @@ async def test_status_of_a_nats_queue_reads_the_stream_and_consumer(run, tmp_pat
     state = orjson.loads(out)
     assert code == 0 and state["broker"] == "nats" and state["stream"] == f"Q_{QUEUE.upper()}"
     assert (state["ready"], state["processing"], state["dead"]) == (2, 1, 0)
-    assert state["consumer"]["max_deliver"] == 3
+    assert state["consumer"]["max_deliver"] == 4  # 3 attempts and queue 5's spare delivery
 
 
 async def test_redis_only_commands_refuse_a_nats_queue(run, tmp_path, capsys):

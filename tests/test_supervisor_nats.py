@@ -30,11 +30,14 @@ def nats_config(directory: Path, server: NatsServer, **sections) -> Path:
     return write_config(directory, server.url, **sections)
 
 
-def publish(server: NatsServer, payloads: list[dict], ack_wait: float = 2.0) -> list[str]:
-    """Publish through a broker set up as the job will be (it creates the stream/consumer)."""
+def publish(
+    server: NatsServer, payloads: list[dict], ack_wait: float = 2.0, max_attempts: int = 3
+) -> list[str]:
+    """Publish through a broker set up as the job will be (it creates the stream/consumer,
+    and with it the attempt budget every worker of the queue adopts)."""
 
     async def send() -> list[str]:
-        broker = NatsBroker(server.url, QUEUE, ack_wait=ack_wait)
+        broker = NatsBroker(server.url, QUEUE, ack_wait=ack_wait, max_attempts=max_attempts)
         await broker.connect()
         try:
             return await broker.publish_many(QUEUE, payloads)
@@ -94,8 +97,8 @@ def test_buffered_messages_are_renewed_and_each_delivered_once(tmp_path, nats_se
 
 
 def test_failures_and_malformed_end_dead_and_successes_commit(tmp_path, nats_server, start):
-    [failing] = publish(nats_server, [{"fail": True}])
-    ok = publish(nats_server, [{"n": n} for n in range(20)])
+    [failing] = publish(nats_server, [{"fail": True}], max_attempts=2)
+    ok = publish(nats_server, [{"n": n} for n in range(20)], max_attempts=2)
 
     async def malformed() -> None:
         client = await nats.connect(nats_server.url)
@@ -189,7 +192,7 @@ def dead_letters(server: NatsServer) -> list[tuple[bytes, dict[str, str]]]:
 def test_handler_that_kills_its_process_ends_dead_after_max_attempts(
     tmp_path, nats_server, start
 ):
-    [pid] = publish(nats_server, [{"crash": True}])
+    [pid] = publish(nats_server, [{"crash": True}], max_attempts=2)
     supervisor = start(nats_config(tmp_path, nats_server, job={"max_attempts": 2}))
     wait_for(lambda: consumer_state(nats_server)["dead"] == 1, 30, "the dead letter")
     assert [(p, attempts) for p, attempts, _ in started(tmp_path)] == [(pid, "0"), (pid, "1")]
@@ -203,9 +206,9 @@ def test_handler_that_kills_its_process_ends_dead_after_max_attempts(
 def test_supervisor_killed_on_the_last_attempt_leaves_it_dead_not_stuck(
     tmp_path, nats_server, start
 ):
-    """JetStream counts the lost delivery: the next supervisor gets it once more, past
-    max_attempts, and dead-letters it without running it."""
-    [pid] = publish(nats_server, [{"n": 1}])
+    """JetStream counts the lost delivery: the next supervisor gets the spare delivery
+    (queue 5's MaxDeliver = attempts + 1) and dead-letters it without running it."""
+    [pid] = publish(nats_server, [{"n": 1}], max_attempts=2)
     # The first supervisor hangs on everything: attempt 0 ends by handler_timeout (a
     # reject), attempt 1 (the last) is still running when the whole supervisor is killed.
     first_dir = tmp_path / "first"
@@ -226,11 +229,12 @@ def test_supervisor_killed_on_the_last_attempt_leaves_it_dead_not_stuck(
     wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing stuck")
     [(raw, headers)] = dead_letters(nats_server)
     assert pid.encode() in raw
-    assert headers["Queue-Reason"].startswith("out of attempts after 3 deliveries")
+    assert headers["Queue-Reason"].startswith("out of attempts: delivery 3 of a consumer "
+                                              "that allows 2 runs")
     assert len(started(tmp_path)) == 2  # never handed to a handler again
     second.signal(signal.SIGTERM)
     assert second.wait(15) == 0
-    assert "out of attempts after 3 deliveries" in second.output()
+    assert "out of attempts: delivery 3" in second.output()
 
 
 @contextlib.contextmanager
