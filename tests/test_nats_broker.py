@@ -14,6 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from broker.base import Action, BrokerError, Delivery, Outcome, Poisoned, Settlement
 from broker.nats import NatsBroker
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
+from broker.nats_held import Holdings
 from broker.nats_setup import QueueNames
 from tests.faultproxy import FaultProxy
 from tests.servers import NatsServer
@@ -618,6 +619,82 @@ async def test_superseded_delivery_is_reported_stale(brokers):
     assert await broker.extend([old, new]) == [False, True]
     assert await settle_one(broker, Action.RELEASE, old) is Outcome.STALE
     assert await settle_one(broker, Action.COMMIT, new) is Outcome.OK
+
+
+async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(brokers, proxy, js):
+    """A pull that got no answer in time may still be answered: what it asked for is
+    counted against the next pulls, and what arrives is renewed until it is handed out."""
+    broker = await brokers(proxy.url, ack_wait=2, request_timeout=1.0)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(30)])
+    proxy.pause()  # the pull request and its answer wait in the proxy
+    assert (await broker.receive(10, 0)).deliveries == []  # no answer within 1 s
+    # Prefetch 10 is owed already: a second receive must not ask for 10 more.
+    assert (await broker.receive(10, 0)).deliveries == []
+    proxy.resume()  # (before the health check gives up on the connection)
+    await wait_until(lambda: _true(len(broker._puller.backlog()) == 10))
+    info = await js.consumer_info(NAMES.stream, "worker")
+    assert info.num_ack_pending == 10
+    held = (await broker.receive(4, 0)).deliveries  # 6 stay unreturned, beyond the room
+    assert len(held) == 4 and broker.reconnects == 0
+    deadline = time.monotonic() + 5  # more than twice the ack wait
+    while time.monotonic() < deadline:
+        assert await broker.extend(held) == [True] * 4
+        await asyncio.sleep(0.5)
+    rest = (await broker.receive(6, 0)).deliveries
+    assert len(rest) == 6 and {d.attempts for d in rest} == {0}
+    assert (await js.consumer_info(NAMES.stream, "worker")).num_redelivered == 0
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held + rest])
+    assert all(r.ok for r in results)
+
+
+async def test_tracking_is_bounded_by_what_is_held(brokers, proxy, js):
+    """Uncertain, stale and certain settlements all end the tracking of their delivery."""
+    broker = await brokers(proxy.url, ack_wait=1, request_timeout=1.0)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(200)])
+    held = await receive_all(broker, 200)
+    assert broker.held == 200
+    # 50 acks lose their reply (uncertain); the other 150 deliveries are left unrenewed
+    # past the ack wait and come back: their first deliveries are superseded (stale).
+    proxy.drop_replies_to(d.receipt.reply for d in held[:50])
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held[:50]])
+    assert {r.outcome for r in results} == {Outcome.UNCERTAIN}
+    await asyncio.sleep(1.5)
+    again = await receive_all(broker, 150, timeout=10)
+    assert {d.attempts for d in again} == {1}
+    results = await broker.settle([Settlement(Action.REJECT, d) for d in held[50:100]])
+    assert {r.outcome for r in results} == {Outcome.STALE}
+    assert await broker.extend(held[100:]) == [False] * 100
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in again])
+    assert all(r.ok for r in results)
+    assert broker.held == 0
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
+def test_holdings_stay_bounded_over_a_million_settlements():
+    """The bookkeeping alone, at volume: 1,000,000 deliveries, some superseded, settled
+    in every order; the map never holds more than what is outstanding."""
+    held = Holdings()
+    outstanding: list[tuple[int, int]] = []
+    peak = 0
+    for seq in range(1, 1_000_001):
+        held.add(seq, 1)
+        outstanding.append((seq, 1))
+        if seq % 7 == 0:  # redelivered while the first is still held: the first is stale
+            held.add(seq, 2)
+            outstanding.append((seq, 2))
+        if len(outstanding) >= 100:
+            for index, (s, d) in enumerate(outstanding):
+                if index % 5 == 0:
+                    held.drop(s, d)  # an uncertain settlement
+                elif not held.owns(s, d):
+                    held.drop(s, d)  # reported stale
+                else:
+                    held.drop(s, d)  # settled
+            outstanding.clear()
+        peak = max(peak, len(held))
+    for s, d in outstanding:
+        held.drop(s, d)
+    assert peak <= 100 and len(held) == 0
 
 
 # -- server restart -------------------------------------------------------------------------
