@@ -271,3 +271,27 @@ def test_a_lost_ack_reply_holds_back_no_later_commit(tmp_path, nats_server, star
         # Well inside the 5 s the lost reply takes to time out.
         assert time.monotonic() - began < 3.0
         assert set(handled(tmp_path)) == set(first) | set(second)
+
+
+def test_twenty_rolling_restarts_spend_no_attempt(tmp_path, nats_server, start):
+    """Every stop releases what its supervisor held prefetched; with one attempt per job,
+    a release that spent a delivery would dead-letter jobs that never ran."""
+    pids = publish(nats_server, [{"n": n, "sleep": 0.01} for n in range(400)],
+                   ack_wait=30.0, max_attempts=1)
+    config = nats_config(tmp_path, nats_server, job={"prefetch": 50, "max_attempts": 1},
+                         nats={"ack_wait": 30.0}, supervisor={"lease": 30})
+    for restart in range(20):
+        before = len(handled(tmp_path))
+        supervisor = start(config)
+        wait_for(lambda: consumer_state(nats_server)["ack_pending"] >= 10
+                 or len(handled(tmp_path)) == len(pids), 20, "prefetched work")
+        wait_for(lambda n=before: len(handled(tmp_path)) > n, 20, f"progress in run {restart}")
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.wait(20) == 0
+        assert consumer_state(nats_server)["ack_pending"] == 0  # all handed back at once
+    start(config)
+    wait_for(lambda: set(handled(tmp_path)) == set(pids), 60, "every message")
+    state = consumer_state(nats_server)
+    assert (state["dead"], state["stream"]) == (0, 0)
+    assert {attempts for _, attempts, _ in started(tmp_path)} == {"0"}
+    assert len(handled(tmp_path)) == len(pids)  # none ran twice

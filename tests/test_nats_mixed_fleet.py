@@ -1,0 +1,248 @@
+"""A supervisor and queue-5 NATS workers on one JetStream queue: shared consumption, each
+side killed with deliveries in flight, dead letters, and a rollback to PHP workers.
+
+The PHP side is ``tests.queue5_nats`` (queue 5's Nats.php modelled from the facts); the
+supervisor is the real ``python -m supervisor`` process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import orjson
+import pytest
+from nats.js.errors import NotFoundError
+
+from broker import envelope
+from broker.nats_setup import QueueNames
+from tests.queue5_nats import Queue5NatsWorker
+from tests.servers import NatsServer
+from tests.supervision import QUEUE, lines, write_config
+
+NAMES = QueueNames.of(QUEUE)
+
+
+async def until(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    """Wait for ``condition()`` (a value or an awaitable) to be true."""
+    deadline = time.monotonic() + timeout
+    while not await _value(condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def php_publish(server: NatsServer, payloads: list[dict]) -> list[str]:
+    """As a queue-5 producer publishes: the envelope, Nats-Msg-Id = pid, JSON content type."""
+    client = await nats.connect(server.url)
+    js = client.jetstream()
+    pids = []
+    for payload in payloads:
+        pid, raw = envelope.build(QUEUE, payload)
+        await js.publish(NAMES.subject, raw,
+                         headers={"Nats-Msg-Id": pid, "Content-Type": "application/json"})
+        pids.append(pid)
+    await client.close()
+    return pids
+
+
+async def state(server: NatsServer) -> dict[str, int]:
+    client = await nats.connect(server.url)
+    js = client.jetstream()
+    info = await js.consumer_info(NAMES.stream, "worker")
+    result = {
+        "stream": (await js.stream_info(NAMES.stream)).state.messages,
+        "dead": (await js.stream_info(NAMES.dead_stream)).state.messages,
+        "ack_pending": info.num_ack_pending,
+    }
+    await client.close()
+    return result
+
+
+async def _value(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+async def queue_exists(server: NatsServer) -> bool:
+    client = await nats.connect(server.url)
+    try:
+        await client.jetstream().consumer_info(NAMES.stream, "worker")
+        return True
+    except NotFoundError:
+        return False
+    finally:
+        await client.close()
+
+
+class PhpFleet:
+    """Queue-5 workers running in this test's event loop; what they ran, by pid."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[str, int]] = []
+        self.tasks: list[asyncio.Task] = []
+        self.workers: list[Queue5NatsWorker] = []
+
+    def run(self, worker: Queue5NatsWorker, pace: float = 0.0) -> None:
+        self.workers.append(worker)
+        self.tasks.append(asyncio.ensure_future(self._consume(worker, pace)))
+
+    async def _consume(self, worker: Queue5NatsWorker, pace: float) -> None:
+        while True:
+            for job in await worker.receive(10, 0.5):
+                self.ran.append((job.pid, job.attempts))
+                await asyncio.sleep(pace)
+                await worker.commit(job)
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for worker in self.workers:
+            await worker.close()
+
+
+@pytest.fixture
+async def fleet():
+    php = PhpFleet()
+    yield php
+    await php.stop()
+
+
+def handled(directory: Path) -> list[str]:
+    return lines(directory / "handled")
+
+
+def started(directory: Path) -> list[tuple[str, int]]:
+    return [(pid, int(attempts)) for pid, attempts, _ in
+            (line.split() for line in lines(directory / "started"))]
+
+
+async def test_shared_consumption_runs_each_message_once(
+    tmp_path, nats_server, supervisors, fleet, caplog
+):
+    php = await Queue5NatsWorker(nats_server.url, QUEUE).connect()  # provisions, N3
+    pids = await php_publish(nats_server, [{"n": n, "sleep": 0.002} for n in range(400)])
+    fleet.run(php, pace=0.002)
+    supervisor = supervisors(write_config(tmp_path, nats_server.url, job={"prefetch": 20}))
+    everything = set(pids)
+    await until(lambda: {p for p, _ in fleet.ran} | set(handled(tmp_path)) >= everything,
+                60, "every message")
+    await asyncio.sleep(0.5)  # a duplicate would show up now
+    ours, theirs = handled(tmp_path), [p for p, _ in fleet.ran]
+    assert ours and theirs  # both sides took part
+    counts = collections.Counter(ours + theirs)
+    assert set(counts) == everything and set(counts.values()) == {1}  # no duplicates
+    assert {a for _, a in started(tmp_path)} | {a for _, a in fleet.ran} == {0}
+    assert await state(nats_server) == {"stream": 0, "dead": 0, "ack_pending": 0}
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+    output = supervisor.output()
+    assert "5 attempts (MaxDeliver 6, delivery 6 dead-lettered on arrival)" in output
+    assert "[job] max_attempts = 3 only applies to a consumer this supervisor creates" in output
+
+
+async def test_php_worker_killed_with_deliveries_in_flight_the_supervisor_runs_them(
+    tmp_path, nats_server, supervisors
+):
+    php = await Queue5NatsWorker(nats_server.url, QUEUE, ack_wait=2).connect()
+    pids = await php_publish(nats_server, [{"n": n} for n in range(40)])
+    held = await php.receive(20, 2)
+    assert len(held) == 20
+    await php.close()  # killed: its 20 deliveries are never settled
+    supervisor = supervisors(write_config(tmp_path, nats_server.url, job={"prefetch": 20}))
+    await until(lambda: set(handled(tmp_path)) == set(pids), 30, "every message")
+    runs = dict(started(tmp_path))
+    assert {runs[job.pid] for job in held} == {1}  # the PHP delivery counted as an attempt
+    assert await state(nats_server) == {"stream": 0, "dead": 0, "ack_pending": 0}
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+
+
+async def test_supervisor_killed_with_deliveries_in_flight_php_workers_run_them(
+    tmp_path, nats_server, supervisors, fleet
+):
+    config = write_config(tmp_path, nats_server.url, job={"prefetch": 30},
+                          nats={"ack_wait": 2}, supervisor={"lease": 3})
+    supervisor = supervisors(config, E2E_HANG_ALWAYS="1")  # it creates the queue
+    await until(lambda: queue_exists(nats_server), 20, "the queue")
+    pids = await php_publish(nats_server, [{"n": n} for n in range(60)])
+    await until(lambda: started(tmp_path), 20, "a handler to start")
+    await until(lambda: _ack_pending(nats_server, 30), 10, "prefetch 30 held")
+    supervisor.signal(signal.SIGKILL)  # with 1 running and 29 buffered
+    supervisor.wait(10)
+    php = await Queue5NatsWorker(nats_server.url, QUEUE).connect(mode="adopt")
+    assert php.spare == 4  # the supervisor made MaxDeliver 3 + 1 with the mark
+    fleet.run(php)
+    await until(lambda: {p for p, _ in fleet.ran} == set(pids), 30, "every message")
+    attempts = collections.Counter(a for _, a in fleet.ran)
+    assert attempts == {0: 30, 1: 30}  # the 30 it held came back once, after ack_wait
+    assert handled(tmp_path) == []
+    assert await state(nats_server) == {"stream": 0, "dead": 0, "ack_pending": 0}
+
+
+async def _ack_pending(server: NatsServer, count: int) -> bool:
+    return (await state(server))["ack_pending"] == count
+
+
+async def test_dead_letters_are_queue_5s_and_its_retry_brings_them_back(
+    tmp_path, nats_server, supervisors, fleet
+):
+    config = write_config(tmp_path, nats_server.url, job={"max_attempts": 2})
+    supervisor = supervisors(config)
+    await until(lambda: queue_exists(nats_server), 20, "the queue")
+    [failing] = await php_publish(nats_server, [{"fail": True}])
+    client = await nats.connect(nats_server.url)
+    await client.jetstream().publish(NAMES.subject, b'["not", "an", "object"]',
+                                     headers={"Content-Type": "application/json"})
+    await until(lambda: _dead(nats_server, 2), 30, "two dead letters")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+    js = client.jetstream()
+    first, second = [await js.get_msg(NAMES.dead_stream, seq) for seq in (1, 2)]
+    by_body = {m.data: m.headers or {} for m in (first, second)}
+    poison = by_body[b'["not", "an", "object"]']
+    assert poison["Content-Type"] == "application/json"  # copied, as queue 5 parks
+    [failed_raw] = [body for body in by_body if body != b'["not", "an", "object"]']
+    assert orjson.loads(failed_raw)["pid"] == failing  # the bytes as they were stored
+    assert "Content-Type" not in by_body[failed_raw]  # queue 5's reject writes none
+    await client.close()
+
+    php = await Queue5NatsWorker(nats_server.url, QUEUE, max_deliver=2).connect(mode="adopt")
+    assert await php.retry() == 2
+    fleet.run(php)
+    await until(lambda: len(fleet.ran) == 1, 20, "the retried job")
+    assert fleet.ran == [(failing, 0)]
+    assert php.parked == ["payload could not be decoded"]
+
+
+async def _dead(server: NatsServer, count: int) -> bool:
+    return (await state(server))["dead"] == count
+
+
+async def test_rollback_php_workers_take_over_released_work_with_the_whole_budget(
+    tmp_path, nats_server, supervisors, fleet
+):
+    php_setup = await Queue5NatsWorker(nats_server.url, QUEUE, ack_wait=30).connect()
+    await php_setup.close()  # the PHP fleet made the queue (N3); it is stopped for now
+    pids = await php_publish(nats_server, [{"n": n, "sleep": 0.05} for n in range(60)])
+    config = write_config(tmp_path, nats_server.url, job={"prefetch": 40},
+                          supervisor={"lease": 30})
+    supervisor = supervisors(config)
+    await until(lambda: len(handled(tmp_path)) >= 3, 20, "some progress")
+    supervisor.signal(signal.SIGTERM)  # the rollback: stop the supervisor, start PHP
+    assert supervisor.wait(20) == 0
+    assert (await state(nats_server))["ack_pending"] == 0  # released, not left to ack_wait
+    php = await Queue5NatsWorker(nats_server.url, QUEUE).connect()
+    fleet.run(php)
+    done = set(handled(tmp_path))
+    await until(lambda: {p for p, _ in fleet.ran} | done == set(pids), 20, "every message")
+    assert not done & {p for p, _ in fleet.ran}
+    assert {a for _, a in fleet.ran} == {0}  # released work kept its whole budget
+    assert await state(nats_server) == {"stream": 0, "dead": 0, "ack_pending": 0}
