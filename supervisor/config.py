@@ -194,7 +194,10 @@ class JobConfig:
         at_least(1),
         same_as="coroutines",
     )
-    max_attempts: int = setting(3, "deliveries before a job goes to failed/dead", at_least(1))
+    max_attempts: int = setting(
+        3, "runs before a job goes to failed (Redis) or dead (NATS: the budget of a consumer "
+        "the supervisor creates; an existing consumer's own budget wins)", at_least(1)
+    )
     job_ttl: int = setting(0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0))
     handler_timeout: float = setting(
         0.0, "hard limit of one handler call (s); 0 = none", at_least(0)
@@ -209,7 +212,8 @@ class JobConfig:
         100, "call the handler's flush() at least every this many messages", at_least(1)
     )
     retry_backoff: float = setting(
-        0.0, "base delay before a failed job is retried (s); the NATS NAK delay", at_least(0)
+        0.0, "base delay before a failed job is retried (s), doubling per delivery on NATS "
+        "(where a consumer's own backoff list wins)", at_least(0)
     )
 
     def __post_init__(self) -> None:
@@ -758,6 +762,8 @@ def describe() -> str:
         "Legacy `[job]` keys are still read, with a deprecation warning: `maxCoroutines` as "
         "`coroutines`, `batch` as `prefetch = max(batch, coroutines)`. Setting both a legacy "
         "key and its new name is an error, as is any unknown key.",
+        *(f"`[{section}] {name}` is no longer used: it is ignored with a warning ({reason})."
+          for (section, name), reason in RETIRED_KEYS.items()),
         f"`{ENV_BROKER_URL}`, when set and not empty, overrides `[broker] url`.",
     ]
     return "\n".join(lines) + "\n"
