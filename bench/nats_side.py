@@ -28,7 +28,7 @@ NAMES = QueueNames.of(QUEUE)
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"
 ACK_WAIT_S = 30
 MAX_ATTEMPTS = 3
-MAX_DELIVER = -1  # unlimited: the supervisor dead-letters at max_attempts itself
+MAX_DELIVER = MAX_ATTEMPTS + 1  # queue 5's layout: the budget and one spare delivery
 
 
 @dataclass
@@ -139,6 +139,7 @@ class Control:
             "stream_name": NAMES.stream, "action": "create", "config": {
                 "durable_name": NAMES.consumer, "ack_policy": "explicit",
                 "ack_wait": ACK_WAIT_S * 1_000_000_000, "max_deliver": MAX_DELIVER,
+                "metadata": {"utopia_queue_spare_delivery": "1"},
                 "filter_subject": NAMES.subject, "deliver_policy": "all",
                 "pause_until": PAUSED_UNTIL,
             },

@@ -93,8 +93,7 @@ def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: 
         f'[supervisor]\nlog_level = "warning"\nmetrics_port = {metrics_port}\n'
     )
     if url.startswith(("nats://", "tls://")):
-        text += (f"[nats]\nack_wait = {nats_side.ACK_WAIT_S}\n"
-                 f"max_deliver = {nats_side.MAX_DELIVER}\n")
+        text += f"[nats]\nack_wait = {nats_side.ACK_WAIT_S}\n"
     config.write_text(text)
     return config
 

@@ -504,7 +504,7 @@ class NatsBroker:
             log.warning("could not re-read NATS consumer %r (%s); using its last settings",
                         self._names.consumer, error)
             return
-        budget, spare = read_consumer_policy(consumer, self._wanted)
+        budget, spare = read_consumer_policy(consumer, self._wanted.max_attempts)
         if (budget, spare) != (self.policy.budget, self.policy.spare):
             self._use(Adopted(budget, spare, deliver_limit(consumer.get("max_deliver")),
                               self.policy.ack_wait, self.policy.backoff, self.policy.bounded))

@@ -156,7 +156,7 @@ async def adopt_queue(
     return _adopted(consumer, work, wanted)
 
 
-def read_consumer_policy(consumer: dict[str, Any], wanted: Wanted) -> tuple[int, int | None]:
+def read_consumer_policy(consumer: dict[str, Any], max_attempts: int) -> tuple[int, int | None]:
     """(budget, spare) as queue 5 reads them from a consumer's MaxDeliver and metadata.
 
     Marked with the spare delivery: MaxDeliver - 1 attempts, the last delivery is only
@@ -167,14 +167,14 @@ def read_consumer_policy(consumer: dict[str, Any], wanted: Wanted) -> tuple[int,
     """
     max_deliver = deliver_limit(consumer.get("max_deliver"))
     if max_deliver == UNLIMITED:
-        return wanted.max_attempts, wanted.max_attempts + 1
+        return max_attempts, max_attempts + 1
     if (consumer.get("metadata") or {}).get(SPARE_DELIVERY) is not None and max_deliver > 1:
         return max_deliver - 1, max_deliver
     return max_deliver, None
 
 
 def _adopted(consumer: dict[str, Any], work: dict[str, Any], wanted: Wanted) -> Adopted:
-    budget, spare = read_consumer_policy(consumer, wanted)
+    budget, spare = read_consumer_policy(consumer, wanted.max_attempts)
     limits = ("max_msgs", "max_bytes", "max_msgs_per_subject")
     return Adopted(
         budget=budget, spare=spare, max_deliver=deliver_limit(consumer.get("max_deliver")),
@@ -204,7 +204,9 @@ def _check_work_stream(names: QueueNames, wanted: Wanted, config: dict[str, Any]
     if owner is not None and owner != wanted.identity:
         raise BrokerError(
             f"{where} belongs to queue {owner!r} (metadata {IDENTITY}), not "
-            f"{wanted.identity!r}: two queues map to one stream; rename one of them."
+            f"{wanted.identity!r} (this job's [broker] namespace and [job] queue): two "
+            f"queues map to one stream. Use the namespace the queue's other workers use, "
+            f"or rename one of the queues."
         )
     if config.get("max_age", 0) > 0:
         log.warning("%s has max_age %.0fs: jobs not consumed in time expire unhandled",

@@ -289,6 +289,7 @@ async def test_status_of_a_nats_queue_reads_the_stream_and_consumer(run, tmp_pat
     assert code == 0 and state["broker"] == "nats" and state["stream"] == f"Q_{QUEUE.upper()}"
     assert (state["ready"], state["processing"], state["dead"]) == (2, 1, 0)
     assert state["consumer"]["max_deliver"] == 4  # 3 attempts and queue 5's spare delivery
+    assert (state["consumer"]["attempts"], state["consumer"]["spare_delivery"]) == (3, 4)
 
 
 async def test_redis_only_commands_refuse_a_nats_queue(run, tmp_path, capsys):

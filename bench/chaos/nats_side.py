@@ -48,7 +48,7 @@ class NatsSide:
         return self.proxy.url
 
     def config_sections(self, settings: Any) -> dict[str, dict[str, Any]]:
-        # Redelivery after the lease, as on Redis; max_deliver defaults to max_attempts.
+        # Redelivery after the lease, as on Redis; the consumer's budget is max_attempts.
         return {"nats": {"ack_wait": settings.lease}}
 
     async def start(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import nats
 from nats.js.errors import NotFoundError
 
-from broker.nats_setup import QueueNames
+from broker.nats_setup import QueueNames, read_consumer_policy
 from supervisor.config import Config
 
 CONNECT_TIMEOUT = 5.0
@@ -40,7 +40,7 @@ async def queue_status(config: Config) -> dict[str, Any]:
         "redelivered": consumer.num_redelivered if consumer else 0,
         "waiting_pulls": consumer.num_waiting if consumer else 0,
         "dead": dead.state.messages if dead else 0,
-        "consumer": _consumer_settings(consumer),
+        "consumer": _consumer_settings(consumer, config.job.max_attempts),
     }
 
 
@@ -58,13 +58,18 @@ async def _consumer(js: Any, names: QueueNames) -> Any:
         return None
 
 
-def _consumer_settings(consumer: Any) -> dict[str, Any] | None:
+def _consumer_settings(consumer: Any, max_attempts: int) -> dict[str, Any] | None:
     if consumer is None:
         return None
+    budget, spare = read_consumer_policy(
+        {"max_deliver": consumer.config.max_deliver, "metadata": consumer.config.metadata},
+        max_attempts)
     return {
         "name": consumer.name,
         "ack_wait": consumer.config.ack_wait,
         "max_deliver": consumer.config.max_deliver,
+        "attempts": budget,  # as the supervisor reads the consumer (queue 5's rules)
+        "spare_delivery": spare,
     }
 
 
@@ -77,6 +82,8 @@ def describe(state: dict[str, Any]) -> list[str]:
         f"  redelivered   {state['redelivered']}",
         f"  dead          {state['dead']}",
         f"  consumer      {consumer['name']}: ack_wait {consumer['ack_wait']}s, "
-        f"max_deliver {consumer['max_deliver']}, {state['waiting_pulls']} waiting pulls"
+        f"max_deliver {consumer['max_deliver']} ({consumer['attempts']} attempts"
+        f"{', then a spare delivery' if consumer['spare_delivery'] else ''}), "
+        f"{state['waiting_pulls']} waiting pulls"
         if consumer else "  consumer      absent",
     ]
