@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -319,7 +320,7 @@ class NatsBroker:
         delayed = _nak_after(RELEASE_DELAY)
         if self.policy.bounded:
             return await self._respond(receipt, delayed)
-        headers = {"Nats-Msg-Id": f"{delivery.pid}.released.{receipt.stream_seq}"}
+        headers = {"Nats-Msg-Id": f"{_header_token(delivery.pid)}.released.{receipt.stream_seq}"}
         if receipt.content_type is not None:
             headers[CONTENT_TYPE] = receipt.content_type
         try:
@@ -596,6 +597,14 @@ def _check_puback(subject: str, reply: Msg) -> None:
             f"unexpected reply to a publish on {subject}: {reply.data[:200]!r}") from None
     if "error" in ack:
         raise BrokerError(f"publish on {subject} refused: {ack['error'].get('description')}")
+
+
+def _header_token(pid: str) -> str:
+    """The pid as queue 5 puts it in a message id, unless it could not be a header value
+    (control characters, spaces, too long): then a digest that is still one per pid."""
+    if 0 < len(pid) <= 256 and pid.isascii() and pid.isprintable() and " " not in pid:
+        return pid
+    return "sha256-" + hashlib.sha256(pid.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _header_value(text: str) -> str:

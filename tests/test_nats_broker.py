@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import nats
+import orjson
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
@@ -344,6 +345,21 @@ async def test_release_is_available_to_another_consumer_at_once(brokers, js):
     assert copy.headers["Nats-Msg-Id"] == f"{held[0].pid}.released.{held[0].receipt.stream_seq}"
     assert copy.headers["Content-Type"] == "application/json"
     assert await stream_messages(js, NAMES.stream) == 10  # the originals were acknowledged
+
+
+@pytest.mark.parametrize("pid", ["a\r\nNats-Msg-Id: forged", "x" * 10_000, "ü ü", ""])
+async def test_release_of_a_strange_pid_keeps_the_header_block_intact(brokers, js, pid):
+    broker = await brokers(ack_wait=30)
+    raw = orjson.dumps({"pid": pid, "queue": QUEUE, "timestamp": 1, "payload": {}})
+    await js.publish(NAMES.subject, raw)
+    [held] = await receive_all(broker, 1)
+    assert held.pid == pid
+    assert await settle_one(broker, Action.RELEASE, held) is Outcome.OK
+    [again] = await receive_all(broker, 1)
+    assert (again.raw, again.attempts) == (raw, 0)
+    copy = await js.get_msg(NAMES.stream, again.receipt.stream_seq)
+    assert copy.headers["Nats-Msg-Id"].startswith("sha256-")
+    assert set(copy.headers) == {"Nats-Msg-Id"}
 
 
 async def test_release_on_a_size_limited_stream_is_a_delayed_nak(brokers, js):
