@@ -166,6 +166,10 @@ class Broker(Protocol):
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
         """Renew this consumer's lease; report per delivery whether it is still owned."""
 
+    def stop_waiting(self) -> None:
+        """A stop began: a receive blocked on an idle queue returns now, and none blocks
+        again. Never loses what a blocking wait had taken."""
+
     async def maintain(self) -> MaintenanceReport:
         """Recover work that dead consumers left behind (bounded work per call)."""
 

@@ -192,6 +192,10 @@ class NatsBroker:
         await self._link.close()
         self._held.clear()
 
+    def stop_waiting(self) -> None:
+        """A stop began: a receive waiting on an idle queue returns now (see Puller)."""
+        self._puller.stop_waiting()
+
     async def maintain(self) -> MaintenanceReport:
         """Dead-letter what the max-deliveries advisories named (JetStream redelivers the rest)."""
         for _ in range(len(self._exhausted)):

@@ -47,12 +47,19 @@ class Puller:
         self._backlog: deque[Msg] = deque()
         self._arrived = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._no_wait = False  # stop_waiting() was called
         self._owed = 0  # asked for by requests that timed out; may still arrive
         self._owed_until = 0.0
 
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
         self._backlog.append(msg)
+        self._arrived.set()
+
+    def stop_waiting(self) -> None:
+        """A stop began: a pull waiting for its first message returns now, and no later
+        pull waits (what arrives meanwhile stays in the backlog)."""
+        self._no_wait = True
         self._arrived.set()
 
     def backlog(self) -> list[Msg]:
@@ -71,9 +78,11 @@ class Puller:
         async with self._lock:  # one receive at a time: the backlog is shared
             got = self._take(max_messages)
             try:
-                if not got and block_timeout > 0:
+                if not got and block_timeout > 0 and not self._no_wait:
                     await self._wait_first(conn, block_timeout)
                     got = self._take(max_messages)
+                if self._no_wait and not got:
+                    return got
                 room = max_messages - len(got) - self._still_owed()
                 if room > 0:
                     await self._top_up(conn, room)
@@ -94,7 +103,7 @@ class Puller:
         """A pull for one message that the server holds open for ``block_timeout``."""
         body = {"batch": 1, "expires": max(1, int(block_timeout * 1e9))}
         status = await self._request(conn, body, block_timeout + EXPIRY_GRACE)
-        await self._until(lambda: bool(self._backlog), status, 1)
+        await self._until(lambda: bool(self._backlog) or self._no_wait, status, 1)
 
     async def _top_up(self, conn: Connection, room: int) -> None:
         """A no-wait pull for ``room`` messages: ends at a status or when all arrived."""

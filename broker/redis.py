@@ -196,6 +196,8 @@ class RedisBroker:
         self.client = self._new_client(COMMAND_TIMEOUT)
         # Blocking reads get their own connection: they must never hold up settle or extend.
         self._blocking = self._new_client(None)
+        self._no_wait = False  # stop_waiting() was called: receives never block again
+        self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
         self.scripts = Scripts(self.client)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
@@ -264,7 +266,7 @@ class RedisBroker:
         token = secrets.token_hex(16)
         key = self.keys.reservation(token)
         keys = [self.keys.ready, self.keys.reservations, key]
-        wait = math.ceil(block_timeout) if block_timeout > 0 else 0
+        wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
             payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
@@ -283,13 +285,40 @@ class RedisBroker:
             await self.client.zrem(self.keys.reservations, key)
             return []
         move = self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
-        payload = await asyncio.wait_for(move, timeout + BLOCK_MARGIN)
+        self._blocked = asyncio.ensure_future(asyncio.wait_for(move, timeout + BLOCK_MARGIN))
+        try:
+            payload = await self._blocked
+        except asyncio.CancelledError:
+            if not self._no_wait or _cancelling():
+                raise
+            return await self._give_back(key)
+        finally:
+            self._blocked = None
         if payload is None:
             # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
             # maintenance drops the empty registration after its deadline.
             await self.client.zrem(self.keys.reservations, key)
             return []
         return [payload]
+
+    def stop_waiting(self) -> None:
+        """A stop began: a receive blocked on an idle queue returns now, and no later
+        receive blocks (what is there is still taken)."""
+        self._no_wait = True
+        if self._blocked is not None:
+            self._blocked.cancel()
+
+    async def _give_back(self, key: str) -> list[bytes]:
+        """The blocking move was abandoned: a payload it may have moved goes back to the
+        ready list, and the reservation is marked expired (deadline 0) rather than
+        deregistered, so a move the server still completes late is recovered by the next
+        maintenance instead of stranded in a list nobody knows."""
+        async with _broker_errors("give back an abandoned reservation"):
+            await self.client.zadd(self.keys.reservations, {key: 0}, xx=True)
+            for _ in range(MAX_BATCH):
+                if await self.client.lmove(key, self.keys.ready, "LEFT", "RIGHT") is None:
+                    break
+        return []
 
     async def claim(self, reservation: Reservation) -> Received:
         """Make the reserved payloads this consumer's deliveries (poison what is malformed)."""
@@ -494,3 +523,9 @@ async def _broker_errors(operation: str) -> AsyncIterator[None]:
         yield
     except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
         raise BrokerError(f"{operation} failed: {error!r}") from error
+
+
+def _cancelling() -> bool:
+    """The current task itself is being cancelled (not just a future it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

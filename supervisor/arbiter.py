@@ -37,6 +37,9 @@ log = logging.getLogger("supervisor")
 
 EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT, EXIT_BROKEN = 0, 1, 3, 4
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
+#: A slot whose processes die this many times in a row before they are ready stops us (exit 4,
+#: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
+MAX_EARLY_DEATHS, RESPAWN_DELAY = 5, 0.5
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -92,9 +95,9 @@ class Arbiter:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
-        loop.add_reader(self.forkserver.events_fd, self.handle_forkserver_events)
+        loop.add_reader(self.forkserver.events_fd, self.guarded(self.handle_forkserver_events))
         for slot in self.slots:
-            loop.add_reader(slot.to_parent.wake_fd, self.handle_outcomes, slot)
+            loop.add_reader(slot.to_parent.wake_fd, self.guarded(self.handle_outcomes), slot)
             self.arm(slot)
             self.forkserver.spawn(slot.index)
         try:
@@ -111,7 +114,7 @@ class Arbiter:
         self.connected = True
         self.notify_ready_once()
         self.tasks = [
-            asyncio.create_task(coro, name=coro.__name__)
+            self.start_task(coro)
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
@@ -121,6 +124,39 @@ class Arbiter:
         await self.stop_requested.wait()
         await self.shutdown()
         return self.exit_code
+
+    # -- a failure nobody expected: one log line with the traceback, then a bounded stop ----
+
+    def start_task(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=coro.__name__)
+        task.add_done_callback(self.task_ended)
+        return task
+
+    def task_ended(self, task: asyncio.Task) -> None:
+        """A background loop that raised would leave us alive and useless: stop instead."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.fail(f"{task.get_name()} died", task.exception())
+
+    def guarded(self, callback: Callable[..., None]) -> Callable[..., None]:
+        """A loop callback (readers) whose unexpected exception stops us instead of being
+        printed by asyncio and repeated at every wake-up."""
+
+        def run_guarded(*args: object) -> None:
+            try:
+                callback(*args)
+            except Exception as error:
+                self.fail(f"{callback.__name__} failed", error)
+
+        return run_guarded
+
+    def fail(self, what: str, error: BaseException | None) -> None:
+        log.error("%s: stopping (exit %d) so that the service is restarted", what,
+                  EXIT_BROKEN, exc_info=error)
+        if not self.stopping:
+            self.request_stop(EXIT_BROKEN)
+        elif self.exit_code == EXIT_OK:
+            self.exit_code = EXIT_BROKEN
 
     def notify_ready_once(self) -> None:
         """READY=1 once the broker is connected and every handler process is up."""
@@ -249,7 +285,7 @@ class Arbiter:
         elif kind == protocol.SKIPPED:
             self.buffer.complete(slot.queued.popleft(), release=True)
         elif kind == protocol.READY:
-            slot.ready = True
+            slot.ready, slot.early_deaths = True, 0
             self.notify_ready_once()
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", slot.pid, data)
@@ -284,6 +320,7 @@ class Arbiter:
                     calls.release()
                     break
                 task = asyncio.create_task(self.settle_batch(batch, calls))
+                task.add_done_callback(self.task_ended)
                 self.settling.add(task)
                 task.add_done_callback(self.settling.discard)
 
@@ -407,12 +444,27 @@ class Arbiter:
                 asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
                 log.error("fork server %d exited (%s): stopping", event.pid, event.status)
                 self.request_stop(EXIT_BROKEN)
+                self.lose_all_handlers()
                 continue
             slot = self.slots[event.slot]
             if event.kind == "started":
                 slot.pid = event.pid
             elif event.kind == "exited":
                 self.handle_child_exit(slot, event.pid, event.status)
+
+    def lose_all_handlers(self) -> None:
+        """The fork server is gone and its children with it (they follow it by PDEATHSIG;
+        killed here too, to be sure): no exit event will come for them. What they held goes
+        back unblamed (they did not fail), so the stop need not wait for them."""
+        for slot in self.slots:
+            if not slot.alive:
+                continue
+            self.kill(slot, signal.SIGKILL)
+            entries = [*slot.running.values(), *slot.queued]
+            slot.clear()
+            self.buffer.requeue_front(entries)
+        self.release_waiting()
+        self.progress.set()
 
     def handle_child_exit(self, slot: Slot, pid: int, status: int | None) -> None:
         expected, was_ready = slot.exit_sent, slot.ready
@@ -432,21 +484,43 @@ class Arbiter:
             log.error("%s while handling %s", reason, running[-1].delivery.pid)
             self.buffer.complete(running[-1], error=reason)
             self.buffer.requeue_front(running[:-1])
-        elif not expected and not self.stopping:
+        elif not expected and not self.stopping and was_ready:
             log.error("%s", reason)
         self.buffer.requeue_front(queued)
         if self.stopping:  # nothing is dispatched any more: what came back is released
             self.release_waiting()
-        elif status == EXIT_HANDLER_INIT or not was_ready:
-            # A process that cannot start would only crash-loop: halt instead (gunicorn does too).
+        elif status == EXIT_HANDLER_INIT:
+            # init() failed: that repeats in every new process, so halt (gunicorn does too).
             log.error("handler process %d failed to start (%s): halting", pid, reason)
             self.request_stop(EXIT_HANDLER_INIT)
+        elif not was_ready:
+            self.respawn_later(slot, pid, reason)
         else:
             if not expected:
                 self.metrics.child_restart()
             self.forkserver.spawn(slot.index)
         self.settle_wanted.set()
         self.progress.set()
+
+    def respawn_later(self, slot: Slot, pid: int, reason: str) -> None:
+        """Killed before it was ready (the OOM killer, a stray kill during a respawn): not
+        a reason to halt for good. Replaced after a growing pause; if it keeps dying, stop
+        with an exit code systemd restarts, so the whole service starts afresh."""
+        slot.early_deaths += 1
+        if slot.early_deaths >= MAX_EARLY_DEATHS:
+            log.error("handler process %d died before it was ready, %d times in a row (%s): "
+                      "stopping", pid, slot.early_deaths, reason)
+            self.request_stop(EXIT_BROKEN)
+            return
+        delay = min(RESPAWN_DELAY * 2 ** (slot.early_deaths - 1), 10.0)
+        log.error("handler process %d died before it was ready (%s): another in %.1fs",
+                  pid, reason, delay)
+        self.metrics.child_restart()
+        asyncio.get_running_loop().call_later(delay, self.guarded(self.respawn), slot)
+
+    def respawn(self, slot: Slot) -> None:
+        if not self.stopping and not slot.alive:
+            self.forkserver.spawn(slot.index)
 
     def update_title(self) -> None:
         busy = sum(1 for slot in self.slots if slot.busy)
@@ -469,10 +543,15 @@ class Arbiter:
         deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
         self.notifier.stopping()
         self.update_title()
+        self.broker.stop_waiting()  # an idle receive returns at once
         receiving = self.task("receive_loop")
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        if receiving is not None:
             # A receive in flight is allowed to finish (it may hold claimed deliveries).
-            await asyncio.wait_for(receiving, self.config.broker.block_timeout + 1)
+            await asyncio.wait({receiving}, timeout=self.config.broker.block_timeout + 1)
+            receiving.cancel()
+        settling = self.task("settle_loop")
+        if settling is not None and settling.done():  # it died: what completed still settles
+            self.tasks.append(self.start_task(self.settle_loop()))
         for slot in self.slots:
             slot.to_child.set_flag(1)  # start nothing more: report SKIPPED instead
         self.release_waiting()

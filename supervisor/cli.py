@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -19,7 +20,7 @@ from typing import NoReturn
 import setproctitle
 
 from supervisor import logs, metrics, systemd
-from supervisor.config import Config, ConfigError, load, split_handler
+from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load, split_handler
 from supervisor.ops import COMMANDS
 
 EXIT_CONFIG = 2
@@ -76,12 +77,15 @@ def run(config: Config) -> int:
             flush_every=config.job.flush_every, queue=config.job.queue,
         )
 
-    # Read (and removed from the environment) before forking: handlers must not notify.
+    # First, before the environment changes: the title library finds the memory it may
+    # overwrite by walking from argv into environ (NOTIFY_SOCKET may be the first entry).
+    setproctitle.setproctitle(f"queue-supervisor: {config.job.queue} starting")
+    # Read (and removed from the environment) before forking: handlers must not notify,
+    # and must not see the broker's credentials (the config has them already).
     notifier = systemd.Notifier.from_environ()
+    os.environ.pop(ENV_BROKER_URL, None)
     forkserver = ForkServer(handler_process)
     forkserver.start()  # before any thread, event loop or connection exists
-    # Findable by `drain` from now on (the arbiter keeps the title up to date).
-    setproctitle.setproctitle(f"queue-supervisor: {config.job.queue} starting")
     try:
         recorder = start_metrics(config)  # a thread: only now that the fork server exists
     except OSError as error:

@@ -26,6 +26,7 @@ class Slot:
     exit_sent: bool = False
     jobs: int = 0  # deliveries finished by the current process
     kill_reason: str | None = None  # why we killed it (e.g. handler timeout), for the reject
+    early_deaths: int = 0  # processes of this slot in a row that died before they were ready
     queued: deque[Entry] = field(default_factory=deque)  # in the ring, in order
     running: dict[int, Entry] = field(default_factory=dict)  # started, outcome not yet seen
 

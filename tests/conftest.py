@@ -65,6 +65,16 @@ def redis_cluster(redis_cluster_servers):
 
 
 @pytest.fixture
+def client(redis_url: str):
+    """A plain redis-py client on this test's Redis."""
+    import redis
+
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
 def supervisors(tmp_path):
     """``launch(config, redis_url="", **options)`` runs ``python -m supervisor`` for this
     test (see tests.supervision.Supervisor); every one of them is gone afterwards."""

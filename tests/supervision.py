@@ -54,15 +54,16 @@ class Supervisor:
     """A running ``python -m supervisor`` with its output captured to a file."""
 
     def __init__(self, config: Path, workdir: Path, redis_url: str,
-                 namespace: str = NAMESPACE, **env: str) -> None:
-        """``namespace`` is passed on to the handler's on_success check (E2E_NAMESPACE)."""
+                 namespace: str = NAMESPACE, module: str = "supervisor", **env: str) -> None:
+        """``namespace`` is passed on to the handler's on_success check (E2E_NAMESPACE);
+        ``module`` is what runs the job file (``tests.faults TARGET`` injects a failure)."""
         self.log_path = workdir / f"supervisor-{time.monotonic_ns()}.log"
-        environ = dict(os.environ, E2E_DIR=str(workdir), E2E_REDIS=redis_url,
-                       E2E_NAMESPACE=namespace, PYTHONPATH=str(ROOT), **env)
-        environ.pop("QUEUE_BROKER_URL", None)
+        environ = {k: v for k, v in os.environ.items() if k != "QUEUE_BROKER_URL"}
+        environ.update(E2E_DIR=str(workdir), E2E_REDIS=redis_url, E2E_NAMESPACE=namespace,
+                       PYTHONPATH=str(ROOT), **env)
         self.log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", str(config)], cwd=ROOT, env=environ,
+            [sys.executable, "-m", *module.split(), str(config)], cwd=ROOT, env=environ,
             stdout=self.log_file, stderr=subprocess.STDOUT,
         )
 

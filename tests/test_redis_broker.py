@@ -746,3 +746,37 @@ async def test_settling_keeps_the_order_of_what_stays_in_processing(broker, redi
         index = len(expected) - 1 - expected[::-1].index(delivery.pid.encode())
         del expected[index]
     assert after == expected
+
+
+# -- a stop while a receive blocks on an idle queue -----------------------------------------
+
+
+async def test_stop_waiting_ends_a_blocked_receive_and_strands_nothing(redis_url, redis_client):
+    """Whichever wins, the blocking move or the stop, the message ends received or back in
+    the ready list; a move the server completes late is recovered by maintenance."""
+    for attempt in range(30):
+        broker = await new_broker(redis_url, consumer_id=f"stopper-{attempt}", lease=30)
+        waiting = asyncio.ensure_future(broker.receive(10, 5))
+        await asyncio.sleep(0.05)  # blocked in BLMOVE now
+        [pid] = await publish_new(redis_client, 1)
+        if attempt % 2:
+            await asyncio.sleep(0.001 * (attempt % 5))  # sometimes the move wins
+        began = time.monotonic()
+        broker.stop_waiting()
+        received = await asyncio.wait_for(waiting, 2)
+        assert time.monotonic() - began < 1
+        ready = await redis_client.lrange(f"{NS}.queue.{QUEUE}", 0, -1)
+        got = [d.pid for d in received.deliveries]
+        if got:
+            assert got == [pid] and ready == []
+            await broker.settle([Settlement(Action.COMMIT, received.deliveries[0])])
+        else:
+            await broker.maintain(force=True)  # a late move into the expired reservation
+            ready = await redis_client.lrange(f"{NS}.queue.{QUEUE}", 0, -1)
+            assert [orjson.loads(raw)["pid"] for raw in ready] == [pid]
+            await redis_client.delete(f"{NS}.queue.{QUEUE}")
+        # Nothing is left registered or reserved: not even the abandoned reservation.
+        await broker.maintain(force=True)
+        assert await redis_client.zcard(f"{NS}.reservations.{QUEUE}") == 0
+        assert (await broker.receive(10, 5)).deliveries == []  # no longer blocks
+        await broker.close()

@@ -11,7 +11,6 @@ from pathlib import Path
 import orjson
 import psutil
 import pytest
-import redis
 
 from tests.supervision import (
     counter,
@@ -22,13 +21,6 @@ from tests.supervision import (
     wait_for,
     write_config,
 )
-
-
-@pytest.fixture
-def client(redis_url: str):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
 
 
 @pytest.fixture

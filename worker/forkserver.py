@@ -8,6 +8,8 @@ about starts and exits over another; it signals children directly by pid.
 The server's lifetime is tied to the supervisor: when the request pipe reaches EOF (the
 supervisor stopped or died) it SIGKILLs its children, reaps them and exits; the kernel
 also SIGKILLs it when the supervisor dies (PDEATHSIG), and each child when the server dies.
+It runs in a process group of its own with its children and ignores SIGINT and SIGTERM:
+signals for the job go to the supervisor, which passes on what its handlers should get.
 """
 
 from __future__ import annotations
@@ -182,6 +184,10 @@ def _run_server(
         set_parent_death_signal()
         if os.getppid() != parent:  # the supervisor died before we asked to follow it
             os._exit(1)
+        # A process group of our own (the handlers inherit it): a signal sent to the
+        # supervisor's group (`timeout`, a shell, Ctrl-C, some container runtimes) reaches
+        # the supervisor alone, which then stops its handlers itself.
+        os.setpgid(0, 0)
         _Server(target, requests, events).serve()
     except BaseException:
         traceback.print_exc()
@@ -204,8 +210,10 @@ class _Server:
     def serve(self) -> None:
         reset_signals()
         setproctitle.setproctitle("queue-supervisor: fork server")
-        # Ctrl-C reaches the whole process group; we follow the supervisor, not the tty.
+        # We follow the supervisor (request pipe EOF, parent-death signal), never a signal
+        # meant for it; handlers get their signals from the supervisor by pid.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for fd in (self._wake_read, self._wake_write):
             os.set_blocking(fd, False)
         # The C-level handler writes a byte to the pipe, so select() wakes on SIGCHLD.

@@ -2,9 +2,10 @@
 
 Environment: E2E_DIR (where the files go), E2E_REDIS (URL, for the on_success check),
 E2E_NAMESPACE, E2E_CLUSTER (set: E2E_REDIS is a Redis Cluster node), E2E_HANG_ALWAYS
-(hang on every message, for the bounded-stop test).
+(hang on every message, for the bounded-stop test), E2E_INIT_SLEEP (seconds init() takes,
+after writing "<pid>" to the file "init").
 Payload flags: {"sleep": seconds}, {"fail": true}, {"crash": true} (SIGKILL the process),
-{"hang": true}, {"grow": MiB}.
+{"hang": true}, {"grow": MiB}, {"env": true} (the environment's names to the file "environ").
 """
 
 from __future__ import annotations
@@ -26,12 +27,21 @@ def _append(name: str, line: str) -> None:
         os.close(fd)
 
 
+def init() -> None:
+    if os.environ.get("E2E_INIT_SLEEP"):
+        _append("init", str(os.getpid()))
+        time.sleep(float(os.environ["E2E_INIT_SLEEP"]))
+
+
 def handle(message) -> None:
     payload = message.payload
     _append("started", f"{message.pid} {message.attempts} {os.getpid()}")
     if os.environ.get("E2E_HANG_ALWAYS") or payload.get("hang"):
         while True:
             time.sleep(3600)
+    if payload.get("env"):
+        for name in sorted(os.environ):
+            _append("environ", name)
     if payload.get("crash"):
         os.kill(os.getpid(), signal.SIGKILL)
     if payload.get("grow"):  # keep this many MiB alive in the process (recycling by RSS)
