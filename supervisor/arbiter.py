@@ -350,17 +350,19 @@ class Arbiter:
         lease = min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
         period = lease / 3
         while not self.closed:
-            await asyncio.sleep(period)
+            # First right away: on Redis that also writes this supervisor's record, which
+            # `status` and `drain` find it by.
             entries = list(self.buffer)
             try:
                 with self.metrics.timed("extend"):
                     owned = await self.broker.extend([entry.delivery for entry in entries])
             except (BrokerError, OSError) as error:
                 log.error("renewal of %d deliveries failed: %s", len(entries), error)
-                continue
-            for entry, still_ours in zip(entries, owned, strict=True):
-                if not still_ours:
-                    self.drop_lost(entry)
+            else:
+                for entry, still_ours in zip(entries, owned, strict=True):
+                    if not still_ours:
+                        self.drop_lost(entry)
+            await asyncio.sleep(period)
 
     def drop_lost(self, entry: Entry) -> None:
         """Another consumer recovered this delivery: never start it; a result will be stale."""

@@ -1,5 +1,6 @@
-"""``drain`` end to end: a real supervisor busy on a queue is stopped by process title, and
-afterwards no reservation or owner record of the queue remains (the rollback check)."""
+"""``drain`` end to end: a real supervisor busy on a queue is found through its record in the
+broker and stopped, and afterwards no reservation or owner record of the queue remains (the
+rollback check). A supervisor of the same queue name on another Redis is left alone."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import sys
 import uuid
 
 import orjson
-import pytest
 import redis
 
 from broker import envelope
 from broker.keys import QueueKeys
-from supervisor.ops.drain import find_supervisors, is_supervisor_of
+from supervisor.ops.drain import is_supervisor_of
 from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 
 
@@ -24,13 +24,6 @@ def test_titles_of_supervisors_and_not_of_their_handlers():
     assert not is_supervisor_of("queue-supervisor: jobs handler 0 busy", "jobs")
     assert not is_supervisor_of("queue-supervisor: jobs-2 running", "jobs")
     assert not is_supervisor_of("queue-supervisor: fork server", "jobs")
-
-
-@pytest.fixture
-def client(redis_url: str):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
 
 
 def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
@@ -44,8 +37,8 @@ def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
                                                    "prefetch": 40})
     supervisor = Supervisor(config, tmp_path, redis_url)
     try:
-        wait_for(lambda: [p.pid for p in find_supervisors(queue)] == [supervisor.pid], 15,
-                 "the supervisor's title")
+        wait_for(lambda: list(client.scan_iter(match=keys.supervisor("") + "*")), 15,
+                 "the supervisor's record")
         wait_for(lambda: len(lines(tmp_path / "handled")) >= 20, 30, "some progress")
         environ = dict(os.environ, PYTHONPATH=str(ROOT))
         environ.pop("QUEUE_BROKER_URL", None)
@@ -101,8 +94,8 @@ def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client)
 
     supervisor = Supervisor(config, tmp_path, redis_url)
     try:
-        wait_for(lambda: [p.pid for p in find_supervisors(queue)] == [supervisor.pid], 15,
-                 "the supervisor's title")
+        wait_for(lambda: list(client.scan_iter(match=keys.supervisor("") + "*")), 15,
+                 "the supervisor's record")
         wait_for(lambda: len(lines(tmp_path / "handled")) >= 20, 30, "some progress")
         php_batch(10)  # a mixed fleet for a moment
         environ = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -129,3 +122,42 @@ def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client)
                                   for name in ("total", "success", "processing"))
     assert processing == 0 and success == 300 + len(handled & set(php_ran))
     assert total >= success  # a delivery released at the stop is claimed again: counted twice
+
+
+def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url, client):
+    """Two supervisors of one queue name on two Redis servers: draining one leaves the
+    other running (a title search would find both)."""
+    from tests.servers import RedisServer
+
+    other_server = RedisServer().start()
+    try:
+        queue = f"drain-{uuid.uuid4().hex[:8]}"
+        mine_dir, other_dir = tmp_path / "mine", tmp_path / "other"
+        mine_dir.mkdir()
+        other_dir.mkdir()
+        mine = Supervisor(write_config(mine_dir, redis_url, job={"queue": queue}),
+                          mine_dir, redis_url)
+        other = Supervisor(write_config(other_dir, other_server.url, job={"queue": queue}),
+                           other_dir, other_server.url)
+        keys = QueueKeys(NAMESPACE, queue)
+        for url in (redis_url, other_server.url):
+            connection = redis.Redis.from_url(url)
+            wait_for(lambda c=connection: list(c.scan_iter(match=keys.supervisor("") + "*")),
+                     15, "a record")
+            connection.close()
+        environ = dict(os.environ, PYTHONPATH=str(ROOT))
+        environ.pop("QUEUE_BROKER_URL", None)
+        drained = subprocess.run(
+            [sys.executable, "-m", "supervisor", "drain",
+             str(mine_dir / "job.toml"), "--timeout", "30"],
+            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        )
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        assert f"stopping 1 supervisors of {queue}: pids {mine.pid}" in drained.stdout
+        assert mine.process.poll() == 0
+        assert other.process.poll() is None  # another Redis: not ours to stop
+    finally:
+        for supervisor in (locals().get("mine"), locals().get("other")):
+            if supervisor is not None:
+                supervisor.stop()
+        other_server.close()

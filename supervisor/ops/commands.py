@@ -109,14 +109,19 @@ async def publish(config: Config, args: argparse.Namespace) -> int:
 async def drain(config: Config, args: argparse.Namespace) -> int:
     timeout = args.timeout or config.supervisor.shutdown_deadline + config.supervisor.lease + 15
     deadline = time.monotonic() + timeout
-    found = processes.find_supervisors(config.job.queue)
-    print(f"stopping {len(found)} supervisors of {config.job.queue}"
-          + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
-    _, alive = await asyncio.to_thread(processes.stop, found, timeout)
-    if alive:
-        print(f"still running after {timeout:g}s: pids {', '.join(str(p.pid) for p in alive)}")
-        return EXIT_LEFT
     async with redis_broker(config, "drain") as broker:
+        records = await inspect.supervisors(broker.client, broker.keys, show=MAX_BATCH)
+        found, elsewhere = processes.find_supervisors(
+            config.job.queue, [record["where"] for record in records])
+        print(f"stopping {len(found)} supervisors of {config.job.queue}"
+              + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
+        if elsewhere:
+            print(f"running on other hosts (drain there too): {', '.join(elsewhere)}")
+        _, alive = await asyncio.to_thread(processes.stop, found, timeout)
+        if alive:
+            print(f"still running after {timeout:g}s: pids "
+                  f"{', '.join(str(p.pid) for p in alive)}")
+            return EXIT_LEFT
         recovered, left = await recover_until_empty(broker, deadline)
     print(f"recovered {recovered} deliveries")
     print("\n".join(describe_leftovers(left, config.job.queue)))

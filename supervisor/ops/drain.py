@@ -1,15 +1,23 @@
-"""``drain``: find this host's supervisors of a queue by process title and stop them.
+"""``drain``: find this host's supervisors of a queue through their records and stop them.
 
-A supervisor's title is ``queue-supervisor: <queue> <state> [...]``; its handler processes
-are ``queue-supervisor: <queue> handler <n> ...`` and get no signal of ours: the supervisor
-stops them itself (the same split as systemd's KillMode=mixed).
+Every supervisor keeps a record in its broker, ``supervisors.{q}.<consumer id>`` = "host
+pid" (written at connect, renewed with its deliveries). Drain reads the records of the
+queue in the Redis given, keeps those of this host, and checks each pid's title (a record
+may outlive its process by a lease, and a pid can be reused): only a process titled
+``queue-supervisor: <queue> ...`` is signalled. A supervisor of another Redis that serves a
+queue of the same name is never touched. Handler processes (``queue-supervisor: <queue>
+handler <n> ...``) get no signal of ours: the supervisor stops them itself (the same split
+as systemd's KillMode=mixed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import socket
 import time
+from collections.abc import Iterable
 
 import psutil
 
@@ -31,13 +39,24 @@ def is_supervisor_of(text: str, queue: str) -> bool:
     return text.startswith(prefix) and not text[len(prefix):].startswith("handler ")
 
 
-def find_supervisors(queue: str) -> list[psutil.Process]:
-    """Running supervisors of ``queue`` on this host (never this process)."""
-    found = []
-    for process in psutil.process_iter():
-        if process.pid != psutil.Process().pid and is_supervisor_of(title(process), queue):
-            found.append(process)
-    return found
+def find_supervisors(
+    queue: str, records: Iterable[str]
+) -> tuple[list[psutil.Process], list[str]]:
+    """From the queue's records ("host pid"): this host's running supervisors of ``queue``
+    (never this process), and the records of other hosts (to be drained there)."""
+    here, found, elsewhere = socket.gethostname(), [], []
+    for record in records:
+        host, _, pid = record.rpartition(" ")
+        if host != here:
+            elsewhere.append(record)
+            continue
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(int(pid))
+            if is_supervisor_of(title(process), queue):
+                found.append(process)
+    return found, elsewhere
 
 
 def stop(
