@@ -128,9 +128,10 @@ async def test_shared_consumption_runs_each_message_once(
     tmp_path, nats_server, supervisors, fleet, caplog
 ):
     php = await Queue5NatsWorker(nats_server.url, QUEUE).connect()  # provisions, N3
-    pids = await php_publish(nats_server, [{"n": n, "sleep": 0.002} for n in range(400)])
-    fleet.run(php, pace=0.002)
     supervisor = supervisors(write_config(tmp_path, nats_server.url, job={"prefetch": 20}))
+    await until(lambda: "consuming" in supervisor.output(), 30, "the supervisor")
+    pids = await php_publish(nats_server, [{"n": n, "sleep": 0.002} for n in range(400)])
+    fleet.run(php, pace=0.005)
     everything = set(pids)
     await until(lambda: {p for p, _ in fleet.ran} | set(handled(tmp_path)) >= everything,
                 60, "every message")

@@ -139,6 +139,26 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
     assert [orjson.loads(raw)["pid"] for raw in reversed(ready)] == pids  # order kept
 
 
+async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale(
+    conf, run, redis_client, brokers
+):
+    """A running, idle consumer's empty reservation (its blocking receive) is not a
+    leftover; the same registration past its deadline is."""
+    waiting = await brokers(lease=3)
+    blocked = asyncio.ensure_future(waiting.receive(1, block_timeout=10))
+    async with asyncio.timeout(5):
+        while not await redis_client.zcard(keys().reservations):
+            await asyncio.sleep(0.01)
+    code, out = await run("check", conf)
+    assert code == 0 and out.startswith("ok:"), out
+    [(key, deadline)] = await redis_client.zrange(keys().reservations, 0, -1, withscores=True)
+    await redis_client.zadd(keys().reservations, {key: deadline - 20})  # as if its owner died
+    code, out = await run("check", conf)
+    assert code == 1 and "1 registered reservations" in out
+    waiting.stop_waiting()
+    await blocked
+
+
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
     [pid] = await push(redis_client, {"n": 1})
     dying = await brokers(consumer_id="dying", lease=1)  # claims expire after 1 s

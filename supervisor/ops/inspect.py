@@ -32,7 +32,7 @@ class Found:
 class Leftovers:
     """What a stopped consumer may leave behind: the rollback check reads these."""
 
-    registered: Found  # members of the reservation registry
+    registered: Found  # registered reservations, expired or holding payloads
     lists: Found  # reservation list keys (registered or not)
     owners: Found  # owner records of deliveries
     #: Live heartbeats of the previous format's supervisors (``consumers.{q}.*``): they must
@@ -66,14 +66,32 @@ async def scan_prefix(client: Any, prefix: str, show: int = SHOW) -> Found:
 
 
 async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers:
-    registered = Found(
-        await client.zcard(keys.reservations),
-        [_text(key) for key in await client.zrange(keys.reservations, 0, show - 1)],
-    )
+    registered = await stale_registrations(client, keys, show)
     lists = await scan_prefix(client, keys.reservations + ".", show)
     owners = await scan_prefix(client, keys.owner(""), show)
     previous = await scan_prefix(client, keys.legacy_consumer(""), show)
     return Leftovers(registered, lists, owners, previous)
+
+
+async def stale_registrations(client: Any, keys: QueueKeys, show: int = SHOW) -> Found:
+    """Registered reservations that are leftovers: expired, or holding payloads. An empty
+    one before its deadline is a running consumer's blocking receive (a supervisor's or a
+    PHP worker's), not something left behind."""
+    now_ms = await server_ms(client)
+    found = Found()
+    start = 0
+    while batch := await client.zrange(keys.reservations, start, start + SCAN_COUNT - 1,
+                                       withscores=True):
+        start += len(batch)
+        pipe = client.pipeline(transaction=False)
+        for key, _ in batch:
+            pipe.llen(key)
+        for (key, score), length in zip(batch, await pipe.execute(), strict=True):
+            if length or deadline_in_ms(score) <= now_ms:
+                found.count += 1
+                if len(found.names) < show:
+                    found.names.append(_text(key))
+    return found
 
 
 async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[str, Any]:
