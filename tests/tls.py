@@ -3,8 +3,9 @@
 ``Certificates(directory)`` writes a CA, a server certificate for 127.0.0.1 and localhost,
 a server certificate for another name (for hostname verification), and a client
 certificate (for mutual TLS), all signed by the CA and valid for a day.
-``TlsRedisServer`` listens with TLS only (``--port 0``); ``TlsNatsServer`` requires TLS
-from a config file's ``tls {}`` block. Neither ever touches the machine's own servers.
+``TlsRedisServer`` listens with TLS only (``--port 0``), ``TlsCluster`` is a Redis Cluster
+whose clients and cluster bus use TLS only, ``TlsNatsServer`` requires TLS from a config
+file's ``tls {}`` block. None ever touches the machine's own servers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
+from tests.cluster import ClusterNode, PrivateCluster, cluster_ports
 from tests.servers import NatsServer, RedisServer, nats_server_binary, wait_for_port
 
 #: What the server certificate is valid for: the loopback address and its usual name.
@@ -155,3 +159,64 @@ class TlsNatsServer(NatsServer):
         )
         wait_for_port(self.port)
         return self
+
+
+class TlsClusterNode(ClusterNode):
+    """A cluster node that speaks TLS only, to clients and on its cluster bus."""
+
+    def __init__(self, port: int, directory: Path, certs: Certificates) -> None:
+        super().__init__(port, directory)
+        self.client.close()
+        self.client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10,
+                                   **client_tls(certs))
+        self.certs = certs
+
+    def start(self) -> None:
+        certs = self.certs
+        self.process = subprocess.Popen(
+            [
+                shutil.which("redis-server") or "redis-server", "--port", "0",
+                "--tls-port", str(self.port), "--tls-cluster", "yes",
+                "--tls-cert-file", str(certs.server.cert), "--tls-key-file", str(certs.server.key),
+                "--tls-ca-cert-file", str(certs.ca.cert), "--tls-auth-clients", "no",
+                "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+                "--appendonly", "no", "--cluster-enabled", "yes",
+                "--cluster-config-file", str(self.dir / f"nodes-{self.port}.conf"),
+                "--cluster-node-timeout", "5000", "--logfile", str(self.dir / f"{self.port}.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+
+
+class TlsCluster(PrivateCluster):
+    """Three TLS masters; the bus port of each is its TLS port + 10000."""
+
+    def __init__(self, certs: Certificates) -> None:
+        super().__init__()
+        self.certs = certs
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.nodes[0].port}/0"
+
+    def _start_once(self) -> None:
+        certs = self.certs
+        self.nodes = [TlsClusterNode(port, self.dir, certs) for port in cluster_ports(3)]
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            ["redis-cli", "--tls", "--cacert", str(certs.ca.cert), "--cluster", "create",
+             *(f"127.0.0.1:{node.port}" for node in self.nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, check=True, timeout=30,
+        )
+        self.wait_ok()
+
+
+def client_tls(certs: Certificates, client_cert: bool = True) -> dict[str, str | bool]:
+    """redis-py arguments for a TLS client of the test servers (for setup and checks)."""
+    options: dict[str, str | bool] = {"ssl": True, "ssl_ca_certs": str(certs.ca.cert)}
+    if client_cert:
+        options.update(ssl_certfile=str(certs.client.cert), ssl_keyfile=str(certs.client.key))
+    return options
