@@ -253,3 +253,15 @@ def test_the_supervisor_exits_1_naming_a_refused_certificate(tmp_path, certs):
         assert "IP address mismatch" in supervisor.output()
     finally:
         other.close()
+
+
+async def test_the_demo_publisher_connects_over_mutual_tls(tmp_path, mutual_server, certs):
+    from examples.demo import publish
+
+    tls = {"tls_ca": str(certs.ca.cert), "tls_cert": str(certs.client.cert),
+           "tls_key": str(certs.client.key)}
+    config = write_config(tmp_path, mutual_server.tls_url, broker=tls, nats={"ack_wait": 5.0})
+    totals = await publish(str(config), 5)
+    assert totals["executions"] == 5
+    code, out = await asyncio.to_thread(run, "status", str(config), "--json")
+    assert code == 0 and orjson.loads(out)["ready"] == 5

@@ -207,3 +207,15 @@ def test_an_operator_command_without_the_client_certificate_fails_clearly(
     error = capsys.readouterr().err
     assert error.startswith("error: status failed: cannot reach Redis at rediss://127.0.0.1")
     assert "set [broker] tls_cert and tls_key" in error
+
+
+async def test_the_demo_publisher_connects_over_mutual_tls(tmp_path, mutual_server, certs):
+    from examples.demo import publish
+
+    tls = {"tls_ca": str(certs.ca.cert), "tls_cert": str(certs.client.cert),
+           "tls_key": str(certs.client.key)}
+    config = write_config(tmp_path, mutual_server.url, broker=tls, nats={"ack_wait": 5.0})
+    totals = await publish(str(config), 5)
+    assert totals["executions"] == 5
+    code, out = await asyncio.to_thread(run, "status", str(config), "--json")
+    assert code == 0 and orjson.loads(out)["ready"] == 5
