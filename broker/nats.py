@@ -63,7 +63,7 @@ from broker.base import (
 )
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats_held import Holdings
-from broker.nats_link import RETRYABLE, Link
+from broker.nats_link import RETRYABLE, Link, Unavailable
 from broker.nats_pull import Puller
 from broker.nats_setup import (
     Adopted,
@@ -75,6 +75,8 @@ from broker.nats_setup import (
     read_consumer_policy,
     reread_consumer,
 )
+from broker.nats_tls import tls_options
+from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
 
@@ -121,12 +123,15 @@ class NatsBroker:
         connect_timeout: float = 5.0,
         ping_interval: float = 10.0,
         options: dict[str, Any] | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         """``ack_wait`` and ``max_attempts`` are the settings of a consumer this broker
         creates (MaxDeliver = max_attempts + 1, queue 5's spare delivery); an existing one
         is adopted as it is, and its budget wins. ``namespace`` makes the queue identity
         kept in the stream metadata. ``job_ttl`` (s, 0 = forever) is the max age of dead
-        letters in a dead stream we create. ``options`` go to ``nats.connect``."""
+        letters in a dead stream we create. ``options`` go to ``nats.connect``. ``tls``:
+        with a tls:// URL or any setting, every connection is TLS with these settings
+        (a server that does not start TLS is refused, see ``broker.nats_tls``)."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if ack_wait <= 0:
@@ -146,8 +151,11 @@ class NatsBroker:
             "ping_interval": ping_interval, "max_outstanding_pings": 2,
             # nats.connect retries a refused server itself (60 x 2 s by default) even
             # without reconnects: keep it to a quick second try, our backoff does the rest.
-            "max_reconnect_attempts": 1, "reconnect_time_wait": 0.1, **(options or {}),
+            "max_reconnect_attempts": 1, "reconnect_time_wait": 0.1,
+            **tls_options(url, tls), **(options or {}),
         }
+        self._tls = tls or TlsSettings()
+        self._tls_on = connect_options.get("tls") is not None
         self._link = Link(url, on_pulled=self._puller.on_pulled, prepare=self._prepare,
                           options=connect_options)
         self._held = Holdings()
@@ -182,7 +190,13 @@ class NatsBroker:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def connect(self) -> None:
-        await self._connection(self._connect_timeout)
+        try:
+            await self._connection(self._connect_timeout)
+        except Unavailable as error:
+            hint = self._tls.hint(error.last) if error.last and self._tls_on else ""
+            if not hint:
+                raise
+            raise Unavailable(f"{error}{hint}", last=error.last) from error
 
     async def close(self) -> None:
         """Hand back what arrived but was never returned, then close the connection."""

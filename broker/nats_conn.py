@@ -31,6 +31,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from broker import nats_tls
 from broker.base import BrokerError
 
 log = logging.getLogger("broker.nats")
@@ -75,7 +76,7 @@ class Connection:
         async def error_cb(error: Exception) -> None:
             log.debug("nats client error: %r", error)
 
-        client = await nats.connect(
+        client = await nats_tls.connect(
             url, allow_reconnect=False, closed_cb=closed_cb, error_cb=error_cb, **options
         )
         conn = cls(client, on_pulled)

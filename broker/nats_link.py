@@ -33,7 +33,11 @@ RETRYABLE = (ConnectionLost, RequestTimeout, NotReady)
 
 
 class Unavailable(BrokerError):
-    """No working connection could be made in time."""
+    """No working connection could be made in time; ``last``: the last attempt's error."""
+
+    def __init__(self, message: str, *, last: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.last = last
 
 
 class Link:
@@ -59,6 +63,7 @@ class Link:
         self._checks: set[asyncio.Task[bool]] = set()
         self._closing = False
         self.generation = 0  # how many connections were built so far
+        self.last_error: BaseException | None = None  # of the last failed attempt
 
     @property
     def connection(self) -> Connection | None:
@@ -81,8 +86,12 @@ class Link:
         try:
             return await asyncio.wait_for(asyncio.shield(building), timeout)
         except TimeoutError:
+            last = self.last_error
+            # The reason (a refused certificate, a closed socket) is what an operator needs.
+            reason = f" (last attempt: {_describe(last)})" if last else ""
             raise Unavailable(
-                f"no NATS connection to {self._safe_url()} within {timeout}s"
+                f"no NATS connection to {self._safe_url()} within {timeout}s{reason}",
+                last=last,
             ) from None
 
     def suspect(self, conn: Connection, timeout: float) -> None:
@@ -119,9 +128,11 @@ class Link:
             except Exception as error:  # nats-py raises its own error types for refusals
                 if isinstance(error, BrokerError) and not isinstance(error, RETRYABLE):
                     raise  # a setup error, e.g. settings that differ: retrying cannot help
+                self.last_error = error
                 level = logging.WARNING if attempt == 1 else logging.DEBUG
                 log.log(level, "NATS connect attempt %d failed: %r", attempt, error)
             else:
+                self.last_error = None
                 self._adopt(conn, attempt)
                 return conn
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
@@ -154,6 +165,10 @@ class Link:
     def _safe_url(self) -> str:
         # Never log credentials that may be embedded in the URL.
         return self._url.rsplit("@", 1)[-1]
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _consume_error(task: asyncio.Task[Connection]) -> None:

@@ -51,6 +51,7 @@ from broker.base import (
 from broker.keys import QueueKeys
 from broker.placement import check_placement
 from broker.scripts import Scripts
+from broker.tls import TlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,11 @@ class RedisBroker:
         recovery_age: int = 90000,
         maintenance_interval: float = 5.0,
         max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
+        tls: TlsSettings | None = None,
     ) -> None:
+        """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked)."""
         self.url = url
+        self.tls = tls or TlsSettings()
         self.queue = queue
         self.namespace = namespace
         self.cluster = cluster
@@ -213,6 +217,8 @@ class RedisBroker:
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": CONNECT_TIMEOUT,
         }
+        if urlsplit(self.url).scheme == "rediss":
+            options.update(self.tls.redis_options())
         if self.cluster:
             # The cluster client keeps its retries: they follow failovers. A retried claim
             # is resolved by the ownership check; a retried settle can only turn OK into STALE.
@@ -233,7 +239,10 @@ class RedisBroker:
         try:
             await self.client.ping()
         except _UNREACHABLE as error:
-            raise BrokerError(f"cannot reach Redis at {redact(self.url)}: {error}") from error
+            hint = self.tls.hint(error) if urlsplit(self.url).scheme == "rediss" else ""
+            raise BrokerError(
+                f"cannot reach Redis at {redact(self.url)}: {error}{hint}"
+            ) from error
 
     async def close(self) -> None:
         await self._blocking.aclose()

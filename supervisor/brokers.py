@@ -19,7 +19,7 @@ def make_broker(config: Config) -> Broker:
             cluster=config.broker.cluster, lease=sup.lease, max_attempts=job.max_attempts,
             job_ttl=job.job_ttl, recovery_age=sup.recovery_age,
             maintenance_interval=sup.maintenance_interval,
-            max_envelope_bytes=sup.envelope_limit(),
+            max_envelope_bytes=sup.envelope_limit(), tls=config.broker.tls,
         )
     if scheme in ("nats", "tls"):
         from broker.nats import NatsBroker
@@ -29,5 +29,6 @@ def make_broker(config: Config) -> Broker:
             max_attempts=job.max_attempts, retry_backoff=job.retry_backoff,
             namespace=config.broker.namespace,
             max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
+            tls=config.broker.tls,
         )
     raise ValueError(f"no broker for URL scheme {scheme!r}")

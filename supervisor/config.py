@@ -24,8 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
+from broker.tls import TlsFileError, TlsSettings, check_files
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
 
@@ -33,6 +34,8 @@ from worker.ring import Ring
 ENV_BROKER_URL = "QUEUE_BROKER_URL"
 REDIS_SCHEMES = ("redis", "rediss")
 NATS_SCHEMES = ("nats", "tls")
+#: The TLS keys of [broker] that name files (relative paths: to the job file's folder).
+TLS_FILE_KEYS = ("tls_ca", "tls_cert", "tls_key")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: Old ``[job]`` names still read, with a deprecation warning: old name -> new name.
 LEGACY_KEYS = {"maxCoroutines": "coroutines", "batch": "prefetch"}
@@ -116,10 +119,22 @@ def url_problem(url: str) -> str | None:
     database = parts.path.strip("/")
     if parts.scheme in REDIS_SCHEMES and database and not database.isdigit():
         return f'names database "{database}"; a Redis database is a number'
+    if parts.scheme in REDIS_SCHEMES:
+        # redis-py lets URL parameters override its arguments: an ssl_cert_reqs=none there
+        # would silently turn off what the tls_* keys (and their defaults) ask for.
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        tls_params = [name for name, _ in query if name.startswith("ssl")]
+        if tls_params:
+            return (f"sets {tls_params[0]} in its query; TLS is set with the [broker] "
+                    "tls_* keys (a URL parameter would override them)")
     return None
 
 
 BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)
+# Where the file is and what it holds is checked once the job file's folder is known
+# (relative paths are relative to it): see _tls_files_usable.
+PEM_FILE = Rule("a file path, relative to the job file's folder; empty: none",
+               lambda value: None)
 
 
 def handler_problem(spec: str) -> str | None:
@@ -150,7 +165,8 @@ def setting(default: Any, doc: str, *rules: Rule, same_as: str | None = None) ->
 class BrokerConfig:
     url: str = setting(
         "redis://127.0.0.1:6379/0",
-        f"broker URL: redis://, rediss:// (TLS), nats://, tls://; {ENV_BROKER_URL} overrides",
+        f"broker URL: redis://, rediss:// (TLS), nats://, tls:// (TLS); {ENV_BROKER_URL} "
+        "overrides",
         BROKER_URL,
     )
     namespace: str = setting(
@@ -163,11 +179,31 @@ class BrokerConfig:
     block_timeout: float = setting(
         2.0, "longest a receive blocks on an idle queue (s)", above(0), at_most(60)
     )
+    tls_ca: str = setting(
+        "", "PEM file of the CA certificates that sign the broker's certificate, trusted "
+        "besides the system's; empty: the system's only", PEM_FILE,
+    )
+    tls_cert: str = setting(
+        "", "PEM file of this client's certificate, for servers that require one (mutual "
+        "TLS); needs tls_key", PEM_FILE,
+    )
+    tls_key: str = setting(
+        "", "PEM file of the private key of tls_cert (not encrypted; keep it mode 0600)",
+        PEM_FILE,
+    )
+    tls_verify_hostname: bool = setting(
+        True, "the broker's certificate must name the URL's host; false is UNSAFE: any "
+        "certificate the CA signed is accepted, so its holder can pose as the broker",
+    )
 
     @property
     def kind(self) -> str:
         """``"redis"`` or ``"nats"``: which broker adapter serves this URL."""
         return broker_kind(self.url)
+
+    @property
+    def tls(self) -> TlsSettings:
+        return TlsSettings(self.tls_ca, self.tls_cert, self.tls_key, self.tls_verify_hostname)
 
     @property
     def safe_url(self) -> str:
@@ -177,7 +213,9 @@ class BrokerConfig:
     def __repr__(self) -> str:
         return (
             f"BrokerConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
-            f"cluster={self.cluster!r}, block_timeout={self.block_timeout!r})"
+            f"cluster={self.cluster!r}, block_timeout={self.block_timeout!r}, "
+            f"tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}, "
+            f"tls_verify_hostname={self.tls_verify_hostname!r})"
         )
 
 
@@ -394,7 +432,7 @@ def load(
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConfigError(f"{name}: not UTF-8 text (byte {error.start})") from None
-    return loads(text, name, environ, import_handler)
+    return loads(text, name, environ, import_handler, directory=Path(path).parent)
 
 
 def loads(
@@ -402,14 +440,17 @@ def loads(
     path: str = "<string>",
     environ: Mapping[str, str] = os.environ,
     import_handler: bool = True,
+    directory: str | os.PathLike[str] = ".",
 ) -> Config:
-    """Like ``load`` for TOML text already read; ``path`` names it in messages."""
+    """Like ``load`` for TOML text already read; ``path`` names it in messages, relative
+    file paths (the TLS keys) are relative to ``directory`` (``load``: the file's folder)."""
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
     values = _Values(path)
     values.read(document)
+    values.resolve_files(Path(directory))
     values.override_url(environ)
     values.cross_check()
     if import_handler:
@@ -501,6 +542,14 @@ class _Values:
             if key.name not in values and key.default is not REQUIRED:
                 values[key.name] = self[_qualified(key)] if key.same_as else key.default
 
+    def resolve_files(self, directory: Path) -> None:
+        """Make file paths absolute, relative ones from ``directory``: the supervisor and
+        the operator commands then find the same files from any working directory."""
+        broker = self.by_section["broker"]
+        for name in TLS_FILE_KEYS:
+            if broker[name]:
+                broker[name] = str(directory.absolute() / Path(broker[name]).expanduser())
+
     def override_url(self, environ: Mapping[str, str]) -> None:
         url = environ.get(ENV_BROKER_URL, "")
         if not url:
@@ -589,6 +638,43 @@ def _ack_wait_covers_renewal(values: _Values) -> str | None:
     )
 
 
+def _tls_keys_need_tls_url(values: _Values) -> str | None:
+    url = values["broker.url"]
+    if urlsplit(url).scheme != "redis":
+        return None  # rediss:// is TLS; on NATS the keys make nats:// require TLS
+    tls = _tls_of(values)
+    if not tls.configured:
+        return None
+    first = next(name for name in (*TLS_FILE_KEYS, "tls_verify_hostname")
+                 if values[f"broker.{name}"] != _key(f"broker.{name}").default)
+    return (
+        f"[broker] {first} is a TLS setting but {values.label('broker', 'url')} = "
+        f"{_show(url)} is plain TCP; write rediss:// to connect with TLS"
+    )
+
+
+def _tls_cert_with_key(values: _Values) -> str | None:
+    cert, key = values["broker.tls_cert"], values["broker.tls_key"]
+    if bool(cert) == bool(key):
+        return None
+    given, missing = ("tls_cert", "tls_key") if cert else ("tls_key", "tls_cert")
+    return f"[broker] {given} is set without {missing}: mutual TLS needs both"
+
+
+def _tls_files_usable(values: _Values) -> str | None:
+    try:
+        check_files(_tls_of(values))
+    except TlsFileError as error:
+        name = f"tls_{error.field}"
+        return f"[broker] {name} = {_show(values[f'broker.{name}'])} {error.problem}"
+    return None
+
+
+def _tls_of(values: _Values) -> TlsSettings:
+    return TlsSettings(values["broker.tls_ca"], values["broker.tls_cert"],
+                       values["broker.tls_key"], values["broker.tls_verify_hostname"])
+
+
 CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck("`[job] prefetch` >= `[job] coroutines`", _prefetch_covers_coroutines),
     CrossCheck(
@@ -600,6 +686,16 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     ),
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
+    ),
+    CrossCheck(
+        "`[broker] tls_*` keys with a Redis URL need rediss:// (with redis:// they are an "
+        "error, not an upgrade), with a NATS URL they make TLS required (for nats:// too)",
+        _tls_keys_need_tls_url,
+    ),
+    CrossCheck("`tls_cert` and `tls_key` are set together", _tls_cert_with_key),
+    CrossCheck(
+        "every TLS file set is a readable PEM file (the key unencrypted and matching the "
+        "certificate)", _tls_files_usable,
     ),
 )
 

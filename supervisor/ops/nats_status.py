@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import nats
 from nats.js.errors import NotFoundError
 
+from broker import nats_tls
+from broker.base import BrokerError
 from broker.nats_setup import QueueNames, read_consumer_policy
+from broker.nats_tls import tls_options
 from supervisor.config import Config
 
 CONNECT_TIMEOUT = 5.0
@@ -19,10 +21,18 @@ CONNECT_TIMEOUT = 5.0
 
 async def queue_status(config: Config) -> dict[str, Any]:
     names = QueueNames.of(config.job.queue)
-    client = await nats.connect(
-        config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
-        name=f"queue-supervisor status {config.job.queue}",
-    )
+    tls = config.broker.tls
+    options = tls_options(config.broker.url, tls)
+    try:
+        client = await nats_tls.connect(
+            config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
+            name=f"queue-supervisor status {config.job.queue}", error_cb=_quiet, **options,
+        )
+    except Exception as error:  # whatever nats-py raises: say where, and why if we know
+        hint = tls.hint(error) if options else ""
+        raise BrokerError(
+            f"cannot reach NATS at {config.broker.safe_url}: {_describe(error)}{hint}"
+        ) from error
     try:
         js = client.jetstream()
         work = await _stream(js, names.stream)
@@ -56,6 +66,14 @@ async def _consumer(js: Any, names: QueueNames) -> Any:
         return await js.consumer_info(names.stream, names.consumer)
     except NotFoundError:
         return None
+
+
+async def _quiet(error: Exception) -> None:
+    """nats-py's default logs each error with a traceback; the command reports it once."""
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _consumer_settings(consumer: Any, max_attempts: int) -> dict[str, Any] | None:
