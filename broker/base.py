@@ -170,6 +170,9 @@ class Broker(Protocol):
         """A stop began: a receive blocked on an idle queue returns now, and none blocks
         again. Never loses what a blocking wait had taken."""
 
+    async def oldest_ready_age(self) -> float | None:
+        """Seconds the next message waiting to be received has waited (None: none)."""
+
     async def maintain(self) -> MaintenanceReport:
         """Recover work that dead consumers left behind (bounded work per call)."""
 

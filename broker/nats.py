@@ -37,8 +37,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import datetime
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,6 +211,16 @@ class NatsBroker:
     def stop_waiting(self) -> None:
         """A stop began: a receive waiting on an idle queue returns now (see Puller)."""
         self._puller.stop_waiting()
+
+    async def oldest_ready_age(self) -> float | None:
+        """Seconds since the oldest message still in the work stream was stored (it may be
+        in flight: JetStream keeps it until acknowledged). None: the stream is empty."""
+        info = await self._api(f"$JS.API.STREAM.INFO.{self._names.stream}", {})
+        state = info.get("state") or {}
+        if not state.get("messages") or not state.get("first_ts"):
+            return None
+        first = datetime.datetime.fromisoformat(state["first_ts"].replace("Z", "+00:00"))
+        return max(0.0, time.time() - first.timestamp())
 
     async def maintain(self) -> MaintenanceReport:
         """Dead-letter what the max-deliveries advisories named (JetStream redelivers the rest)."""

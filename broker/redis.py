@@ -502,6 +502,17 @@ class RedisBroker:
                 owned += [flag == 1 for flag in reply]
         return owned
 
+    async def oldest_ready_age(self) -> float | None:
+        """Seconds since the next message to be received was published (None: none)."""
+        async with _broker_errors("oldest ready"):
+            raw = await self.client.lindex(self.keys.ready, -1)
+        if raw is None:
+            return None
+        try:
+            return max(0.0, time.time() - envelope.decode(raw, None)["timestamp"])
+        except (envelope.MalformedEnvelope, TypeError):
+            return None
+
     async def maintain(self, *, force: bool = False) -> MaintenanceReport:
         """One bounded recovery sweep when the fleet's reap lock allows (``force``: now)."""
         from broker import recovery

@@ -118,7 +118,7 @@ class Arbiter:
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
-                self.keepalive_loop(),
+                self.keepalive_loop(), self.progress_loop(),
             )
         ]
         await self.stop_requested.wait()
@@ -172,6 +172,21 @@ class Arbiter:
         starts with the service's start-up completed)."""
         await self.ready.wait()
         await systemd.keepalive(self.notifier, self.status_text)
+
+    async def progress_loop(self) -> None:
+        """An info line now and then: what a person tailing the log wants to know."""
+        period = self.config.supervisor.progress_interval
+        while period and not self.closed:
+            await asyncio.sleep(period)
+            try:
+                age = await self.broker.oldest_ready_age()
+            except (BrokerError, OSError) as error:
+                oldest = f"unknown ({error})"
+            else:
+                oldest = "none waiting" if age is None else f"{age:.1f}s"
+            log.info("progress: %.1f jobs/s, %s; outstanding %d/%d; oldest ready %s",
+                     self.metrics.throughput.per_second(), self.metrics.summary(),
+                     self.buffer.outstanding, self.buffer.prefetch, oldest)
 
     def status_text(self) -> str:
         return systemd.status_text(
@@ -579,8 +594,9 @@ class Arbiter:
             # which tells `status` that this supervisor is gone.
             await self.broker.abandon([entry.delivery for entry in self.buffer])
             await self.broker.close()
-        log.info("stopped after %.1fs", self.config.supervisor.shutdown_deadline
-                 - (deadline - time.monotonic()))
+        log.info("stopped after %.1fs: %s; %d handed to recovery",
+                 self.config.supervisor.shutdown_deadline - (deadline - time.monotonic()),
+                 self.metrics.summary(), owned)
 
     def release_waiting(self) -> None:
         for entry in self.buffer.take_waiting():

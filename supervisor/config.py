@@ -271,6 +271,10 @@ class SupervisorConfig:
         5.0, "seconds between recovery sweeps (on Redis the expiry of the fleet's reap lock, "
         "shared with PHP workers)", above(0),
     )
+    progress_interval: float = setting(
+        60.0, "seconds between progress lines in the log (rate, counts, outstanding, age of "
+        "the oldest ready message); 0 = none", at_least(0),
+    )
     recovery_age: int = setting(
         90000,
         "publish age (s) after which owner-less processing entries (legacy consumers) "

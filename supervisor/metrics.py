@@ -13,6 +13,7 @@ counts per batch, so the cost per message stays small.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections import deque
@@ -49,10 +50,12 @@ class Throughput:
 
 
 class Metrics:
-    """Disabled metrics: every call is a no-op except the throughput (systemd STATUS)."""
+    """Disabled metrics: no endpoint, only the throughput (systemd STATUS) and the running
+    counts the progress and stop lines print."""
 
     def __init__(self) -> None:
         self.throughput = Throughput()
+        self.counts: collections.Counter[str] = collections.Counter()
 
     @property
     def enabled(self) -> bool:
@@ -60,20 +63,32 @@ class Metrics:
 
     def received(self, n: int) -> None:
         """``n`` deliveries were claimed."""
+        self.counts["received"] += n
 
     def settled(self, action: Action | str, n: int = 1) -> None:
         """``n`` settlements of ``action`` (commit, reject, release) were confirmed."""
-        if Action(action) is not Action.RELEASE:
+        action = Action(action)
+        self.counts[action.value] += n
+        if action is not Action.RELEASE:
             self.throughput.add(n)
 
     def uncertain(self, n: int = 1) -> None:
         """``n`` settlements were sent but their reply was lost."""
+        self.counts["uncertain"] += n
 
     def stale(self, n: int = 1) -> None:
         """``n`` settlements found the delivery recovered by another consumer."""
+        self.counts["stale"] += n
 
     def malformed(self, n: int = 1) -> None:
         """``n`` messages could not be decoded and went to poison."""
+        self.counts["malformed"] += n
+
+    def summary(self) -> str:
+        """The running counts as the progress and stop lines print them."""
+        c = self.counts
+        return (f"{c['commit']} done, {c['reject']} failed, {c['release']} released, "
+                f"{c['malformed']} malformed, {c['uncertain']} uncertain, {c['stale']} stale")
 
     def child_restart(self) -> None:
         """A handler process died unexpectedly and was replaced."""
@@ -157,6 +172,7 @@ class PrometheusMetrics(Metrics):
         ).labels(queue)
 
     def received(self, n: int) -> None:
+        super().received(n)
         self._received.inc(n)
 
     def settled(self, action: Action | str, n: int = 1) -> None:
@@ -164,12 +180,15 @@ class PrometheusMetrics(Metrics):
         self._settled[Action(action)].inc(n)
 
     def uncertain(self, n: int = 1) -> None:
+        super().uncertain(n)
         self._uncertain.inc(n)
 
     def stale(self, n: int = 1) -> None:
+        super().stale(n)
         self._stale.inc(n)
 
     def malformed(self, n: int = 1) -> None:
+        super().malformed(n)
         self._malformed.inc(n)
 
     def child_restart(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 import signal
 import time
 from pathlib import Path
@@ -332,3 +333,24 @@ def test_extreme_envelopes_neither_stop_receiving_nor_reach_a_handler_wrongly(
     assert started["big-attempts"] == "4294967296"
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0
+
+
+def test_progress_lines_and_the_stop_line_say_what_happened(tmp_path, redis_url, client, start):
+    pids = publish(client, [{"n": n, "sleep": 0.05} for n in range(30)]
+                   + [{"fail": True}])
+    config = write_config(tmp_path, redis_url, job={"prefetch": 2, "max_attempts": 1},
+                          supervisor={"progress_interval": 0.3})
+    supervisor = start(config)
+    wait_for(lambda: "progress:" in supervisor.output(), 15, "a progress line")
+    wait_for(lambda: len(handled(tmp_path)) == len(pids) - 1, 30, "all messages")
+    wait_for(lambda: "oldest ready none waiting" in supervisor.output(), 10, "an idle line")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+    messages = [orjson.loads(line)["message"] for line in supervisor.output().splitlines()
+                if line.startswith("{")]
+    progress = [m for m in messages if m.startswith("progress:")]
+    assert any(re.search(r"oldest ready \d+\.\ds$", m) for m in progress)  # a backlog
+    assert re.search(r"jobs/s, \d+ done, \d+ failed, 0 released", progress[0])
+    [stopped] = [m for m in messages if m.startswith("stopped after")]
+    assert "30 done, 1 failed, 0 released, 0 malformed" in stopped
+    assert stopped.endswith("0 handed to recovery")
