@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from broker.base import BrokerError
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
+from broker.urls import redact
 
 log = logging.getLogger("broker.nats")
 
@@ -82,7 +83,7 @@ class Link:
             return await asyncio.wait_for(asyncio.shield(building), timeout)
         except TimeoutError:
             raise Unavailable(
-                f"no NATS connection to {self._safe_url()} within {timeout}s"
+                f"no NATS connection to {redact(self._url)} within {timeout}s"
             ) from None
 
     def suspect(self, conn: Connection, timeout: float) -> None:
@@ -150,10 +151,6 @@ class Link:
         if not self._closing:
             log.warning("NATS connection %d closed; building a new one", self.generation)
             self._start_building()
-
-    def _safe_url(self) -> str:
-        # Never log credentials that may be embedded in the URL.
-        return self._url.rsplit("@", 1)[-1]
 
 
 def _consume_error(task: asyncio.Task[Connection]) -> None:

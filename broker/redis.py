@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -51,6 +51,7 @@ from broker.base import (
 from broker.keys import QueueKeys
 from broker.placement import check_placement
 from broker.scripts import Scripts
+from broker.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +143,6 @@ class _ClaimPlan:
 def default_consumer_id() -> str:
     """``<hostname>-<pid>-<6 random hex>``: names this supervisor's informational record."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def redact(url: str) -> str:
-    """The URL without its password, fit for error messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
 
 
 def has_hash_tag(namespace: str) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from broker.urls import redact
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
 
@@ -656,16 +657,6 @@ def hash_tag(name: str) -> str | None:
     if opening < 0 or closing <= opening + 1:
         return None
     return name[opening + 1 : closing]
-
-
-def redact(url: str) -> str:
-    """Hide the password (or a bare token) of a URL's user part."""
-
-    def hide(match: re.Match[str]) -> str:
-        user, colon, _ = match.group(1).partition(":")
-        return f"//{user}:***@" if colon else "//***@"
-
-    return re.sub(r"//([^/@]*)@", hide, url)
 
 
 def _show(value: Any) -> str:
