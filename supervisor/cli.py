@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     setup_logging(config)
     for warning in config.warnings:
-        log.warning("%s", warning)
+        log.warning("%s", logs.Explanation(warning))
     return run(config)
 
 

@@ -289,7 +289,7 @@ def main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     logs.setup(config.supervisor.log_level)
     for warning in config.warnings:
-        log.warning("%s", warning)
+        log.warning("%s", logs.Explanation(warning))
     command, _ = COMMANDS[args.command]
     try:
         return asyncio.run(command(config, args))
