@@ -29,7 +29,12 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import (
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
@@ -39,6 +44,7 @@ from broker.base import (
     MAX_BATCH,
     Action,
     BrokerError,
+    BrokerRefused,
     Delivery,
     MaintenanceReport,
     Outcome,
@@ -63,6 +69,12 @@ CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutE
 _CLUSTER_ERRORS = (
     redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
     redis.exceptions.RedisClusterException,
+)
+
+#: What a connect raises when the server refuses this client's credentials or permissions.
+_REFUSALS = (
+    redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
+    redis.exceptions.AuthenticationWrongNumberOfArgsError, redis.exceptions.NoPermissionError,
 )
 
 #: What a failed connect raises (the cluster client has its own exception family).
@@ -221,8 +233,25 @@ class RedisBroker:
             check_placement(self.keys)
         try:
             await self.client.ping()
+        except _REFUSALS as error:
+            raise BrokerRefused(self._refusal(error)) from error
         except _UNREACHABLE as error:
+            # SELECT of a database the server lacks: "DB index is out of range".
+            if isinstance(error, redis.exceptions.ResponseError) and "DB index" in str(error):
+                database = parse_url(self.url).get("db", 0)
+                raise BrokerRefused(
+                    f"Redis at {redact(self.url)} has no database {database} ({error}): a "
+                    "server has `databases` of them, 16 by default, numbered from 0"
+                ) from error
             raise BrokerError(f"cannot reach Redis at {redact(self.url)}: {error}") from error
+
+    def _refusal(self, error: Exception) -> str:
+        where = f"Redis at {redact(self.url)}"
+        if isinstance(error, redis.exceptions.NoPermissionError):
+            return f"{where} refused a command to this URL's user ({error}): grant it in its ACL"
+        if not parse_url(self.url).get("password"):
+            return f"{where} requires a password, and the URL gives none ({error})"
+        return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
         await self._blocking.aclose()

@@ -29,6 +29,7 @@ _URL_IN_TEXT = re.compile(_SCHEME + r"\S*")
 #: In a list of servers (``nats://a@h1,nats://b@h2``) each URL starts after a comma.
 _NEXT_URL = re.compile(r",(?=" + _SCHEME + ")")
 _QUERY_PARAMETER = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
+_ALREADY_HIDDEN = re.compile(re.escape(HIDDEN) + r"[:,.)'\"\]]*")
 
 
 def redact(text: str) -> str:
@@ -61,7 +62,9 @@ def _hidden_userinfo(userinfo: str) -> str:
 
 
 def _hide_secret_parameter(match: re.Match[str]) -> str:
-    separator, name, _ = match.groups()
-    if any(word in name.lower() for word in SECRET_QUERY_WORDS):
-        return f"{separator}{name}={HIDDEN}"
-    return match.group()
+    separator, name, value = match.groups()
+    if not any(word in name.lower() for word in SECRET_QUERY_WORDS):
+        return match.group()
+    if _ALREADY_HIDDEN.fullmatch(value):  # redacted before, then followed by ": ..." in text
+        return match.group()
+    return f"{separator}{name}={HIDDEN}"

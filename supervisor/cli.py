@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load(args.config)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(logs.error_line(error), file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config)
     for warning in config.warnings:
@@ -86,8 +86,9 @@ def run(config: Config) -> int:
         recorder = start_metrics(config)  # a thread: only now that the fork server exists
     except OSError as error:
         forkserver.stop()
-        print(f"error: {config.path}: [supervisor] metrics_port = "
-              f"{config.supervisor.metrics_port} cannot be served: {error}", file=sys.stderr)
+        print(logs.error_line(f"{config.path}: [supervisor] metrics_port = "
+                              f"{config.supervisor.metrics_port} cannot be served: {error}"),
+              file=sys.stderr)
         return EXIT_CONFIG
     try:
         broker = make_broker(config)

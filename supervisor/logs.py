@@ -68,6 +68,11 @@ def clean(text: str, limit: int = MAX_FIELD) -> str:
     return f"{shown[:limit]}...[cut: {len(text)} characters]"
 
 
+def error_line(text: object) -> str:
+    """``error: ...`` for stderr, as one safe line: URLs redacted, unsafe characters escaped."""
+    return "error: " + clean(redact(str(text)), MAX_MESSAGE)
+
+
 def _escaped(match: re.Match[str]) -> str:
     code = ord(match.group())
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"

@@ -112,6 +112,18 @@ async def test_status_json_reports_the_queue_state(conf, run, redis_client, brok
     assert "processing    2 (owner records: 2)" in text and "worker-a  " in text
 
 
+async def test_status_text_escapes_what_it_shows_from_the_broker(conf, run, redis_client,
+                                                                 brokers):
+    await redis_client.lpush(keys().ready, b'{"pid":"\x1b[2J\r\nforged","x":"' + b"y" * 500
+                             + b'"}')
+    await (await brokers()).reserve(1, block_timeout=0)
+    code, text = await run("status", conf)
+    assert code == 0 and "\x1b" not in text and "\r" not in text
+    [shown] = [line for line in text.splitlines() if "forged" in line]
+    assert '{"pid":"\\x1b[2J\\x0d\\x0aforged"' in shown and "...[cut: 5" in shown
+    assert len(shown) < 200
+
+
 # -- check and recover ------------------------------------------------------------------------
 
 

@@ -56,6 +56,11 @@ def test_urls_inside_text_are_redacted_and_the_rest_is_kept():
                             "and redis://h/0?password=*** for user@example.com")
 
 
+def test_redacting_a_message_again_keeps_its_punctuation():
+    message = f"cannot reach Redis at {redact(f'redis://h/0?password={SECRET}')}: refused"
+    assert redact(message) == message == "cannot reach Redis at redis://h/0?password=***: refused"
+
+
 def test_text_without_a_url_is_unchanged():
     for text in ("", "plain words", "user@example.com", "a:b@c", "utopia-queue"):
         assert redact(text) == text

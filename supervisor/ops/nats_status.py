@@ -11,6 +11,7 @@ from typing import Any
 import nats
 from nats.js.errors import NotFoundError
 
+from broker.nats_conn import quiet_error, refusal
 from broker.nats_setup import QueueNames, read_consumer_policy
 from supervisor.config import Config
 
@@ -19,10 +20,16 @@ CONNECT_TIMEOUT = 5.0
 
 async def queue_status(config: Config) -> dict[str, Any]:
     names = QueueNames.of(config.job.queue)
-    client = await nats.connect(
-        config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
-        name=f"queue-supervisor status {config.job.queue}",
-    )
+    try:
+        client = await nats.connect(
+            config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
+            name=f"queue-supervisor status {config.job.queue}", error_cb=quiet_error,
+        )
+    except Exception as error:
+        refused = refusal(config.broker.url, error)
+        if refused is not None:
+            raise refused from error
+        raise
     try:
         js = client.jetstream()
         work = await _stream(js, names.stream)
