@@ -25,7 +25,7 @@ from supervisor import logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
 from supervisor.ops import inspect
-from supervisor.ops.publish import InputError, publish_all, read_payloads
+from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
 
@@ -98,7 +98,7 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
 
 async def publish(config: Config, args: argparse.Namespace) -> int:
     try:
-        payloads = read_input(args.file)
+        payloads = read_input(args.file, envelope_limit(config))
     except (InputError, OSError) as error:
         print(logs.error_line(error), file=sys.stderr)
         return EXIT_USAGE
@@ -212,11 +212,21 @@ def _record_expiry(ms: int) -> str:
 # -- plumbing ---------------------------------------------------------------------------------
 
 
-def read_input(file: str | None) -> list[dict[str, Any]]:
+def read_input(file: str | None, limit: SizeLimit | None = None) -> list[dict[str, Any]]:
     if file in (None, "-"):
-        return read_payloads(sys.stdin.buffer, "<stdin>")
+        return read_payloads(sys.stdin.buffer, "<stdin>", limit)
     with open(file, "rb") as lines:
-        return read_payloads(lines, file)
+        return read_payloads(lines, file, limit)
+
+
+def envelope_limit(config: Config) -> SizeLimit:
+    """What the job's supervisors accept (``SupervisorConfig.envelope_limit``), and why."""
+    sup = config.supervisor
+    source = (f"[supervisor] max_envelope_bytes = {sup.max_envelope_bytes}"
+              if sup.max_envelope_bytes else
+              f"half a handler's ring: [supervisor] ring_slot_size * ring_slots / 2 = "
+              f"{sup.ring_slot_size} * {sup.ring_slots} / 2, less the record header")
+    return SizeLimit(config.job.queue, sup.envelope_limit(), source)
 
 
 def redis_broker(config: Config, command: str) -> contextlib.AbstractAsyncContextManager[Any]:
