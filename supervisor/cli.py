@@ -59,13 +59,17 @@ def setup_logging(config: Config) -> None:
 def run(config: Config) -> int:
     from supervisor.arbiter import Arbiter
     from supervisor.brokers import make_broker
-    from supervisor.slots import make_slots
+    from supervisor.slots import RingMemoryError, make_slots
     from worker.forkserver import ForkServer
 
     handler_module = importlib.import_module(split_handler(config.job.handler)[0])
-    slots = make_slots(
-        config.job.coroutines, config.supervisor.ring_slots, config.supervisor.ring_slot_size
-    )
+    sup = config.supervisor
+    try:
+        slots = make_slots(config.job.coroutines, sup.ring_slots, sup.ring_slot_size)
+    except RingMemoryError as error:
+        print(logs.error_line(f"{config.path}: {error}; lower [supervisor] ring_slots or "
+                              "ring_slot_size, or [job] coroutines"), file=sys.stderr)
+        return EXIT_CONFIG
 
     def handler_process(index: int) -> NoReturn:
         from worker.runner import run as run_handler

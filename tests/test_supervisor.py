@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import resource
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +16,9 @@ import psutil
 import pytest
 import redis
 
+from tests.servers import environ_without_broker
 from tests.supervision import (
+    ROOT,
     counter,
     keys,
     lines,
@@ -233,6 +238,37 @@ def test_bad_configuration_exits_2_and_consumes_nothing(
     output = supervisor.output()
     assert expected in output and str(config) in output
     assert len(output.strip().splitlines()) == 1, output
+    assert client.llen(keys().ready) == 1 and outstanding(client) == 0
+
+
+@pytest.mark.parametrize(
+    ("supervisor_keys", "address_space", "expected"),
+    [
+        ({"ring_slots": 2**40}, None, "ring_slot_size * ring_slots = 256 * 1099511627776"),
+        # 4 handlers x 2 rings of 512 MiB under a 2 GiB address-space limit: mmap fails.
+        ({"ring_slot_size": 65536, "ring_slots": 8192}, 2 * 2**30,
+         "the handler rings need 4,294,969,344 bytes of shared memory"),
+    ],
+)
+def test_rings_too_large_exit_2_with_one_line(
+    tmp_path, redis_url, client, supervisor_keys, address_space, expected
+):
+    publish(client, [{"n": 1}])
+    config = write_config(tmp_path, redis_url, job={"coroutines": 4},
+                          supervisor=supervisor_keys)
+
+    def limit_memory() -> None:
+        if address_space:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", str(config)], cwd=ROOT, capture_output=True,
+        text=True, timeout=60, preexec_fn=limit_memory,
+        env=dict(environ_without_broker(), PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"error: {config}: ") and expected in done.stderr
     assert client.llen(keys().ready) == 1 and outstanding(client) == 0
 
 
