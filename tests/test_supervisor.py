@@ -16,8 +16,10 @@ import psutil
 import pytest
 import redis
 
+from broker import envelope
 from tests.servers import environ_without_broker
 from tests.supervision import (
+    QUEUE,
     ROOT,
     counter,
     keys,
@@ -168,6 +170,25 @@ def test_failing_handler_is_rejected_by_policy_and_malformed_never_reaches_it(
     assert not any("not json" in line or "array\\\"]" in line for line in malformed)
     assert any("invalid JSON" in line for line in malformed)
     assert any("array" in line for line in malformed)
+
+
+def test_a_hostile_pid_leaves_short_safe_log_lines(tmp_path, redis_url, client, start):
+    # Terminal escapes, a forged record after CR/LF, 100 KB: the handler's error repeats it.
+    pid = "\x1b[2J\x1b[H" + "p\r\n2026-01-01 ERROR supervisor[1]: forged " + "x" * 100_000
+    client.lpush(keys().ready, envelope.build(QUEUE, {"fail": True}, pid=pid)[1])
+    supervisor = start(write_config(tmp_path, redis_url, job={"max_attempts": 1}))
+    wait_for(lambda: client.lrange(keys().failed, 0, -1) == [pid.encode()], 20,
+             "the message to fail")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+    output = supervisor.output()
+    assert "\x1b" not in output and "\r" not in output
+    records = [orjson.loads(line) for line in output.splitlines()]  # no forged line
+    [failed] = [r for r in records if "failed: RuntimeError: asked to fail" in r["message"]]
+    assert "(job \\x1b[2J\\x1b[Hp\\x0d\\x0a2026-01-01 ERROR" in failed["message"]
+    assert "...[cut: 100" in failed["message"]
+    for line in output.splitlines():
+        assert len(line) < 2000, line[:300]
 
 
 def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
