@@ -23,6 +23,12 @@ class BrokerError(Exception):
     """A broker operation failed; the message says which and why."""
 
 
+class BrokerRefused(BrokerError):
+    """The broker answered and refused this client: wrong or missing credentials, no
+    permission, or a setting of the URL it cannot serve (a database number it lacks).
+    Trying again with the same configuration cannot help."""
+
+
 class WrongTypeError(BrokerError):
     """A queue key holds the wrong Redis type or a counter is not an integer.
 

@@ -28,11 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker import nats_tls
-from broker.base import BrokerError
+from broker.base import BrokerError, BrokerRefused
+from broker.urls import redact
 
 log = logging.getLogger("broker.nats")
 
@@ -47,6 +49,28 @@ class ConnectionLost(BrokerError):
 
 class RequestTimeout(BrokerError):
     """No reply within the timeout: the request may or may not have been applied."""
+
+
+#: How nats-server words a refused CONNECT: bad or missing user, password, token or nkey.
+_REFUSED_CONNECT = ("authorization violation", "authentication")
+
+
+def refusal(url: str, error: BaseException) -> BrokerRefused | None:
+    """The refusal that ``error``, raised by ``nats.connect(url)``, is, or None.
+
+    nats-py raises a plain ``nats.errors.Error`` carrying the server's ``-ERR`` text.
+    """
+    if isinstance(error, nats.errors.Error) and any(
+        words in str(error).lower() for words in _REFUSED_CONNECT
+    ):
+        return BrokerRefused(f"NATS at {redact(url)} refused the connection ({error}): wrong "
+                             "or missing user, password or token")
+    return None
+
+
+async def quiet_error(error: Exception) -> None:
+    """nats-py's default error callback prints a traceback; the caller reports instead."""
+    log.debug("nats client error: %r", error)
 
 
 class Connection:
@@ -66,19 +90,23 @@ class Connection:
     async def open(
         cls, url: str, on_pulled: Callable[[Msg], None], **options: Any
     ) -> Connection:
-        """Connect and subscribe the inbox; raises whatever nats-py raises on failure."""
+        """Connect and subscribe the inbox; raises ``BrokerRefused`` when the server refuses
+        the credentials, otherwise whatever nats-py raises."""
         holder: list[Connection] = []
 
         async def closed_cb() -> None:
             if holder:
                 holder[0]._finish("connection closed")
 
-        async def error_cb(error: Exception) -> None:
-            log.debug("nats client error: %r", error)
-
-        client = await nats_tls.connect(
-            url, allow_reconnect=False, closed_cb=closed_cb, error_cb=error_cb, **options
-        )
+        try:
+            client = await nats_tls.connect(
+                url, allow_reconnect=False, closed_cb=closed_cb, error_cb=quiet_error, **options
+            )
+        except Exception as error:
+            refused = refusal(url, error)
+            if refused is not None:
+                raise refused from error  # final: the link does not retry a BrokerError
+            raise
         conn = cls(client, on_pulled)
         holder.append(conn)
         try:

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from broker.base import BrokerError
 from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
+from broker.urls import redact
 
 log = logging.getLogger("broker.nats")
 
@@ -90,7 +91,7 @@ class Link:
             # The reason (a refused certificate, a closed socket) is what an operator needs.
             reason = f" (last attempt: {_describe(last)})" if last else ""
             raise Unavailable(
-                f"no NATS connection to {self._safe_url()} within {timeout}s{reason}",
+                f"no NATS connection to {redact(self._url)} within {timeout}s{reason}",
                 last=last,
             ) from None
 
@@ -161,10 +162,6 @@ class Link:
         if not self._closing:
             log.warning("NATS connection %d closed; building a new one", self.generation)
             self._start_building()
-
-    def _safe_url(self) -> str:
-        # Never log credentials that may be embedded in the URL.
-        return self._url.rsplit("@", 1)[-1]
 
 
 def _describe(error: BaseException) -> str:

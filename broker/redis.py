@@ -24,12 +24,17 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import (
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
@@ -39,6 +44,7 @@ from broker.base import (
     MAX_BATCH,
     Action,
     BrokerError,
+    BrokerRefused,
     Delivery,
     MaintenanceReport,
     Outcome,
@@ -52,6 +58,7 @@ from broker.keys import QueueKeys
 from broker.placement import check_placement
 from broker.scripts import Scripts
 from broker.tls import TlsSettings
+from broker.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,12 @@ CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutE
 _CLUSTER_ERRORS = (
     redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
     redis.exceptions.RedisClusterException,
+)
+
+#: What a connect raises when the server refuses this client's credentials or permissions.
+_REFUSALS = (
+    redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
+    redis.exceptions.AuthenticationWrongNumberOfArgsError, redis.exceptions.NoPermissionError,
 )
 
 #: What a failed connect raises (the cluster client has its own exception family).
@@ -143,16 +156,6 @@ class _ClaimPlan:
 def default_consumer_id() -> str:
     """``<hostname>-<pid>-<6 random hex>``: names this supervisor's informational record."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def redact(url: str) -> str:
-    """The URL without its password, fit for error messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
 
 
 def has_hash_tag(namespace: str) -> bool:
@@ -238,11 +241,28 @@ class RedisBroker:
             check_placement(self.keys)
         try:
             await self.client.ping()
+        except _REFUSALS as error:
+            raise BrokerRefused(self._refusal(error)) from error
         except _UNREACHABLE as error:
+            # SELECT of a database the server lacks: "DB index is out of range".
+            if isinstance(error, redis.exceptions.ResponseError) and "DB index" in str(error):
+                database = parse_url(self.url).get("db", 0)
+                raise BrokerRefused(
+                    f"Redis at {redact(self.url)} has no database {database} ({error}): a "
+                    "server has `databases` of them, 16 by default, numbered from 0"
+                ) from error
             hint = self.tls.hint(error) if urlsplit(self.url).scheme == "rediss" else ""
             raise BrokerError(
                 f"cannot reach Redis at {redact(self.url)}: {error}{hint}"
             ) from error
+
+    def _refusal(self, error: Exception) -> str:
+        where = f"Redis at {redact(self.url)}"
+        if isinstance(error, redis.exceptions.NoPermissionError):
+            return f"{where} refused a command to this URL's user ({error}): grant it in its ACL"
+        if not parse_url(self.url).get("password"):
+            return f"{where} requires a password, and the URL gives none ({error})"
+        return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
         await self._blocking.aclose()

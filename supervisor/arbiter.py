@@ -23,7 +23,7 @@ from types import ModuleType
 import psutil
 import setproctitle
 
-from broker.base import MAX_BATCH, Broker, BrokerError
+from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
 from supervisor import logs, systemd
 from supervisor.buffer import Buffer, Entry, State
 from supervisor.config import Config
@@ -35,7 +35,13 @@ from worker.forkserver import SERVER_SLOT, ForkServer
 
 log = logging.getLogger("supervisor")
 
+#: Exit codes (2, a bad configuration, is the CLI's: supervisor.cli.EXIT_CONFIG). systemd
+#: restarts 1 (broker unreachable) and 4 (the fork server died), never 2, 3 or 5, which
+#: would only repeat: see conf/queue-supervisor@.service and the README.
 EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT, EXIT_BROKEN = 0, 1, 3, 4
+#: The broker refused this job: wrong or missing password, no permission, a database
+#: number the server lacks. Only a changed configuration (or broker) can fix it.
+EXIT_REFUSED = 5
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
 #: A slot whose processes die this many times in a row before they are ready stops us (exit 4,
 #: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
@@ -104,12 +110,14 @@ class Arbiter:
             await self.broker.connect()
         except (BrokerError, OSError) as error:
             log.error("cannot connect to the broker: %s", error)
-            self.exit_code, self.stopping = EXIT_BROKER, True
+            refused = isinstance(error, BrokerRefused)
+            self.exit_code, self.stopping = (EXIT_REFUSED if refused else EXIT_BROKER), True
             await self.stop_children(deadline=time.monotonic() + 5)
             return self.exit_code
         log.info(
-            "consuming %s with %d handler processes, prefetch %d",
-            self.config.job.queue, len(self.slots), self.buffer.prefetch,
+            "consuming %s on %s with %d handler processes, prefetch %d",
+            self.config.job.queue, self.config.broker.safe_url, len(self.slots),
+            self.buffer.prefetch,
         )
         self.connected = True
         self.notify_ready_once()

@@ -45,11 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load(args.config)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(logs.error_line(error), file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config)
     for warning in config.warnings:
-        log.warning("%s", warning)
+        log.warning("%s", logs.Explanation(warning))
     return run(config)
 
 
@@ -60,13 +60,17 @@ def setup_logging(config: Config) -> None:
 def run(config: Config) -> int:
     from supervisor.arbiter import Arbiter
     from supervisor.brokers import make_broker
-    from supervisor.slots import make_slots
+    from supervisor.slots import RingMemoryError, make_slots
     from worker.forkserver import ForkServer
 
     handler_module = importlib.import_module(split_handler(config.job.handler)[0])
-    slots = make_slots(
-        config.job.coroutines, config.supervisor.ring_slots, config.supervisor.ring_slot_size
-    )
+    sup = config.supervisor
+    try:
+        slots = make_slots(config.job.coroutines, sup.ring_slots, sup.ring_slot_size)
+    except RingMemoryError as error:
+        print(logs.error_line(f"{config.path}: {error}; lower [supervisor] ring_slots or "
+                              "ring_slot_size, or [job] coroutines"), file=sys.stderr)
+        return EXIT_CONFIG
 
     def handler_process(index: int) -> NoReturn:
         from worker.runner import run as run_handler
@@ -90,8 +94,9 @@ def run(config: Config) -> int:
         recorder = start_metrics(config)  # a thread: only now that the fork server exists
     except OSError as error:
         forkserver.stop()
-        print(f"error: {config.path}: [supervisor] metrics_port = "
-              f"{config.supervisor.metrics_port} cannot be served: {error}", file=sys.stderr)
+        print(logs.error_line(f"{config.path}: [supervisor] metrics_port = "
+                              f"{config.supervisor.metrics_port} cannot be served: {error}"),
+              file=sys.stderr)
         return EXIT_CONFIG
     try:
         broker = make_broker(config)

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 from broker.tls import TlsFileError, TlsSettings, check_files
+from broker.urls import redact
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
 
@@ -47,6 +48,10 @@ RETIRED_KEYS = {
     ),
 }
 REQUIRED = MISSING
+#: The most one handler ring may take (ring_slot_size * ring_slots): half a ring is the
+#: largest envelope it carries, and no broker keeps a message above 512 MiB (Redis's string
+#: limit; NATS's max_payload is at most 64 MiB), so a larger ring only holds memory.
+MAX_RING_BYTES = 2**30
 
 
 class ConfigError(Exception):
@@ -610,6 +615,17 @@ def _ring_holds_two_envelopes(values: _Values) -> str | None:
     )
 
 
+def _ring_is_at_most_a_gib(values: _Values) -> str | None:
+    size, slots = values["supervisor.ring_slot_size"], values["supervisor.ring_slots"]
+    if size * slots <= MAX_RING_BYTES:
+        return None
+    return (
+        f"[supervisor] ring_slot_size * ring_slots = {size} * {slots} = {size * slots} bytes is "
+        f"above {MAX_RING_BYTES} (1 GiB): half a ring is the largest envelope, and no broker "
+        "keeps a message above 512 MiB; every handler process has two rings of this size"
+    )
+
+
 def _cluster_is_redis(values: _Values) -> str | None:
     url = values["broker.url"]
     if not values["broker.cluster"] or broker_kind(url) == "redis":
@@ -684,6 +700,8 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(
         "`ring_slot_size * ring_slots` >= `2 * max_envelope_bytes`", _ring_holds_two_envelopes
     ),
+    CrossCheck("`ring_slot_size * ring_slots` <= 1 GiB (2 rings per handler process)",
+               _ring_is_at_most_a_gib),
     CrossCheck("`cluster = true` only with a redis:// or rediss:// URL", _cluster_is_redis),
     CrossCheck(
         "`cluster = true` needs a `{hash tag}` in the namespace", _cluster_namespace_has_hash_tag
@@ -756,16 +774,6 @@ def hash_tag(name: str) -> str | None:
     if opening < 0 or closing <= opening + 1:
         return None
     return name[opening + 1 : closing]
-
-
-def redact(url: str) -> str:
-    """Hide the password (or a bare token) of a URL's user part."""
-
-    def hide(match: re.Match[str]) -> str:
-        user, colon, _ = match.group(1).partition(":")
-        return f"//{user}:***@" if colon else "//***@"
-
-    return re.sub(r"//([^/@]*)@", hide, url)
 
 
 def _show(value: Any) -> str:

@@ -5,23 +5,139 @@ Every record carries ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``process`
 when passed with ``extra=``. A traceback goes into ``exc`` of the same object, so a record
 is always exactly one line, whatever it contains: log collectors never see half a record.
 
+Values put into a record (the ``%`` arguments and the extras) are data, often from a
+message (pid, queue, reason, a handler's error text, a payload excerpt): control
+characters in them are escaped (``\\x1b``), so none reaches a terminal or forges a line,
+and each is cut at ``MAX_FIELD`` characters with a marker. Errors this program composed
+(exceptions, ``Explanation``) may run to ``MAX_EXPLANATION``. Broker URLs in a line are
+redacted (``broker.urls.redact``) whatever passed them in.
+
 Handler processes are forked after ``setup`` ran, so they log the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import orjson
 
+from broker.urls import redact
+
 #: Fields taken from ``extra=`` when present, in this order.
 EXTRA_FIELDS = ("queue", "pid", "consumer", "error")
-#: A reason longer than this is cut: it must describe the input, never carry it.
-MAX_REASON = 200
+#: A value from outside (pid, queue, reason, handler error text) is cut after this many
+#: characters: it must describe the input, never carry it.
+MAX_FIELD = 200
+#: An error this program composed (a broker refusal explains itself in a few sentences).
+MAX_EXPLANATION = 1000
+#: The whole message, whatever was interpolated: a backstop, never reached by our own lines.
+MAX_MESSAGE = 4000
+#: A traceback (kept on several lines inside ``exc``).
+MAX_TRACEBACK = 20_000
+MAX_REASON = MAX_FIELD
 MALFORMED = "malformed message moved to poison: %s"
+
+#: What a terminal or a log reader could act on: C0/C1 controls, DEL, line and paragraph
+#: separators, bidirectional overrides, and lone surrogates (which no UTF-8 encoder takes).
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
+                     r"\ud800-\udfff]")
+#: The same, but a traceback keeps its line breaks (it is indented or inside one JSON string).
+_UNSAFE_IN_TRACEBACK = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f"
+                                  r"\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+class Explanation(str):
+    """Text this program composed, e.g. a configuration warning: cut at MAX_EXPLANATION."""
+
+
+def escape(text: str) -> str:
+    """``text`` with every unsafe character written as ``\\xNN`` or ``\\uNNNN``."""
+    return _UNSAFE.sub(_escaped, text)
+
+
+def clean(text: str, limit: int = MAX_FIELD) -> str:
+    """``text`` escaped and, beyond ``limit`` characters, cut with a marker saying so."""
+    shown = escape(text[: limit + 1])
+    if len(text) <= limit and len(shown) <= limit:
+        return shown
+    return f"{shown[:limit]}...[cut: {len(text)} characters]"
+
+
+def error_line(text: object) -> str:
+    """``error: ...`` for stderr, as one safe line: URLs redacted, unsafe characters escaped."""
+    return "error: " + clean(redact(str(text)), MAX_MESSAGE)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+class _Field:
+    """A ``%`` argument as it may appear: ``%s`` and ``%r`` both give the cleaned text."""
+
+    __slots__ = ("limit", "value")
+
+    def __init__(self, value: Any, limit: int) -> None:
+        self.value, self.limit = value, limit
+
+    def __str__(self) -> str:
+        return clean(_text(self.value), self.limit)
+
+    def __repr__(self) -> str:
+        return clean(repr(self.value), self.limit)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return str(value)
+
+
+def _limit_of(value: Any) -> int:
+    return MAX_EXPLANATION if isinstance(value, BaseException | Explanation) else MAX_FIELD
+
+
+def _argument(value: Any) -> Any:
+    if isinstance(value, int | float):  # bool too: numbers carry nothing and keep %d, %.1f
+        return value
+    return _Field(value, _limit_of(value))
+
+
+def message_of(record: logging.LogRecord) -> str:
+    """The record's message with every argument cleaned, URLs redacted, one line."""
+    args = record.args
+    if isinstance(args, Mapping):
+        args = {name: _argument(value) for name, value in args.items()}
+    elif args:
+        args = tuple(_argument(value) for value in args)
+    text = str(record.msg) % args if args else str(record.msg)
+    return clean(redact(text), MAX_MESSAGE)
+
+
+def extras_of(record: logging.LogRecord) -> dict[str, str]:
+    """The extras present, each cleaned like a ``%`` argument."""
+    found = {}
+    for name in EXTRA_FIELDS:
+        value = record.__dict__.get(name)
+        if value is not None:
+            found[name] = clean(redact(_text(value)), _limit_of(value))
+    return found
+
+
+def traceback_of(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    if not record.exc_info:
+        return None
+    text = redact(formatter.formatException(record.exc_info))
+    text = _UNSAFE_IN_TRACEBACK.sub(_escaped, text)  # its own line breaks stay
+    if len(text) > MAX_TRACEBACK:
+        text = f"{text[:MAX_TRACEBACK]}...[cut: {len(text)} characters]"
+    return text
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,15 +147,13 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "process": record.process,
-            "message": record.getMessage(),
+            "message": message_of(record),
+            **extras_of(record),
         }
-        for name in EXTRA_FIELDS:
-            value = record.__dict__.get(name)
-            if value is not None:
-                entry[name] = value
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(entry, default=str).decode()
+        exc = traceback_of(self, record)
+        if exc is not None:
+            entry["exc"] = exc
+        return orjson.dumps(entry).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -49,12 +163,15 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        extras = [
-            f"{name}={record.__dict__[name]}"
-            for name in EXTRA_FIELDS
-            if record.__dict__.get(name) is not None and name != "error"
-        ]
+        shown = logging.makeLogRecord(record.__dict__)
+        shown.msg, shown.args = message_of(record), None
+        shown.exc_info, shown.exc_text, shown.stack_info = None, None, None
+        line = super().format(shown)
+        extras = [f"{name}={value}" for name, value in extras_of(record).items()
+                  if name != "error"]  # the message says it already
+        exc = traceback_of(self, record)
+        if exc is not None:  # indented, so no line of it looks like a record
+            extras.append("\n" + "\n".join("    " + part for part in exc.splitlines()))
         return " ".join([line, *extras])
 
 
@@ -83,6 +200,7 @@ def log_malformed(logger: logging.Logger, queue: str, reason: str) -> None:
 
 
 def one_line(text: str, limit: int = MAX_REASON) -> str:
+    """Whitespace runs as one space, then cut at ``limit`` with a marker (never longer)."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -52,10 +52,25 @@ class Slot:
         self.to_parent.reset()
 
 
+class RingMemoryError(Exception):
+    """The shared memory of the rings could not be allocated; the message says how much."""
+
+
 def make_slots(count: int, ring_slots: int, slot_size: int) -> list[Slot]:
-    """Shared memory and wake-up descriptors for ``count`` handler processes (before forking)."""
+    """Shared memory and wake-up descriptors for ``count`` handler processes (before forking).
+
+    Raises RingMemoryError when the machine refuses the memory (ENOMEM, an address-space
+    limit)."""
     ring_bytes = Ring.nbytes(ring_slots, slot_size)
-    memory = mmap.mmap(-1, 2 * count * ring_bytes)  # anonymous and shared: nobody else can open it
+    size = 2 * count * ring_bytes
+    try:
+        memory = mmap.mmap(-1, size)  # anonymous and shared: nobody else can open it
+    except (OSError, MemoryError, OverflowError) as error:
+        reason = getattr(error, "strerror", None) or repr(error)
+        raise RingMemoryError(
+            f"the handler rings need {size:,} bytes of shared memory (2 rings x {count} "
+            f"handler processes x {ring_bytes:,} bytes), which could not be allocated ({reason})"
+        ) from error
     view = memoryview(memory)
     slots = []
     for index in range(count):

@@ -98,9 +98,11 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """A ``nats-server -js`` we own, with file storage in a temp directory."""
+    """A ``nats-server -js`` we own, with file storage in a temp directory; ``extra`` adds
+    arguments (e.g. ``["--user", "u", "--pass", "p"]``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: list[str] | None = None) -> None:
+        self.extra = extra or []
         self.port = free_port()
         self.monitor_port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="qs-nats-"))
@@ -114,7 +116,7 @@ class NatsServer:
         self.process = subprocess.Popen(
             [
                 nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
-                "-m", str(self.monitor_port), "-js", "-sd", str(self.dir),
+                "-m", str(self.monitor_port), "-js", "-sd", str(self.dir), *self.extra,
             ],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -297,6 +297,18 @@ def test_a_ring_too_small_for_two_envelopes_is_an_error(tmp_path):
         assert part in message
 
 
+def test_a_ring_above_a_gib_is_an_error_that_says_why(tmp_path):
+    message = error_of(tmp_path, with_job(f"ring_slots = {2**40}\n", "supervisor"))
+    for part in ("ring_slot_size * ring_slots", str(2**40), "above 1073741824 (1 GiB)",
+                 "largest envelope", "512 MiB"):
+        assert part in message
+    message = error_of(tmp_path, with_job(f"ring_slot_size = {2**33}\n", "supervisor"))
+    assert "ring_slot_size * ring_slots" in message
+    at_most = load_text(tmp_path, with_job(f"ring_slot_size = 64\nring_slots = {2**24}\n",
+                                           "supervisor"))
+    assert at_most.supervisor.ring_slot_size * at_most.supervisor.ring_slots == 2**30
+
+
 def test_without_an_envelope_limit_half_the_ring_is_the_limit(tmp_path):
     text = with_job("ring_slot_size = 64\nring_slots = 1024\n", "supervisor")
     loaded = load_text(tmp_path, text)

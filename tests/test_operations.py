@@ -16,6 +16,7 @@ import pytest
 from broker import envelope
 from broker.redis import RedisBroker
 from supervisor import cli
+from supervisor.config import load
 from tests.supervision import NAMESPACE, QUEUE, keys, write_config
 
 
@@ -110,6 +111,18 @@ async def test_status_json_reports_the_queue_state(conf, run, redis_client, brok
     code, text = await run("status", conf)  # the same, for a person
     assert code == 0
     assert "processing    2 (owner records: 2)" in text and "worker-a  " in text
+
+
+async def test_status_text_escapes_what_it_shows_from_the_broker(conf, run, redis_client,
+                                                                 brokers):
+    await redis_client.lpush(keys().ready, b'{"pid":"\x1b[2J\r\nforged","x":"' + b"y" * 500
+                             + b'"}')
+    await (await brokers()).reserve(1, block_timeout=0)
+    code, text = await run("status", conf)
+    assert code == 0 and "\x1b" not in text and "\r" not in text
+    [shown] = [line for line in text.splitlines() if "forged" in line]
+    assert '{"pid":"\\x1b[2J\\x0d\\x0aforged"' in shown and "...[cut: 5" in shown
+    assert len(shown) < 200
 
 
 # -- check and recover ------------------------------------------------------------------------
@@ -275,6 +288,33 @@ async def test_publish_refuses_a_bad_line_and_publishes_nothing(
     assert code == 2
     assert "jobs.jsonl:2: a payload must be a JSON object" in capsys.readouterr().err
     assert await redis_client.llen(keys().ready) == 0
+
+
+@pytest.mark.parametrize("max_envelope_bytes", [0, 4096])  # 0: half the ring is the limit
+async def test_publish_refuses_an_envelope_the_consumers_would_poison(
+    tmp_path, redis_url, run, redis_client, brokers, capsys, max_envelope_bytes
+):
+    conf = str(write_config(tmp_path, redis_url, handler="examples.noop:handle",
+                            supervisor={"max_envelope_bytes": max_envelope_bytes}))
+    limit = load(conf, import_handler=False).supervisor.envelope_limit()
+    # The largest payload that fits, exactly: the envelope of {"x": ""} plus n characters.
+    n = limit - len(envelope.build(QUEUE, {"x": ""})[1])
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text(f'{{"n": 1}}\n{{"x": "{"a" * (n + 1)}"}}\n')
+    code = await asyncio.to_thread(cli.main, ["publish", conf, str(lines)])
+    assert code == 2 and await redis_client.llen(keys().ready) == 0  # not even line 1
+    [error] = capsys.readouterr().err.splitlines()
+    assert error.startswith("error: ") and "jobs.jsonl:2: its envelope would be " in error
+    assert f"{limit + 1:,} bytes, above the {limit:,}" in error
+    assert ("max_envelope_bytes = 4096" if max_envelope_bytes else "ring_slot_size") in error
+
+    lines.write_text(f'{{"x": "{"a" * n}"}}\n')  # one byte less: published, and consumed
+    code, _ = await run("publish", conf, str(lines))
+    assert code == 0
+    consumer = await brokers(max_envelope_bytes=limit)
+    received = await consumer.receive(1, block_timeout=1)
+    assert len(received.deliveries) == 1 and not received.poisoned
+    assert len(received.deliveries[0].raw) == limit
 
 
 async def test_operator_commands_exit_2_on_a_bad_config(run, tmp_path, capsys):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import resource
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +16,11 @@ import orjson
 import psutil
 import pytest
 
+from broker import envelope
+from tests.servers import environ_without_broker
 from tests.supervision import (
+    QUEUE,
+    ROOT,
     counter,
     keys,
     lines,
@@ -158,6 +165,25 @@ def test_failing_handler_is_rejected_by_policy_and_malformed_never_reaches_it(
     assert any("array" in line for line in malformed)
 
 
+def test_a_hostile_pid_leaves_short_safe_log_lines(tmp_path, redis_url, client, start):
+    # Terminal escapes, a forged record after CR/LF, 100 KB: the handler's error repeats it.
+    pid = "\x1b[2J\x1b[H" + "p\r\n2026-01-01 ERROR supervisor[1]: forged " + "x" * 100_000
+    client.lpush(keys().ready, envelope.build(QUEUE, {"fail": True}, pid=pid)[1])
+    supervisor = start(write_config(tmp_path, redis_url, job={"max_attempts": 1}))
+    wait_for(lambda: client.lrange(keys().failed, 0, -1) == [pid.encode()], 20,
+             "the message to fail")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0
+    output = supervisor.output()
+    assert "\x1b" not in output and "\r" not in output
+    records = [orjson.loads(line) for line in output.splitlines()]  # no forged line
+    [failed] = [r for r in records if "failed: RuntimeError: asked to fail" in r["message"]]
+    assert "(job \\x1b[2J\\x1b[Hp\\x0d\\x0a2026-01-01 ERROR" in failed["message"]
+    assert "...[cut: 100" in failed["message"]
+    for line in output.splitlines():
+        assert len(line) < 2000, line[:300]
+
+
 def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
     pids = publish(client, [{"n": n, "sleep": 0.002} for n in range(400)])
     config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.record:handle",
@@ -226,6 +252,37 @@ def test_bad_configuration_exits_2_and_consumes_nothing(
     output = supervisor.output()
     assert expected in output and str(config) in output
     assert len(output.strip().splitlines()) == 1, output
+    assert client.llen(keys().ready) == 1 and outstanding(client) == 0
+
+
+@pytest.mark.parametrize(
+    ("supervisor_keys", "address_space", "expected"),
+    [
+        ({"ring_slots": 2**40}, None, "ring_slot_size * ring_slots = 256 * 1099511627776"),
+        # 4 handlers x 2 rings of 512 MiB under a 2 GiB address-space limit: mmap fails.
+        ({"ring_slot_size": 65536, "ring_slots": 8192}, 2 * 2**30,
+         "the handler rings need 4,294,969,344 bytes of shared memory"),
+    ],
+)
+def test_rings_too_large_exit_2_with_one_line(
+    tmp_path, redis_url, client, supervisor_keys, address_space, expected
+):
+    publish(client, [{"n": 1}])
+    config = write_config(tmp_path, redis_url, job={"coroutines": 4},
+                          supervisor=supervisor_keys)
+
+    def limit_memory() -> None:
+        if address_space:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", str(config)], cwd=ROOT, capture_output=True,
+        text=True, timeout=60, preexec_fn=limit_memory,
+        env=dict(environ_without_broker(), PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"error: {config}: ") and expected in done.stderr
     assert client.llen(keys().ready) == 1 and outstanding(client) == 0
 
 

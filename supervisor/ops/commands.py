@@ -1,7 +1,8 @@
 """``python -m supervisor COMMAND CONF ...``: the operator commands and their output.
 
 Exit codes: 0 done (``check``/``drain``: nothing left behind), 1 something remains or the
-broker failed, 2 a bad configuration, argument or input (nothing was changed).
+broker failed, 2 a bad configuration, argument or input (nothing was changed), 5 the broker
+refused the credentials or settings of the URL (as the supervisor's own exit code 5).
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ import nats.errors
 import orjson
 import redis.exceptions
 
-from broker.base import MAX_BATCH, BrokerError
+from broker.base import MAX_BATCH, BrokerError, BrokerRefused
 from supervisor import logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
 from supervisor.ops import inspect
-from supervisor.ops.publish import InputError, publish_all, read_payloads
+from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
 
-EXIT_OK, EXIT_LEFT, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_LEFT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 5
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
 LIST_AT_MOST = 20
-#: Characters of a reserved payload shown by ``status`` (``--json`` shows them whole).
+#: Characters of a reserved payload shown by ``status`` (``--json`` shows them whole); a
+#: person's terminal gets them, and every other name read from the broker, escaped.
 PAYLOAD_CHARS = 120
 
 log = logging.getLogger("supervisor.ops")
@@ -54,6 +56,8 @@ async def status(config: Config, args: argparse.Namespace) -> int:
         async with redis_broker(config, "status") as broker:
             state = await inspect.queue_status(broker.client, broker.keys)
         lines = describe_status(state)
+    state["url"] = config.broker.safe_url  # which broker, never with its credentials
+    lines.insert(1, f"  broker        {state['url']}")
     if args.json:
         print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -94,9 +98,9 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
 
 async def publish(config: Config, args: argparse.Namespace) -> int:
     try:
-        payloads = read_input(args.file)
+        payloads = read_input(args.file, envelope_limit(config))
     except (InputError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(logs.error_line(error), file=sys.stderr)
         return EXIT_USAGE
     async with opened_broker(config, "publish") as broker:
         pids = await publish_all(broker, config.job.queue, payloads)
@@ -167,14 +171,14 @@ def describe_status(state: dict[str, Any]) -> list[str]:
     for item in reservations["lists"]:
         lines.append(f"    {item['key']}  {item['size']} payloads, "
                      f"{_expiry(item['expires_in_ms'])}")
-        lines += [f"      {_cut(payload)}" for payload in item["payloads"]]
+        lines += [f"      {logs.clean(payload, PAYLOAD_CHARS)}" for payload in item["payloads"]]
     lines += [
         f"  failed        {state['failed']}",
         f"  dead          {state['dead']}",
         f"  poison        {state['poison']}",
         f"  supervisors   {len(state['supervisors'])}",
     ]
-    lines += [f"    {s['id']}  {s['where']}  {_record_expiry(s['ttl_ms'])}"
+    lines += [f"    {logs.clean(s['id'])}  {logs.clean(s['where'])}  {_record_expiry(s['ttl_ms'])}"
               for s in state["supervisors"]]
     if state["previous_format"]:
         lines.append(f"  previous-format supervisors still running: {state['previous_format']}"
@@ -196,7 +200,7 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
     ):
         if found.count:
             lines.append(f"  {found.count} {label}")
-            lines += [f"    {name}" for name in found.names[:LIST_AT_MOST]]
+            lines += [f"    {logs.clean(name)}" for name in found.names[:LIST_AT_MOST]]
             if found.count > LIST_AT_MOST:
                 lines.append(f"    ... and {found.count - LIST_AT_MOST} more")
     return lines
@@ -210,18 +214,24 @@ def _record_expiry(ms: int) -> str:
     return "record without expiry" if ms < 0 else f"record expires in {ms / 1000:.1f}s"
 
 
-def _cut(text: str) -> str:
-    return text if len(text) <= PAYLOAD_CHARS else text[: PAYLOAD_CHARS - 3] + "..."
-
-
 # -- plumbing ---------------------------------------------------------------------------------
 
 
-def read_input(file: str | None) -> list[dict[str, Any]]:
+def read_input(file: str | None, limit: SizeLimit | None = None) -> list[dict[str, Any]]:
     if file in (None, "-"):
-        return read_payloads(sys.stdin.buffer, "<stdin>")
+        return read_payloads(sys.stdin.buffer, "<stdin>", limit)
     with open(file, "rb") as lines:
-        return read_payloads(lines, file)
+        return read_payloads(lines, file, limit)
+
+
+def envelope_limit(config: Config) -> SizeLimit:
+    """What the job's supervisors accept (``SupervisorConfig.envelope_limit``), and why."""
+    sup = config.supervisor
+    source = (f"[supervisor] max_envelope_bytes = {sup.max_envelope_bytes}"
+              if sup.max_envelope_bytes else
+              f"half a handler's ring: [supervisor] ring_slot_size * ring_slots / 2 = "
+              f"{sup.ring_slot_size} * {sup.ring_slots} / 2, less the record header")
+    return SizeLimit(config.job.queue, sup.envelope_limit(), source)
 
 
 def redis_broker(config: Config, command: str) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -290,19 +300,22 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = load(args.config, import_handler=False)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(logs.error_line(error), file=sys.stderr)
         return EXIT_USAGE
     logs.setup(config.supervisor.log_level)
     for warning in config.warnings:
-        log.warning("%s", warning)
+        log.warning("%s", logs.Explanation(warning))
     command, _ = COMMANDS[args.command]
     try:
         return asyncio.run(command(config, args))
     except Unsupported as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(logs.error_line(error), file=sys.stderr)
         return EXIT_USAGE
+    except BrokerRefused as error:
+        print(logs.error_line(f"{args.command} failed: {error}"), file=sys.stderr)
+        return EXIT_REFUSED
     except (BrokerError, redis.exceptions.RedisError, nats.errors.Error, OSError) as error:
-        print(f"error: {args.command} failed: {error}", file=sys.stderr)
+        print(logs.error_line(f"{args.command} failed: {error}"), file=sys.stderr)
         return EXIT_LEFT
 
 

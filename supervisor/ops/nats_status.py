@@ -12,8 +12,10 @@ from nats.js.errors import NotFoundError
 
 from broker import nats_tls
 from broker.base import BrokerError
+from broker.nats_conn import quiet_error, refusal
 from broker.nats_setup import QueueNames, read_consumer_policy
 from broker.nats_tls import tls_options
+from broker.urls import redact
 from supervisor.config import Config
 
 CONNECT_TIMEOUT = 5.0
@@ -26,12 +28,15 @@ async def queue_status(config: Config) -> dict[str, Any]:
     try:
         client = await nats_tls.connect(
             config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
-            name=f"queue-supervisor status {config.job.queue}", error_cb=_quiet, **options,
+            name=f"queue-supervisor status {config.job.queue}", error_cb=quiet_error, **options,
         )
     except Exception as error:  # whatever nats-py raises: say where, and why if we know
+        refused = refusal(config.broker.url, error)
+        if refused is not None:
+            raise refused from error
         hint = tls.hint(error) if options else ""
         raise BrokerError(
-            f"cannot reach NATS at {config.broker.safe_url}: {_describe(error)}{hint}"
+            f"cannot reach NATS at {redact(config.broker.url)}: {_describe(error)}{hint}"
         ) from error
     try:
         js = client.jetstream()
@@ -66,10 +71,6 @@ async def _consumer(js: Any, names: QueueNames) -> Any:
         return await js.consumer_info(names.stream, names.consumer)
     except NotFoundError:
         return None
-
-
-async def _quiet(error: Exception) -> None:
-    """nats-py's default logs each error with a traceback; the command reports it once."""
 
 
 def _describe(error: BaseException) -> str:

@@ -1,25 +1,38 @@
 """``publish``: payloads from JSON lines (one object per line), sent with ``publish_many``.
 
 Every line is read and checked before the first message is sent, so a bad line publishes
-nothing (a half-published file is harder to repair than a refused one).
+nothing (a half-published file is harder to repair than a refused one). A payload whose
+envelope the consumers would poison for its size is such a bad line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
+from broker import envelope
 from broker.base import MAX_BATCH
+
+
+class SizeLimit(NamedTuple):
+    """The largest envelope the job's consumers accept, and the setting that makes it."""
+
+    queue: str
+    max_bytes: int
+    source: str
 
 
 class InputError(ValueError):
     """A line is not a JSON object; the message names the line."""
 
 
-def read_payloads(lines: Iterable[bytes | str], name: str = "<stdin>") -> list[dict[str, Any]]:
-    """One payload per non-blank line; raises InputError naming the first bad line."""
+def read_payloads(
+    lines: Iterable[bytes | str], name: str = "<stdin>", limit: SizeLimit | None = None
+) -> list[dict[str, Any]]:
+    """One payload per non-blank line; raises InputError naming the first bad line,
+    including one whose envelope would be larger than ``limit``."""
     payloads = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -31,8 +44,21 @@ def read_payloads(lines: Iterable[bytes | str], name: str = "<stdin>") -> list[d
         if not isinstance(payload, dict):
             kind = type(payload).__name__
             raise InputError(f"{name}:{number}: a payload must be a JSON object, not {kind}")
+        if limit is not None:
+            _check_size(payload, limit, f"{name}:{number}")
         payloads.append(payload)
     return payloads
+
+
+def _check_size(payload: dict[str, Any], limit: SizeLimit, where: str) -> None:
+    # The pid and the timestamp have a fixed width: the envelope published has this size.
+    size = len(envelope.build(limit.queue, payload)[1])
+    if size > limit.max_bytes:
+        raise InputError(
+            f"{where}: its envelope would be {size:,} bytes, above the {limit.max_bytes:,} a "
+            f"consumer of {limit.queue} accepts ({limit.source}): it would go to poison "
+            "unhandled; nothing was published"
+        )
 
 
 async def publish_all(broker: Any, queue: str, payloads: list[dict[str, Any]]) -> list[str]:
