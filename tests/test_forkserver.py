@@ -121,6 +121,17 @@ def test_sigterm_to_a_child_is_reported_as_minus_fifteen(make_server) -> None:
     assert collect(server, 1)[0].status == -signal.SIGTERM
 
 
+def test_sigterm_right_after_the_fork_is_never_lost(make_server) -> None:
+    """The server ignores SIGTERM (it is meant for the supervisor); a child that gets one
+    before it restored the default action must still die of it."""
+    server = make_server(wait_forever)
+    for _ in range(30):
+        server.spawn(0)
+        (started,) = collect(server, 1)
+        os.kill(started.pid, signal.SIGTERM)
+        assert collect(server, 1)[0].status == -signal.SIGTERM
+
+
 def test_killing_the_owner_leaves_no_process_behind() -> None:
     owner = subprocess.Popen(
         [sys.executable, "-m", "tests.handlers.forkserver_owner"],

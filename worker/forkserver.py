@@ -243,10 +243,15 @@ class _Server:
 
     def _spawn(self, slot: int) -> None:
         server = os.getpid()
+        # SIGTERM is ignored here; blocked across the fork, one sent to the new child before
+        # it restored the default action stays pending (Linux queues blocked signals even
+        # when ignored) and takes effect when the child unblocks it, instead of being lost.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         pid = os.fork()
         if pid == 0:
             inherited = (self._requests, self._events, self._wake_read, self._wake_write)
             _run_child(self._target, slot, server, inherited)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self._children[pid] = slot
         self._report(_STARTED, slot, pid, 0)
 
