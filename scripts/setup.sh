@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quick-start set-up: install, make sure a Redis listens on 127.0.0.1:6379, and publish some
+# Quick-start set-up: install (into .venv, see install.sh), make sure a Redis listens on 127.0.0.1:6379, and publish some
 # stats-usage demo messages for `python -m supervisor conf/stats-usage.toml` to consume.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +10,4 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
     for _ in $(seq 50); do redis-cli -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done
 fi
-python -m examples.demo conf/stats-usage.toml --messages "${DEMO_MESSAGES:-1000}"
+.venv/bin/python -m examples.demo conf/stats-usage.toml --messages "${DEMO_MESSAGES:-1000}"
