@@ -7,6 +7,8 @@ way producers and other consumers would leave it; each command then runs as the 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from broker import envelope
 from broker.redis import RedisBroker
 from supervisor import cli
 from supervisor.config import load
-from tests.supervision import NAMESPACE, QUEUE, keys, write_config
+from tests.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
 
 
 @pytest.fixture(autouse=True)
@@ -371,3 +373,33 @@ async def test_check_fails_while_a_previous_format_supervisor_runs(conf, run, re
     await redis_client.delete(heartbeat)
     code, out = await run("check", conf)
     assert code == 0 and out.startswith("ok:")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["status", "{conf}", "--bogus"], "python -m supervisor status: error: unrecognized "
+                                     "arguments: --bogus"),
+    (["retry", "{conf}", "--limit", "x"], "argument --limit: 'x' is not a whole number of at "
+                                          "least 1"),
+    (["drain", "{conf}", "--timeout", "nan"], "argument --timeout: 'nan' is not a positive "
+                                              "number of seconds"),
+    (["recover", "{conf}", "--timeout=-1"], "argument --timeout: '-1' is not a positive "
+                                             "number of seconds"),
+])
+def test_argument_errors_read_well(conf, args, says):
+    done = subprocess.run([sys.executable, "-m", "supervisor",
+                           *(a.format(conf=conf) for a in args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].endswith(f"error: {says}")
+    assert "usage: python -m supervisor " + args[0] in done.stderr  # its own usage
+
+
+def test_operator_commands_print_no_library_debug_lines(tmp_path, redis_url):
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle",
+                          supervisor={"log_level": "debug"})
+    done = subprocess.run([sys.executable, "-m", "supervisor", "status", str(config)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    loggers = {orjson.loads(line)["logger"] for line in done.stderr.splitlines()
+               if line.startswith("{")}
+    assert not {name for name in loggers if name.split(".")[0] in ("redis", "nats", "asyncio")}

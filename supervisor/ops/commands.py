@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -292,17 +293,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub["drain"].add_argument(
         "--timeout", type=_seconds, default=None,
         help="seconds for the whole drain (default shutdown_deadline + lease + 15)")
+    parser.set_defaults(subparsers=sub)
     return parser
 
 
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The arguments; a stray one is reported with the usage of its own command."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         config = load(args.config, import_handler=False)
     except ConfigError as error:
         print(logs.error_line(error), file=sys.stderr)
         return EXIT_USAGE
     logs.setup(config.supervisor.log_level)
+    for library in ("redis", "nats", "asyncio", "urllib3"):
+        # An operator command prints its answer; a client library's debug lines are noise.
+        logging.getLogger(library).setLevel(max(logging.WARNING, logging.root.level))
     for warning in config.warnings:
         log.warning("%s", logs.Explanation(warning))
     command, _ = COMMANDS[args.command]
@@ -320,14 +333,20 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
     return value
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
