@@ -376,8 +376,7 @@ async def test_check_fails_while_a_previous_format_supervisor_runs(conf, run, re
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["status", "{conf}", "--bogus"], "python -m supervisor status: error: unrecognized "
-                                     "arguments: --bogus"),
+    (["status", "{conf}", "--bogus"], "unrecognized arguments: --bogus"),
     (["retry", "{conf}", "--limit", "x"], "argument --limit: 'x' is not a whole number of at "
                                           "least 1"),
     (["drain", "{conf}", "--timeout", "nan"], "argument --timeout: 'nan' is not a positive "
@@ -390,7 +389,7 @@ def test_argument_errors_read_well(conf, args, says):
                            *(a.format(conf=conf) for a in args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
-    assert done.stderr.splitlines()[-1].endswith(f"error: {says}")
+    assert done.stderr.splitlines()[-1] == f"python -m supervisor {args[0]}: error: {says}"
     assert "usage: python -m supervisor " + args[0] in done.stderr  # its own usage
 
 
