@@ -190,14 +190,22 @@ def totals(db_path: str) -> dict[tuple[str, str], int]:
     return {(project, metric): value for project, metric, value in rows}
 
 
-def main() -> None:
+def main() -> int:
     """``python -m examples.stats_usage [DB]``: print the usage totals a run produced."""
     import sys
 
     path = sys.argv[1] if len(sys.argv) > 1 else os.environ.get(ENV_DB, DEFAULT_DB)
+    try:  # read-only: asking must not create an empty database
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            db.execute("SELECT 1 FROM usage LIMIT 1")
+    except sqlite3.Error:
+        print(f"error: {path} holds no usage totals yet (run the stats-usage job first, "
+              f"e.g. python -m supervisor conf/stats-usage.toml)", file=sys.stderr)
+        return 1
     for (project, metric), value in sorted(totals(path).items()):
         print(f"{project}\t{metric}\t{value}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

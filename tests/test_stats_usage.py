@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import sqlite3
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +13,7 @@ import pytest
 
 from examples import noop, stats_usage
 from examples.stats_usage import flush, handle, init, make_payload, totals
+from tests.supervision import ROOT
 
 
 @dataclass
@@ -187,3 +190,14 @@ def test_the_database_is_in_wal_mode(db_path):
 
 def test_noop_handles_anything():
     assert noop.handle(message("a", executions=1)) is None
+
+
+def test_totals_of_a_database_that_does_not_exist_yet_say_so(tmp_path):
+    path = tmp_path / "absent.sqlite"
+    done = subprocess.run([sys.executable, "-m", "examples.stats_usage", str(path)],
+                          capture_output=True, text=True, timeout=30,
+                          cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"error: {path} holds no usage totals yet")
+    assert "Traceback" not in done.stderr
+    assert not path.exists()  # asking created nothing
