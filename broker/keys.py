@@ -27,6 +27,7 @@ informational record of a running supervisor (queue 5 never reads it; nothing de
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,3 +114,8 @@ class QueueKeys:
             *(self.stat(name) for name in ("total", "processing", "success", "failed")),
         ]
 
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal inside a Redis glob (SCAN MATCH, ACL key patterns)."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)

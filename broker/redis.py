@@ -85,6 +85,15 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
+#: 7.2 does not know it, and a least-privilege ACL user (broker.acl) is not granted it, so
+#: on 7.2 and later every connection would leave a denial in ACL LOG.
+try:
+    from redis.driver_info import DriverInfo  # noqa: F401 - redis-py with driver_info
+
+    _NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
+except ImportError:  # older: the same through the arguments driver_info replaced
+    _NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
 #: Socket timeout of the (non-blocking) command connection, in seconds.
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
@@ -219,6 +228,7 @@ class RedisBroker:
             "decode_responses": False,
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": CONNECT_TIMEOUT,
+            **_NO_CLIENT_INFO,
         }
         if urlsplit(self.url).scheme == "rediss":
             options.update(self.tls.redis_options())

@@ -21,7 +21,9 @@ import nats.errors
 import orjson
 import redis.exceptions
 
+from broker import acl as redis_acl
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
+from broker.keys import QueueKeys
 from supervisor import logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
@@ -31,6 +33,7 @@ from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
 
 EXIT_OK, EXIT_LEFT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 5
+
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
 LIST_AT_MOST = 20
 #: Characters of a reserved payload shown by ``status`` (``--json`` shows them whole); a
@@ -138,6 +141,23 @@ async def check(config: Config, args: argparse.Namespace) -> int:
         left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
     print("\n".join(describe_leftovers(left, config.job.queue)))
     return EXIT_OK if left.empty else EXIT_LEFT
+
+
+async def acl(config: Config, args: argparse.Namespace) -> int:
+    """Print the ACL SETUSER lines of the job's and the operator commands' Redis users: on
+    stdout only those, so that they can be piped into redis-cli."""
+    if config.broker.kind != "redis":
+        raise Unsupported(f"acl is for Redis only ({config.broker.safe_url})")
+    keys = QueueKeys(config.broker.namespace, config.job.queue)
+    lines = redis_acl.setuser_lines(
+        keys, select=redis_acl.selects_database(config.broker.url), cluster=config.broker.cluster,
+        roles=args.roles or None,
+    )
+    where = "on every node of the Cluster" if config.broker.cluster else "with redis-cli"
+    print(f"# Redis users of queue {keys.queue} (namespace {keys.namespace}): replace "
+          f"{redis_acl.PASSWORD}, run {where}; README \"Redis ACL\"", file=sys.stderr)
+    print("\n".join(lines))
+    return EXIT_OK
 
 
 async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspect.Leftovers]:
@@ -267,6 +287,7 @@ COMMANDS: dict[str, tuple[Callable[[Config, argparse.Namespace], Awaitable[int]]
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
     "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
     "check": (check, "exit 1 while reservations or owner records of the queue remain"),
+    "acl": (acl, "print the Redis ACL users (ACL SETUSER) of the job and of each command"),
 }
 
 
@@ -290,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub["publish"].add_argument("file", nargs="?", help="JSON-lines file (default: stdin)")
     sub["publish"].add_argument("-v", "--verbose", action="store_true",
                                 help="print the pid of every message")
+    sub["acl"].add_argument("--role", dest="roles", action="append",
+                            choices=list(redis_acl.BY_NAME),
+                            help="print only this user (repeatable; default: all)")
     sub["drain"].add_argument(
         "--timeout", type=_seconds, default=None,
         help="seconds for the whole drain (default shutdown_deadline + lease + 15)")

@@ -7,11 +7,10 @@ with ``SCAN MATCH <prefix>* COUNT 1000``: bounded work per round trip, never ``K
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from broker.keys import QueueKeys
+from broker.keys import QueueKeys, glob_escape
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -47,11 +46,6 @@ class Leftovers:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"empty": self.empty}
-
-
-def glob_escape(text: str) -> str:
-    """``text`` as a literal inside a SCAN MATCH pattern."""
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
 async def scan_prefix(client: Any, prefix: str, show: int = SHOW) -> Found:

@@ -1,0 +1,230 @@
+"""Least-privilege Redis ACL users: one for the supervisor, one per operator command.
+
+Redis checks every command a client sends, with its keys, against the user's ACL, and so it
+does every ``redis.call`` inside a Lua script. The roles below are the one list of what each
+side needs: ``python -m supervisor acl JOB`` prints them as ``ACL SETUSER`` lines for the
+job's namespace and queue, the README shows that output (a test compares the two), and the
+end-to-end test creates exactly these users and fails on any entry in ``ACL LOG``.
+
+Key patterns name one queue's keys, never the whole namespace (``broker.keys``:
+``{ns}.{kind}.{q}`` and ``{ns}.{kind}.{q}.{suffix}``). Access is ``~`` (read and write),
+``%R~`` (read only: status, check) or ``%W~`` (write only: publish, whose LPUSH reads
+nothing). A key handed to a script needs both: EVALSHA declares its keys read-write.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from redis.connection import parse_url
+
+from broker.keys import QueueKeys, glob_escape
+from broker.scripts import LUA_DIR
+
+#: Every user: connect() sends PING. (The broker's clients send no CLIENT SETINFO: see
+#: broker.redis.)
+CONNECT = ("ping",)
+#: Only when the URL names a database other than 0: redis-py selects it on each connection.
+SELECT = ("select",)
+#: A Redis Cluster client reads the slot map and the command table, and follows ASK
+#: redirections while a slot migrates.
+CLUSTER = ("cluster|slots", "command", "asking")
+
+#: Why the Python side sends each command (commands only scripts run are explained by them).
+WHY = {
+    "ping": "connect: is the server there",
+    "select": "the URL names a database other than 0",
+    "cluster|slots": "Cluster only: the slot map",
+    "command": "Cluster only: the command table (key positions)",
+    "asking": "Cluster only: follow ASK while a slot migrates",
+    "evalsha": "every state change is a Lua script, run by its SHA",
+    "script|load": "load a script again after NOSCRIPT (server restart, SCRIPT FLUSH)",
+    "blmove": "wait on an idle queue: ready list -> the registered reservation",
+    "zrem": "drop an empty reservation after that wait",
+    "set": "the fleet's reap lock (SET NX EX) and the sweep cursor",
+    "llen": "sizes of lists",
+    "lrange": "read list windows (processing, failed, reservations)",
+    "get": "the sweep cursor; counters and supervisor records (status)",
+    "mget": "claims, owners and job records of the pids a sweep or retry looks at",
+    "time": "the server's clock (recovery age, reservation deadlines)",
+    "lpush": "publish: envelopes onto the ready list",
+    "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
+    "zcard": "count registered reservations",
+    "zrange": "list registered reservations and their deadlines",
+    "pttl": "time left of a supervisor record",
+}
+
+
+def _fixed(attribute: str) -> Callable[[QueueKeys], str]:
+    return lambda keys: glob_escape(getattr(keys, attribute))
+
+
+def _under(prefix: Callable[[QueueKeys], str]) -> Callable[[QueueKeys], str]:
+    """Every key ``<prefix>.<anything>``: the per-pid, per-token and per-consumer keys."""
+    return lambda keys: glob_escape(prefix(keys)) + "*"
+
+
+#: The key patterns of one queue, by the names the README's "Redis keys" table uses.
+PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
+    "queue.{q}": _fixed("ready"),
+    "reservations.{q}": _fixed("reservations"),
+    "reservations.{q}.*": _under(lambda keys: keys.reservation("")),
+    "processing.{q}": _fixed("processing"),
+    "jobs.{q}.*": _under(lambda keys: keys.job("")),
+    "owners.{q}.*": _under(lambda keys: keys.owner("")),
+    "claims.{q}.*": _under(lambda keys: keys.claim("")),
+    "pending.{q}.*": _under(lambda keys: keys.pending("")),
+    "failed.{q}": _fixed("failed"),
+    "dead.{q}": _fixed("dead"),
+    "poison.{q}": _fixed("poison"),
+    "stats.{q}.*": _under(lambda keys: keys.stat("")),
+    "stats.{q}.processing": lambda keys: glob_escape(keys.stat("processing")),
+    "reap-lock.{q}": _fixed("reap_lock"),
+    "reap-cursor.{q}": _fixed("reap_cursor"),
+    "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """One Redis user: what it is for, its commands (Python's and its scripts') and keys."""
+
+    name: str
+    purpose: str
+    commands: tuple[str, ...]  # ACL names, lower case; "command|subcommand"
+    access: str  # "~", "%R~" or "%W~"
+    keys: tuple[str, ...]  # names in PATTERNS
+    scripts: tuple[str, ...] = ()  # lua/ scripts it runs: their commands are in `commands`
+
+
+#: What recover's sweeps touch (drain runs the same sweeps, then check's reads).
+_SWEEP_KEYS = (
+    "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
+    "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
+    "reap-cursor.{q}",
+)
+_SWEEP_COMMANDS = (
+    "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
+    # expired.lua, recover.lua, reclaim.lua
+    "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
+    "expire", "lpush", "lrem",
+)
+_SWEEP_SCRIPTS = ("expired", "recover", "reclaim")
+
+ROLES: tuple[Role, ...] = (
+    Role(
+        "job", "the supervisor (python -m supervisor JOB)",
+        (
+            "evalsha", "script|load", "blmove", "zrem", "set", "llen", "lrange", "get", "mget",
+            "time",
+            # reserve, claim, settle, extend and the sweep's scripts
+            "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
+            "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore",
+        ),
+        "~",
+        (
+            "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}",
+            "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
+            "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
+            "supervisors.{q}.*",
+        ),
+        ("reserve", "claim", "settle", "extend", *_SWEEP_SCRIPTS),
+    ),
+    Role("publish", "python -m supervisor publish", ("lpush",), "%W~", ("queue.{q}",)),
+    Role(
+        "status", "python -m supervisor status",
+        ("llen", "get", "scan", "zcard", "zrange", "time", "pttl", "lrange"),
+        "%R~",
+        (
+            "queue.{q}", "processing.{q}", "failed.{q}", "dead.{q}", "poison.{q}",
+            "stats.{q}.*", "reservations.{q}", "reservations.{q}.*", "supervisors.{q}.*",
+        ),
+    ),
+    Role("recover", "python -m supervisor recover", _SWEEP_COMMANDS, "~", _SWEEP_KEYS,
+         _SWEEP_SCRIPTS),
+    Role(
+        "retry", "python -m supervisor retry",
+        ("evalsha", "script|load", "lrange", "mget", "type", "get", "lrem", "lpush", "del"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry",),
+    ),
+    Role("drain", "python -m supervisor drain (after stopping this host's supervisors)",
+         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan"), "~", _SWEEP_KEYS, _SWEEP_SCRIPTS),
+    Role("check", "python -m supervisor check", ("zcard", "zrange", "scan"), "%R~",
+         ("reservations.{q}",)),
+)
+BY_NAME = {role.name: role for role in ROLES}
+
+PASSWORD = "<password>"
+_LUA_CALL = re.compile(r"redis\.p?call\(\s*'([A-Za-z]+)'")
+
+
+def user_name(queue: str, role: str) -> str:
+    return f"{queue}-{role}"
+
+
+def commands(role: Role, *, select: bool = False, cluster: bool = False) -> list[str]:
+    """Every command the role's user may run, in the order the rules list them."""
+    extra = (*(SELECT if select else ()), *(CLUSTER if cluster else ()))
+    return list(dict.fromkeys((*CONNECT, *extra, *role.commands)))
+
+
+def patterns(role: Role, keys: QueueKeys) -> list[str]:
+    """The role's key rules for one queue, e.g. ``~utopia-queue.queue.stats-usage``."""
+    return [role.access + PATTERNS[name](keys) for name in role.keys]
+
+
+def rules(role: Role, keys: QueueKeys, password: str = PASSWORD, *, select: bool = False,
+          cluster: bool = False) -> list[str]:
+    """The ACL SETUSER arguments after the user name. ``reset`` first: no command, key or
+    channel is left from an earlier definition, so running it again re-creates the user."""
+    allowed = [f"+{name}" for name in commands(role, select=select, cluster=cluster)]
+    return ["reset", "on", f">{password}", *allowed, *patterns(role, keys)]
+
+
+def setuser_lines(keys: QueueKeys, password: str = PASSWORD, *, select: bool = False,
+                  cluster: bool = False, roles: Sequence[str] | None = None) -> list[str]:
+    """One ``ACL SETUSER`` line per role (``roles``: only these), for ``redis-cli`` (on every
+    node of a Cluster: ACL users are not replicated)."""
+    return [
+        " ".join(["ACL SETUSER", user_name(keys.queue, role.name),
+                  *rules(role, keys, password, select=select, cluster=cluster)])
+        for role in ROLES if roles is None or role.name in roles
+    ]
+
+
+def selects_database(url: str) -> bool:
+    """True if redis-py sends SELECT on each connection of this URL (database not 0)."""
+    return bool(parse_url(url).get("db") or 0)
+
+
+def script_commands(name: str) -> set[str]:
+    """The commands ``lua/<name>.lua`` calls (lower case), read from its text."""
+    text = (LUA_DIR / f"{name}.lua").read_text()
+    return {command.lower() for command in _LUA_CALL.findall(text)}
+
+
+def describe() -> str:
+    """The README's table: each command, what it is for, and which users get it."""
+    users: dict[str, list[str]] = {}
+    for role in ROLES:
+        for name in commands(role):
+            users.setdefault(name, []).append(role.name)
+    in_scripts: dict[str, list[str]] = {}
+    for role in ROLES:
+        for script in role.scripts:
+            for name in script_commands(script):
+                if script not in in_scripts.setdefault(name, []):
+                    in_scripts[name].append(script)
+    lines = ["| command | what for | users |", "|---|---|---|"]
+    for name in [*users, *SELECT, *CLUSTER]:
+        why = WHY.get(name, "")
+        scripts = sorted(in_scripts.get(name, []))
+        if scripts:
+            why = "; ".join(filter(None, [why, "in " + ", ".join(f"{s}.lua" for s in scripts)]))
+        given = ", ".join(users[name]) if name in users else "every user, when needed"
+        cell = name.replace("|", "\\|")  # a bare | would end the table cell
+        lines.append(f"| `{cell}` | {why} | {given} |")
+    return "\n".join(lines) + "\n"
+

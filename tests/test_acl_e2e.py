@@ -1,0 +1,332 @@
+"""The Redis ACL users of ``broker.acl`` against a real redis-server: the job and every operator
+command run end to end, each as its own user, and ``ACL LOG`` stays empty (no command and no
+key was denied). The default user is switched off, so nothing can quietly run as it.
+
+The users are created the way the README says: ``python -m supervisor acl JOB`` piped into
+``redis-cli``. A command missing from a list fails this test (its denial is logged, and the
+step that needed it fails), as ``test_a_missing_command_is_denied_and_logged`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from broker import acl, envelope
+from broker.base import BrokerError
+from broker.keys import QueueKeys
+from broker.redis import RedisBroker
+from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
+
+PASSWORD = "s3cret-pw"
+ADMIN = ("admin", "admin-pw")
+
+
+def admin_client(port: int) -> redis.Redis:
+    """An admin user of our own; the default user is switched off."""
+    first = redis.Redis(port=port)
+    first.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "+@all", "~*", "&*")
+    first.close()
+    admin = redis.Redis(port=port, username=ADMIN[0], password=ADMIN[1])
+    admin.execute_command("ACL", "SETUSER", "default", "off")
+    return admin
+
+
+def environ() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("QUEUE_BROKER_URL", None)
+    return env
+
+
+def supervisor_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, env=environ(),
+                          capture_output=True, text=True, timeout=90)
+
+
+def create_users(port: int, conf: Path, admin: tuple[str, str] | None = ADMIN) -> None:
+    """``python -m supervisor acl JOB | sed s/<password>/.../ | redis-cli``, as the README."""
+    printed = supervisor_command("acl", str(conf))
+    assert printed.returncode == 0, printed.stderr
+    login = ["--user", admin[0], "--pass", admin[1], "--no-auth-warning"] if admin else []
+    created = subprocess.run(
+        ["redis-cli", "-p", str(port), *login],
+        input=printed.stdout.replace(acl.PASSWORD, PASSWORD), capture_output=True, text=True,
+        check=True,
+    )
+    assert created.stdout.split() == ["OK"] * len(printed.stdout.splitlines()), created.stdout
+
+
+def job_files(directory: Path, port: int, queue: str, database: int = 0,
+              **broker: object) -> dict[str, Path]:
+    """One job file per user: the same job, each with its own user in the URL."""
+    made = {}
+    for role in acl.BY_NAME:
+        (directory / role).mkdir()
+        url = f"redis://{acl.user_name(queue, role)}:{PASSWORD}@127.0.0.1:{port}/{database}"
+        made[role] = write_config(
+            directory / role, url, broker=broker,
+            job={"queue": queue, "coroutines": 2, "prefetch": 20, "max_attempts": 2,
+                 "job_ttl": 3600},
+            supervisor={"lease": 3, "maintenance_interval": 1, "shutdown_deadline": 10},
+        )
+    return made
+
+
+def denied(admin: redis.Redis) -> list[dict]:
+    return admin.acl_log()
+
+
+def script_loads(admin: redis.Redis) -> int:
+    return int(admin.info("commandstats").get("cmdstat_script|load", {}).get("calls", 0))
+
+
+def kill_family(supervisor: Supervisor) -> None:
+    for process in supervisor.family():
+        process.kill()
+    supervisor.wait(10)
+
+
+@pytest.mark.timeout(300)
+def test_the_job_and_every_operator_command_run_as_their_acl_users(tmp_path, own_redis_server):
+    port = own_redis_server.port
+    admin = admin_client(port)
+    queue = f"acl-{uuid.uuid4().hex[:8]}"  # drain finds supervisors by queue: ours only
+    keys = QueueKeys(NAMESPACE, queue)
+    conf = job_files(tmp_path, port, queue)
+    create_users(port, conf["job"])
+    admin.acl_log_reset()
+    handled = lambda: set(lines(tmp_path / "handled"))  # noqa: E731
+    started = lambda: [line.split()[0] for line in lines(tmp_path / "started")]  # noqa: E731
+
+    def until(condition, timeout: float, what: str) -> None:
+        """wait_for, failing at once (naming it) when anything was denied meanwhile."""
+        def done() -> bool:
+            assert denied(admin) == [], f"denied while waiting for {what}"
+            return bool(condition())
+        wait_for(done, timeout, what)
+
+    running: list[Supervisor] = []
+
+    def start() -> Supervisor:
+        running.append(Supervisor(conf["job"], tmp_path, ""))  # "": the handler uses no Redis
+        return running[-1]
+
+    def publish(payloads: list[dict]) -> list[str]:
+        source = tmp_path / f"publish-{secrets.token_hex(4)}.jsonl"
+        source.write_bytes(b"".join(orjson.dumps(p) + b"\n" for p in payloads))
+        done = supervisor_command("publish", str(conf["publish"]), str(source), "--verbose")
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()[1:]
+
+    def operate(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return supervisor_command(command, str(conf[command]), *args)
+
+    try:
+        # 1. Published work, a failing job, malformed bytes, a keyed message and a
+        #    reservation a dead consumer left expired (as producers and PHP workers leave them).
+        pids = publish([{"n": n} for n in range(30)])
+        [failing] = publish([{"fail": True}])
+        admin.lpush(keys.ready, b"{not json")
+        keyed_pid, raw = envelope.build(queue, {"keyed": True})
+        admin.set(keys.pending("k1"), keyed_pid)
+        admin.lpush(keys.ready, orjson.dumps({**orjson.loads(raw), "key": "k1"}))
+        reserved_pid, raw = envelope.build(queue, {"reserved": True})
+        reservation = keys.reservation(secrets.token_hex(16))
+        admin.lpush(reservation, raw)
+        admin.zadd(keys.reservations, {reservation: admin.time()[0] - 10})
+        first = start()
+        until(lambda: {*pids, keyed_pid, reserved_pid} <= handled(), 60, "the first batch")
+        until(lambda: admin.lrange(keys.failed, 0, -1) == [failing.encode()], 30,
+                 "the failing job in failed")
+        assert admin.lrange(keys.poison, 0, -1) == [b"{not json"]
+        until(lambda: not admin.exists(keys.pending("k1")), 10, "the marker freed")
+        assert admin.zcard(keys.reservations) <= 1  # at most the idle wait's own
+
+        # 2. The script cache is lost: the job loads its scripts again (SCRIPT LOAD).
+        loads = script_loads(admin)
+        admin.script_flush()
+        more = publish([{"n": n} for n in range(10)])
+        until(lambda: set(more) <= handled(), 30, "work after SCRIPT FLUSH")
+        assert script_loads(admin) > loads
+
+        # 3. A supervisor dies holding work; status and check see it; the next supervisor's
+        #    maintenance recovers it once the claims lapse.
+        slow = publish([{"n": n, "sleep": 0.3} for n in range(20)])
+        until(lambda: set(slow) & set(started()), 30, "slow work started")
+        kill_family(first)
+        assert admin.llen(keys.processing) > 0
+        shown = operate("status", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert orjson.loads(shown.stdout)["processing"] > 0
+        assert operate("status").returncode == 0
+        checked = operate("check")
+        assert checked.returncode == 1 and "owner records" in checked.stdout, checked.stdout
+        second = start()
+        until(lambda: set(slow) <= handled(), 60, "the dead supervisor's work recovered")
+
+        # 4. Another dies holding jobs on their last attempt: the recover command sends them
+        #    to dead once their claims lapse; retry brings them and the failed job back.
+        last = []
+        for n in range(6):
+            pid, raw = envelope.build(queue, {"n": n, "sleep": 0.5})
+            admin.lpush(keys.ready, envelope.requeued(envelope.decode(raw), 1))
+            last.append(pid)
+        until(lambda: set(last) & set(started()), 30, "last-attempt work started")
+        kill_family(second)
+        held = [pid.decode() for pid in admin.lrange(keys.processing, 0, -1)]
+        until(lambda: not any(admin.exists(keys.claim(pid)) for pid in held), 10,
+                 "the claims to lapse")
+        recovered = operate("recover")
+        assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+        assert admin.llen(keys.dead) > 0, recovered.stdout
+        retried = operate("retry", "--from", "dead", "--reset-attempts")
+        assert retried.returncode == 0 and "moved" in retried.stdout, retried.stderr
+        assert admin.llen(keys.dead) == 0
+        assert operate("retry").returncode == 0
+        assert admin.llen(keys.failed) == 0
+
+        # 5. The last supervisor finishes; drain stops it and checks; check agrees.
+        start()
+        until(lambda: set(last) <= handled(), 60, "the retried jobs")
+        until(lambda: admin.lrange(keys.failed, 0, -1) == [failing.encode()], 30,
+                 "the failing job in failed again")
+        drained = operate("drain", "--timeout", "40")
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        assert "stopping 1 supervisors" in drained.stdout
+        assert operate("check").returncode == 0
+        state = orjson.loads(operate("status", "--json").stdout)
+        assert (state["ready"], state["processing"], state["dead"]) == (0, 0, 0)
+        assert (state["failed"], state["poison"]) == (1, 1)
+    finally:
+        for supervisor in running:
+            supervisor.stop()
+    assert denied(admin) == []
+    admin.close()
+
+
+def test_a_missing_command_is_denied_and_logged(tmp_path, own_redis_server):
+    port = own_redis_server.port
+    admin = admin_client(port)
+    keys = QueueKeys(NAMESPACE, "acl-missing")
+    role = acl.BY_NAME["job"]
+    user = acl.user_name(keys.queue, "job")
+    rules = [rule for rule in acl.rules(role, keys, PASSWORD) if rule != "+script|load"]
+    admin.execute_command("ACL", "SETUSER", user, *rules)
+    admin.acl_log_reset()
+
+    async def receive() -> None:
+        broker = RedisBroker(f"redis://{user}:{PASSWORD}@127.0.0.1:{port}/0", keys.queue)
+        try:
+            await broker.connect()
+            await broker.receive(10, 0)  # a fresh server: reserve.lua must be loaded first
+        finally:
+            await broker.close()
+
+    with pytest.raises(BrokerError, match="permission"):
+        asyncio.run(receive())
+    [entry] = denied(admin)
+    assert (entry["reason"], entry["object"], entry["username"]) == ("command", "script|load",
+                                                                     user)
+    admin.close()
+
+
+def test_a_user_reaches_no_other_queue_and_no_other_command(own_redis_server):
+    port = own_redis_server.port
+    admin = admin_client(port)
+    keys, other = QueueKeys(NAMESPACE, "mine"), QueueKeys(NAMESPACE, "other")
+    user = acl.user_name(keys.queue, "job")
+    admin.execute_command("ACL", "SETUSER", user, *acl.rules(acl.BY_NAME["job"], keys, PASSWORD))
+    job = redis.Redis(port=port, username=user, password=PASSWORD)
+    job.lpush(keys.ready, b"x")  # its own queue: allowed
+    read_other = job.register_script("return redis.call('LLEN', ARGV[1])")
+    attempts = [
+        lambda: job.llen(other.ready),
+        lambda: read_other(args=[other.ready]),  # a script's keys are checked too
+        lambda: job.keys("*"),
+        lambda: job.eval("return 1", 0),
+        lambda: job.flushall(),
+        lambda: job.config_get("dir"),
+    ]
+    for attempt in attempts:  # NOPERM; from inside a script: "can't access ... keys"
+        with pytest.raises(redis.exceptions.ResponseError, match=r"permission|can't access"):
+            attempt()
+    assert len(denied(admin)) == len(attempts)
+    job.close()
+    admin.close()
+
+
+def test_a_database_other_than_0_adds_select(tmp_path, own_redis_server):
+    port = own_redis_server.port
+    admin = admin_client(port)
+    conf = job_files(tmp_path, port, "acl-db", database=3)
+    create_users(port, conf["job"])
+    admin.acl_log_reset()
+    source = tmp_path / "one.jsonl"
+    source.write_text('{"n": 1}\n')
+    done = supervisor_command("publish", str(conf["publish"]), str(source))
+    assert done.returncode == 0, done.stderr
+    assert denied(admin) == []
+    db3 = redis.Redis(port=port, db=3, username=ADMIN[0], password=ADMIN[1])
+    assert db3.llen(QueueKeys(NAMESPACE, "acl-db").ready) == 1
+    db3.close()
+    admin.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_acl_users_on_a_redis_cluster(tmp_path, redis_cluster):
+    """The same users plus the Cluster's commands, created on every node: the job, a SCRIPT
+    FLUSH on every node, and the operator commands; no node logs a denial."""
+    queue, namespace = f"acl-{uuid.uuid4().hex[:8]}", "{acl}"
+    keys = QueueKeys(namespace, queue)
+    port = redis_cluster.nodes[0].port
+    conf = job_files(tmp_path, port, queue, cluster=True, namespace=namespace)
+    for node in redis_cluster.nodes:  # ACL users are per node; the default user stays on here
+        create_users(node.port, conf["job"], admin=None)
+        node.client.acl_log_reset()
+    admin = redis.RedisCluster(host="127.0.0.1", port=port)
+
+    def logged() -> list[dict]:
+        return [entry for node in redis_cluster.nodes for entry in denied(node.client)]
+
+    def until(condition, timeout: float, what: str) -> None:
+        def done() -> bool:
+            assert logged() == [], f"denied while waiting for {what}"
+            return bool(condition())
+        wait_for(done, timeout, what)
+
+    def operate(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+        done = supervisor_command(command, str(conf[command]), *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    source = tmp_path / "jobs.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"n": n}) + b"\n" for n in range(20))
+                       + b'{"fail": true}\n')
+    pids = operate("publish", str(source), "--verbose").stdout.splitlines()[1:]
+    supervisor = Supervisor(conf["job"], tmp_path, "", namespace=namespace)
+    try:
+        handled = lambda: set(lines(tmp_path / "handled"))  # noqa: E731
+        until(lambda: set(pids[:-1]) <= handled(), 60, "the published work")
+        until(lambda: admin.llen(keys.failed) == 1, 30, "the failing job in failed")
+        redis_cluster.flush_scripts()
+        more = operate("publish", str(source), "--verbose").stdout.splitlines()[1:]
+        until(lambda: set(more[:-1]) <= handled(), 60, "work after SCRIPT FLUSH")
+        assert orjson.loads(operate("status", "--json").stdout)["ready"] == 0
+        operate("recover")
+        operate("retry")
+        until(lambda: admin.llen(keys.failed) == 2, 30, "the retried job failed again")
+        assert "stopping 1 supervisors" in operate("drain", "--timeout", "40").stdout
+        operate("check")  # after the drain: a running supervisor's idle wait is registered
+    finally:
+        supervisor.stop()
+    assert logged() == []
+    admin.close()
