@@ -54,6 +54,9 @@ WHY = {
     "zcard": "count registered reservations",
     "zrange": "list registered reservations and their deadlines",
     "pttl": "time left of a supervisor record",
+    "lmove": "a stop abandons an idle wait: what it took goes back to the ready list",
+    "zadd": "a stop abandons an idle wait: its reservation is marked expired",
+    "lindex": "the progress line: age of the next ready message",
 }
 
 
@@ -118,7 +121,7 @@ ROLES: tuple[Role, ...] = (
         "job", "the supervisor (python -m supervisor JOB)",
         (
             "evalsha", "script|load", "blmove", "zrem", "set", "llen", "lrange", "get", "mget",
-            "time",
+            "time", "lmove", "lindex",
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore",
@@ -149,10 +152,12 @@ ROLES: tuple[Role, ...] = (
         ("evalsha", "script|load", "lrange", "mget", "type", "get", "lrem", "lpush", "del"),
         "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry",),
     ),
-    Role("drain", "python -m supervisor drain (after stopping this host's supervisors)",
-         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan"), "~", _SWEEP_KEYS, _SWEEP_SCRIPTS),
-    Role("check", "python -m supervisor check", ("zcard", "zrange", "scan"), "%R~",
-         ("reservations.{q}",)),
+    Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
+         "records, stops them, then recovers)",
+         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl"), "~",
+         (*_SWEEP_KEYS, "supervisors.{q}.*"), _SWEEP_SCRIPTS),
+    Role("check", "python -m supervisor check", ("zcard", "zrange", "scan", "llen", "time"),
+         "%R~", ("reservations.{q}", "reservations.{q}.*")),
 )
 BY_NAME = {role.name: role for role in ROLES}
 
