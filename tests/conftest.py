@@ -90,3 +90,12 @@ def supervisors(tmp_path):
     yield launch
     for supervisor in started:
         supervisor.stop()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A CA with server and client certificates for 127.0.0.1/localhost (and one for
+    another name), made with openssl once per test process."""
+    from tests.tls import Certificates
+
+    return Certificates(tmp_path_factory.mktemp("certs"))

@@ -12,10 +12,7 @@ is configured (nats-py alone would talk plaintext to it, even for a tls:// URL);
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import signal
-from pathlib import Path
 
 import orjson
 import pytest
@@ -28,7 +25,7 @@ from broker.tls import TlsSettings
 from supervisor import cli
 from tests.servers import NatsServer
 from tests.supervision import Supervisor, lines, wait_for, write_config
-from tests.tls import Certificates, TlsNatsServer
+from tests.tls import TlsNatsServer, run, status, trusting, with_client_cert
 
 QUEUE = "tls"
 #: Short, so that refused connections fail the test quickly (the link retries until then).
@@ -38,11 +35,6 @@ CONNECT_TIMEOUT = 2.0
 @pytest.fixture(autouse=True)
 def no_url_override(monkeypatch):
     monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Certificates:
-    return Certificates(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture
@@ -59,14 +51,6 @@ def mutual_server(certs):
     started = TlsNatsServer(certs, verify=True).start()
     yield started
     started.close()
-
-
-def trusting(certs: Certificates, **settings) -> TlsSettings:
-    return TlsSettings(ca=str(certs.ca.cert), **settings)
-
-
-def with_client_cert(certs: Certificates) -> TlsSettings:
-    return trusting(certs, cert=str(certs.client.cert), key=str(certs.client.key))
 
 
 def new_broker(url: str, tls: TlsSettings | None) -> NatsBroker:
@@ -182,20 +166,6 @@ async def test_a_nats_url_without_tls_settings_still_connects_in_plaintext(nats_
 
 
 # -- a real supervisor and the operator commands, over mutual TLS ------------------------------
-
-
-def run(*args: str) -> tuple[int, str]:
-    """``python -m supervisor ARGS`` in this process: (exit code, what it printed)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(list(args))
-    return code, out.getvalue()
-
-
-def status(config: Path) -> dict:
-    code, out = run("status", str(config), "--json")
-    assert code == 0, out
-    return orjson.loads(out)
 
 
 def test_supervisor_publish_and_status_over_mutual_tls(tmp_path, mutual_server, certs):

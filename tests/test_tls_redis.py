@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import uuid
-from pathlib import Path
 
 import orjson
 import pytest
@@ -24,7 +23,14 @@ from broker.redis import RedisBroker
 from broker.tls import TlsSettings
 from supervisor import cli
 from tests.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
-from tests.tls import Certificates, TlsCluster, TlsRedisServer
+from tests.tls import (
+    TlsCluster,
+    TlsRedisServer,
+    run,
+    status,
+    trusting,
+    with_client_cert,
+)
 
 QUEUE = "tls"
 
@@ -32,11 +38,6 @@ QUEUE = "tls"
 @pytest.fixture(autouse=True)
 def no_url_override(monkeypatch):
     monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Certificates:
-    return Certificates(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture
@@ -53,14 +54,6 @@ def mutual_server(certs):
     started = TlsRedisServer(certs, client_certs="yes").start()
     yield started
     started.close()
-
-
-def trusting(certs: Certificates, **settings) -> TlsSettings:
-    return TlsSettings(ca=str(certs.ca.cert), **settings)
-
-
-def with_client_cert(certs: Certificates) -> TlsSettings:
-    return trusting(certs, cert=str(certs.client.cert), key=str(certs.client.key))
 
 
 async def round_trip(url: str, tls: TlsSettings, **options) -> None:
@@ -136,23 +129,6 @@ async def test_a_cluster_over_tls(certs):
 
 
 # -- a real supervisor and the operator commands, over mutual TLS ------------------------------
-
-
-def run(*args: str) -> tuple[int, str]:
-    """``python -m supervisor ARGS`` in this process: (exit code, what it printed)."""
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(list(args))
-    return code, out.getvalue()
-
-
-def status(config: Path) -> dict:
-    code, out = run("status", str(config), "--json")
-    assert code == 0, out
-    return orjson.loads(out)
 
 
 def test_supervisor_and_operator_commands_over_mutual_tls(tmp_path, mutual_server, certs):

@@ -10,13 +10,18 @@ file's ``tls {}`` block. None ever touches the machine's own servers.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import redis
 
+from broker.tls import TlsSettings
+from supervisor import cli
 from tests.cluster import ClusterNode, PrivateCluster, cluster_ports
 from tests.servers import NatsServer, RedisServer, nats_server_binary, wait_for_port
 
@@ -220,3 +225,29 @@ def client_tls(certs: Certificates, client_cert: bool = True) -> dict[str, str |
     if client_cert:
         options.update(ssl_certfile=str(certs.client.cert), ssl_keyfile=str(certs.client.key))
     return options
+
+
+# -- shared by the TLS tests ------------------------------------------------------------------
+
+
+def trusting(certs: Certificates, **settings) -> TlsSettings:
+    """Settings that trust the test CA (plus what ``settings`` add)."""
+    return TlsSettings(ca=str(certs.ca.cert), **settings)
+
+
+def with_client_cert(certs: Certificates) -> TlsSettings:
+    return trusting(certs, cert=str(certs.client.cert), key=str(certs.client.key))
+
+
+def run(*args: str) -> tuple[int, str]:
+    """``python -m supervisor ARGS`` in this process: (exit code, what it printed)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(list(args))
+    return code, out.getvalue()
+
+
+def status(config: Path) -> dict:
+    code, out = run("status", str(config), "--json")
+    assert code == 0, out
+    return orjson.loads(out)
