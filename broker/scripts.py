@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,20 @@ NOT_RUN = (TryAgainError, ClusterDownError, ClusterError, SlotNotCoveredError)
 #: How long a call repeats those; a slot migration normally takes milliseconds.
 NOT_RUN_PATIENCE = 10.0
 
-LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
+def _lua_dir() -> Path:
+    """Where the scripts are: ``broker/lua/`` inside an installed package (the wheel carries
+    them as package data), else the checkout's top-level ``lua/`` (tests, editable runs)."""
+    installed = resources.files("broker") / "lua"
+    if installed.is_dir():
+        return Path(str(installed))
+    return Path(__file__).resolve().parent.parent / "lua"
+
+
+LUA_DIR = _lua_dir()
 
 
 def lua_source(name: str) -> str:
-    """The text of ``lua/<name>.lua``."""
+    """The text of the script ``<name>.lua``."""
     return (LUA_DIR / f"{name}.lua").read_text()
 
 
