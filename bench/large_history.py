@@ -20,7 +20,7 @@ import redis
 
 from bench.common import NAMESPACE, QUEUE
 from broker import envelope
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 STALE_PIDS = 100_000
 OTHER_KEYS = 100_000

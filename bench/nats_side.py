@@ -22,7 +22,7 @@ import psutil
 
 from bench.common import QUEUE, stats_usage_payload
 from broker import envelope
-from broker.nats_setup import QueueNames
+from broker.nats.setup import QueueNames
 
 NAMES = QueueNames.of(QUEUE)
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"

@@ -13,7 +13,7 @@ import argparse
 import redis
 
 from bench.common import NAMESPACE, QUEUE, ROOT
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 PROCESSING = f"{KEYS.processing}.raw"

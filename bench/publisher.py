@@ -35,7 +35,7 @@ def publish_redis(url: str, rate: float, messages: int) -> None:
 
     from bench.common import NAMESPACE, QUEUE, stats_usage_payload
     from broker import envelope
-    from broker.keys import QueueKeys
+    from broker.redis.keys import QueueKeys
 
     client = redis.Redis.from_url(url)
     key = QueueKeys(NAMESPACE, QUEUE).ready

@@ -42,7 +42,7 @@ from bench.common import (
     wait_for_line,
     wait_until_title,
 )
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 STAGING = f"{KEYS.ready}.staging"

@@ -21,7 +21,7 @@ import redis
 
 from bench import redis_side
 from bench.common import NAMESPACE, QUEUE, ROOT
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 COMMIT_ONE = (ROOT / "bench" / "lua" / "commit_one.lua").read_text()

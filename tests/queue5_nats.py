@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from broker.nats_setup import QueueNames
+from broker.nats.setup import QueueNames
 
 SPARE = "utopia_queue_spare_delivery"
 ADVISORY_GROUP = "utopia_queue_dead_letter"

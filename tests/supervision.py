@@ -16,7 +16,7 @@ import psutil
 import redis
 
 from broker import envelope
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "e2e"

@@ -1,6 +1,6 @@
-"""The Redis ACL users of ``broker.acl`` against a real redis-server: the job and every operator
-command run end to end, each as its own user, and ``ACL LOG`` stays empty (no command and no
-key was denied). The default user is switched off, so nothing can quietly run as it.
+"""The Redis ACL users of ``broker.redis.acl`` against a real redis-server: the job and every
+operator command run end to end, each as its own user, and ``ACL LOG`` stays empty (no command
+and no key was denied). The default user is switched off, so nothing can quietly run as it.
 
 The users are created the way the README says: ``python -m supervisor acl JOB`` piped into
 ``redis-cli``. A command missing from a list fails this test (its denial is logged, and the
@@ -21,10 +21,10 @@ import orjson
 import pytest
 import redis
 
-from broker import acl, envelope
+from broker import envelope
 from broker.base import BrokerError
-from broker.keys import QueueKeys
-from broker.redis import RedisBroker
+from broker.redis import RedisBroker, acl
+from broker.redis.keys import QueueKeys
 from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 
 PASSWORD = "s3cret-pw"

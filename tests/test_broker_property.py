@@ -117,10 +117,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import envelope, recovery
+from broker import envelope
 from broker.base import Action, Outcome, Result, Settlement
-from broker.keys import QueueKeys
-from broker.redis import RedisBroker, Reservation
+from broker.redis import RedisBroker, Reservation, recovery
+from broker.redis.keys import QueueKeys
 from tests.queue5 import LIMIT, NotOwned, Queue5Consumer
 
 #: A passing run takes seconds; a failing one also shrinks its example, which can take minutes.

@@ -21,10 +21,10 @@ from redis.crc import key_slot
 
 from broker import envelope
 from broker.base import Action, Outcome, Settlement
-from broker.keys import QueueKeys
-from broker.placement import PlacementError
-from broker.publish import Publisher
 from broker.redis import RedisBroker
+from broker.redis.keys import QueueKeys
+from broker.redis.placement import PlacementError
+from broker.redis.publish import Publisher
 from supervisor import cli
 from tests.cluster import PrivateCluster
 from tests.supervision import Supervisor, counter, lines, outstanding, wait_for, write_config
@@ -169,7 +169,7 @@ async def test_blocking_receive_times_out_cleanly(redis_cluster, broker):
 async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
     redis_cluster, pair, client, monkeypatch
 ):
-    monkeypatch.setattr("broker.redis.BLOCK_MARGIN", 1.0)
+    monkeypatch.setattr("broker.redis.broker.BLOCK_MARGIN", 1.0)
     a, b = pair
     blocked = asyncio.create_task(a.reserve(10, 1.0))
 

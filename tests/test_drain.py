@@ -13,7 +13,7 @@ import orjson
 import redis
 
 from broker import envelope
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 from supervisor.ops.drain import is_supervisor_of
 from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 

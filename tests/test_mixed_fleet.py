@@ -33,8 +33,8 @@ import pytest
 import redis
 
 from broker.base import Delivery, Outcome
-from broker.keys import QueueKeys
 from broker.redis import RedisBroker
+from broker.redis.keys import QueueKeys
 from tests.queue5 import Message, NotOwned, Queue5Consumer, php_json_encode
 from tests.supervision import QUEUE as E2E_QUEUE
 from tests.supervision import counter, keys, lines, outstanding, wait_for, write_config

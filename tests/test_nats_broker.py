@@ -14,9 +14,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 
 from broker.base import Action, BrokerError, Delivery, Outcome, Poisoned, Settlement
 from broker.nats import NatsBroker
-from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
-from broker.nats_held import Holdings
-from broker.nats_setup import QueueNames
+from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
+from broker.nats.held import Holdings
+from broker.nats.setup import QueueNames
 from tests.faultproxy import FaultProxy
 from tests.servers import NatsServer
 

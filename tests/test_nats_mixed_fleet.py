@@ -22,7 +22,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from broker import envelope
-from broker.nats_setup import QueueNames
+from broker.nats.setup import QueueNames
 from tests.queue5_nats import Queue5NatsWorker
 from tests.servers import NatsServer
 from tests.supervision import QUEUE, lines, write_config

@@ -6,8 +6,8 @@ import pytest
 from redis.crc import key_slot
 
 from broker.base import BrokerError
-from broker.keys import QueueKeys
-from broker.placement import PlacementError, check_placement, queue_key_samples, slots
+from broker.redis.keys import QueueKeys
+from broker.redis.placement import PlacementError, check_placement, queue_key_samples, slots
 
 
 def test_hash_tagged_namespace_puts_every_key_in_one_slot():

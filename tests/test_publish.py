@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from broker import envelope
-from broker.keys import QueueKeys
-from broker.publish import Publisher, PublishError, publish, publish_many
+from broker.redis.keys import QueueKeys
+from broker.redis.publish import Publisher, PublishError, publish, publish_many
 
 NS = "utopia-queue"
 

@@ -1,6 +1,6 @@
 """Maintenance: recovery of expired reservations and abandoned processing entries.
 
-States are written with plain Redis commands following the contract in ``broker.keys``
+States are written with plain Redis commands following the contract in ``broker.redis.keys``
 (queue 5's layout, which RedisBroker and PHP queue-5 workers both write), then
 ``maintain()`` runs against a real redis-server.
 """
@@ -16,9 +16,9 @@ import pytest
 
 from broker import envelope
 from broker.base import WrongTypeError
-from broker.keys import QueueKeys
-from broker.recovery import maintain, parse_cursor
-from broker.scripts import Scripts
+from broker.redis.keys import QueueKeys
+from broker.redis.recovery import maintain, parse_cursor
+from broker.redis.scripts import Scripts
 
 KEYS = QueueKeys("utopia-queue", "v1-stats-usage")
 AGE = 90_000
@@ -263,7 +263,7 @@ async def test_dangling_and_inconsistent_entries(redis_client):
 async def test_changes_after_the_read_are_rechecked_by_the_script(redis_client):
     now = await server_s(redis_client)
     await deliver(redis_client, ["renewed", "reowned", "settled"], now)
-    from broker import recovery
+    from broker.redis import recovery
 
     original = recovery._read_state
 

@@ -17,7 +17,7 @@ import pytest
 
 from broker.base import Action, Settlement
 from broker.nats import NatsBroker
-from broker.nats_setup import QueueNames
+from broker.nats.setup import QueueNames
 from tests.faultproxy import FaultProxy
 from tests.servers import NatsServer
 from tests.supervision import QUEUE, lines, wait_for, write_config

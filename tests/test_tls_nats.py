@@ -17,10 +17,10 @@ import signal
 import orjson
 import pytest
 
-from broker import nats_tls
 from broker.base import Action, Settlement
 from broker.nats import NatsBroker
-from broker.nats_link import Unavailable
+from broker.nats import tls as nats_tls
+from broker.nats.link import Unavailable
 from broker.tls import TlsSettings
 from supervisor import cli
 from tests.servers import NatsServer

@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from bench.chaos.sides import Check, FinalState
 from bench.chaos.workload import Message
-from broker.nats_setup import CONSUMER, QueueNames
+from broker.nats.setup import CONSUMER, QueueNames
 from tests.faultproxy import FaultProxy
 from tests.servers import NatsServer
 

@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from bench.chaos.workload import Message
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 from tests.servers import RedisServer
 
 NAMESPACE = "utopia-queue"

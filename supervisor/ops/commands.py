@@ -21,9 +21,9 @@ import nats.errors
 import orjson
 import redis.exceptions
 
-from broker import acl as redis_acl
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
-from broker.keys import QueueKeys
+from broker.redis import acl as redis_acl
+from broker.redis.keys import QueueKeys
 from supervisor import logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from broker.keys import QueueKeys, glob_escape
+from broker.redis.keys import QueueKeys, glob_escape
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000

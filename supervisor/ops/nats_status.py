@@ -10,11 +10,11 @@ from typing import Any
 
 from nats.js.errors import NotFoundError
 
-from broker import nats_tls
 from broker.base import BrokerError
-from broker.nats_conn import quiet_error, refusal
-from broker.nats_setup import QueueNames, read_consumer_policy
-from broker.nats_tls import tls_options
+from broker.nats import tls as nats_tls
+from broker.nats.conn import quiet_error, refusal
+from broker.nats.setup import QueueNames, read_consumer_policy
+from broker.nats.tls import tls_options
 from broker.urls import redact
 from supervisor.config import Config
 

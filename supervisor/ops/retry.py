@@ -18,8 +18,8 @@ from typing import Any
 
 from broker import envelope
 from broker.base import MAX_BATCH
-from broker.keys import QueueKeys
-from broker.scripts import Scripts
+from broker.redis.keys import QueueKeys
+from broker.redis.scripts import Scripts
 
 SOURCES = ("failed", "dead")
 

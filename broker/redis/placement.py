@@ -6,7 +6,7 @@ the namespace's hash tag ensures: ``{utopia-queue}.queue.q`` and
 ``{utopia-queue}.jobs.q.<pid>`` both hash by ``utopia-queue``. Without a tag the keys would
 spread over slots and every script call would fail with CROSSSLOT, after a reserve may
 already have moved messages. So the check runs at connect time, before any message moves,
-on the key names ``broker.keys`` really builds (fixed keys plus samples of the per-pid,
+on the key names ``broker.redis.keys`` really builds (fixed keys plus samples of the per-pid,
 per-token and per-consumer patterns).
 
 A namespace is never renamed here: a new name means new keys, and the jobs under the old
@@ -18,7 +18,7 @@ from __future__ import annotations
 from redis.crc import key_slot
 
 from broker.base import BrokerError
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 README_SECTION = 'README, "Running on a Redis Cluster"'
 

@@ -6,7 +6,7 @@ side needs: ``python -m supervisor acl JOB`` prints them as ``ACL SETUSER`` line
 job's namespace and queue, the README shows that output (a test compares the two), and the
 end-to-end test creates exactly these users and fails on any entry in ``ACL LOG``.
 
-Key patterns name one queue's keys, never the whole namespace (``broker.keys``:
+Key patterns name one queue's keys, never the whole namespace (``broker.redis.keys``:
 ``{ns}.{kind}.{q}`` and ``{ns}.{kind}.{q}.{suffix}``). Access is ``~`` (read and write),
 ``%R~`` (read only: status, check) or ``%W~`` (write only: publish, whose LPUSH reads
 nothing). A key handed to a script needs both: EVALSHA declares its keys read-write.
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from redis.connection import parse_url
 
-from broker.keys import QueueKeys, glob_escape
-from broker.scripts import LUA_DIR
+from broker.redis.keys import QueueKeys, glob_escape
+from broker.redis.scripts import LUA_DIR
 
 #: Every user: connect() sends PING. (The broker's clients send no CLIENT SETINFO: see
 #: broker.redis.)

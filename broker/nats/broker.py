@@ -2,12 +2,12 @@
 
 JetStream itself keeps the pending deliveries and recovers abandoned work (redelivery after
 the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 workers
-(``broker.nats_setup`` adopts their stream and consumer) and counts attempts as they do:
+(``broker.nats.setup`` adopts their stream and consumer) and counts attempts as they do:
 
 - attempts = JetStream's ``num_delivered`` - 1. The budget is read from the consumer
   (MaxDeliver, minus the spare delivery queue 5 marks in its metadata).
 - receive: a pull that waits for the first message, then no-wait top-ups for the rest of
-  the room (``broker.nats_pull``). A delivery at the spare (every earlier run of it died
+  the room (``broker.nats.pull``). A delivery at the spare (every earlier run of it died
   unsettled) and an undecodable one go to the dead stream, then TERM, never to a handler.
 - commit: an ack sent as a request, so the server's reply confirms it. Many are in flight
   at once; each result is reported when its own reply arrives. A reply lost to a timeout
@@ -27,7 +27,7 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
   nobody held them: each is copied to the dead stream, then deleted from the work stream.
 - abandon: nothing to do; an unacknowledged delivery comes back after the ack wait.
 
-The connection is replaced, never repaired (``broker.nats_link``): operations in flight
+The connection is replaced, never repaired (``broker.nats.link``): operations in flight
 when it breaks end UNCERTAIN (or ERROR when they were never sent); every other delivery
 stays valid, since its acks go to its own reply subject from whichever connection is live.
 """
@@ -63,11 +63,11 @@ from broker.base import (
     ResultCallback,
     Settlement,
 )
-from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
-from broker.nats_held import Holdings
-from broker.nats_link import RETRYABLE, Link, Unavailable
-from broker.nats_pull import Puller
-from broker.nats_setup import (
+from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
+from broker.nats.held import Holdings
+from broker.nats.link import RETRYABLE, Link, Unavailable
+from broker.nats.pull import Puller
+from broker.nats.setup import (
     Adopted,
     QueueNames,
     Wanted,
@@ -77,7 +77,7 @@ from broker.nats_setup import (
     read_consumer_policy,
     reread_consumer,
 )
-from broker.nats_tls import tls_options
+from broker.nats.tls import tls_options
 from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
@@ -133,7 +133,7 @@ class NatsBroker:
         kept in the stream metadata. ``job_ttl`` (s, 0 = forever) is the max age of dead
         letters in a dead stream we create. ``options`` go to ``nats.connect``. ``tls``:
         with a tls:// URL or any setting, every connection is TLS with these settings
-        (a server that does not start TLS is refused, see ``broker.nats_tls``)."""
+        (a server that does not start TLS is refused, see ``broker.nats.tls``)."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if ack_wait <= 0:

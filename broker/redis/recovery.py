@@ -49,8 +49,8 @@ from redis.exceptions import RedisClusterException, ResponseError
 
 from broker import envelope
 from broker.base import MAX_BATCH, MaintenanceReport, WrongTypeError
-from broker.keys import QueueKeys
-from broker.scripts import Scripts
+from broker.redis.keys import QueueKeys
+from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import orjson
 from nats.aio.msg import Msg
 
-from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
+from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 
 log = logging.getLogger("broker.nats")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from broker import envelope
 from broker.base import MAX_BATCH, BrokerError
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 
 async def publish(client: Any, namespace: str, queue: str, payload: dict[str, Any]) -> str:

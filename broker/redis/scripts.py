@@ -38,12 +38,13 @@ NOT_RUN = (TryAgainError, ClusterDownError, ClusterError, SlotNotCoveredError)
 NOT_RUN_PATIENCE = 10.0
 
 def _lua_dir() -> Path:
-    """Where the scripts are: ``broker/lua/`` inside an installed package (the wheel carries
-    them as package data), else the checkout's top-level ``lua/`` (tests, editable runs)."""
-    installed = resources.files("broker") / "lua"
+    """Where the scripts are: ``broker/redis/lua/`` inside an installed package (the wheel
+    carries them as package data), else the checkout's top-level ``lua/`` (tests, editable
+    runs)."""
+    installed = resources.files("broker.redis") / "lua"
     if installed.is_dir():
         return Path(str(installed))
-    return Path(__file__).resolve().parent.parent / "lua"
+    return Path(__file__).resolve().parents[2] / "lua"
 
 
 LUA_DIR = _lua_dir()

@@ -31,8 +31,8 @@ from typing import Any
 import orjson
 
 from broker.base import BrokerError
-from broker.nats_conn import Connection
-from broker.nats_link import NotReady
+from broker.nats.conn import Connection
+from broker.nats.link import NotReady
 
 log = logging.getLogger("broker.nats")
 

@@ -20,7 +20,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError
-from broker.nats_conn import Connection, ConnectionLost, RequestTimeout
+from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.urls import redact
 
 log = logging.getLogger("broker.nats")

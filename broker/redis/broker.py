@@ -1,7 +1,7 @@
 """The Redis broker: reserve, claim, settle and extend, one Lua script call per batch.
 
 Python prepares arguments and interprets results; the scripts in ``lua/`` make every state
-change atomically (the per-message state contract is in ``broker.keys``). A message moves
+change atomically (the per-message state contract is in ``broker.redis.keys``). A message moves
 ready -> reservation (``reserve``) -> processing with an owner token (``claim``) -> done,
 ready again, failed or poison (``settle``). Every settlement and renewal is conditional on
 the owner token, so a consumer whose work was recovered can no longer change anything.
@@ -54,9 +54,9 @@ from broker.base import (
     ResultCallback,
     Settlement,
 )
-from broker.keys import QueueKeys
-from broker.placement import check_placement
-from broker.scripts import Scripts
+from broker.redis.keys import QueueKeys
+from broker.redis.placement import check_placement
+from broker.redis.scripts import Scripts
 from broker.tls import TlsSettings
 from broker.urls import redact
 
@@ -86,7 +86,7 @@ BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
 #: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
-#: 7.2 does not know it, and a least-privilege ACL user (broker.acl) is not granted it, so
+#: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
 #: on 7.2 and later every connection would leave a denial in ACL LOG.
 try:
     from redis.driver_info import DriverInfo  # noqa: F401 - redis-py with driver_info
@@ -545,7 +545,7 @@ class RedisBroker:
 
     async def maintain(self, *, force: bool = False) -> MaintenanceReport:
         """One bounded recovery sweep when the fleet's reap lock allows (``force``: now)."""
-        from broker import recovery
+        from broker.redis import recovery
 
         async with _broker_errors("maintain"):
             return await recovery.maintain(
@@ -555,12 +555,12 @@ class RedisBroker:
             )
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
-        from broker import publish
+        from broker.redis import publish
 
         return await publish.publish(self.client, self.namespace, queue, payload)
 
     async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
-        from broker import publish
+        from broker.redis import publish
 
         return await publish.publish_many(self.client, self.namespace, queue, payloads)
 

@@ -4,7 +4,7 @@ nats-py's own reconnect replays buffered writes and its ``_close`` leaves pendin
 futures waiting for their full timeout. Here a broken connection is simply finished: every
 request still waiting for its reply fails at once with ``ConnectionLost(sent=True)`` (the
 server may or may not have applied it), and a new ``Connection`` is built by the caller
-(see ``broker.nats_link``).
+(see ``broker.nats.link``).
 
 All replies and pulled messages arrive on one wildcard inbox subscription. Replies and
 pull statuses carry their request's token in the subject; pulled JetStream messages carry
@@ -32,8 +32,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from broker import nats_tls
 from broker.base import BrokerError, BrokerRefused
+from broker.nats import tls as nats_tls
 from broker.urls import redact
 
 log = logging.getLogger("broker.nats")
