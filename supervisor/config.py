@@ -647,6 +647,16 @@ def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
     )
 
 
+def _retry_backoff_needs_nats(values: _Values) -> str | None:
+    backoff = values["job.retry_backoff"]
+    if not backoff or broker_kind(values["broker.url"]) == "nats":
+        return None
+    return (
+        f"[job] retry_backoff = {_show(backoff)} works on NATS only: on Redis a failed job is "
+        "requeued at once with attempts + 1, as queue 5 does (set it to 0, or remove it)"
+    )
+
+
 def _ack_wait_covers_renewal(values: _Values) -> str | None:
     ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
     if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
@@ -709,6 +719,7 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),
+    CrossCheck("`[job] retry_backoff` > 0 only with a NATS URL", _retry_backoff_needs_nats),
     CrossCheck(
         "`[broker] tls_*` keys with a Redis URL need rediss:// (with redis:// they are an "
         "error, not an upgrade), with a NATS URL they make TLS required (for nats:// too)",

@@ -465,3 +465,13 @@ def test_handlers_are_not_imported_when_asked_not_to(handler_modules, tmp_path):
 def test_a_malformed_handler_spec_fails_even_without_import(tmp_path):
     text = MINIMAL.replace("examples.noop:handle", "handle")
     assert "[job] handler" in error_of(tmp_path, text, import_handler=False)
+
+
+def test_retry_backoff_is_refused_where_it_cannot_work(tmp_path):
+    """On Redis a failed job is requeued at once (queue 5): a backoff there would be a
+    setting that silently does nothing."""
+    text = with_job("retry_backoff = 2\n")
+    message = error_of(tmp_path, text)
+    assert "[job] retry_backoff = 2.0 works on NATS only" in message and "\n" not in message
+    loaded = load_text(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
+    assert loaded.job.retry_backoff == 2

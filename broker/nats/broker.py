@@ -78,6 +78,7 @@ from broker.nats.setup import (
     reread_consumer,
 )
 from broker.nats.tls import tls_options
+from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
@@ -324,10 +325,11 @@ class NatsBroker:
             result = await self._respond(receipt, ACK)
         elif action is Action.RELEASE:
             result = await self._release(settlement.delivery)
-        elif delivered >= self.policy.budget:
+        elif self._retry().exhausted(delivered - 1):
             result = await self._bury(settlement)
         else:
-            result = await self._respond(receipt, self._nak_with_backoff(delivered))
+            delay = self._retry().delay(delivered - 1, self.policy.backoff)
+            result = await self._respond(receipt, _nak_after(delay))
         if result.outcome is not Outcome.ERROR:  # on ERROR it is still ours: settled again
             self._held.drop(seq, delivered)
         return result
@@ -377,13 +379,9 @@ class NatsBroker:
             return
         await self._release(_delivery(msg, receipt, decoded))
 
-    def _nak_with_backoff(self, delivered: int) -> bytes:
-        backoff = self.policy.backoff
-        if backoff:  # the consumer's list, as queue 5 reads it (the last entry repeats)
-            delay = backoff[min(max(delivered, 1), len(backoff)) - 1]
-        else:
-            delay = self._retry_backoff * 2 ** (delivered - 1)
-        return _nak_after(delay)
+    def _retry(self) -> RetryPolicy:
+        """The shared policy with the consumer's budget (which may change at a reconnect)."""
+        return RetryPolicy(self.policy.budget, self._retry_backoff)
 
     # -- extend ------------------------------------------------------------------------
 

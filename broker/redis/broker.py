@@ -57,6 +57,7 @@ from broker.base import (
 from broker.redis.keys import QueueKeys
 from broker.redis.placement import check_placement
 from broker.redis.scripts import Scripts
+from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
 
@@ -486,11 +487,10 @@ class RedisBroker:
         if settlement.action is Action.RELEASE:
             return "l", ""
         delivery = settlement.delivery
-        attempts = delivery.attempts + 1
-        if attempts >= self.max_attempts:
+        if RetryPolicy(self.max_attempts).exhausted(delivery.attempts):
             return "f", ""  # queue 5's reject: the failed list, the record kept
         decoded = delivery.envelope or envelope.decode(delivery.raw)
-        return "r", envelope.requeued(decoded, attempts)
+        return "r", envelope.requeued(decoded, delivery.attempts + 1)
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])

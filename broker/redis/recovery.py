@@ -51,6 +51,7 @@ from broker import envelope
 from broker.base import MAX_BATCH, MaintenanceReport, WrongTypeError
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
+from broker.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,10 @@ def judge(
     if owner is None and now - _published(pid, decoded) <= recovery_age:
         return None  # a 1.x consumer (no owner, no renewals) may still be running it
     marker = keys.marker(decoded) if decoded is not None else None
-    attempts = decoded["attempts"] + 1 if decoded is not None else max_attempts
-    if attempts >= max_attempts or decoded is None:
+    if decoded is None or RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
         return Candidate(DEAD, pid, owner_text, marker=marker)
-    return Candidate(REQUEUE, pid, owner_text, envelope.requeued(decoded, attempts, now), marker)
+    requeued = envelope.requeued(decoded, decoded["attempts"] + 1, now)
+    return Candidate(REQUEUE, pid, owner_text, requeued, marker)
 
 
 async def reclaim(
