@@ -129,8 +129,19 @@ class MaintenanceReport:
 ResultCallback = Callable[[int, "Result"], None]
 
 
-class Broker(Protocol):
-    """What the supervisor needs from a broker. One instance serves one queue."""
+class Publisher(Protocol):
+    """Putting messages on a queue (producers, the operator ``publish`` command)."""
+
+    async def publish(self, queue: str, payload: dict[str, Any]) -> str:
+        """Publish one message; returns its pid once the broker has it."""
+
+    async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
+        """Publish several messages; returns their pids once the broker has them all."""
+
+
+class Broker(Publisher, Protocol):
+    """What the supervisor needs from a broker: consuming one queue (receive, settle,
+    renew, recover), and publishing beside it. One instance serves one queue."""
 
     queue: str
 
@@ -186,8 +197,3 @@ class Broker(Protocol):
         """Declare this consumer gone (at every exit) so ``deliveries``, still owned, are
         recovered now instead of after the lease. Does not settle anything."""
 
-    async def publish(self, queue: str, payload: dict[str, Any]) -> str:
-        """Publish one message; returns its pid once the broker has it."""
-
-    async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
-        """Publish several messages; returns their pids once the broker has them all."""
