@@ -119,7 +119,7 @@ def redis_target(args: argparse.Namespace, cleanup: list) -> runs.RedisTarget:
             raise SystemExit(f"error: the database of {url} is not empty and every run "
                              "empties it (FLUSHDB): use an empty one, or --allow-flush")
         return target
-    from tests.servers import RedisServer
+    from support.servers import RedisServer
 
     extra = [] if args.redis_aof == "no" else ["--appendonly", "yes",
                                                 "--appendfsync", args.redis_aof]
@@ -134,7 +134,7 @@ def nats_target(args: argparse.Namespace, cleanup: list) -> runs.NatsTargetRun:
     if url:
         target = nats_side.NatsTarget(url, args.nats_monitor)
     else:
-        from tests.servers import NatsServer
+        from support.servers import NatsServer
 
         server = NatsServer().start()
         cleanup.append(server.close)

@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from tests.servers import wait_for_port
+from support.servers import wait_for_port
 
 BUS_OFFSET = 10_000
 PORT_RANGE = (15_000, 22_000)  # bus ports 25000..32000, below 32768 (the ephemeral range)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from tests.servers import NatsServer, RedisServer
+from support.servers import NatsServer, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +77,8 @@ def client(redis_url: str):
 @pytest.fixture
 def supervisors(tmp_path):
     """``launch(config, redis_url="", **options)`` runs ``python -m supervisor`` for this
-    test (see tests.supervision.Supervisor); every one of them is gone afterwards."""
-    from tests.supervision import Supervisor
+    test (see support.supervision.Supervisor); every one of them is gone afterwards."""
+    from support.supervision import Supervisor
 
     started: list[Supervisor] = []
 

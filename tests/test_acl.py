@@ -13,7 +13,7 @@ from broker.redis.keys import QueueKeys
 from broker.redis.scripts import LUA_DIR
 from supervisor import cli
 from supervisor.ops import COMMANDS
-from tests.supervision import write_config
+from support.supervision import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -25,7 +25,7 @@ from broker import envelope
 from broker.base import BrokerError
 from broker.redis import RedisBroker, acl
 from broker.redis.keys import QueueKeys
-from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
+from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 
 PASSWORD = "s3cret-pw"
 ADMIN = ("admin", "admin-pw")

@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from supervisor import arbiter, cli
-from tests.servers import NatsServer, RedisServer, environ_without_broker, free_port
-from tests.supervision import ROOT, Supervisor, wait_for, write_config
+from support.servers import NatsServer, RedisServer, environ_without_broker, free_port
+from support.supervision import ROOT, Supervisor, wait_for, write_config
 
 #: With an ``@`` in it: written unencoded, a naive redaction shows the part after it.
 PASSWORD = "Zx9-s3cret@Hq7-pw"

@@ -15,7 +15,7 @@ import redis
 from broker import envelope
 from broker.redis.keys import QueueKeys
 from supervisor.ops.drain import is_supervisor_of
-from tests.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
+from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 
 
 def test_titles_of_supervisors_and_not_of_their_handlers():
@@ -127,7 +127,7 @@ def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client)
 def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url, client):
     """Two supervisors of one queue name on two Redis servers: draining one leaves the
     other running (a title search would find both)."""
-    from tests.servers import RedisServer
+    from support.servers import RedisServer
 
     other_server = RedisServer().start()
     try:

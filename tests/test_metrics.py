@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.base import Action
 from supervisor import metrics
-from tests.servers import free_port
-from tests.supervision import QUEUE, Supervisor, wait_for, write_config
+from support.servers import free_port
+from support.supervision import QUEUE, Supervisor, wait_for, write_config
 
 
 @pytest.fixture

@@ -35,9 +35,9 @@ import redis
 from broker.base import Delivery, Outcome
 from broker.redis import RedisBroker
 from broker.redis.keys import QueueKeys
+from support.supervision import QUEUE as E2E_QUEUE
+from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
 from tests.queue5 import Message, NotOwned, Queue5Consumer, php_json_encode
-from tests.supervision import QUEUE as E2E_QUEUE
-from tests.supervision import counter, keys, lines, outstanding, wait_for, write_config
 
 NS = "utopia-queue"
 SEED = 20261130

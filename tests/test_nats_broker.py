@@ -17,8 +17,8 @@ from broker.nats import NatsBroker
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.setup import QueueNames
-from tests.faultproxy import FaultProxy
-from tests.servers import NatsServer
+from support.faultproxy import FaultProxy
+from support.servers import NatsServer
 
 QUEUE = "stats-usage"
 NAMES = QueueNames.of(QUEUE)

@@ -23,9 +23,9 @@ from nats.js.errors import NotFoundError
 
 from broker import envelope
 from broker.nats.setup import QueueNames
+from support.servers import NatsServer
+from support.supervision import QUEUE, lines, write_config
 from tests.queue5_nats import Queue5NatsWorker
-from tests.servers import NatsServer
-from tests.supervision import QUEUE, lines, write_config
 
 NAMES = QueueNames.of(QUEUE)
 

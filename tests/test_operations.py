@@ -19,7 +19,7 @@ from broker import envelope
 from broker.redis import RedisBroker
 from supervisor import cli
 from supervisor.config import load
-from tests.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
+from support.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
 
 
 @pytest.fixture(autouse=True)

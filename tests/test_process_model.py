@@ -14,7 +14,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.supervision import ROOT, lines, publish, wait_for, write_config
+from support.supervision import ROOT, lines, publish, wait_for, write_config
 
 
 def handled(tmp_path) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.supervision import ROOT
+from support.supervision import ROOT
 
 README = (ROOT / "README.md").read_text()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.chaos.ledger import Ledger
-from tests.servers import environ_without_broker
+from support.servers import environ_without_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 

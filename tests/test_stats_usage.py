@@ -13,7 +13,7 @@ import pytest
 
 from examples import noop, stats_usage
 from examples.stats_usage import flush, handle, init, make_payload, totals
-from tests.supervision import ROOT
+from support.supervision import ROOT
 
 
 @dataclass

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from broker import envelope
-from tests.servers import environ_without_broker
-from tests.supervision import (
+from support.servers import environ_without_broker
+from support.supervision import (
     QUEUE,
     ROOT,
     counter,

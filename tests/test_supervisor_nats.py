@@ -18,9 +18,9 @@ import pytest
 from broker.base import Action, Settlement
 from broker.nats import NatsBroker
 from broker.nats.setup import QueueNames
-from tests.faultproxy import FaultProxy
-from tests.servers import NatsServer
-from tests.supervision import QUEUE, lines, wait_for, write_config
+from support.faultproxy import FaultProxy
+from support.servers import NatsServer
+from support.supervision import QUEUE, lines, wait_for, write_config
 
 NAMES = QueueNames.of(QUEUE)
 

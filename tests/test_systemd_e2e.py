@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.supervision import Supervisor, publish, wait_for, write_config
+from support.supervision import Supervisor, publish, wait_for, write_config
 
 
 @pytest.fixture

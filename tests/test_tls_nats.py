@@ -23,8 +23,8 @@ from broker.nats import tls as nats_tls
 from broker.nats.link import Unavailable
 from broker.tls import TlsSettings
 from supervisor import cli
-from tests.servers import NatsServer
-from tests.supervision import Supervisor, lines, wait_for, write_config
+from support.servers import NatsServer
+from support.supervision import Supervisor, lines, wait_for, write_config
 from tests.tls import TlsNatsServer, run, status, trusting, with_client_cert
 
 QUEUE = "tls"

@@ -22,7 +22,7 @@ from broker.base import Action, BrokerError, Settlement
 from broker.redis import RedisBroker
 from broker.tls import TlsSettings
 from supervisor import cli
-from tests.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
+from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
 from tests.tls import (
     TlsCluster,
     TlsRedisServer,

@@ -23,8 +23,8 @@ from nats.js.errors import NotFoundError
 from bench.chaos.sides import Check, FinalState
 from bench.chaos.workload import Message
 from broker.nats.setup import CONSUMER, QueueNames
-from tests.faultproxy import FaultProxy
-from tests.servers import NatsServer
+from support.faultproxy import FaultProxy
+from support.servers import NatsServer
 
 
 class NatsSide:

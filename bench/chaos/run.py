@@ -43,7 +43,7 @@ import psutil
 from bench.chaos.ledger import Ledger
 from bench.chaos.sides import Check, RedisSide
 from bench.chaos.workload import FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
-from tests.supervision import Supervisor, write_config
+from support.supervision import Supervisor, write_config
 
 QUEUE = "chaos"
 HANDLER = "bench.chaos.handler:handle"

@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 
 from bench.chaos.workload import Message
 from broker.redis.keys import QueueKeys
-from tests.servers import RedisServer
+from support.servers import RedisServer
 
 NAMESPACE = "utopia-queue"
 

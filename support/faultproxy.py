@@ -22,7 +22,7 @@ import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 
-from tests.servers import free_port
+from support.servers import free_port
 
 _PAYLOAD_OPS = {b"PUB", b"HPUB", b"MSG", b"HMSG"}
 
