@@ -120,7 +120,7 @@ class NatsBroker:
         max_attempts: int = 3,
         retry_backoff: float = 0.0,
         namespace: str = "utopia-queue",
-        max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
+        max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         job_ttl: float = 0.0,
         request_timeout: float = 5.0,
         connect_timeout: float = 5.0,

@@ -187,7 +187,7 @@ class Connection:
         if self.closed:
             return False
         try:
-            await self.client.flush(timeout)
+            await self.client.flush(math.ceil(timeout))  # nats-py takes whole seconds
             return True
         except Exception as error:  # any failure means we cannot trust this socket
             log.warning("nats connection failed its health check (%r): closing it", error)

@@ -22,6 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 from nats.aio.msg import Msg
@@ -128,9 +129,10 @@ class Puller:
         try:
             while not enough() and not status.done():
                 self._arrived.clear()
-                waiter = asyncio.ensure_future(self._arrived.wait())
+                waiter: asyncio.Future[Any] = asyncio.ensure_future(self._arrived.wait())
                 try:
-                    await asyncio.wait({waiter, status}, return_when=asyncio.FIRST_COMPLETED)
+                    pending: set[asyncio.Future[Any]] = {waiter, status}
+                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waiter.cancel()
             if status.done() and not status.cancelled():

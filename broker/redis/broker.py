@@ -193,7 +193,7 @@ class RedisBroker:
         job_ttl: int = 0,
         recovery_age: int = 90000,
         maintenance_interval: float = 5.0,
-        max_envelope_bytes: int = envelope.MAX_ENVELOPE_BYTES,
+        max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         tls: TlsSettings | None = None,
     ) -> None:
         """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked)."""
@@ -480,15 +480,15 @@ class RedisBroker:
             return [uncertain] * len(batch)
         return [_RESULTS[outcome] for outcome in reply]
 
-    def _settle_op(self, settlement: Settlement) -> tuple[str, bytes | str]:
+    def _settle_op(self, settlement: Settlement) -> tuple[str, bytes]:
         """The script's op for one settlement and, for a retry, the envelope to requeue."""
         if settlement.action is Action.COMMIT:
-            return "c", ""
+            return "c", b""
         if settlement.action is Action.RELEASE:
-            return "l", ""
+            return "l", b""
         delivery = settlement.delivery
         if RetryPolicy(self.max_attempts).exhausted(delivery.attempts):
-            return "f", ""  # queue 5's reject: the failed list, the record kept
+            return "f", b""  # queue 5's reject: the failed list, the record kept
         decoded = delivery.envelope or envelope.decode(delivery.raw)
         return "r", envelope.requeued(decoded, delivery.attempts + 1)
 

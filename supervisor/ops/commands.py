@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import nats.errors
@@ -280,7 +280,8 @@ async def opened_broker(config: Config, command: str) -> AsyncIterator[Any]:
             await broker.close()
 
 
-COMMANDS: dict[str, tuple[Callable[[Config, argparse.Namespace], Awaitable[int]], str]] = {
+Command = Callable[[Config, argparse.Namespace], Coroutine[Any, Any, int]]
+COMMANDS: dict[str, tuple[Command, str]] = {
     "status": (status, "sizes, reservations, consumers and counters of the queue"),
     "recover": (recover_now, "run maintenance now until it recovers nothing"),
     "retry": (retry_jobs, "move failed (or dead) jobs back to the ready list"),
