@@ -465,3 +465,41 @@ def test_handlers_are_not_imported_when_asked_not_to(handler_modules, tmp_path):
 def test_a_malformed_handler_spec_fails_even_without_import(tmp_path):
     text = MINIMAL.replace("examples.noop:handle", "handle")
     assert "[job] handler" in error_of(tmp_path, text, import_handler=False)
+
+
+# --- async handlers --------------------------------------------------------------------------
+
+
+ASYNC_JOB = """
+[job]
+queue = "q"
+handler = "tests.handlers.aio:handle"
+"""
+
+
+def test_tasks_per_process_defaults_to_one_and_prefetch_covers_every_task(tmp_path):
+    assert load_text(tmp_path, ASYNC_JOB).job.tasks_per_process == 1
+    loaded = load_text(tmp_path, ASYNC_JOB + "coroutines = 2\ntasks_per_process = 100\n")
+    assert (loaded.job.coroutines, loaded.job.tasks_per_process, loaded.job.prefetch) == (
+        2, 100, 200)
+    direct = config.JobConfig(queue="q", handler="m:f", coroutines=3, tasks_per_process=4)
+    assert direct.prefetch == 12
+
+
+def test_prefetch_below_every_task_is_an_error(tmp_path):
+    message = error_of(tmp_path, ASYNC_JOB + "coroutines = 2\ntasks_per_process = 50\n"
+                                             "prefetch = 60\n")
+    assert message.endswith(
+        "[job] prefetch = 60 is below coroutines * tasks_per_process = 2 * 50 = 100; prefetch "
+        "bounds all unacknowledged deliveries, so it must cover every task of every process")
+
+
+def test_tasks_per_process_above_one_needs_an_async_handler(tmp_path):
+    message = error_of(tmp_path, with_job("tasks_per_process = 10\n"))
+    assert "[job] tasks_per_process = 10 needs an async def handler" in message
+    assert "examples.noop:handle" in message
+
+
+def test_async_hooks_beside_a_plain_handler_are_an_error(tmp_path):
+    message = error_of(tmp_path, MINIMAL.replace("examples.noop", "tests.handlers.aio_sync_handle"))
+    assert "defines async flush() but its handler is a plain def" in message
