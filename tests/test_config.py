@@ -503,3 +503,15 @@ def test_tasks_per_process_above_one_needs_an_async_handler(tmp_path):
 def test_async_hooks_beside_a_plain_handler_are_an_error(tmp_path):
     message = error_of(tmp_path, MINIMAL.replace("examples.noop", "tests.handlers.aio_sync_handle"))
     assert "defines async flush() but its handler is a plain def" in message
+
+
+def test_the_example_job_runs_the_async_handler_with_its_commented_lines(tmp_path):
+    text = (REPO / "conf" / "stats-usage.toml").read_text()
+    async_handler = 'handler = "examples.stats_usage_async:handle"'
+    text = text.replace('handler = "examples.stats_usage:handle"', "")
+    text = text.replace(f"# {async_handler}", async_handler)
+    text = text.replace("tasks_per_process = 1 ", "tasks_per_process = 50 ")
+    loaded = load_text(tmp_path, text)
+    assert (loaded.job.handler, loaded.job.tasks_per_process) == (
+        "examples.stats_usage_async:handle", 50)
+    assert loaded.job.prefetch == 100  # written in the file, and it covers 1 * 50
