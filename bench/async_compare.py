@@ -213,7 +213,8 @@ def render(results: list[Result], args: argparse.Namespace, began_load: list[flo
         "computed (CPU)",
         "",
         f"Machine: {describe({}, began_load)['cpu']}, {psutil.cpu_count()} cores; load "
-        f"average at the start {began_load}. One private redis-server. Memory: peak sums "
+        f"average at the start {began_load}, at the end {load()} (the harness's own runs "
+        "count in it). One private redis-server. Memory: peak sums "
         "over every process of the worker (supervisor, fork server, handlers; arq: its one "
         "process).",
         "",

@@ -441,8 +441,8 @@ class Arbiter:
                 continue
             overdue = {
                 entry.id for entry in slot.running.values() if now - entry.started_at > limit
-            }
-            if job.handler_timeout and overdue and not slot.kill_reason:
+            } if job.handler_timeout else set()
+            if overdue and not slot.kill_reason:
                 log.error("handler %d exceeded handler_timeout %ss: killing process %d",
                           slot.index, job.handler_timeout, slot.pid)
                 slot.kill_reason = f"handler timeout after {job.handler_timeout}s" + (

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+from broker import envelope
 from tests import test_worker
 from tests.test_worker import lines, wait_until
 from worker import protocol, runner
@@ -98,8 +99,10 @@ def test_exit_waits_for_running_tasks_then_flushes(start, tmp_path: Path) -> Non
     log, gate = tmp_path / "log", tmp_path / "gate"
     child = start("tests.handlers.aio_flushing:handle", tasks=4)
     child.outcomes(1)
-    sent = child.deliver(*({"log": str(log), "gate": str(gate)} for _ in range(3)))
-    child.send(protocol.encode_exit())
+    sent = [envelope.build("tests", {"log": str(log), "gate": str(gate)}) for _ in range(3)]
+    # In one batch: what came before EXIT runs, EXIT waits for it.
+    child.send(*(protocol.encode_deliver(n, raw) for n, (_, raw) in enumerate(sent, 1)),
+               protocol.encode_exit())
     assert kinds(child.outcomes(3)) == ["STARTED"] * 3
     gate.touch()
     outcomes = child.outcomes(6)
@@ -107,7 +110,7 @@ def test_exit_waits_for_running_tasks_then_flushes(start, tmp_path: Path) -> Non
     assert child.exit_status() == 0
     flushed = [pid for line in lines(log) if line.startswith("flushed")
                for pid in line.split()[1].split(",")]
-    assert sorted(flushed) == sorted(pid for _, pid in sent)
+    assert sorted(flushed) == sorted(pid for pid, _ in sent)
 
 
 def test_the_timeout_cancels_one_task_and_the_others_go_on(start, tmp_path: Path) -> None:

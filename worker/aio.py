@@ -12,8 +12,8 @@ The ring protocol is ``worker.runner``'s, per delivery:
 - ``timeout``: the task is cancelled and the delivery FAILED ("handler timeout"). A task that
   does not end (it blocks the loop, or swallows the cancellation) is the supervisor's to
   kill, with the process, after a grace.
-- The stop flag: nothing more starts; what waits here is SKIPPED. EXIT: nothing more starts,
-  the running tasks finish, a last ``flush()``, exit 0.
+- The stop flag: nothing more starts; what waits here is SKIPPED. EXIT (the last record the
+  supervisor sends): what came before it runs, then a last ``flush()``, then exit 0.
 
 ``init``, ``flush``, ``on_success`` and ``on_error`` may each be ``async def`` or plain; a
 plain one runs on the loop (and blocks it while it runs). ``on_success`` and ``on_error``
@@ -174,7 +174,7 @@ class _AsyncRunner:
     def _pump(self) -> None:
         """Start what may start, flush if due, send the outcomes; exit when asked and done."""
         self._pump_scheduled = False
-        if self._inbox.flag or self._exiting:
+        if self._inbox.flag:
             while self._waiting:  # stopping: the supervisor releases these
                 self._outcomes.append(protocol.encode_skipped(self._waiting.popleft()[0]))
         while self._waiting and len(self._tasks) < self._capacity:
@@ -184,7 +184,8 @@ class _AsyncRunner:
         self.send(self._outcomes)
         if self._tasks:
             self._title.set_busy(True)
-        if self._exiting and not self._tasks and not self._held and self._flushing is None:
+        if (self._exiting and not self._waiting and not self._tasks and not self._held
+                and self._flushing is None):
             log.info("handler process exiting")
             _exit(0)
 
@@ -270,7 +271,7 @@ class _AsyncRunner:
     def _maybe_flush(self) -> None:
         if not self._held or self._flushing is not None:
             return
-        more_to_start = self._waiting and not self._exiting and not self._inbox.flag
+        more_to_start = self._waiting and not self._inbox.flag
         if more_to_start and len(self._held) < self._flush_every:
             return  # gather more successes first, as the one-at-a-time process does
         held, self._held = self._held, []
