@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import orjson
+import psutil
 import pytest
 
 from tests.supervision import counter, keys, lines, outstanding, publish, wait_for, write_config
@@ -151,6 +152,8 @@ def test_bounded_stop_kills_hung_tasks_and_a_second_supervisor_recovers_them(
                           job={"tasks_per_process": 5}, supervisor={"shutdown_deadline": 3})
     supervisor = start(config, E2E_HANG_ALWAYS="1")
     wait_for(lambda: len(started(tmp_path)) == 5, 15, "five hung tasks")
+    title = psutil.Process(supervisor.pid).cmdline
+    wait_for(lambda: " ".join(title()).strip().endswith("1/1 busy, 5 running]"), 5, "the title")
     began = time.monotonic()
     supervisor.signal(signal.SIGTERM)
     supervisor.wait(15)
