@@ -24,14 +24,15 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
-from supervisor import logs, systemd
+from supervisor import blame, logs, systemd
 from supervisor.buffer import Buffer, Entry, State
-from supervisor.config import Config
+from supervisor.config import CANCEL_GRACE, Config, resolve_handler
 from supervisor.metrics import Metrics
 from supervisor.settlement import Settler
 from supervisor.slots import Slot
 from worker import protocol
 from worker.forkserver import SERVER_SLOT, ForkServer
+from worker.handler import is_async
 
 log = logging.getLogger("supervisor")
 
@@ -81,6 +82,8 @@ class Arbiter:
         self.forkserver = forkserver
         self.buffer = Buffer(config.job.prefetch)
         self.wants_confirm = callable(getattr(handler_module, "on_success", None))
+        # async def: several deliveries run at once in each process (worker.aio).
+        self.concurrent = is_async(resolve_handler(config.job.handler))
         self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
         self.exit_code = EXIT_OK
         self.stopping = False
@@ -287,6 +290,11 @@ class Arbiter:
         self.progress.set()
         self.dispatch()
 
+    def read_outcomes(self, slot: Slot) -> None:
+        while records := slot.to_parent.get_many(1024):
+            for record in records:
+                self.handle_outcome(slot, record)
+
     def arm(self, slot: Slot) -> None:
         """Declare ourselves asleep on the slot's outcome ring, so its writer wakes us."""
         if not slot.to_parent.prepare_sleep():
@@ -298,8 +306,11 @@ class Arbiter:
             entry = slot.queued.popleft()
             self.buffer.start(entry)
             slot.running[delivery_id] = entry
+        elif kind == protocol.HELD:
+            slot.returned.add(delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
             entry = slot.running.pop(delivery_id)
+            slot.returned.discard(delivery_id)
             slot.jobs += 1
             self.metrics.handler_done(time.monotonic() - entry.started_at)
             self.buffer.complete(entry, error=data if kind == protocol.FAILED else None)
@@ -423,15 +434,20 @@ class Arbiter:
     def enforce_limits(self) -> None:
         job = self.config.job
         now = time.monotonic()
+        # A plain handler is killed at its timeout; an async one cancelled itself by then.
+        limit = job.handler_timeout + (CANCEL_GRACE if self.concurrent else 0.0)
         for slot in self.slots:
             if not slot.alive:
                 continue
-            if job.handler_timeout and any(
-                now - entry.started_at > job.handler_timeout for entry in slot.running.values()
-            ):
+            overdue = {
+                entry.id for entry in slot.running.values() if now - entry.started_at > limit
+            } if job.handler_timeout else set()
+            if overdue and not slot.kill_reason:
                 log.error("handler %d exceeded handler_timeout %ss: killing process %d",
                           slot.index, job.handler_timeout, slot.pid)
-                slot.kill_reason = f"handler timeout after {job.handler_timeout}s"
+                slot.kill_reason = f"handler timeout after {job.handler_timeout}s" + (
+                    f" (not cancelled within {CANCEL_GRACE:g}s)" if self.concurrent else "")
+                slot.overdue = overdue
                 self.kill(slot, signal.SIGKILL)
                 continue
             self.retire_if_idle(slot)
@@ -492,6 +508,15 @@ class Arbiter:
         self.progress.set()
 
     def handle_child_exit(self, slot: Slot, pid: int, status: int | None) -> None:
+        # What it wrote before it died counts (a DONE or HELD not read yet would otherwise
+        # make a finished delivery look running): the ring outlives the process.
+        try:
+            self.read_outcomes(slot)
+        except Exception as error:  # a bug; the accounting below must still run
+            if self.stopping:  # already failing: one "stopping" line is enough
+                log.error("outcomes of handler process %d unreadable: %r", pid, error)
+            else:
+                self.fail("reading a dead handler's outcomes failed", error)
         expected, was_ready = slot.exit_sent, slot.ready
         reason = slot.kill_reason or f"worker lost: handler process {pid} " + (
             f"killed by signal {-status}" if status is not None and status < 0
@@ -499,16 +524,20 @@ class Arbiter:
         )
         running = list(slot.running.values())
         queued = list(slot.queued)
+        blamed, rerun = blame.split(running, concurrent=self.concurrent,
+                                    returned=slot.returned, overdue=slot.overdue)
         slot.clear()
         self.arm(slot)
         if self.abandoning:
             pass  # stopped at the deadline: what was running stays owned and is recovered later
         elif running:
-            # The newest started delivery was in the handler: it takes the blame (an attempt).
-            # Older ones had returned and were waiting for flush(): they run again, no attempt.
-            log.error("%s while handling %s", reason, running[-1].delivery.pid)
-            self.buffer.complete(running[-1], error=reason)
-            self.buffer.requeue_front(running[:-1])
+            # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
+            pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
+            more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
+            log.error("%s while handling %s%s", reason, pids, more)
+            for entry in blamed:
+                self.buffer.complete(entry, error=reason)
+            self.buffer.requeue_front(rerun)
         elif not expected and not self.stopping and was_ready:
             log.error("%s", reason)
         self.buffer.requeue_front(queued)
@@ -551,10 +580,14 @@ class Arbiter:
         busy = sum(1 for slot in self.slots if slot.busy)
         self.metrics.buffer(self.buffer.outstanding, self.buffer.prefetch, busy)
         state = "stopping" if self.stopping else "running"
+        tasks = ""
+        if self.concurrent:
+            running = sum(len(slot.running) for slot in self.slots)
+            tasks = f", {running} running"
         setproctitle.setproctitle(
             f"queue-supervisor: {self.config.job.queue} {state} "
             f"[buffer {self.buffer.outstanding}/{self.buffer.prefetch}, "
-            f"{busy}/{len(self.slots)} busy]"
+            f"{busy}/{len(self.slots)} busy{tasks}]"
         )
 
     # -- stopping ------------------------------------------------------------------------------

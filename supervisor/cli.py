@@ -79,6 +79,7 @@ def run(config: Config) -> int:
         run_handler(
             index, slot.to_child, slot.to_parent, config.job.handler,
             flush_every=config.job.flush_every, queue=config.job.queue,
+            tasks=config.job.tasks_per_process, timeout=config.job.handler_timeout,
         )
 
     # First, before the environment changes: the title library finds the memory it may

@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import redact
+from worker.handler import async_hooks_problem, is_async
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
 
@@ -157,10 +158,16 @@ def setting(default: Any, doc: str, *rules: Rule, same_as: str | None = None) ->
     """Declare one key: default (REQUIRED, or None with ``same_as``), doc and rules.
 
     ``same_as`` names the key whose value is the default: ``"coroutines"`` in the same
-    section, ``"job.max_attempts"`` in another one.
+    section, ``"job.max_attempts"`` in another one, or a product of keys of the same section
+    (``"coroutines * tasks_per_process"``).
     """
     metadata = {"doc": doc, "rules": rules, "same_as": same_as}
     return field(default=None if same_as else default, metadata=metadata)
+
+
+#: An async handler's call is cancelled at handler_timeout; one still running this much later
+#: (it blocks its event loop, or ignores the cancellation) is killed with its process.
+CANCEL_GRACE = 2.0
 
 
 # --- the sections ----------------------------------------------------------------------------
@@ -229,13 +236,19 @@ class JobConfig:
     queue: str = setting(REQUIRED, "queue name (the {q} of the Redis keys)", NOT_EMPTY, NO_SPACES)
     handler: str = setting(REQUIRED, "handler function, imported before forking", HANDLER_SPEC)
     coroutines: int = setting(
-        1, "concurrent handlers, i.e. forked handler processes", at_least(1), at_most(1024)
+        1, "handler processes (forked); each runs one delivery at a time, or tasks_per_process "
+        "with an async def handler", at_least(1), at_most(1024)
+    )
+    tasks_per_process: int = setting(
+        1, "deliveries one handler process runs at once; above 1 only for an async def "
+        "handler (one event loop per process): coroutines * tasks_per_process in all",
+        at_least(1), at_most(10000),
     )
     prefetch: int = setting(
         None,
         "bound on unacknowledged deliveries: buffered + running + awaiting confirmation",
         at_least(1),
-        same_as="coroutines",
+        same_as="coroutines * tasks_per_process",
     )
     max_attempts: int = setting(
         3, "runs before a job goes to failed (Redis) or dead (NATS: the budget of a consumer "
@@ -243,7 +256,9 @@ class JobConfig:
     )
     job_ttl: int = setting(0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0))
     handler_timeout: float = setting(
-        0.0, "hard limit of one handler call (s); 0 = none", at_least(0)
+        0.0, "hard limit of one handler call (s); 0 = none. An async handler's call is "
+        f"cancelled then, and its process killed if it has not ended {CANCEL_GRACE:g} s later",
+        at_least(0)
     )
     max_jobs_per_process: int = setting(
         0, "recycle a handler process after this many jobs; 0 = never", at_least(0)
@@ -361,7 +376,7 @@ def _fill_same_as(section: Any, lookup: Callable[[str], Any], copy: bool = False
     for spec in dataclasses.fields(section):
         same_as = spec.metadata.get("same_as")
         if same_as and ("." in same_as) == copy and getattr(section, spec.name) is None:
-            changes[spec.name] = lookup(same_as)
+            changes[spec.name] = math.prod(lookup(name) for name in same_as.split(" * "))
     if copy:
         return dataclasses.replace(section, **changes) if changes else section
     for name, value in changes.items():
@@ -412,10 +427,10 @@ def _key(dotted: str) -> Key:
     return next(key for key in KEYS if f"{key.section}.{key.name}" == dotted)
 
 
-def _qualified(key: Key) -> str:
-    """The ``section.name`` of the key that ``key`` defaults to."""
+def _qualified(key: Key) -> list[str]:
+    """The ``section.name`` of each key whose product ``key`` defaults to."""
     assert key.same_as
-    return key.same_as if "." in key.same_as else f"{key.section}.{key.same_as}"
+    return [name if "." in name else f"{key.section}.{name}" for name in key.same_as.split(" * ")]
 
 
 class CrossCheck(NamedTuple):
@@ -549,7 +564,10 @@ class _Values:
         for key in KEYS:
             values = self.by_section[key.section]
             if key.name not in values and key.default is not REQUIRED:
-                values[key.name] = self[_qualified(key)] if key.same_as else key.default
+                values[key.name] = (
+                    math.prod(self[name] for name in _qualified(key)) if key.same_as
+                    else key.default
+                )
 
     def resolve_files(self, directory: Path) -> None:
         """Make file paths absolute, relative ones from ``directory``: the supervisor and
@@ -576,10 +594,19 @@ class _Values:
                 self.fail(problem)
 
     def import_handler(self) -> None:
+        spec = self["job.handler"]
         try:
-            resolve_handler(self["job.handler"])
+            target = resolve_handler(spec)
         except HandlerError as error:
             self.fail(f"[job] {error}")
+        problem = async_hooks_problem(target, importlib.import_module(split_handler(spec)[0]))
+        if problem:
+            self.fail(f'[job] handler "{spec}": {problem}')
+        tasks = self["job.tasks_per_process"]
+        if tasks > 1 and not is_async(target):
+            self.fail(f"{self.label('job', 'tasks_per_process')} = {tasks} needs an async def "
+                      f'handler; "{spec}" is a plain def, one delivery at a time per process '
+                      "(raise coroutines instead, or make it async def)")
 
     def build(self) -> Config:
         sections = {name: SECTIONS[name](**values) for name, values in self.by_section.items()}
@@ -595,11 +622,19 @@ _LEGACY_KEY = Key("job", "legacy", int, 1, None, (at_least(1),), "")
 
 def _prefetch_covers_coroutines(values: _Values) -> str | None:
     prefetch, coroutines = values["job.prefetch"], values["job.coroutines"]
-    if prefetch >= coroutines:
+    tasks = values["job.tasks_per_process"]
+    if prefetch >= coroutines * tasks:
         return None
+    if tasks == 1:
+        return (
+            f"{values.label('job', 'prefetch')} = {prefetch} is below coroutines = "
+            f"{coroutines}; prefetch bounds all unacknowledged deliveries, so it must be "
+            ">= coroutines"
+        )
     return (
-        f"{values.label('job', 'prefetch')} = {prefetch} is below coroutines = {coroutines}; "
-        "prefetch bounds all unacknowledged deliveries, so it must be >= coroutines"
+        f"{values.label('job', 'prefetch')} = {prefetch} is below coroutines * "
+        f"tasks_per_process = {coroutines} * {tasks} = {coroutines * tasks}; prefetch bounds "
+        "all unacknowledged deliveries, so it must cover every task of every process"
     )
 
 
@@ -706,7 +741,8 @@ def _tls_of(values: _Values) -> TlsSettings:
 
 
 CROSS_CHECKS: tuple[CrossCheck, ...] = (
-    CrossCheck("`[job] prefetch` >= `[job] coroutines`", _prefetch_covers_coroutines),
+    CrossCheck("`[job] prefetch` >= `[job] coroutines * [job] tasks_per_process`",
+               _prefetch_covers_coroutines),
     CrossCheck(
         "`ring_slot_size * ring_slots` >= `2 * max_envelope_bytes`", _ring_holds_two_envelopes
     ),

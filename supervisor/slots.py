@@ -29,6 +29,8 @@ class Slot:
     early_deaths: int = 0  # processes of this slot in a row that died before they were ready
     queued: deque[Entry] = field(default_factory=deque)  # in the ring, in order
     running: dict[int, Entry] = field(default_factory=dict)  # started, outcome not yet seen
+    returned: set[int] = field(default_factory=set)  # running ids reported HELD (async only)
+    overdue: set[int] = field(default_factory=set)  # running ids past the timeout we killed for
 
     @property
     def load(self) -> int:
@@ -48,6 +50,8 @@ class Slot:
         self.ready = self.retiring = self.exit_sent = False
         self.queued.clear()
         self.running.clear()
+        self.returned.clear()
+        self.overdue.clear()
         self.to_child.reset()
         self.to_parent.reset()
 

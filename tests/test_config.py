@@ -475,3 +475,53 @@ def test_retry_backoff_is_refused_where_it_cannot_work(tmp_path):
     assert "[job] retry_backoff = 2.0 works on NATS only" in message and "\n" not in message
     loaded = load_text(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
     assert loaded.job.retry_backoff == 2
+
+
+# --- async handlers --------------------------------------------------------------------------
+
+
+ASYNC_JOB = """
+[job]
+queue = "q"
+handler = "tests.handlers.aio:handle"
+"""
+
+
+def test_tasks_per_process_defaults_to_one_and_prefetch_covers_every_task(tmp_path):
+    assert load_text(tmp_path, ASYNC_JOB).job.tasks_per_process == 1
+    loaded = load_text(tmp_path, ASYNC_JOB + "coroutines = 2\ntasks_per_process = 100\n")
+    assert (loaded.job.coroutines, loaded.job.tasks_per_process, loaded.job.prefetch) == (
+        2, 100, 200)
+    direct = config.JobConfig(queue="q", handler="m:f", coroutines=3, tasks_per_process=4)
+    assert direct.prefetch == 12
+
+
+def test_prefetch_below_every_task_is_an_error(tmp_path):
+    message = error_of(tmp_path, ASYNC_JOB + "coroutines = 2\ntasks_per_process = 50\n"
+                                             "prefetch = 60\n")
+    assert message.endswith(
+        "[job] prefetch = 60 is below coroutines * tasks_per_process = 2 * 50 = 100; prefetch "
+        "bounds all unacknowledged deliveries, so it must cover every task of every process")
+
+
+def test_tasks_per_process_above_one_needs_an_async_handler(tmp_path):
+    message = error_of(tmp_path, with_job("tasks_per_process = 10\n"))
+    assert "[job] tasks_per_process = 10 needs an async def handler" in message
+    assert "examples.noop:handle" in message
+
+
+def test_async_hooks_beside_a_plain_handler_are_an_error(tmp_path):
+    message = error_of(tmp_path, MINIMAL.replace("examples.noop", "tests.handlers.aio_sync_handle"))
+    assert "defines async flush() but its handler is a plain def" in message
+
+
+def test_the_example_job_runs_the_async_handler_with_its_commented_lines(tmp_path):
+    text = (REPO / "conf" / "stats-usage.toml").read_text()
+    async_handler = 'handler = "examples.stats_usage_async:handle"'
+    text = text.replace('handler = "examples.stats_usage:handle"', "")
+    text = text.replace(f"# {async_handler}", async_handler)
+    text = text.replace("tasks_per_process = 1 ", "tasks_per_process = 50 ")
+    loaded = load_text(tmp_path, text)
+    assert (loaded.job.handler, loaded.job.tasks_per_process) == (
+        "examples.stats_usage_async:handle", 50)
+    assert loaded.job.prefetch == 100  # written in the file, and it covers 1 * 50

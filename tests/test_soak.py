@@ -43,6 +43,16 @@ def test_redis_soak_loses_nothing_and_keeps_totals_exact():
     assert "handler_kill" in result.stdout and "broker_restart" in result.stdout
 
 
+@pytest.mark.timeout(170)
+def test_redis_soak_with_async_handlers_thirty_at_once_keeps_totals_exact():
+    # The async stats-usage handler (aiosqlite), 30 deliveries at once per process, each
+    # call 100 ms: handler kills strike processes with many deliveries in flight.
+    result = soak("redis", "--messages", "1500", "--seconds", "20", "--seed", "5",
+                  "--gap", "3,5", "--async-tasks", "30", "--work-ms", "100")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "x 30 async tasks" in result.stdout and "handler_kill" in result.stdout
+
+
 @pytest.mark.timeout(60)
 def test_the_soak_fails_naming_a_lost_message_and_a_wrong_total():
     result = soak("redis", "--messages", "300", "--seconds", "4", "--gap", "100,100",

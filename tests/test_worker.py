@@ -28,7 +28,7 @@ class Child:
 
     def __init__(
         self, handler: str, *, flush_every: int = 100, slots: int = 256, slot_size: int = 256,
-        outcome_slots: int = 256,
+        outcome_slots: int = 256, tasks: int = 1, timeout: float = 0.0,
     ) -> None:
         inbox_bytes = Ring.nbytes(slots, slot_size)
         memory = mmap.mmap(-1, inbox_bytes + Ring.nbytes(outcome_slots, 64))
@@ -38,7 +38,7 @@ class Child:
         self.server = ForkServer(
             lambda slot: runner.run(
                 slot, self.to_child, self.to_parent, handler, flush_every=flush_every,
-                queue="tests",
+                queue="tests", tasks=tasks, timeout=timeout,
             )
         )
         self.events: list = []

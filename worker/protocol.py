@@ -9,7 +9,10 @@ them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` fie
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
 child -> parent: READY (1 byte: wants CONFIRM, i.e. the module has ``on_success``),
-STARTED, DONE, FAILED (UTF-8 error text), SKIPPED, INIT_FAILED (UTF-8 error text).
+STARTED, DONE, FAILED (UTF-8 error text), SKIPPED, INIT_FAILED (UTF-8 error text), and
+HELD from a process running several deliveries at once (an ``async def`` handler): the
+handler returned and the delivery waits for ``flush()``, so it is not a suspect when the
+process dies.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ DONE = 12
 FAILED = 13
 SKIPPED = 14
 INIT_FAILED = 15
+HELD = 16
 
 KIND_NAMES = {
     DELIVER: "DELIVER", CONFIRM: "CONFIRM", EXIT: "EXIT", READY: "READY",
     STARTED: "STARTED", DONE: "DONE", FAILED: "FAILED", SKIPPED: "SKIPPED",
-    INIT_FAILED: "INIT_FAILED",
+    INIT_FAILED: "INIT_FAILED", HELD: "HELD",
 }
 
 #: Error texts are cut to this many UTF-8 bytes (a traceback must not fill the ring).
@@ -70,6 +74,10 @@ def encode_ready(wants_confirm: bool = True) -> bytes:
 
 def encode_started(delivery_id: int) -> bytes:
     return _HEAD.pack(STARTED, delivery_id)
+
+
+def encode_held(delivery_id: int) -> bytes:
+    return _HEAD.pack(HELD, delivery_id)
 
 
 def encode_done(delivery_id: int) -> bytes:

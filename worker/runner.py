@@ -48,8 +48,15 @@ def run(
     *,
     flush_every: int = 100,
     queue: str = "",
+    tasks: int = 1,
+    timeout: float = 0.0,
 ) -> NoReturn:
-    """The main function of a handler process (called in the forked child)."""
+    """The main function of a handler process (called in the forked child).
+
+    An ``async def`` handler runs in ``worker.aio`` with up to ``tasks`` deliveries at once,
+    each cancelled after ``timeout`` seconds (0: never); a plain one runs here, one at a
+    time, and its timeout is the supervisor's kill.
+    """
     parent = os.getppid()
     # Ctrl-C reaches the whole process group: the supervisor decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,24 +66,39 @@ def run(
     set_parent_death_signal()
     _configure_logging(slot)
     title = _Title(queue, slot)
-    hooks = _load_and_init(handler, to_parent)
+    hooks = _load(handler, to_parent)
+    if hooks.is_async:
+        from worker import aio
+
+        aio.run(hooks, to_child, to_parent, tasks=tasks, flush_every=flush_every,
+                timeout=timeout, title=title, parent=parent, spec=handler, slot=slot)
+    _init(hooks, to_parent)
     runner = _Runner(to_child, to_parent, hooks, flush_every, title, parent)
     runner.send([protocol.encode_ready(wants_confirm=hooks.on_success is not None)])
     log.info("handler process %d ready (%s)", slot, handler)
     runner.serve()
 
 
-def _load_and_init(spec: str, to_parent: Ring) -> Handler:
-    """The loaded handler, with ``init()`` done; on failure report it and exit 3."""
+def _load(spec: str, to_parent: Ring) -> Handler:
+    """The loaded handler; on failure report it and exit 3."""
     try:
-        hooks = load(spec)
+        return load(spec)
+    except HandlerError as error:
+        init_failed(str(error), _origin(error.__cause__), to_parent)
+
+
+def _init(hooks: Handler, to_parent: Ring) -> None:
+    """Run a plain ``init()``; on failure report it and exit 3."""
+    try:
         if hooks.init is not None:
             hooks.init()
-        return hooks
-    except HandlerError as error:
-        text, origin = str(error), _origin(error.__cause__)
     except Exception as error:
-        text, origin = f"init() failed: {_describe(error)}", _origin(error)
+        init_failed(f"init() failed: {_describe(error)}", _origin(error), to_parent)
+
+
+def init_failed(text: str, origin: str, to_parent: Ring) -> NoReturn:
+    """Tell the supervisor why this process cannot start (it halts: every process would
+    fail the same way), then exit 3."""
     log.error("%s%s", text, origin)
     _put_all(to_parent, [protocol.encode_init_failed(text)], os.getppid())
     _exit(EXIT_INIT_FAILED)

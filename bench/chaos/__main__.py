@@ -20,6 +20,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="publishing and fault window per broker (s)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--supervisors", type=int, default=2)
+    parser.add_argument("--async-tasks", type=int, default=0, metavar="N",
+                        help="run the async stats-usage handler (aiosqlite), N deliveries at "
+                        "once per handler process (prefetch rises to cover them); default: "
+                        "the plain one")
+    parser.add_argument("--prefetch", type=int, default=50, help="per supervisor")
+    parser.add_argument("--work-ms", type=float, default=5.0,
+                        help="milliseconds every handler call sleeps (default 5)")
     parser.add_argument("--gap", default="4,8",
                         help="least and most seconds between two faults (default 4,8)")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
@@ -38,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
         supervisors=args.supervisors, gap=(float(low), float(high or low)),
+        tasks_per_process=args.async_tasks,
+        prefetch=args.prefetch, work_ms=args.work_ms,
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
         sabotage=args.sabotage, log_level=args.log_level,
     )

@@ -47,6 +47,7 @@ from support.supervision import Supervisor, write_config
 
 QUEUE = "chaos"
 HANDLER = "bench.chaos.handler:handle"
+ASYNC_HANDLER = "bench.chaos.handler_async:handle"  # with Settings.tasks_per_process
 SETTLE_ROUND = 5.0  # the supervisor's last settlement round at stop (supervisor.arbiter)
 CAUSE_SLACK = 0.25  # seconds a fault may strike after the moment recorded for it
 PROCESS_FAULTS = ("handler_kill", "supervisor_kill", "supervisor_term")
@@ -60,6 +61,7 @@ class Settings:
     seed: int
     supervisors: int = 2
     coroutines: int = 2
+    tasks_per_process: int = 0  # above 0: the async handler, this many deliveries at once
     prefetch: int = 50
     lease: float = 3.0
     maintenance_interval: float = 1.0
@@ -316,7 +318,12 @@ class Soak:
             }
             for name, values in self.side.config_sections(s).items():
                 sections.setdefault(name, {}).update(values)
-            config = write_config(self.workdir, self.side.supervisor_url, handler=HANDLER,
+            handler = HANDLER
+            if s.tasks_per_process:
+                handler = ASYNC_HANDLER
+                sections["job"]["tasks_per_process"] = s.tasks_per_process
+                sections["job"]["prefetch"] = max(s.prefetch, s.coroutines * s.tasks_per_process)
+            config = write_config(self.workdir, self.side.supervisor_url, handler=handler,
                                   **sections)
             env = {"STATS_USAGE_DB": str(self.db), "CHAOS_LEDGER": str(self.ledger.path),
                    "CHAOS_SEED": str(s.seed), "CHAOS_WORK_MS": str(s.work_ms)}
@@ -544,7 +551,8 @@ class Soak:
         lines = [
             f"== chaos soak: {s.broker}, {len(self.messages)} messages "
             f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), {s.seconds:.0f}s, "
-            f"seed {s.seed}, {s.supervisors} supervisors x {s.coroutines} handlers, "
+            f"seed {s.seed}, {s.supervisors} supervisors x {s.coroutines} handlers"
+            f"{f' x {s.tasks_per_process} async tasks' if s.tasks_per_process else ''}, "
             f"prefetch {s.prefetch}, lease {s.lease}s, maintenance {s.maintenance_interval}s, "
             f"max_attempts {s.max_attempts}",
             f"{'check':<46} {'expected':>10} {'actual':>10}  ok",
