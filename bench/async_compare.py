@@ -37,7 +37,7 @@ import redis
 from bench.common import NAMESPACE, QUEUE, ROOT, child_env, stats_usage_payload
 from bench.machine import describe, load
 from broker import envelope
-from broker.keys import QueueKeys
+from broker.redis.keys import QueueKeys
 
 RING_SLOTS = 256  # per ring: 200 processes need no 2 MiB rings for 200-byte envelopes
 SAMPLE = 0.05  # seconds between memory samples and completion polls
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated run names")
     parser.add_argument("--out", type=Path, help="folder for README.md and results.json")
     args = parser.parse_args(argv)
-    from tests.servers import RedisServer
+    from support.servers import RedisServer
 
     began_load = load()
     server = RedisServer().start()

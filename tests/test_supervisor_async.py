@@ -13,7 +13,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.supervision import counter, keys, lines, outstanding, publish, wait_for, write_config
+from support.supervision import counter, keys, lines, outstanding, publish, wait_for, write_config
 
 HANDLER = "tests.e2e_handlers.aio_record:handle"
 
