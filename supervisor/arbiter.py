@@ -313,7 +313,8 @@ class Arbiter:
             slot.returned.discard(delivery_id)
             slot.jobs += 1
             self.metrics.handler_done(time.monotonic() - entry.started_at)
-            self.buffer.complete(entry, error=data if kind == protocol.FAILED else None)
+            failed = kind == protocol.FAILED
+            self.buffer.complete(entry, error=protocol.text_data(data) if failed else None)
             if not slot.retiring and self.should_recycle(slot):
                 slot.retiring = True  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:

@@ -75,7 +75,7 @@ class Buffer:
         self.completed.append(entry)
 
     def take_completed(self, limit: int) -> list[Entry]:
-        batch = []
+        batch: list[Entry] = []
         while self.completed and len(batch) < limit:
             entry = self.completed.popleft()
             entry.state = State.SETTLING

@@ -156,7 +156,7 @@ class _AsyncRunner:
     def _dispatch(self, record: bytes) -> None:
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.DELIVER:
-            attempts, raw = data  # type: ignore[misc]
+            attempts, raw = protocol.deliver_data(data)
             self._waiting.append((delivery_id, attempts, raw))
         elif kind == protocol.CONFIRM:
             self._confirm(delivery_id, bool(data))

@@ -49,6 +49,17 @@ DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
 Decoded = tuple[int, int, tuple[int | None, bytes] | str | bool | None]
 
 
+def deliver_data(data: object) -> tuple[int | None, bytes]:
+    """The data ``decode`` returns for a DELIVER record: (attempts or None, raw envelope)."""
+    assert isinstance(data, tuple), "not the data of a DELIVER record"
+    return data
+
+
+def text_data(data: object) -> str:
+    """The data ``decode`` returns for FAILED and INIT_FAILED records: the error text."""
+    return data if isinstance(data, str) else ""
+
+
 def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
     """Raises ValueError for attempts outside signed 64-bit (``decode`` never yields one)."""
     if attempts is None:

@@ -139,7 +139,7 @@ class _Runner:
     def _dispatch(self, record: bytes) -> None:
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.DELIVER:
-            attempts, raw = data  # type: ignore[misc]
+            attempts, raw = protocol.deliver_data(data)
             self._deliver(delivery_id, raw, attempts)
         elif kind == protocol.CONFIRM:
             self._confirm(delivery_id, bool(data))
