@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import redact
+from worker import handler as handler_paths
 from worker.handler import async_hooks_problem, is_async
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
@@ -59,8 +60,7 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message is one line naming the file and key."""
 
 
-class HandlerError(ConfigError):
-    """A handler spec does not name an importable callable."""
+HandlerError = handler_paths.HandlerError  # a spec that names no importable callable
 
 
 # --- rules: each says in a few words what it allows, and why a value is refused ------------
@@ -771,39 +771,9 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
 
 # --- handlers --------------------------------------------------------------------------------
 
-
-_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
-
-
-def split_handler(spec: str) -> tuple[str, str]:
-    """``"pkg.mod:func"`` or ``"pkg.mod.func"`` -> ``("pkg.mod", "func")``."""
-    module, colon, attribute = spec.partition(":")
-    if not colon:
-        module, _, attribute = spec.rpartition(".")
-    if not (re.fullmatch(_DOTTED, module) and re.fullmatch(_DOTTED, attribute)):
-        raise HandlerError(
-            f'handler "{spec}" is not of the form "pkg.module:function" or "pkg.module.function"'
-        )
-    return module, attribute
-
-
-def resolve_handler(spec: str) -> Callable[..., Any]:
-    """Import the module a handler spec names and return its callable; raises HandlerError."""
-    module_name, attribute = split_handler(spec)
-    try:
-        target: Any = importlib.import_module(module_name)
-    except (Exception, SystemExit) as error:  # the module's own code may raise anything
-        raise HandlerError(f'handler "{spec}" cannot be imported: {_one_line(error)}') from error
-    for name in attribute.split("."):
-        try:
-            target = getattr(target, name)
-        except AttributeError:
-            raise HandlerError(
-                f'handler "{spec}": module {module_name} has no attribute {attribute}'
-            ) from None
-    if not callable(target):
-        raise HandlerError(f'handler "{spec}" is a {type(target).__name__}, not a callable')
-    return target
+# One owner: the handler process loads its handler with these very functions.
+split_handler = handler_paths.split
+resolve_handler = handler_paths.resolve
 
 
 # --- small helpers ---------------------------------------------------------------------------
@@ -892,10 +862,6 @@ def _misplaced(name: str, value: Any) -> str:
         hint = f"; did you mean {owners[0]}?" if owners else ""
         return f"key {name} is outside any section{hint}"
     return f"unknown section [{name}]{_did_you_mean(name, SECTIONS, show='[{}]')}"
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 # --- documentation ---------------------------------------------------------------------------

@@ -525,3 +525,24 @@ def test_the_example_job_runs_the_async_handler_with_its_commented_lines(tmp_pat
     assert (loaded.job.handler, loaded.job.tasks_per_process) == (
         "examples.stats_usage_async:handle", 50)
     assert loaded.job.prefetch == 100  # written in the file, and it covers 1 * 50
+
+
+@pytest.mark.parametrize(("spec", "accepted"), [
+    ("examples.noop:handle", True), ("examples.noop.handle", True),
+    ("os:path.join", True),  # a dotted attribute after the colon
+    ("os:path.nothing", False), ("examples.noop:nothing", False), ("no_such_module:f", False),
+    ("examples.noop:", False), ("os.sep", False),  # a str, not a callable
+])
+def test_the_check_and_the_handler_process_accept_the_same_handlers(tmp_path, spec, accepted):
+    """One loader for both: a spec the check lets through is one the process can load
+    (before, "os:path.join" passed the check and the process refused it, exit 3)."""
+    from worker.handler import HandlerError, load
+
+    text = MINIMAL.replace('handler = "examples.noop:handle"', f'handler = "{spec}"')
+    if accepted:
+        load_text(tmp_path, text)
+        assert callable(load(spec).call)
+    else:
+        error_of(tmp_path, text)
+        with pytest.raises(HandlerError):
+            load(spec)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -51,20 +52,46 @@ def async_hooks_problem(call: object, module: ModuleType) -> str | None:
             "handler is a plain def: async hooks need an async def handler")
 
 
-def load(spec: str) -> Handler:
-    """Resolve ``"pkg.mod:func"`` or ``"pkg.mod.func"``; raises HandlerError."""
-    module_name, _, function_name = spec.rpartition(":" if ":" in spec else ".")
-    if not module_name or not function_name:
-        raise HandlerError(f"handler {spec!r} is not 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+
+
+def split(spec: str) -> tuple[str, str]:
+    """``"pkg.mod:func"`` or ``"pkg.mod.func"`` -> ``("pkg.mod", "func")``; after a colon
+    the attribute may be dotted (``"pkg.mod:Class.method"``)."""
+    module, colon, attribute = spec.partition(":")
+    if not colon:
+        module, _, attribute = spec.rpartition(".")
+    if not (re.fullmatch(_DOTTED, module) and re.fullmatch(_DOTTED, attribute)):
         raise HandlerError(
-            f"handler module {module_name!r} failed to import: {type(error).__name__}: {error}"
-        ) from error
-    call = getattr(module, function_name, None)
-    if not callable(call):
-        raise HandlerError(f"{module_name}.{function_name} is not a callable")
+            f'handler "{spec}" is not of the form "pkg.module:function" or "pkg.module.function"'
+        )
+    return module, attribute
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """Import the module a handler spec names and return its callable; raises HandlerError.
+    The configuration check and the handler process both call this (one rule for both)."""
+    module_name, attribute = split(spec)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except (Exception, SystemExit) as error:  # the module's own code may raise anything
+        raise HandlerError(f'handler "{spec}" cannot be imported: {_one_line(error)}') from error
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise HandlerError(
+                f'handler "{spec}": module {module_name} has no attribute {attribute}'
+            ) from None
+    if not callable(target):
+        raise HandlerError(f'handler "{spec}" is a {type(target).__name__}, not a callable')
+    return target
+
+
+def load(spec: str) -> Handler:
+    """The handler ``spec`` names, with its module's hooks; raises HandlerError."""
+    call = resolve(spec)
+    module = importlib.import_module(split(spec)[0])
     problem = async_hooks_problem(call, module)
     if problem:
         raise HandlerError(problem)
@@ -72,6 +99,10 @@ def load(spec: str) -> Handler:
         module, call, _hook(module, "init"), _hook(module, "flush"),
         _hook(module, "on_success"), _hook(module, "on_error"), is_async(call),
     )
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def _hook(module: ModuleType, name: str) -> Any:
