@@ -136,14 +136,6 @@ async def test_a_queue_lives_on_the_node_that_serves_its_slot(redis_cluster, bro
     assert await counters(client) == {"total": 5, "processing": 0, "success": 5, "failed": 0}
 
 
-async def test_sparse_queue_returns_at_once(broker, client):
-    [pid] = await publish(client, 1)
-    started = time.monotonic()
-    received = await broker.receive(100, block_timeout=5)
-    assert [d.pid for d in received.deliveries] == [pid]
-    assert time.monotonic() - started < 2.5  # it did not wait for the batch to fill
-
-
 async def test_blocking_receive_gets_a_message_published_later(broker, client):
     task = asyncio.create_task(broker.receive(10, 3))
 

@@ -276,15 +276,6 @@ async def test_blocking_receive_returns_a_message_published_while_it_waits(
     assert [d.pid for d in received.deliveries] == [pid]
 
 
-async def test_receive_takes_what_is_there_up_to_the_limit(brokers):
-    broker = await brokers()
-    pids = await broker.publish_many(QUEUE, [{"i": i} for i in range(30)])
-    first = await broker.receive(20, 5)
-    second = await broker.receive(20, 5)
-    assert [d.pid for d in first.deliveries + second.deliveries] == pids
-    assert len(first.deliveries) == 20
-
-
 async def test_malformed_payload_goes_dead_at_once(brokers, js):
     broker = await brokers()
     await js.publish(NAMES.subject, b"{not json")
