@@ -112,7 +112,8 @@ class WriterClient:
             self._sock = None
 
     def _start_writer(self) -> None:
-        if self._child is not None and self._child.poll() is None:
+        self._check_child()
+        if self._child is not None:
             return  # ours is still starting
         root = str(Path(examples.__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
