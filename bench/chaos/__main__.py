@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.chaos.run import Settings, run_all
+from bench.chaos.run import HANDLER, Settings, run_all
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
                         choices=("debug", "info", "warning", "error"),
                         help="the supervisors' log level (logs are kept with --keep)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--store", choices=("clickhouse", "sqlite"), default="clickhouse",
+                        help="the stats-usage store: the embedded ClickHouse engine (default) "
+                        "or SQLite")
+    parser.add_argument("--handler", default=HANDLER,
+                        help="the job's handler (default the stats-usage handler with the "
+                        "soak's ledger; the test suite passes an unsafe variant)")
+    parser.add_argument("--faults", default="",
+                        help="comma-separated fault kinds to inject (default: every kind)")
     parser.add_argument("--sabotage", action="store_true",
                         help="self-test of the checks: one message is never published and "
                         "one total is corrupted, so the run must fail naming both")
@@ -39,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
         supervisors=args.supervisors, gap=(float(low), float(high or low)),
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
-        sabotage=args.sabotage, log_level=args.log_level,
+        sabotage=args.sabotage, log_level=args.log_level, store=args.store,
+        handler=args.handler, faults=tuple(k for k in args.faults.split(",") if k),
     )
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
     return run_all(brokers, settings)
