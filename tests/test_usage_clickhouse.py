@@ -237,3 +237,13 @@ def test_the_job_counts_exactly_on_the_default_store_with_two_handler_processes(
     expected[("p0", "executions")] += 1000
     assert done.stdout == "".join(f"{p}\t{m}\t{v}\n" for (p, m), v in sorted(expected.items()))
     assert stats_usage.ENV_DB == "STATS_USAGE_DB"
+
+
+def test_a_store_that_cannot_start_stops_the_job_with_exit_3(redis_url, tmp_path, supervisors):
+    """The writer cannot make its folder (a file is in the way): init() fails at once and
+    the supervisor stops with the code for a failed init(), which systemd does not restart."""
+    (tmp_path / "a-file").write_text("")
+    config = write_config(tmp_path, redis_url, handler="examples.stats_usage:handle")
+    supervisor = supervisors(config, redis_url, STATS_USAGE_DB=str(tmp_path / "a-file" / "db"))
+    assert supervisor.wait(60) == 3, supervisor.output()
+    assert "stats-usage writer" in supervisor.output()
