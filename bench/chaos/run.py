@@ -9,7 +9,7 @@ Timeline (seconds from the start, S = ``--seconds``):
   a seeded shuffle so that each kind comes up once before any comes up again;
 - then: wait until every message is handled or failed for good and the broker holds
   nothing (that is maintenance's and the lease's work), SIGTERM the supervisors, read
-  the broker, the ledger and the SQLite database, and check.
+  the broker, the ledger and the usage database (embedded ClickHouse or SQLite), and check.
 
 Per fault, "recovery" is the time from the fault until the last handler call of any
 message published before it: for a fault that lost deliveries, the time until they reached
