@@ -42,16 +42,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="self-test of the checks: one message is never published and "
                         "one total is corrupted, so the run must fail naming both")
     args = parser.parse_args(argv)
+    faults = tuple(kind for kind in args.faults.split(",") if kind)
+    unknown = set(faults) - set(fault_kinds())
+    if unknown:
+        parser.error(f"unknown fault kind(s) {sorted(unknown)}; known: "
+                     f"{', '.join(fault_kinds())}")
     low, _, high = args.gap.partition(",")
     settings = Settings(
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
         supervisors=args.supervisors, gap=(float(low), float(high or low)),
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
         sabotage=args.sabotage, log_level=args.log_level, store=args.store,
-        handler=args.handler, faults=tuple(k for k in args.faults.split(",") if k),
+        handler=args.handler, faults=faults,
     )
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
     return run_all(brokers, settings)
+
+
+def fault_kinds() -> list[str]:
+    from bench.chaos.nats_side import NatsSide
+    from bench.chaos.run import PROCESS_FAULTS, STORE_FAULTS
+    from bench.chaos.sides import RedisSide
+
+    kinds = [*PROCESS_FAULTS, *(k for ks in STORE_FAULTS.values() for k in ks)]
+    return list(dict.fromkeys([*kinds, *RedisSide.faults, *NatsSide.faults]))
 
 
 if __name__ == "__main__":

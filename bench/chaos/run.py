@@ -395,6 +395,9 @@ class Soak:
         kinds = list(PROCESS_FAULTS) + list(STORE_FAULTS[s.store]) + list(self.side.faults)
         if s.faults:
             kinds = [kind for kind in kinds if kind in s.faults]
+        if not kinds:  # e.g. --faults connection_cut, which only NATS has, on Redis
+            self.log("no fault of the kinds asked for applies to this broker")
+            return
         cycle: list[str] = []
         at = 2.0 + self.rng.uniform(*s.gap) / 2
         while at < s.seconds:
