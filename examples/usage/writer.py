@@ -2,7 +2,8 @@
 
 Why a process of its own: the embedded engine locks its data folder for the process that
 opened it (``status``, flock), readers included; a second process fails with "Another
-server instance in same directory is already running". Yet several processes need the
+server instance in same directory is already running"; a session opened before a fork is
+no better (a child's insert never shows in the parent). Yet several processes need the
 database at once: ``coroutines`` handler processes, several supervisors on one host, and
 ``python -m examples.stats_usage`` while the job runs. Opening the engine per flush under
 a lock would be correct but costs ~150 ms per flush, and every process that loads the
