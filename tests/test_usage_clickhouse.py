@@ -145,11 +145,12 @@ def test_the_writer_answers_only_its_own_user(path):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(10)
                 sock.connect(wire.address(path))
-                sock.sendall(wire.frame(wire.SELECT, b"SELECT 1"))
                 try:
-                    code = 0 if sock.recv(1) == b"" else 1
-                except ConnectionResetError:  # closed with our request unread
-                    code = 0
+                    sock.sendall(wire.frame(wire.SELECT, b"SELECT 1"))
+                    answered = sock.recv(1) != b""
+                except (BrokenPipeError, ConnectionResetError):  # closed before or after
+                    answered = False                               # our request: refused
+                code = 1 if answered else 0
             finally:
                 os._exit(code)
         _, status = os.waitpid(child, 0)
