@@ -6,8 +6,9 @@
 Starts private redis-server / nats-server processes on free loopback ports (or uses the
 ``--url`` given), fills the queue with PHP-compatible stats-usage envelopes, and runs
 ``python -m supervisor`` (one handler process) for every prefetch with the no-op and the
-stats-usage handler; then the queue latency at a fixed publish rate, and with ``--peers``
-Dramatiq and raw redis-py / nats-py loops on the same servers. Writes results.json,
+stats-usage handler (on the embedded ClickHouse engine; ``stats-usage-sqlite``: on SQLite);
+then the queue latency at a fixed publish rate, and with ``--peers`` Dramatiq and raw
+redis-py / nats-py loops on the same servers. Writes results.json,
 README.md (tables, ratios, targets) and chart.png to ``--out``.
 """
 
@@ -84,7 +85,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated prefetch values (default 1,8,32,100)")
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--handlers", default="noop,stats-usage",
-                        help="comma-separated: noop, stats-usage (default both)")
+                        help="comma-separated: noop, stats-usage (on the embedded ClickHouse "
+                             "engine), stats-usage-sqlite (default noop,stats-usage)")
     parser.add_argument("--url", action="append", default=[],
                         help="use this server instead of a private one (redis://, nats://); "
                              "may be given once per broker")
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = [h.strip() for h in args.handlers.split(",") if h.strip()]
     unknown = set(handlers) - set(runs.HANDLERS)
     if unknown:
-        print(f"error: unknown handler(s) {sorted(unknown)}; use noop, stats-usage",
+        print(f"error: unknown handler(s) {sorted(unknown)}; use {', '.join(runs.HANDLERS)}",
               file=sys.stderr)
         return 2
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]

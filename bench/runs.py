@@ -46,8 +46,16 @@ from broker.redis.keys import QueueKeys
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 STAGING = f"{KEYS.ready}.staging"
-HANDLERS = {"noop": "examples.noop:handle", "stats-usage": "examples.stats_usage:handle"}
-LATENCY_HANDLERS = {"noop": "bench.latency:handle", "stats-usage": "bench.latency_usage:handle"}
+HANDLERS = {"noop": "examples.noop:handle", "stats-usage": "examples.stats_usage:handle",
+            "stats-usage-sqlite": "examples.stats_usage:handle"}
+LATENCY_HANDLERS = {"noop": "bench.latency:handle", "stats-usage": "bench.latency_usage:handle",
+                    "stats-usage-sqlite": "bench.latency_usage:handle"}
+#: The stats-usage store per handler: the embedded ClickHouse engine (the default) or SQLite.
+USAGE_DB = {"stats-usage-sqlite": "usage.sqlite"}
+
+
+def usage_db(folder: Path, handler: str) -> str:
+    return str(folder / USAGE_DB.get(handler, "usage.chdb"))
 SETTLE_AFTER_START = 0.5  # seconds: handler processes ready, receive blocked on the empty queue
 
 
@@ -173,7 +181,7 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
         folder = Path(workdir)
         own = OwnCounters()
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port)
-        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"))
+        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
         try:
             wait_until_title(child.pid, "running")
             time.sleep(SETTLE_AFTER_START)
@@ -220,7 +228,7 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
         folder = Path(workdir)
         own = OwnCounters()
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port)
-        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"))
+        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
         try:
             wait_until_title(child.pid, "running")
             time.sleep(SETTLE_AFTER_START)
@@ -278,7 +286,7 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
         config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch)
-        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=str(folder / "u.db"),
+        child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler),
                       BENCH_LATENCY_DIR=str(folder))
         try:
             wait_until_title(child.pid, "running")

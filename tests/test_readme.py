@@ -44,7 +44,8 @@ def test_ci_runs_the_quick_starts_test_command_word_for_word():
 
 
 @pytest.mark.parametrize("path", [
-    "stats-usage.sqlite", "stats-usage.sqlite-wal", "stats-usage.sqlite-shm", ".venv/bin/python",
+    "stats-usage.chdb", "stats-usage.sqlite", "stats-usage.sqlite-wal", "stats-usage.sqlite-shm",
+    ".venv/bin/python",
 ])
 def test_what_a_run_leaves_in_the_checkout_is_ignored_by_git(path):
     done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)

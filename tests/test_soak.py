@@ -3,12 +3,18 @@
 ``python -m bench.chaos`` publishes stats-usage messages while it kills handler processes
 and supervisors, stops supervisors with SIGTERM, cuts broker connections, flushes the Lua
 script cache and restarts the broker; then it checks that every message was handled or
-failed for good, that the SQLite usage totals are exact and that the broker holds nothing.
-The long run is the same command with more ``--messages`` and ``--seconds``.
+failed for good, that the usage totals (on the embedded ClickHouse engine, whose writer
+process it kills too) are exact and that the broker holds nothing. The long run is the same
+command with more ``--messages`` and ``--seconds``.
+
+The unsafe variant (``tests/handlers/unsafe_usage.py``: acknowledged before its insert)
+runs under handler and supervisor kills only, and must lose usage: what the barrier buys.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +47,27 @@ def test_redis_soak_loses_nothing_and_keeps_totals_exact():
                   "--gap", "4,6")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "handler_kill" in result.stdout and "broker_restart" in result.stdout
+    assert "writer_kill" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_without_the_barrier_kills_lose_acknowledged_usage():
+    result = soak("redis", "--messages", "1500", "--seconds", "20", "--seed", "3",
+                  "--gap", "3,4", "--faults", "handler_kill,supervisor_kill",
+                  "--drain-timeout", "5", "--handler", "tests.handlers.unsafe_usage:handle")
+    output = result.stdout + result.stderr[-3000:]
+    assert result.returncode == 1, output
+    # The one finding is the loss: nothing counted twice, the broker left clean.
+    assert [row.split("  ")[0] for row in failed_rows(result.stdout)] == [
+        "countable handled (seen) or failed for good"], output
+    lost = int(re.search(r"^lost: (\d+) of \d+ countable", result.stdout, re.M).group(1))
+    assert lost > 0, output
+    executions = re.search(r"^executions +(-?\d+) +(\d+) +(-?\d+) +(-?\d+) +(-?\d+)$",
+                           result.stdout, re.M)
+    assert int(executions.group(5)) == lost, output  # each message counts 1 execution
+    assert "LOST " in result.stdout
+    kept = re.search(r"^kept: .* in (\S+)$", result.stdout, re.M)
+    shutil.rmtree(kept.group(1))  # a failed run keeps its folder; this failure is expected
 
 
 @pytest.mark.timeout(170)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.chaos.run import Settings, run_all
+from bench.chaos.run import HANDLER, Settings, run_all
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +37,26 @@ def main(argv: list[str] | None = None) -> int:
                         choices=("debug", "info", "warning", "error"),
                         help="the supervisors' log level (logs are kept with --keep)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--store", choices=("clickhouse", "sqlite"), default=None,
+                        help="the stats-usage store: the embedded ClickHouse engine (default) "
+                        "or SQLite (the only store of the async handler, and its default)")
+    parser.add_argument("--handler", default=HANDLER,
+                        help="the job's handler (default the stats-usage handler with the "
+                        "soak's ledger; the test suite passes an unsafe variant)")
+    parser.add_argument("--faults", default="",
+                        help="comma-separated fault kinds to inject (default: every kind)")
     parser.add_argument("--sabotage", action="store_true",
                         help="self-test of the checks: one message is never published and "
                         "one total is corrupted, so the run must fail naming both")
     args = parser.parse_args(argv)
+    faults = tuple(kind for kind in args.faults.split(",") if kind)
+    unknown = set(faults) - set(fault_kinds())
+    if unknown:
+        parser.error(f"unknown fault kind(s) {sorted(unknown)}; known: "
+                     f"{', '.join(fault_kinds())}")
+    if args.async_tasks and args.store == "clickhouse":
+        parser.error("--async-tasks runs the async handler, which writes to SQLite only")
+    store = args.store or ("sqlite" if args.async_tasks else "clickhouse")
     low, _, high = args.gap.partition(",")
     settings = Settings(
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
@@ -48,10 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         tasks_per_process=args.async_tasks,
         prefetch=args.prefetch, work_ms=args.work_ms,
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
-        sabotage=args.sabotage, log_level=args.log_level,
+        sabotage=args.sabotage, log_level=args.log_level, store=store,
+        handler=args.handler, faults=faults,
     )
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
     return run_all(brokers, settings)
+
+
+def fault_kinds() -> list[str]:
+    from bench.chaos.nats_side import NatsSide
+    from bench.chaos.run import PROCESS_FAULTS, STORE_FAULTS
+    from bench.chaos.sides import RedisSide
+
+    kinds = [*PROCESS_FAULTS, *(k for ks in STORE_FAULTS.values() for k in ks)]
+    return list(dict.fromkeys([*kinds, *RedisSide.faults, *NatsSide.faults]))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ on an ``O_APPEND`` descriptor, so concurrent handler processes never interleave 
                                                        "x" seeded failure, "v" invalid payload
     C <unix time> <process> <pid> <pid> ...              these pids' flush() returned
 
-A ``C`` line is written after ``flush()`` returned, so a process killed between the SQLite
-commit and that write under-reports one flush; the ``seen`` table stays the authority on
+A ``C`` line is written after ``flush()`` returned, so a process killed between the database
+commit and that write under-reports one flush; the store (its seen pids) stays the authority on
 what was counted.
 """
 

@@ -9,7 +9,7 @@ Timeline (seconds from the start, S = ``--seconds``):
   a seeded shuffle so that each kind comes up once before any comes up again;
 - then: wait until every message is handled or failed for good and the broker holds
   nothing (that is maintenance's and the lease's work), SIGTERM the supervisors, read
-  the broker, the ledger and the SQLite database, and check.
+  the broker, the ledger and the usage database (embedded ClickHouse or SQLite), and check.
 
 Per fault, "recovery" is the time from the fault until the last handler call of any
 message published before it: for a fault that lost deliveries, the time until they reached
@@ -29,7 +29,6 @@ import math
 import random
 import shutil
 import signal
-import sqlite3
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ import psutil
 
 from bench.chaos.ledger import Ledger
 from bench.chaos.sides import Check, RedisSide
+from bench.chaos.usage_db import NAMES, UsageReader
 from bench.chaos.workload import FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
 from support.supervision import Supervisor, write_config
 
@@ -51,6 +51,8 @@ ASYNC_HANDLER = "bench.chaos.handler_async:handle"  # with Settings.tasks_per_pr
 SETTLE_ROUND = 5.0  # the supervisor's last settlement round at stop (supervisor.arbiter)
 CAUSE_SLACK = 0.25  # seconds a fault may strike after the moment recorded for it
 PROCESS_FAULTS = ("handler_kill", "supervisor_kill", "supervisor_term")
+#: With the embedded ClickHouse store: SIGKILL of the writer process that holds the engine.
+STORE_FAULTS = {"clickhouse": ("writer_kill",), "sqlite": ()}
 
 
 @dataclass(slots=True)
@@ -72,6 +74,9 @@ class Settings:
     publish_share: float = 0.8
     drain_timeout: float = 60.0
     work_ms: float = 5.0  # a handler call takes this long (sleep) besides its own work
+    store: str = "clickhouse"  # the stats-usage store: the embedded engine, or "sqlite"
+    handler: str = HANDLER
+    faults: tuple[str, ...] = ()  # only these kinds (empty: every kind)
     log_level: str = "warning"  # the supervisors' (their logs are kept with a failed run)
     sabotage: bool = False  # self-test: drop one message unpublished, corrupt one total
     keep: bool = False
@@ -259,13 +264,26 @@ def running(supervisor: Supervisor) -> bool:
 
 
 def handlers(supervisor: Supervisor) -> list[psutil.Process]:
-    """The handler processes (children of the fork server) of a supervisor."""
+    """The handler processes (children of the fork server) of a supervisor; not the
+    stats-usage writer a handler process may have started."""
     found = []
     for process in supervisor.family()[1:]:
         with contextlib.suppress(psutil.Error):
-            if process.ppid() != supervisor.pid:
+            title = " ".join(process.cmdline())
+            if process.ppid() != supervisor.pid and " handler " in title:
                 found.append(process)
     return found
+
+
+def kill_writer(db: Path) -> str:
+    """SIGKILL the process that holds the embedded engine (whoever started it)."""
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "examples.usage.writer" in cmdline and str(db) in cmdline:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+                return f"SIGKILL writer {process.pid} (parent {process.ppid()})"
+    return "skipped: no writer running"
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -289,11 +307,13 @@ class Soak:
         self.messages = generate(QUEUE, settings.messages, settings.seed)
         self.rng = random.Random(f"faults:{settings.seed}")
         self.workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{settings.broker}-"))
-        self.db = self.workdir / "usage.sqlite"
+        self.db = self.workdir / NAMES[settings.store]
+        self.usage = UsageReader(self.db)
         self.ledger = Ledger(self.workdir / "ledger")
         self.published_at: dict[int, float] = {}  # message index -> unix time
         self.uncertain: list[int] = []  # indices whose publish reply was lost
         self.faults: list[Fault] = []
+        self.missing: set[str] = set()  # countable pids acknowledged and never counted
         self.fleet: Fleet | None = None
         self.began = 0.0
         self.published = asyncio.Event()  # set (and replaced) after each burst
@@ -318,7 +338,7 @@ class Soak:
             }
             for name, values in self.side.config_sections(s).items():
                 sections.setdefault(name, {}).update(values)
-            handler = HANDLER
+            handler = s.handler
             if s.tasks_per_process:
                 handler = ASYNC_HANDLER
                 sections["job"]["tasks_per_process"] = s.tasks_per_process
@@ -338,11 +358,12 @@ class Soak:
             drained = await self.drain()
             await self.fleet.stop_all()
             if s.sabotage:
-                corrupt_one_total(self.db)
+                self.usage.corrupt_one_total()
             return await self.check(drained)
         finally:
             if self.fleet is not None:
                 self.fleet.cleanup()
+            self.usage.close()
             await self.side.close()
 
     async def publish(self) -> None:
@@ -378,7 +399,12 @@ class Soak:
         """Faults at seeded moments: after each gap, a seeded instant just after the next
         burst (while the supervisors hold work), or at once when publishing has ended."""
         s = self.settings
-        kinds = list(PROCESS_FAULTS) + list(self.side.faults)
+        kinds = list(PROCESS_FAULTS) + list(STORE_FAULTS[s.store]) + list(self.side.faults)
+        if s.faults:
+            kinds = [kind for kind in kinds if kind in s.faults]
+        if not kinds:  # e.g. --faults connection_cut, which only NATS has, on Redis
+            self.log("no fault of the kinds asked for applies to this broker")
+            return
         cycle: list[str] = []
         at = 2.0 + self.rng.uniform(*s.gap) / 2
         while at < s.seconds:
@@ -403,6 +429,8 @@ class Soak:
         try:
             if kind == "handler_kill":
                 return self.fleet.kill_handler(self.rng)
+            if kind == "writer_kill":
+                return kill_writer(self.db)
             if kind in ("supervisor_kill", "supervisor_term"):
                 victim = self.fleet.pick(self.rng)
                 if victim is None:
@@ -454,7 +482,7 @@ class Soak:
             self.fleet.watch()
             counts = await self.side.outstanding()
             if not any(counts.values()):
-                done = read_seen(self.db) | await self.side.failed_now()
+                done = self.usage.seen() | await self.side.failed_now()
                 if pids <= done:
                     took = time.monotonic() - began
                     self.log(f"drained {took:.1f}s after the last fault window")
@@ -470,7 +498,7 @@ class Soak:
         assert self.fleet is not None
         self.ledger.update()
         final = await self.side.final_state(self.messages, s.max_attempts)
-        seen = read_seen(self.db)
+        seen = self.usage.seen()
         failed = final.failed_pids
         countable = {m.pid: m for m in self.messages if m.countable}
         invalid = {m.pid for m in self.messages if m.kind == INVALID}
@@ -482,7 +510,7 @@ class Soak:
         strangers = seen - set(countable)
         expected = totals_of(countable[pid] for pid in seen & set(countable))
         published = totals_of(countable.values())
-        actual = read_totals(self.db)
+        actual = self.usage.totals()
         wrong = sorted(key for key in set(expected) | set(actual)
                        if expected.get(key, 0) != actual.get(key, 0))
         valid_count = len(countable) + len(invalid)
@@ -512,7 +540,10 @@ class Soak:
             Check("supervisor problems", 0, len(self.fleet.problems), not self.fleet.problems),
         ]
         ok = all(check.ok for check in checks)
-        report = self.report(checks, published, expected, actual, failed_countable, drained)
+        missing = set(countable) - seen - failed - uncertain
+        self.missing = missing
+        report = self.report(checks, published, expected, actual, failed_countable, drained,
+                             len(missing), len(countable))
         details = []
         for pid in lost[:20]:
             index = next(i for i, m in enumerate(self.messages) if m.pid == pid)
@@ -545,7 +576,8 @@ class Soak:
         (self.workdir / "timeline.json").write_text(json.dumps(timeline))
 
     def report(self, checks: list[Check], published: Counter, expected: Counter,
-               actual: dict, failed_countable: set[str], drained: float) -> str:
+               actual: dict, failed_countable: set[str], drained: float, missing: int,
+               countable: int) -> str:
         s = self.settings
         kinds = Counter(m.kind for m in self.messages)
         lines = [
@@ -563,7 +595,7 @@ class Soak:
             lines.append(f"{check.name:<46} {check.expected!s:>10} {check.actual!s:>10}  "
                          f"{mark}{note}")
         lines.append(f"{'metric':<14} {'published':>14} {'failed (flaky)':>14} "
-                     f"{'expected':>14} {'database':>14}")
+                     f"{'expected':>14} {'database':>14} {'missing':>14}")
         failed_sums = Counter()
         for message in self.messages:
             if message.pid in failed_countable:
@@ -572,8 +604,12 @@ class Soak:
         for metric in sorted({metric for _, metric in published}):
             def total(table: Any, metric: str = metric) -> int:
                 return sum(v for (_, m), v in table.items() if m == metric)
+            missing_usage = total(published) - failed_sums[metric] - total(actual)
             lines.append(f"{metric:<14} {total(published):>14} {failed_sums[metric]:>14} "
-                         f"{total(expected):>14} {total(actual):>14}")
+                         f"{total(expected):>14} {total(actual):>14} {missing_usage:>14}")
+        # "missing" = published - failed for good - database: usage acknowledged, never counted.
+        lines.append(f"lost: {missing} of {countable} countable messages acknowledged and "
+                     f"never counted ({100 * missing / max(1, countable):.2f}%)")
         lines += self.fault_table(drained)
         return "\n".join(lines)
 
@@ -595,14 +631,15 @@ class Soak:
 
         dups = attribute(self.ledger.duplicate_commits())
         reruns = attribute(self.ledger.reruns())
+        lost = self.lost_by_fault(times)
         by_kind: dict[str, list[Fault]] = defaultdict(list)
         for fault in self.faults:
             by_kind[fault.kind].append(fault)
         committed = max(1, len(self.ledger.commits))
         lines = [f"{'fault':<18} {'count':>5} {'dup commits':>11} {'dup/fault':>9} "
                  f"{'re-runs':>7} {'recovery: worst':>15} {'alone':>6} {'mean':>6} "
-                 f"{'released: worst':>15}"]
-        for kind in sorted(set(by_kind) | set(dups) | set(reruns)):
+                 f"{'released: worst':>15} {'lost':>5}"]
+        for kind in sorted(set(by_kind) | set(dups) | set(reruns) | set(lost)):
             faults = by_kind.get(kind, [])
             drains = [f.recovery for f in faults if f.recovery is not None]
             worst = max(drains) if drains else 0.0
@@ -613,11 +650,12 @@ class Soak:
             shown = f"{max(released):.2f}" if released else "-"
             lines.append(f"{kind:<18} {len(faults):>5} {dups[kind]:>11} {per:>9.2f} "
                          f"{reruns[kind]:>7} {worst:>15.2f} {alone:>6.2f} {mean:>6.2f} "
-                         f"{shown:>15}")
+                         f"{shown:>15} {lost[kind]:>5}")
         total_dups = sum(dups.values())
         lines.append("recovery: until the last message published before the fault reached a "
                      "handler again (alone: not overlapping the next fault); released (Redis): "
-                     "until a stopped supervisor's consumer held nothing")
+                     "until a stopped supervisor's consumer held nothing; lost: messages "
+                     "acknowledged and never counted, by the first fault after their last call")
         lines.append(f"duplicate commits: {total_dups} of {committed} messages flushed "
                      f"({100 * total_dups / committed:.2f}%); re-runs {sum(reruns.values())}")
         if self.faults:
@@ -633,6 +671,20 @@ class Soak:
                          f"{self.fleet.unreachable}")
         lines.append(f"final drain after the fault window: {drained:.1f}s")
         return lines
+
+    def lost_by_fault(self, times: list[float]) -> Counter:
+        """Each lost message to the first fault after its last handler call: the one that
+        took its uncounted result (the unsafe handler's buffer) with it."""
+        counts: Counter = Counter()
+        for pid in self.missing:
+            calls = self.ledger.calls.get(pid)
+            if not calls:
+                counts["(never called)"] += 1
+                continue
+            last = max(call.time for call in calls)
+            index = bisect.bisect_left(times, last - CAUSE_SLACK)
+            counts[self.faults[index].kind if index < len(times) else "(no fault)"] += 1
+        return counts
 
     def measure_recoveries(self) -> None:
         """See ``Ledger.recoveries``; a recovery that outlasted the gap to the next fault
@@ -654,31 +706,6 @@ def totals_of(messages: Any) -> Counter:
         for metric, value in message.metrics.items():
             totals[(message.project, metric)] += value
     return totals
-
-
-def read_seen(db: Path) -> set[str]:
-    if not db.exists():
-        return set()
-    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
-        try:
-            return {pid for (pid,) in connection.execute("SELECT pid FROM seen")}
-        except sqlite3.OperationalError:  # not created yet
-            return set()
-
-
-def corrupt_one_total(db: Path) -> None:
-    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
-        connection.execute(
-            "UPDATE usage SET value = value + 1 WHERE (project, metric) = "
-            "(SELECT project, metric FROM usage ORDER BY project, metric LIMIT 1)"
-        )
-        connection.commit()
-
-
-def read_totals(db: Path) -> dict[tuple[str, str], int]:
-    from examples.stats_usage import totals
-
-    return totals(str(db)) if db.exists() else {}
 
 
 async def soak(settings: Settings) -> Outcome:

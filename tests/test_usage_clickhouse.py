@@ -1,0 +1,250 @@
+"""The stats-usage store on ClickHouse: the embedded engine's one writer process, the
+server path through clickhouse-connect, and the job end to end on the default store.
+
+No ClickHouse server runs here (Debian's clickhouse-server is 18.16, which
+clickhouse-connect no longer speaks to), so the server path is run through
+clickhouse-connect's own chDB backend: the same client calls, without HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from examples import stats_usage
+from examples.stats_usage import make_payload
+from examples.usage import NoTotals, Usage, open_store, wire
+from examples.usage.clickhouse import rows_of
+from examples.usage.local import WriterError, WriterUnavailable
+from tests.supervision import ROOT, counter, publish, wait_for, write_config
+
+
+def usage(pid: str, project: str = "p1", period: int = 0, **metrics: int) -> Usage:
+    return Usage(pid, project, period, list(metrics.items()))
+
+
+def writers(path) -> list[psutil.Process]:
+    """The writer processes serving ``path``."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "examples.usage.writer" in cmdline and str(path) in cmdline:
+            found.append(process)
+    return found
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "usage.chdb")
+
+
+def test_rows_are_one_per_message_and_metric():
+    rows = rows_of([usage("a", executions=1), usage("a", executions=1),
+                    Usage("b", "p2", 3600, [("k", 2), ("k", 3), ("j", -1)])])
+    assert rows.decode().splitlines() == [
+        '{"project":"p1","metric":"executions","period":0,"value":1,"pid":"a"}',
+        '{"project":"p2","metric":"k","period":3600,"value":5,"pid":"b"}',
+        '{"project":"p2","metric":"j","period":3600,"value":-1,"pid":"b"}',
+    ]
+
+
+def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_it(path):
+    first = open_store(path)
+    second = open_store(path)  # finds the first one's writer
+    try:
+        [writer] = writers(path)
+        assert writer.ppid() == os.getpid()
+        first.add([usage("a", executions=1)])
+        second.add([usage("b", executions=2)])
+        first.close()  # its writer stops; the next request of the second starts another
+        wait_for(lambda: not writer.is_running() or writer.status() == psutil.STATUS_ZOMBIE,
+                 10, "the first writer to stop")
+        assert second.totals() == {("p1", "executions"): 3}
+        assert len(writers(path)) == 1
+    finally:
+        second.close()
+    assert writers(path) == []
+
+
+def test_a_killed_writer_is_replaced_and_nothing_counts_twice(path):
+    store = open_store(path)
+    try:
+        store.add([usage("a", executions=1), usage("b", executions=1)])
+        [writer] = writers(path)
+        writer.kill()
+        # The same messages again (redelivered) and a new one: answered by a new writer.
+        store.add([usage("a", executions=1), usage("b", executions=1),
+                   usage("c", executions=1)])
+        assert store.totals() == {("p1", "executions"): 3}
+        assert [w.pid for w in writers(path)] != [writer.pid]
+    finally:
+        store.close()
+
+
+def test_the_writer_dies_with_the_process_that_started_it(path):
+    code = textwrap.dedent(f"""
+        import time
+        from examples.usage import open_store
+        store = open_store({path!r})
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert owner.stdout.readline() == "ready\n"
+        [writer] = writers(path)
+        owner.kill()
+        owner.wait(10)
+        writer.wait(10)  # SIGTERM from the kernel when its parent died, then a clean stop
+    finally:
+        owner.kill()
+    assert writers(path) == []
+
+
+def test_an_engine_error_fails_at_once(path):
+    store = open_store(path)
+    try:
+        began = time.monotonic()
+        with pytest.raises(WriterError, match="UNKNOWN_TABLE"):
+            store.database.select("SELECT 1 FROM no_such_table")
+        assert time.monotonic() - began < 5
+        assert store.totals() == {}  # the connection is still good
+    finally:
+        store.close()
+
+
+def test_a_writer_that_cannot_start_fails_the_store_at_once(path, tmp_path, monkeypatch):
+    shadow = tmp_path / "shadow" / "chdb"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no engine in this test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
+    began = time.monotonic()
+    with pytest.raises(WriterUnavailable, match="exited with code 2"):
+        open_store(path)
+    assert time.monotonic() - began < 30
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_the_writer_answers_only_its_own_user(path):
+    store = open_store(path)
+    try:
+        child = os.fork()
+        if child == 0:  # another user: the writer must close the connection unanswered
+            code = 1
+            try:
+                os.setuid(65534)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(10)
+                sock.connect(wire.address(path))
+                try:
+                    sock.sendall(wire.frame(wire.SELECT, b"SELECT 1"))
+                    answered = sock.recv(1) != b""
+                except (BrokenPipeError, ConnectionResetError):  # closed before or after
+                    answered = False                               # our request: refused
+                code = 1 if answered else 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert store.totals() == {}
+    finally:
+        store.close()
+
+
+def test_totals_per_hour_and_a_redelivery_in_a_later_hour_counts_once(path):
+    store = open_store(path)
+    try:
+        store.add([usage("a", period=0, executions=1), usage("b", period=3600, executions=2)])
+        store.add([usage("a", period=7200, executions=1)])  # requeued: a new timestamp
+        assert store.totals() == {("p1", "executions"): 3}
+        assert sum(store.totals_by_period().values()) == 3
+        assert store.seen() == {"a", "b"}
+    finally:
+        store.close()
+
+
+def test_reading_a_folder_without_the_table_is_no_totals(path):
+    os.makedirs(path)
+    with pytest.raises(NoTotals):
+        open_store(path, create=False)
+    assert writers(path) == []
+
+
+def test_the_server_store_through_clickhouse_connect(tmp_path):
+    """ClickHouseStore over a clickhouse-connect client (its chDB backend, in a process of
+    its own: the engine stays out of the test process that forks)."""
+    code = textwrap.dedent(f"""
+        import clickhouse_connect
+        from examples.usage import Usage
+        from examples.usage.clickhouse import ClickHouseStore, ServerDatabase
+        client = clickhouse_connect.get_client(dsn="chdb://{tmp_path}/server.chdb")
+        store = ClickHouseStore(ServerDatabase("", client=client))
+        store.add([Usage("a", "p1", 0, [("executions", 1), ("executions", 1)]),
+                   Usage("b", "p1", 0, [("bandwidth", -5)])])
+        store.add([Usage("a", "p1", 3600, [("executions", 2)])])  # redelivered
+        print(sorted(store.totals().items()), sorted(store.seen()))
+        store.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ("[(('p1', 'bandwidth'), -5), (('p1', 'executions'), 2)] "
+                           "['a', 'b']\n")
+
+
+def test_a_server_url_goes_to_clickhouse_connect():
+    with pytest.raises(Exception) as raised:
+        open_store("clickhouse://default:secret@127.0.0.1:1/default")
+    assert type(raised.value).__module__.startswith("clickhouse_connect")
+
+
+def test_the_job_counts_exactly_on_the_default_store_with_two_handler_processes(
+        redis_url, client, tmp_path, supervisors):
+    """The quick start's job, end to end on the embedded engine: two handler processes
+    share one writer; a message published twice (a redelivery as the handler sees it)
+    counts once; the stop leaves no writer; the command prints the totals."""
+    db = tmp_path / "usage.chdb"
+    config = write_config(tmp_path, redis_url, handler="examples.stats_usage:handle",
+                          job={"coroutines": 2, "prefetch": 20})
+    payloads = [make_payload(f"p{n % 3}", {"executions": 1, "bandwidth": n}) for n in range(300)]
+    supervisor = supervisors(config, redis_url, STATS_USAGE_DB=str(db))
+    publish(client, payloads)
+    from broker import envelope
+    from tests.supervision import keys
+
+    again = envelope.build("e2e", make_payload("p0", {"executions": 1000}))[1]
+    client.lpush(keys().ready, again, again)
+    wait_for(lambda: counter(client, "success") == 302, 90, "302 messages committed")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
+    # The writer got SIGTERM when its handler process exited: it closes the engine and goes.
+    wait_for(lambda: writers(db) == [], 10, "the writer to stop")
+    done = subprocess.run([sys.executable, "-m", "examples.stats_usage", str(db)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    expected = {}
+    for n in range(300):
+        for metric, value in (("executions", 1), ("bandwidth", n)):
+            expected[(f"p{n % 3}", metric)] = expected.get((f"p{n % 3}", metric), 0) + value
+    expected[("p0", "executions")] += 1000
+    assert done.stdout == "".join(f"{p}\t{m}\t{v}\n" for (p, m), v in sorted(expected.items()))
+    assert stats_usage.ENV_DB == "STATS_USAGE_DB"
+
+
+def test_a_store_that_cannot_start_stops_the_job_with_exit_3(redis_url, tmp_path, supervisors):
+    """The writer cannot make its folder (a file is in the way): init() fails at once and
+    the supervisor stops with the code for a failed init(), which systemd does not restart."""
+    (tmp_path / "a-file").write_text("")
+    config = write_config(tmp_path, redis_url, handler="examples.stats_usage:handle")
+    supervisor = supervisors(config, redis_url, STATS_USAGE_DB=str(tmp_path / "a-file" / "db"))
+    assert supervisor.wait(60) == 3, supervisor.output()
+    assert "stats-usage writer" in supervisor.output()
