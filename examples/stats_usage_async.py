@@ -22,17 +22,12 @@ from typing import Any
 import aiosqlite
 import orjson
 
-from examples.stats_usage import (
-    ADD_TO_TOTAL,
-    BUSY_TIMEOUT,
-    DEFAULT_DB,
-    ENV_DB,
-    SCHEMA,
-    Usage,
-    make_payload,
-    parse,
-    totals,
-)
+from examples.stats_usage import ENV_DB, make_payload, parse, period_of, totals
+from examples.usage import Usage
+from examples.usage.sqlite import ADD_TO_TOTAL, BUSY_TIMEOUT, SCHEMA
+
+#: This handler writes SQLite only (the plain one defaults to the embedded ClickHouse engine).
+DEFAULT_DB = "stats-usage.sqlite"
 
 __all__ = ["flush", "handle", "init", "make_payload", "totals"]
 
@@ -54,7 +49,7 @@ async def init(path: str | None = None) -> None:
 async def handle(message: Any) -> None:
     """Validate one message and buffer its metrics; raises ValueError on a bad payload."""
     project, metrics = parse(message.payload)
-    _buffer.append(Usage(message.pid, project, metrics))
+    _buffer.append(Usage(message.pid, project, period_of(message.timestamp), metrics))
 
 
 async def flush() -> None:

@@ -60,8 +60,9 @@ async def test_the_sync_and_async_handlers_share_a_database_and_the_seen_table(d
         stats_usage.handle(message("b", executions=1))
         stats_usage.flush()
     finally:
-        stats_usage._db.close()
-        stats_usage._db = None
+        assert stats_usage._store is not None
+        stats_usage._store.close()
+        stats_usage._store = None
     assert totals(db_path) == {("p1", "executions"): 4}
 
 

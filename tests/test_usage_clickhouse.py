@@ -24,7 +24,7 @@ from examples.stats_usage import make_payload
 from examples.usage import NoTotals, Usage, open_store, wire
 from examples.usage.clickhouse import rows_of
 from examples.usage.local import WriterError, WriterUnavailable
-from tests.supervision import ROOT, counter, publish, wait_for, write_config
+from support.supervision import ROOT, counter, publish, wait_for, write_config
 
 
 def usage(pid: str, project: str = "p1", period: int = 0, **metrics: int) -> Usage:
@@ -219,7 +219,7 @@ def test_the_job_counts_exactly_on_the_default_store_with_two_handler_processes(
     supervisor = supervisors(config, redis_url, STATS_USAGE_DB=str(db))
     publish(client, payloads)
     from broker import envelope
-    from tests.supervision import keys
+    from support.supervision import keys
 
     again = envelope.build("e2e", make_payload("p0", {"executions": 1000}))[1]
     client.lpush(keys().ready, again, again)
