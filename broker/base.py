@@ -19,6 +19,12 @@ from typing import Any, Protocol
 MAX_BATCH = 1000
 
 
+def check_receive_limit(max_messages: int) -> None:
+    """Both adapters refuse the same out-of-range receive (the caller's bug, not the broker's)."""
+    if not 0 < max_messages <= MAX_BATCH:
+        raise ValueError(f"max_messages must be between 1 and {MAX_BATCH}, not {max_messages}")
+
+
 class BrokerError(Exception):
     """A broker operation failed; the message says which and why."""
 
@@ -174,7 +180,8 @@ class Broker(Publisher, Protocol):
     async def settle(
         self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
     ) -> list[Result]:
-        """Apply commits, rejects and releases (any mix, <= MAX_BATCH), one result each.
+        """Apply commits, rejects and releases (any mix, any number: MAX_BATCH per broker
+        call), one result each.
 
         ``on_result(index, result)``, when given, is called for each message as soon as its
         own result is known (before the call returns), so a slow reply delays nobody else.

@@ -230,3 +230,19 @@ async def test_one_grouped_settle_gives_each_message_its_own_result(kit):
     assert [r.outcome for r in results] == [Outcome.OK] * 6
     again = {d.pid: d.attempts for d in await receive_all(broker, 2)}
     assert again == {pids[3]: 1, pids[4]: 0}
+
+
+async def test_batch_limits_are_the_same_on_every_broker(kit):
+    """A receive outside 1..1000 is the caller's bug on every broker; 1,000 deliveries are
+    taken and settled in one call each (a JetStream consumer hands out no more than 1,000
+    unacknowledged by default, so that is also the most anyone holds there)."""
+    broker = await kit.make()
+    for wrong in (0, 1001):
+        with pytest.raises(ValueError, match="between 1 and 1000"):
+            await broker.receive(wrong, 0)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(1200)])
+    for count in (1000, 200):
+        held = await receive_all(broker, count)
+        results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+        assert [r.outcome for r in results] == [Outcome.OK] * count
+    assert await nothing_comes(broker, 1)

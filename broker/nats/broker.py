@@ -62,6 +62,7 @@ from broker.base import (
     Result,
     ResultCallback,
     Settlement,
+    check_receive_limit,
 )
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
@@ -242,8 +243,7 @@ class NatsBroker:
     # -- receive -----------------------------------------------------------------------
 
     async def receive(self, max_messages: int, block_timeout: float) -> Received:
-        if not 0 < max_messages <= MAX_BATCH:
-            raise ValueError(f"max_messages must be between 1 and {MAX_BATCH}")
+        check_receive_limit(max_messages)
         conn = await self._connection(max(block_timeout, self._connect_timeout))
         msgs = await self._puller.pull(conn, max_messages, block_timeout)
         received = Received()
@@ -299,17 +299,17 @@ class NatsBroker:
     async def settle(
         self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
     ) -> list[Result]:
-        if len(settlements) > MAX_BATCH:
-            raise ValueError(f"at most {MAX_BATCH} settlements per call")
-
         async def settle_one(index: int, settlement: Settlement) -> Result:
             result = await self._settle_one(settlement)
             if on_result is not None:
                 on_result(index, result)  # as soon as its own reply is in
             return result
 
-        results = list(await asyncio.gather(
-            *(settle_one(index, s) for index, s in enumerate(settlements))))
+        results: list[Result] = []
+        for start in range(0, len(settlements), MAX_BATCH):  # as Redis: any number, 1,000 a go
+            results += await asyncio.gather(*(
+                settle_one(index, settlements[index])
+                for index in range(start, min(start + MAX_BATCH, len(settlements)))))
         _log_unsure(results, "settle")
         return results
 

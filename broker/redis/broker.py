@@ -53,6 +53,7 @@ from broker.base import (
     Result,
     ResultCallback,
     Settlement,
+    check_receive_limit,
 )
 from broker.redis.keys import QueueKeys
 from broker.redis.placement import check_placement
@@ -282,6 +283,7 @@ class RedisBroker:
     # -- receiving ----------------------------------------------------------------------
 
     async def receive(self, max_messages: int, block_timeout: float) -> Received:
+        check_receive_limit(max_messages)
         if self._unresolved and len(self._unresolved[0].items) <= max_messages:
             received = await self._resolve_lost_claim()
             if received.deliveries or received.poisoned:
