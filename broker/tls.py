@@ -15,7 +15,7 @@ from typing import Any
 #: Words of connection errors that, on a TLS connection without a client certificate,
 #: usually mean the server wanted one (TLS 1.3 reports that only after the handshake).
 _CLOSED_BY_SERVER = ("reset", "connection lost", "eof", "certificate required",
-                     "certificate_required", "closed")
+                     "certificate_required", "closed", "broken pipe")
 
 
 class TlsFileError(ValueError):

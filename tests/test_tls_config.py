@@ -185,3 +185,14 @@ def test_the_readme_key_table_is_generated_from_the_declarations():
     for key in ("tls_ca", "tls_cert", "tls_key", "tls_verify_hostname"):
         assert f"`[broker] {key}`" in generated
     assert generated in README.read_text()
+
+
+@pytest.mark.parametrize("error", [
+    ConnectionResetError(104, "Connection reset by peer"),
+    BrokenPipeError(32, "Broken pipe"),  # the server hung up while the handshake was sent
+])
+def test_a_connection_the_server_closed_hints_at_mutual_tls(error):
+    from broker.tls import TlsSettings
+
+    assert "set [broker] tls_cert and tls_key" in TlsSettings(ca="ca.pem").hint(error)
+    assert TlsSettings(ca="ca.pem", cert="c.pem", key="k.pem").hint(error) == ""
