@@ -32,7 +32,26 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
-class RedisServer:
+class _ServerProcess:
+    """A server process on a private port: killed (SIGKILL by default) or restarted."""
+
+    process: subprocess.Popen | None = None
+
+    def start(self) -> _ServerProcess:
+        raise NotImplementedError
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class RedisServer(_ServerProcess):
     """A ``redis-server`` process we own. ``persist=True`` turns on appendonly/fsync always."""
 
     def __init__(self, persist: bool = False, extra: list[str] | None = None) -> None:
@@ -63,16 +82,6 @@ class RedisServer:
         wait_for_port(self.port)
         return self
 
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(10)
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
     def cli(self, *args: str) -> str:
         out = subprocess.run(
             ["redis-cli", "-p", str(self.port), *args], capture_output=True, text=True, check=True
@@ -97,7 +106,7 @@ def nats_server_binary() -> str:
     return found
 
 
-class NatsServer:
+class NatsServer(_ServerProcess):
     """A ``nats-server -js`` we own, with file storage in a temp directory; ``extra`` adds
     arguments (e.g. ``["--user", "u", "--pass", "p"]``)."""
 
@@ -122,16 +131,6 @@ class NatsServer:
         )
         wait_for_port(self.port)
         return self
-
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(10)
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def close(self) -> None:
         self.stop()
