@@ -19,6 +19,7 @@ from broker.nats import NatsBroker
 from broker.nats.setup import QueueNames
 from broker.redis import RedisBroker
 from broker.redis.keys import QueueKeys
+from support.brokers import receive_all
 
 QUEUE = "contract"
 
@@ -86,15 +87,6 @@ async def kit(request) -> AsyncIterator[Kit]:
         await client.close()
     else:
         await client.aclose()
-
-
-async def receive_all(broker: Any, count: int, timeout: float = 20) -> list[Delivery]:
-    got: list[Delivery] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < count:
-        assert time.monotonic() < deadline, f"received {len(got)} of {count}"
-        got += (await broker.receive(count - len(got), 1.0)).deliveries
-    return got
 
 
 async def settle(broker: Any, action: Action, deliveries: list[Delivery]) -> list[Outcome]:

@@ -4,7 +4,6 @@ rollback check). A supervisor of the same queue name on another Redis is left al
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -15,8 +14,15 @@ import redis
 from broker import envelope
 from broker.redis.keys import QueueKeys
 from supervisor.ops.drain import is_supervisor_of
+from support.servers import environ_without_broker
 from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 
+
+def command(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m supervisor ARGS`` as an operator runs it (no broker URL override)."""
+    env = {**environ_without_broker(), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
 
 def test_titles_of_supervisors_and_not_of_their_handlers():
     assert is_supervisor_of("queue-supervisor: jobs running [buffer 3/10, 1/2 busy]", "jobs")
@@ -40,12 +46,7 @@ def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
         wait_for(lambda: list(client.scan_iter(match=keys.supervisor("") + "*")), 15,
                  "the supervisor's record")
         wait_for(lambda: len(lines(tmp_path / "handled")) >= 20, 30, "some progress")
-        environ = dict(os.environ, PYTHONPATH=str(ROOT))
-        environ.pop("QUEUE_BROKER_URL", None)
-        drained = subprocess.run(
-            [sys.executable, "-m", "supervisor", "drain", str(config), "--timeout", "40"],
-            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
-        )
+        drained = command("drain", str(config), "--timeout", "40")
         assert drained.returncode == 0, drained.stdout + drained.stderr
         assert f"stopping 1 supervisors of {queue}: pids {supervisor.pid}" in drained.stdout
         assert "ok: no reservation and no owner record" in drained.stdout
@@ -60,10 +61,7 @@ def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
         assert ready | handled == {pid for pid, _ in built}
         assert ready and handled  # it really stopped midway
 
-        checked = subprocess.run(
-            [sys.executable, "-m", "supervisor", "check", str(config)],
-            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
-        )
+        checked = command("check", str(config))
         assert checked.returncode == 0, checked.stdout + checked.stderr
     finally:
         supervisor.stop()
@@ -98,12 +96,7 @@ def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client)
                  "the supervisor's record")
         wait_for(lambda: len(lines(tmp_path / "handled")) >= 20, 30, "some progress")
         php_batch(10)  # a mixed fleet for a moment
-        environ = dict(os.environ, PYTHONPATH=str(ROOT))
-        environ.pop("QUEUE_BROKER_URL", None)
-        drained = subprocess.run(
-            [sys.executable, "-m", "supervisor", "drain", str(config), "--timeout", "40"],
-            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
-        )
+        drained = command("drain", str(config), "--timeout", "40")
         assert drained.returncode == 0, drained.stdout + drained.stderr
         assert "ok: no reservation and no owner record" in drained.stdout
     finally:
@@ -145,13 +138,7 @@ def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url
             wait_for(lambda c=connection: list(c.scan_iter(match=keys.supervisor("") + "*")),
                      15, "a record")
             connection.close()
-        environ = dict(os.environ, PYTHONPATH=str(ROOT))
-        environ.pop("QUEUE_BROKER_URL", None)
-        drained = subprocess.run(
-            [sys.executable, "-m", "supervisor", "drain",
-             str(mine_dir / "job.toml"), "--timeout", "30"],
-            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
-        )
+        drained = command("drain", str(mine_dir / "job.toml"), "--timeout", "30")
         assert drained.returncode == 0, drained.stdout + drained.stderr
         assert f"stopping 1 supervisors of {queue}: pids {mine.pid}" in drained.stdout
         assert mine.process.poll() == 0

@@ -17,6 +17,7 @@ from broker.nats import NatsBroker
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.setup import QueueNames
+from support.brokers import receive_all
 from support.faultproxy import FaultProxy
 from support.servers import NatsServer
 
@@ -62,15 +63,6 @@ async def proxy(nats_server: NatsServer):
     fault = await FaultProxy(nats_server.port).start()
     yield fault
     await fault.close()
-
-
-async def receive_all(broker: NatsBroker, count: int, timeout: float = 20.0) -> list[Delivery]:
-    got: list[Delivery] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < count:
-        assert time.monotonic() < deadline, f"received {len(got)} of {count}"
-        got += (await broker.receive(count - len(got), 1.0)).deliveries
-    return got
 
 
 async def stream_messages(js, stream: str) -> int:
