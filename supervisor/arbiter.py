@@ -25,7 +25,7 @@ import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
 from supervisor import blame, logs, systemd
-from supervisor.buffer import Buffer, Entry, State
+from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config, resolve_handler
 from supervisor.metrics import Metrics
 from supervisor.settlement import Settler
@@ -80,7 +80,7 @@ class Arbiter:
         self.broker = broker
         self.slots = slots
         self.forkserver = forkserver
-        self.buffer = Buffer(config.job.prefetch)
+        self.buffer = Buffer(config.job.prefetch, len(slots))
         self.wants_confirm = callable(getattr(handler_module, "on_success", None))
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = is_async(resolve_handler(config.job.handler))
@@ -252,27 +252,27 @@ class Arbiter:
 
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""
-        ready = [s for s in self.slots if s.ready and not s.retiring and not s.exit_sent]
-        if not ready or not self.buffer.waiting or self.stopping:
+        buffer = self.buffer
+        ready = [slot for slot in self.slots if slot.accepting]
+        if not ready or not buffer.waiting or self.stopping:
             return
-        depth = -(-self.buffer.prefetch // len(self.slots))  # fair share per handler
-        plan: dict[Slot, list[Entry]] = {}
-        while self.buffer.waiting:
-            slot = min(ready, key=lambda s: s.load + len(plan.get(s, ())))
-            if slot.load + len(plan.get(slot, ())) >= depth:
+        depth = -(-buffer.prefetch // len(self.slots))  # fair share per handler
+        share = {slot: buffer.load(slot.index) for slot in ready}
+        plan: dict[Slot, int] = {}
+        for _ in range(len(buffer.waiting)):
+            slot = min(ready, key=share.__getitem__)
+            if share[slot] >= depth:
                 break
-            plan.setdefault(slot, []).append(self.buffer.waiting.popleft())
-        for slot, entries in plan.items():
+            share[slot] += 1
+            plan[slot] = plan.get(slot, 0) + 1
+        for slot, count in plan.items():
+            entries = buffer.next_waiting(count)
             records = [
                 protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts)
                 for e in entries
             ]
-            sent = slot.to_child.put_many(records)
-            for entry in entries[:sent]:
-                entry.state, entry.slot = State.QUEUED, slot.index
-                slot.queued.append(entry)
-            if sent < len(entries):  # ring full: the rest waits for the next dispatch
-                self.buffer.requeue_front(entries[sent:])
+            # A full ring takes fewer: the rest waits for the next dispatch.
+            buffer.queue(slot.index, slot.to_child.put_many(records))
 
     # -- outcomes from handler processes ---------------------------------------------------
 
@@ -303,22 +303,18 @@ class Arbiter:
     def handle_outcome(self, slot: Slot, record: bytes) -> None:
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.STARTED:
-            entry = slot.queued.popleft()
-            self.buffer.start(entry)
-            slot.running[delivery_id] = entry
+            self.buffer.started(slot.index, delivery_id)
         elif kind == protocol.HELD:
-            slot.returned.add(delivery_id)
+            self.buffer.held(slot.index, delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
-            entry = slot.running.pop(delivery_id)
-            slot.returned.discard(delivery_id)
+            error = protocol.text_data(data) if kind == protocol.FAILED else None
+            entry = self.buffer.finished(slot.index, delivery_id, error)
             slot.jobs += 1
             self.metrics.handler_done(time.monotonic() - entry.started_at)
-            failed = kind == protocol.FAILED
-            self.buffer.complete(entry, error=protocol.text_data(data) if failed else None)
             if not slot.retiring and self.should_recycle(slot):
-                slot.retiring = True  # before the next dispatch, so it gets nothing more
+                slot.retire()  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:
-            self.buffer.complete(slot.queued.popleft(), release=True)
+            self.buffer.skipped(slot.index, delivery_id)
         elif kind == protocol.READY:
             slot.ready, slot.early_deaths = True, 0
             self.notify_ready_once()
@@ -401,11 +397,9 @@ class Arbiter:
 
     def drop_lost(self, entry: Entry) -> None:
         """Another consumer recovered this delivery: never start it; a result will be stale."""
-        if entry.state is State.WAITING and entry.id in self.buffer.entries:
+        if self.buffer.drop(entry):
             log.warning("delivery %s is no longer ours; dropped before it started",
                         entry.delivery.pid)
-            self.buffer.waiting.remove(entry)
-            self.buffer.forget(entry)
             self.room.set()
 
     async def maintenance_loop(self) -> None:
@@ -440,23 +434,23 @@ class Arbiter:
         for slot in self.slots:
             if not slot.alive:
                 continue
+            running = self.buffer.running[slot.index].values()
             overdue = {
-                entry.id for entry in slot.running.values() if now - entry.started_at > limit
+                entry.id for entry in running if now - entry.started_at > limit
             } if job.handler_timeout else set()
             if overdue and not slot.kill_reason:
                 log.error("handler %d exceeded handler_timeout %ss: killing process %d",
                           slot.index, job.handler_timeout, slot.pid)
-                slot.kill_reason = f"handler timeout after {job.handler_timeout}s" + (
+                reason = f"handler timeout after {job.handler_timeout}s" + (
                     f" (not cancelled within {CANCEL_GRACE:g}s)" if self.concurrent else "")
-                slot.overdue = overdue
-                self.kill(slot, signal.SIGKILL)
+                slot.kill(signal.SIGKILL, reason, overdue)
                 continue
             self.retire_if_idle(slot)
 
     def retire_if_idle(self, slot: Slot) -> None:
         """A recycled handler exits once nothing of it is queued, running or unconfirmed."""
         if slot.retiring and slot.alive and not slot.exit_sent and self.idle(slot):
-            slot.exit_sent = slot.to_child.put(protocol.encode_exit())
+            slot.request_exit()
 
     def should_recycle(self, slot: Slot) -> bool:
         job = self.config.job
@@ -473,12 +467,7 @@ class Arbiter:
 
     def idle(self, slot: Slot) -> bool:
         """Nothing of this handler is queued, running or waiting for its confirmation."""
-        return slot.load == 0 and not any(e.slot == slot.index for e in self.buffer)
-
-    def kill(self, slot: Slot, sig: int) -> None:
-        if slot.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(slot.pid, sig)
+        return self.buffer.load(slot.index) == 0 and not self.buffer.unsettled(slot.index)
 
     def handle_forkserver_events(self) -> None:
         for event in self.forkserver.read_events():
@@ -490,7 +479,7 @@ class Arbiter:
                 continue
             slot = self.slots[event.slot]
             if event.kind == "started":
-                slot.pid = event.pid
+                slot.started(event.pid)
             elif event.kind == "exited":
                 self.handle_child_exit(slot, event.pid, event.status)
 
@@ -501,10 +490,9 @@ class Arbiter:
         for slot in self.slots:
             if not slot.alive:
                 continue
-            self.kill(slot, signal.SIGKILL)
-            entries = [*slot.running.values(), *slot.queued]
-            slot.clear()
-            self.buffer.requeue_front(entries)
+            slot.kill(signal.SIGKILL)
+            slot.gone()
+            self.buffer.handler_gone(slot.index)
         self.release_waiting()
         self.progress.set()
 
@@ -523,25 +511,22 @@ class Arbiter:
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
-        running = list(slot.running.values())
-        queued = list(slot.queued)
-        blamed, rerun = blame.split(running, concurrent=self.concurrent,
-                                    returned=slot.returned, overdue=slot.overdue)
-        slot.clear()
+        running = list(self.buffer.running[slot.index].values())
+        blamed = blame.split(running, concurrent=self.concurrent, overdue=slot.overdue)
+        slot.gone()
         self.arm(slot)
         if self.abandoning:
-            pass  # stopped at the deadline: what was running stays owned and is recovered later
-        elif running:
+            # Stopped at the deadline: what was running stays owned and is recovered later.
+            self.buffer.handler_gone(slot.index, abandon=True)
+        else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
-            more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
-            log.error("%s while handling %s%s", reason, pids, more)
-            for entry in blamed:
-                self.buffer.complete(entry, error=reason)
-            self.buffer.requeue_front(rerun)
-        elif not expected and not self.stopping and was_ready:
-            log.error("%s", reason)
-        self.buffer.requeue_front(queued)
+            self.buffer.handler_gone(slot.index, blamed, reason)
+            if running:
+                pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
+                more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
+                log.error("%s while handling %s%s", reason, pids, more)
+            elif not expected and not self.stopping and was_ready:
+                log.error("%s", reason)
         if self.stopping:  # nothing is dispatched any more: what came back is released
             self.release_waiting()
         elif status == EXIT_HANDLER_INIT:
@@ -578,12 +563,12 @@ class Arbiter:
             self.forkserver.spawn(slot.index)
 
     def update_title(self) -> None:
-        busy = sum(1 for slot in self.slots if slot.busy)
+        busy = sum(1 for running in self.buffer.running if running)
         self.metrics.buffer(self.buffer.outstanding, self.buffer.prefetch, busy)
         state = "stopping" if self.stopping else "running"
         tasks = ""
         if self.concurrent:
-            running = sum(len(slot.running) for slot in self.slots)
+            running = sum(len(running) for running in self.buffer.running)
             tasks = f", {running} running"
         setproctitle.setproctitle(
             f"queue-supervisor: {self.config.job.queue} {state} "
@@ -641,21 +626,22 @@ class Arbiter:
                  self.metrics.summary(), owned)
 
     def release_waiting(self) -> None:
-        for entry in self.buffer.take_waiting():
-            self.buffer.complete(entry, release=True)
+        self.buffer.release_waiting()
         self.settle_wanted.set()
 
     def nothing_in_handlers(self) -> bool:
-        return all(slot.load == 0 or not slot.alive for slot in self.slots) and not self.killing
+        return not self.killing and all(
+            not slot.alive or self.buffer.load(slot.index) == 0 for slot in self.slots
+        )
 
     def all_settled(self) -> bool:
-        return not any(e.state in (State.COMPLETED, State.SETTLING) for e in self.buffer)
+        return not self.buffer.completed and not self.buffer.settling
 
     def signal_busy(self, sig: int) -> None:
         self.abandoning = True
         for slot in self.slots:
-            if slot.load:
-                self.kill(slot, sig)
+            if self.buffer.load(slot.index):
+                slot.kill(sig)
 
     async def settle_remaining(self) -> None:
         """One last settlement round (bounded by SETTLE_ROUND) for everything completed."""
@@ -665,11 +651,10 @@ class Arbiter:
 
     async def stop_children(self, deadline: float) -> None:
         for slot in self.slots:
-            if slot.alive and not slot.exit_sent:
-                slot.exit_sent = slot.to_child.put(protocol.encode_exit())
+            slot.request_exit()
         await self.wait_until(lambda: not any(s.alive for s in self.slots), deadline)
         for slot in self.slots:
-            self.kill(slot, signal.SIGKILL)
+            slot.kill(signal.SIGKILL)
         await self.wait_until(lambda: not any(s.alive for s in self.slots), time.monotonic() + 2)
 
     async def wait_until(

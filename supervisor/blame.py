@@ -25,18 +25,12 @@ from __future__ import annotations
 from supervisor.buffer import Entry
 
 
-def split(
-    running: list[Entry], *, concurrent: bool, returned: set[int], overdue: set[int]
-) -> tuple[list[Entry], list[Entry]]:
-    """``(blamed, rerun)`` of the deliveries running (in start order) in a dead process."""
+def split(running: list[Entry], *, concurrent: bool, overdue: set[int]) -> list[Entry]:
+    """The blamed ones of the deliveries running (in start order) in a dead process; the
+    others run again. ``Entry.held``: the process reported that its handler returned."""
     if not concurrent:
-        return running[-1:], running[:-1]
+        return running[-1:]
     if overdue:
-        suspects = {entry.id for entry in running if entry.id in overdue}
-    else:
-        suspects = {entry.id for entry in running if entry.id not in returned}
-        if not suspects:
-            suspects = {entry.id for entry in running}
-    blamed = [entry for entry in running if entry.id in suspects]
-    rerun = [entry for entry in running if entry.id not in suspects]
-    return blamed, rerun
+        return [entry for entry in running if entry.id in overdue]
+    in_handler = [entry for entry in running if not entry.held]
+    return in_handler or running

@@ -1,4 +1,4 @@
-"""One object per handler process: its rings, its pid, and the deliveries it holds.
+"""One object per handler process: its rings and the process now running in it.
 
 The rings live in one anonymous shared mapping created before the fork server, so every
 child (including replacements) finds its slot's rings at the same place.
@@ -6,17 +6,24 @@ child (including replacements) finds its slot's rings at the same place.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from supervisor.buffer import Entry
+from worker import protocol
 from worker.ring import Ring
 
 
 @dataclass(slots=True, eq=False)
 class Slot:
+    """A handler process's place: its rings, and the process now in it (if any).
+
+    The deliveries it holds are the buffer's (``Buffer.queued`` / ``Buffer.running``); the
+    slot owns only its process: signalling it, asking it to exit, retiring it.
+    """
+
     index: int
     to_child: Ring
     to_parent: Ring
@@ -27,31 +34,45 @@ class Slot:
     jobs: int = 0  # deliveries finished by the current process
     kill_reason: str | None = None  # why we killed it (e.g. handler timeout), for the reject
     early_deaths: int = 0  # processes of this slot in a row that died before they were ready
-    queued: deque[Entry] = field(default_factory=deque)  # in the ring, in order
-    running: dict[int, Entry] = field(default_factory=dict)  # started, outcome not yet seen
-    returned: set[int] = field(default_factory=set)  # running ids reported HELD (async only)
     overdue: set[int] = field(default_factory=set)  # running ids past the timeout we killed for
-
-    @property
-    def load(self) -> int:
-        return len(self.queued) + len(self.running)
+    #: How a signal reaches the process (tests of the core in one process replace it).
+    send_signal: Callable[[int, int], None] = os.kill
 
     @property
     def alive(self) -> bool:
         return self.pid is not None
 
     @property
-    def busy(self) -> bool:
-        return bool(self.running)
+    def accepting(self) -> bool:
+        """Ready for new work: started, not recycling, not asked to exit."""
+        return self.ready and not self.retiring and not self.exit_sent
 
-    def clear(self) -> None:
-        """The process is gone: forget its state and make its rings empty for a replacement."""
+    def started(self, pid: int) -> None:
+        self.pid = pid
+
+    def kill(self, sig: int, reason: str | None = None, overdue: set[int] | None = None) -> None:
+        """Signal the process (if there is one); ``reason`` fails what it was running."""
+        if reason is not None:
+            self.kill_reason, self.overdue = reason, overdue or set()
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                self.send_signal(self.pid, sig)
+
+    def request_exit(self) -> bool:
+        """Ask the process to exit once it read everything before (sent once)."""
+        if self.alive and not self.exit_sent:
+            self.exit_sent = self.to_child.put(protocol.encode_exit())
+        return self.exit_sent
+
+    def retire(self) -> None:
+        """Recycle the process: it gets no more work and exits once idle."""
+        self.retiring = True
+
+    def gone(self) -> None:
+        """The process is gone: forget it and make the rings empty for a replacement."""
         self.pid, self.kill_reason, self.jobs = None, None, 0
         self.ready = self.retiring = self.exit_sent = False
-        self.queued.clear()
-        self.running.clear()
-        self.returned.clear()
-        self.overdue.clear()
+        self.overdue = set()
         self.to_child.reset()
         self.to_parent.reset()
 
