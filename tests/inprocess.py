@@ -1,0 +1,227 @@
+"""The supervisor's core (arbiter, buffer, settler) run in one process, for fast tests.
+
+The real arbiter runs on the real rings with ``broker.memory.MemoryBroker``; only the
+handler processes are played by the test: ``InProcessForkServer`` hands out
+``PlayedProcess`` objects that read their ring and answer only when the test tells them
+to (start the next delivery, finish one, die). Signals the arbiter sends reach them, never
+a real process. The handler processes themselves are tested for real elsewhere
+(tests/test_worker.py, tests/test_process_model.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections import deque
+from collections.abc import Callable
+from types import ModuleType
+
+from broker.memory import MemoryBroker
+from supervisor.arbiter import Arbiter
+from supervisor.config import Config, loads
+from supervisor.slots import Slot, make_slots
+from worker import protocol
+from worker.forkserver import Event
+
+FIRST_PID = 4_000_000_000  # above any real pid (pid_max is at most 2**22)
+
+
+class PlayedProcess:
+    """A handler process whose every step is the test's decision."""
+
+    def __init__(self, server: InProcessForkServer, slot: Slot, pid: int) -> None:
+        self.server, self.slot, self.pid = server, slot, pid
+        self.inbox: deque[int] = deque()  # delivery ids read from the ring, not started
+        self.running: list[int] = []  # started, in order
+        self.confirmed: list[tuple[int, bool]] = []
+        self.exit_asked = False
+        self.alive = True
+        slot.to_parent.put(protocol.encode_ready(wants_confirm=False))
+
+    def read(self) -> None:
+        while records := self.slot.to_child.get_many(256):
+            for record in records:
+                kind, delivery_id, data = protocol.decode(record)
+                if kind == protocol.DELIVER:
+                    self.inbox.append(delivery_id)
+                elif kind == protocol.CONFIRM:
+                    self.confirmed.append((delivery_id, bool(data)))
+                elif kind == protocol.EXIT:
+                    self.exit_asked = True
+
+    def start_next(self) -> bool:
+        """Take the next delivery from the ring: started, or skipped once a stop began."""
+        self.read()
+        if not self.alive or not self.inbox:
+            return False
+        delivery_id = self.inbox.popleft()
+        if self.slot.to_child.flag:
+            self.post(protocol.encode_skipped(delivery_id))
+        else:
+            self.running.append(delivery_id)
+            self.post(protocol.encode_started(delivery_id))
+        return True
+
+    def finish(self, ok: bool = True, which: int = 0) -> bool:
+        """The ``which``-th running delivery (oldest first) returns or raises."""
+        if not self.alive or not self.running:
+            return False
+        delivery_id = self.running.pop(which % len(self.running))
+        self.post(protocol.encode_done(delivery_id) if ok
+                  else protocol.encode_failed(delivery_id, "handler raised (played)"))
+        return True
+
+    def exit_if_asked(self) -> bool:
+        """Read the ring as the real loop does: skipped work first, then a requested exit."""
+        self.read()
+        while self.slot.to_child.flag and self.start_next():
+            pass
+        if self.alive and self.exit_asked and not self.inbox and not self.running:
+            self.die(0)
+            return True
+        return False
+
+    def work(self, ok: Callable[[int], bool] = lambda delivery_id: True) -> int:
+        """Run everything in the ring to the end (a healthy, fast handler); returns how many."""
+        done = 0
+        while self.alive and self.start_next():
+            if self.running:
+                delivery_id = self.running[-1]
+                self.finish(ok(delivery_id), which=-1)
+                done += 1
+        self.exit_if_asked()
+        return done
+
+    def die(self, status: int) -> None:
+        if self.alive:
+            self.alive = False
+            self.server.post(Event("exited", self.slot.index, self.pid, status))
+
+    def post(self, record: bytes) -> None:
+        if not self.slot.to_parent.put(record):
+            raise AssertionError(f"outcome ring of handler {self.slot.index} full")
+
+
+class InProcessForkServer:
+    """Stands where ``worker.forkserver.ForkServer`` does; its children are played."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        self._events: list[Event] = []
+        self._next_pid = FIRST_PID
+        self.processes: dict[int, PlayedProcess] = {}  # slot index -> current process
+        self.spawned = 0
+        for slot in slots:
+            slot.send_signal = self.signal
+
+    @property
+    def events_fd(self) -> int:
+        return self._read
+
+    def spawn(self, index: int) -> None:
+        self._next_pid += 1
+        self.spawned += 1
+        process = PlayedProcess(self, self.slots[index], self._next_pid)
+        self.processes[index] = process
+        self.post(Event("started", index, process.pid))
+
+    def signal(self, pid: int, sig: int) -> None:
+        for process in self.processes.values():
+            if process.pid == pid and process.alive:
+                process.die(-sig)
+                return
+        raise ProcessLookupError(pid)
+
+    def post(self, event: Event) -> None:
+        self._events.append(event)
+        os.write(self._write, b"e")
+
+    def read_events(self) -> list[Event]:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read, 4096)
+        events, self._events = self._events, []
+        return events
+
+    def living(self) -> list[PlayedProcess]:
+        return [process for process in self.processes.values() if process.alive]
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+def core_config(
+    prefetch: int = 10, coroutines: int = 2, shutdown_deadline: float = 2.0, **job: object
+) -> Config:
+    settings = "".join(f"{name} = {value!r}\n".replace("'", '"') for name, value in job.items())
+    return loads(
+        f"""
+[broker]
+url = "redis://127.0.0.1:1"
+block_timeout = 0.05
+[job]
+queue = "jobs"
+handler = "tests.handlers.noop:handle"
+prefetch = {prefetch}
+coroutines = {coroutines}
+{settings}
+[supervisor]
+shutdown_deadline = {shutdown_deadline}
+maintenance_interval = 0.2
+lease = 3
+progress_interval = 0
+ring_slots = 64
+ring_slot_size = 1024
+""",
+        environ={},
+    )
+
+
+class Core:
+    """An arbiter with a memory broker and played handler processes, on the running loop."""
+
+    def __init__(self, config: Config, broker: MemoryBroker) -> None:
+        self.config, self.broker = config, broker
+        self.slots = make_slots(config.job.coroutines, config.supervisor.ring_slots,
+                                config.supervisor.ring_slot_size)
+        self.server = InProcessForkServer(self.slots)
+        self.arbiter = Arbiter(config, broker, self.slots, self.server,  # type: ignore[arg-type]
+                               ModuleType("played"))
+        self.run: asyncio.Task[int] | None = None
+
+    async def start(self) -> None:
+        self.run = asyncio.create_task(self.arbiter.run())
+        await self.settle_down()
+
+    async def settle_down(self, turns: int = 20) -> None:
+        """Let the loop run its callbacks (readers, settlement) a few turns."""
+        for _ in range(turns):
+            await asyncio.sleep(0)
+
+    async def wait_for(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.001)
+
+    def process(self, index: int) -> PlayedProcess:
+        return self.server.processes[index]
+
+    async def stop(self, work: bool = True, timeout: float = 15.0) -> int:
+        """SIGTERM, then (with ``work``) let the handlers finish what they have; the exit code."""
+        assert self.run is not None
+        self.arbiter.handle_stop_signal(signal.SIGTERM)
+        async with asyncio.timeout(timeout):
+            while not self.run.done():
+                if work:
+                    for process in self.server.living():
+                        process.work()
+                else:
+                    for process in self.server.living():
+                        process.exit_if_asked()
+                await asyncio.sleep(0.001)
+        self.server.close()
+        return self.run.result()

@@ -1,0 +1,398 @@
+"""The supervisor's core in one process: the buffer, the settler and the arbiter.
+
+The arbiter runs for real on real rings against ``broker.memory.MemoryBroker``; handler
+processes are played by the test (tests/inprocess.py). The property test at the end drives
+all three through any order of handler outcomes, handler deaths, settlement faults,
+recoveries by other consumers and a stop, checking after every step that the prefetch bound
+holds and every delivery is in exactly one state, and at the end that nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from broker.base import Delivery
+from broker.memory import MemoryBroker
+from supervisor.arbiter import EXIT_BROKEN, EXIT_OK
+from supervisor.buffer import Buffer, BufferError, State
+from supervisor.settlement import Settler
+from tests.inprocess import Core, core_config
+
+
+def deliveries(count: int, start: int = 1) -> list[Delivery]:
+    return [Delivery(f"p{n}", "q", 0, 0, {}, b"", n) for n in range(start, start + count)]
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+# -- the buffer ------------------------------------------------------------------------------
+
+
+def test_a_delivery_passes_through_every_state_in_its_one_place():
+    buffer = Buffer(prefetch=4, handlers=2)
+    buffer.add(deliveries(3))
+    buffer.check()
+    assert [entry.state for entry in buffer] == [State.WAITING] * 3
+    buffer.queue(1, 2)  # the ring of handler 1 took two
+    assert [entry.slot for entry in buffer.queued[1]] == [1, 1] and len(buffer.waiting) == 1
+    first = buffer.started(1, 1)
+    buffer.check()
+    assert first.state is State.RUNNING and buffer.load(1) == 2
+    buffer.finished(1, 1, error=None)
+    buffer.skipped(1, 2)
+    buffer.check()
+    assert [entry.id for entry in buffer.completed] == [1, 2] and buffer.completed[1].release
+    batch = buffer.take_completed(10)
+    buffer.check()
+    buffer.forget(batch[0])
+    buffer.retry_later(batch[1:])
+    buffer.check()
+    assert buffer.outstanding == 2 and buffer.completed[0].settle_failures == 1
+
+
+def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
+    buffer = Buffer(prefetch=4, handlers=1)
+    buffer.add(deliveries(2))
+    buffer.queue(0, 2)
+    with pytest.raises(BufferError, match="reported delivery 2, next queued 1"):
+        buffer.started(0, 2)
+    with pytest.raises(BufferError, match="not running there"):
+        buffer.finished(0, 1, None)
+
+
+def test_more_than_prefetch_outstanding_is_a_bug():
+    buffer = Buffer(prefetch=2, handlers=1)
+    with pytest.raises(BufferError, match="3 deliveries outstanding > prefetch"):
+        buffer.add(deliveries(3))
+
+
+def test_a_dead_handler_fails_the_blamed_and_its_others_wait_again_in_order():
+    buffer = Buffer(prefetch=8, handlers=1)
+    buffer.add(deliveries(5))
+    buffer.queue(0, 5)
+    for entry_id in (1, 2, 3):
+        buffer.started(0, entry_id)
+    buffer.held(0, 1)
+    blamed = [buffer.running[0][3]]
+    buffer.handler_gone(0, blamed, "worker lost")
+    buffer.check()
+    assert [entry.id for entry in buffer.completed] == [3]
+    assert buffer.completed[0].error == "worker lost"
+    assert [entry.id for entry in buffer.waiting] == [1, 2, 4, 5]
+    assert not any(entry.held or entry.slot is not None for entry in buffer.waiting)
+
+
+def test_a_handler_killed_at_the_stop_deadline_leaves_its_running_ones_owned():
+    buffer = Buffer(prefetch=4, handlers=1)
+    buffer.add(deliveries(3))
+    buffer.queue(0, 3)
+    buffer.started(0, 1)
+    buffer.handler_gone(0, abandon=True)
+    buffer.check()
+    assert buffer.entries[1].state is State.ABANDONED and buffer.outstanding == 3
+    assert [entry.id for entry in buffer.waiting] == [2, 3]
+    assert buffer.release_waiting() == 2
+
+
+def test_only_a_waiting_delivery_can_be_dropped():
+    buffer = Buffer(prefetch=4, handlers=1)
+    buffer.add(deliveries(2))
+    buffer.queue(0, 1)
+    queued, waiting = buffer.entries[1], buffer.entries[2]
+    assert not buffer.drop(queued) and buffer.drop(waiting)
+    assert not buffer.drop(waiting)  # twice: already gone
+    buffer.check()
+    assert buffer.outstanding == 1
+
+
+def test_check_finds_a_delivery_in_two_places():
+    buffer = Buffer(prefetch=4, handlers=1)
+    buffer.add(deliveries(1))
+    buffer.completed.append(buffer.waiting[0])
+    with pytest.raises(BufferError, match="is waiting and completed"):
+        buffer.check()
+
+
+# -- the settler -------------------------------------------------------------------------------
+
+
+async def settler_with(broker: MemoryBroker, count: int) -> tuple[Settler, Buffer, list]:
+    await broker.publish_many("jobs", [{"n": n} for n in range(count)])
+    received = await broker.receive(count, 0.01)
+    buffer = Buffer(prefetch=count, handlers=1)
+    buffer.add(received.deliveries)
+    buffer.queue(0, count)
+    for entry in list(buffer.queued[0]):
+        buffer.started(0, entry.id)
+        buffer.finished(0, entry.id, None)
+    confirmed: list = []
+    settler = Settler(broker, buffer, lambda entry, ok: confirmed.append((entry.id, ok)))
+    return settler, buffer, confirmed
+
+
+def test_a_confirmed_commit_is_forgotten_and_confirmed():
+    async def scenario():
+        broker = MemoryBroker()
+        settler, buffer, confirmed = await settler_with(broker, 3)
+        assert await settler.settle(buffer.take_completed(10))
+        assert buffer.outstanding == 0 and sorted(confirmed) == [(1, True), (2, True), (3, True)]
+        assert sum(broker.committed.values()) == 3
+
+    run(scenario())
+
+
+def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again():
+    async def scenario():
+        broker = MemoryBroker()
+        broker.faults.settle_errors = 1
+        settler, buffer, confirmed = await settler_with(broker, 3)
+        assert not await settler.settle(buffer.take_completed(10))
+        buffer.check()
+        assert len(buffer.completed) == 3 and not confirmed and not broker.committed
+        assert await settler.settle(buffer.take_completed(10))
+        assert buffer.outstanding == 0 and sum(broker.committed.values()) == 3
+
+    run(scenario())
+
+
+def test_one_unapplied_result_does_not_hold_back_the_others():
+    async def scenario():
+        broker = MemoryBroker()
+        broker.faults.unapplied = 1
+        settler, buffer, _ = await settler_with(broker, 3)
+        assert not await settler.settle(buffer.take_completed(10))
+        assert [entry.id for entry in buffer.completed] == [1] and buffer.outstanding == 1
+
+    run(scenario())
+
+
+def test_a_lost_reply_is_replayed_and_the_replay_finds_it_done():
+    async def scenario():
+        broker = MemoryBroker()
+        broker.faults.uncertain_applied = 1
+        settler, buffer, confirmed = await settler_with(broker, 1)
+        assert not await settler.settle(buffer.take_completed(10))
+        assert buffer.outstanding == 1  # not known to be applied: kept
+        assert await settler.settle(buffer.take_completed(10))  # answered stale: forgotten
+        assert buffer.outstanding == 0 and confirmed == [(1, False)]
+        assert sum(broker.committed.values()) == 1  # applied once, by the first call
+
+    run(scenario())
+
+
+def test_without_replay_a_lost_reply_is_left_to_the_broker():
+    async def scenario():
+        broker = MemoryBroker(replay_uncertain=False)
+        broker.faults.uncertain_unapplied = 1
+        settler, buffer, _ = await settler_with(broker, 1)
+        assert await settler.settle(buffer.take_completed(10))
+        assert buffer.outstanding == 0 and not broker.committed
+        assert len(broker.owned) == 1  # the broker redelivers it after its ack wait
+
+    run(scenario())
+
+
+def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten():
+    async def scenario():
+        broker = MemoryBroker()
+        settler, buffer, confirmed = await settler_with(broker, 2)
+        broker.recover(buffer.entries[1].delivery.pid)
+        assert await settler.settle(buffer.take_completed(10))
+        assert buffer.outstanding == 0 and sorted(confirmed) == [(1, False), (2, True)]
+        assert len(broker.ready) == 1 and sum(broker.committed.values()) == 1
+
+    run(scenario())
+
+
+# -- the arbiter ---------------------------------------------------------------------------------
+
+
+def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
+    async def scenario():
+        broker = MemoryBroker()
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(200)])
+        core = Core(core_config(prefetch=10, coroutines=2), broker)
+        await core.start()
+        peak = 0
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                for process in core.server.living():
+                    process.start_next()
+                    process.finish()
+                await core.settle_down(2)
+                core.arbiter.buffer.check()
+                peak = max(peak, core.arbiter.buffer.outstanding)
+        assert await core.stop() == EXIT_OK
+        assert set(broker.committed) == set(pids) and not broker.owned
+        assert 0 < peak <= 10
+
+    run(scenario())
+
+
+def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
+    async def scenario():
+        broker = MemoryBroker(max_attempts=1)  # a blamed delivery is dead at once
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(6)])
+        core = Core(core_config(prefetch=6, coroutines=1), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 6)
+        first = core.process(0)
+        first.start_next()
+        first.start_next()  # plain handlers run one at a time: the first one had returned
+        await core.wait_for(lambda: len(core.arbiter.buffer.running[0]) == 2)
+        blamed_pid = core.arbiter.buffer.running[0][2].delivery.pid
+        first.die(-signal.SIGKILL)
+        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 5)
+        core.arbiter.buffer.check()
+        assert core.process(0).work() == 5
+        await core.wait_for(lambda: len(broker.committed) == 5)
+        assert await core.stop() == EXIT_OK
+        assert broker.dead == [blamed_pid] and pids[1] == blamed_pid
+        assert set(broker.committed) == set(pids) - {blamed_pid}
+
+    run(scenario())
+
+
+def test_a_broker_refusing_settlements_for_a_while_loses_nothing():
+    async def scenario():
+        broker = MemoryBroker()
+        broker.faults.settle_errors = 3
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(30)])
+        core = Core(core_config(prefetch=10, coroutines=2), broker)
+        await core.start()
+        async with asyncio.timeout(10):
+            while len(broker.committed) < 30:
+                for process in core.server.living():
+                    process.work()
+                await asyncio.sleep(0.005)
+                core.arbiter.buffer.check()
+        assert await core.stop() == EXIT_OK
+        assert set(broker.committed) == set(pids)
+        assert broker.calls["settle"] >= 4
+
+    run(scenario())
+
+
+def test_a_stop_releases_what_never_started_with_its_attempts_unchanged():
+    async def scenario():
+        broker = MemoryBroker()
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(30)])
+        core = Core(core_config(prefetch=10, coroutines=2), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 10)
+        assert await core.stop(work=False) == EXIT_OK  # the handlers skip what they hold
+        assert sorted(message.pid for message in broker.ready) == sorted(pids)
+        assert not broker.committed and not broker.owned
+        assert all(message.attempts == 0 for message in broker.ready)
+
+    run(scenario())
+
+
+def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recovered():
+    async def scenario():
+        broker = MemoryBroker()
+        await broker.publish_many("jobs", [{"n": n} for n in range(4)])
+        core = Core(core_config(prefetch=4, coroutines=2), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) + core.arbiter.buffer.load(1) == 4)
+        for process in core.server.living():
+            process.start_next()  # and never return
+        await core.wait_for(lambda: sum(map(len, core.arbiter.buffer.running)) == 2)
+        assert await core.stop(work=False) == EXIT_OK
+        assert core.server.spawned == 2  # nobody replaced at a stop
+        # The two started were handed to recovery (an attempt each); the two queued released.
+        assert sorted(message.attempts for message in broker.ready) == [0, 0, 1, 1]
+        assert not broker.owned and broker.calls["abandon"] == 1
+
+    run(scenario())
+
+
+def test_a_handler_answering_out_of_order_stops_the_supervisor_for_a_restart():
+    async def scenario():
+        broker = MemoryBroker()
+        await broker.publish_many("jobs", [{"n": n} for n in range(2)])
+        core = Core(core_config(prefetch=2, coroutines=1), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
+        from worker import protocol
+
+        core.process(0).post(protocol.encode_started(2))  # the ring holds 1 first
+        assert await core.stop() == EXIT_BROKEN
+        assert not broker.owned and len(broker.ready) == 2
+
+    run(scenario())
+
+
+# -- any order of events -------------------------------------------------------------------------
+
+SLOTS = 2
+PREFETCH = 6
+
+actions = st.one_of(
+    st.tuples(st.just("publish"), st.integers(1, 8)),
+    st.tuples(st.just("start"), st.integers(0, SLOTS - 1)),
+    st.tuples(st.just("finish"), st.integers(0, SLOTS - 1), st.booleans(), st.integers(0, 3)),
+    st.tuples(st.just("die"), st.integers(0, SLOTS - 1), st.sampled_from([-9, -15, 1, 0])),
+    st.tuples(st.just("settle_error"), st.integers(1, 2)),
+    st.tuples(st.just("unapplied"), st.integers(1, 3)),
+    st.tuples(st.just("uncertain_applied"), st.integers(1, 3)),
+    st.tuples(st.just("uncertain_unapplied"), st.integers(1, 3)),
+    st.tuples(st.just("receive_error"), st.integers(1, 2)),
+    st.tuples(st.just("recover"), st.integers(0, PREFETCH)),
+    st.tuples(st.just("turns"), st.integers(1, 30)),
+)
+
+
+async def play(steps: list[tuple], work_at_stop: bool) -> None:
+    broker = MemoryBroker(max_attempts=3)
+    core = Core(core_config(prefetch=PREFETCH, coroutines=SLOTS, shutdown_deadline=0.3), broker)
+    published: list[str] = []
+    await core.start()
+    buffer = core.arbiter.buffer
+    for step in steps:
+        kind, *args = step
+        process = core.server.processes.get(args[0]) if kind in ("start", "finish", "die") else None
+        if kind == "publish":
+            published += await broker.publish_many("jobs", [{"n": n} for n in range(args[0])])
+        elif kind == "start" and process:
+            process.start_next()
+        elif kind == "finish" and process:
+            process.finish(ok=args[1], which=args[2])
+        elif kind == "die" and process:
+            process.die(args[1])
+        elif kind == "recover" and broker.owned:
+            broker.recover(sorted(broker.owned)[args[0] % len(broker.owned)])
+        elif kind == "turns":
+            await core.settle_down(args[0])
+        elif kind in ("settle_error", "receive_error"):
+            setattr(broker.faults, kind + "s", args[0])
+        elif kind in ("unapplied", "uncertain_applied", "uncertain_unapplied"):
+            setattr(broker.faults, kind, args[0])
+        await core.settle_down(3)
+        buffer.check()
+        assert buffer.outstanding <= PREFETCH
+    code = await core.stop(work=work_at_stop)
+    note(f"exit {code}, broker calls {dict(broker.calls)}")
+    assert code == EXIT_OK
+    # Nothing lost: every message is finished for good, or back in the queue, never held.
+    assert not broker.owned
+    assert set(published) == broker.settled | {message.pid for message in broker.ready}
+    # What the broker redelivers is only what the supervisor gave up (released, recovered).
+    assert all(broker.runs[pid] >= 1 for pid in broker.settled)
+
+
+@settings(
+    max_examples=50, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(steps=st.lists(actions, max_size=40), work_at_stop=st.booleans())
+def test_any_order_of_outcomes_deaths_faults_and_a_stop_keeps_the_accounting(steps, work_at_stop):
+    asyncio.run(play(steps, work_at_stop))
