@@ -73,6 +73,14 @@ class PlayedProcess:
                   else protocol.encode_failed(delivery_id, "handler raised (played)"))
         return True
 
+    def hold(self, which: int = 0) -> bool:
+        """An async handler returned the ``which``-th running delivery to its event loop
+        (it waits for ``flush()``): the process reports HELD."""
+        if not self.alive or not self.running:
+            return False
+        self.post(protocol.encode_held(self.running[which % len(self.running)]))
+        return True
+
     def exit_if_asked(self) -> bool:
         """Read the ring as the real loop does: skipped work first, then a requested exit."""
         self.read()
@@ -155,7 +163,11 @@ class InProcessForkServer:
 
 
 def core_config(
-    prefetch: int = 10, coroutines: int = 2, shutdown_deadline: float = 2.0, **job: object
+    prefetch: int = 10,
+    coroutines: int = 2,
+    shutdown_deadline: float = 2.0,
+    handler: str = "tests.handlers.noop:handle",
+    **job: object,
 ) -> Config:
     settings = "".join(f"{name} = {value!r}\n".replace("'", '"') for name, value in job.items())
     return loads(
@@ -165,7 +177,7 @@ url = "redis://127.0.0.1:1"
 block_timeout = 0.05
 [job]
 queue = "jobs"
-handler = "tests.handlers.noop:handle"
+handler = "{handler}"
 prefetch = {prefetch}
 coroutines = {coroutines}
 {settings}

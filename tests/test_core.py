@@ -340,6 +340,7 @@ actions = st.one_of(
     st.tuples(st.just("publish"), st.integers(1, 8)),
     st.tuples(st.just("start"), st.integers(0, SLOTS - 1)),
     st.tuples(st.just("finish"), st.integers(0, SLOTS - 1), st.booleans(), st.integers(0, 3)),
+    st.tuples(st.just("hold"), st.integers(0, SLOTS - 1), st.integers(0, 3)),
     st.tuples(st.just("die"), st.integers(0, SLOTS - 1), st.sampled_from([-9, -15, 1, 0])),
     st.tuples(st.just("settle_error"), st.integers(1, 2)),
     st.tuples(st.just("unapplied"), st.integers(1, 3)),
@@ -351,21 +352,27 @@ actions = st.one_of(
 )
 
 
-async def play(steps: list[tuple], work_at_stop: bool) -> None:
+async def play(steps: list[tuple], work_at_stop: bool, handler: str) -> None:
     broker = MemoryBroker(max_attempts=3)
-    core = Core(core_config(prefetch=PREFETCH, coroutines=SLOTS, shutdown_deadline=0.3), broker)
+    tasks = PREFETCH // SLOTS if handler.endswith("aio:handle") else 1
+    config = core_config(PREFETCH, SLOTS, shutdown_deadline=0.3, handler=handler,
+                         tasks_per_process=tasks)
+    core = Core(config, broker)
     published: list[str] = []
     await core.start()
     buffer = core.arbiter.buffer
     for step in steps:
         kind, *args = step
-        process = core.server.processes.get(args[0]) if kind in ("start", "finish", "die") else None
+        acts = kind in ("start", "finish", "hold", "die")
+        process = core.server.processes.get(args[0]) if acts else None
         if kind == "publish":
             published += await broker.publish_many("jobs", [{"n": n} for n in range(args[0])])
         elif kind == "start" and process:
             process.start_next()
         elif kind == "finish" and process:
             process.finish(ok=args[1], which=args[2])
+        elif kind == "hold" and process:
+            process.hold(which=args[1])
         elif kind == "die" and process:
             process.die(args[1])
         elif kind == "recover" and broker.owned:
@@ -390,9 +397,13 @@ async def play(steps: list[tuple], work_at_stop: bool) -> None:
 
 
 @settings(
-    max_examples=50, deadline=None, derandomize=True,
+    max_examples=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(steps=st.lists(actions, max_size=40), work_at_stop=st.booleans())
-def test_any_order_of_outcomes_deaths_faults_and_a_stop_keeps_the_accounting(steps, work_at_stop):
-    asyncio.run(play(steps, work_at_stop))
+@pytest.mark.parametrize("handler", ["tests.handlers.noop:handle", "tests.handlers.aio:handle"])
+def test_any_order_of_outcomes_deaths_faults_and_a_stop_keeps_the_accounting(
+    handler, steps, work_at_stop
+):
+    """Plain handlers (one delivery at a time) and async ones (several, reporting HELD)."""
+    asyncio.run(play(steps, work_at_stop, handler))
