@@ -16,8 +16,24 @@ When unsure where a credential ends it hides more rather than less: a ``/``, ``?
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 HIDDEN = "***"
+
+#: The URL schemes of each broker (``rediss`` and ``tls`` are TLS).
+REDIS_SCHEMES = ("redis", "rediss")
+NATS_SCHEMES = ("nats", "tls")
+
+
+def broker_kind(url: str) -> str:
+    """``"redis"`` or ``"nats"`` by the URL's scheme; ValueError for any other scheme."""
+    scheme = urlsplit(url).scheme
+    if scheme in REDIS_SCHEMES:
+        return "redis"
+    if scheme in NATS_SCHEMES:
+        return "nats"
+    raise ValueError(f"no broker adapter for URL scheme {scheme!r}")
+
 
 #: A query parameter whose name contains one of these (any case) carries a secret.
 SECRET_QUERY_WORDS = ("pass", "pwd", "token", "secret", "auth", "key", "cred", "jwt", "seed")

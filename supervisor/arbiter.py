@@ -24,7 +24,7 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
-from supervisor import blame, logs, systemd
+from supervisor import blame, exits, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config, resolve_handler
 from supervisor.metrics import Metrics
@@ -33,16 +33,12 @@ from supervisor.slots import Slot
 from worker import protocol
 from worker.forkserver import SERVER_SLOT, ForkServer
 from worker.handler import is_async
+from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
 
-#: Exit codes (2, a bad configuration, is the CLI's: supervisor.cli.EXIT_CONFIG). systemd
-#: restarts 1 (broker unreachable) and 4 (the fork server died), never 2, 3 or 5, which
-#: would only repeat: see conf/queue-supervisor@.service and the README.
-EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT, EXIT_BROKEN = 0, 1, 3, 4
-#: The broker refused this job: wrong or missing password, no permission, a database
-#: number the server lacks. Only a changed configuration (or broker) can fix it.
-EXIT_REFUSED = 5
+EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT = exits.OK, exits.BROKER, exits.HANDLER_INIT
+EXIT_BROKEN, EXIT_REFUSED = exits.BROKEN, exits.REFUSED
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
 #: A slot whose processes die this many times in a row before they are ready stops us (exit 4,
 #: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
@@ -529,7 +525,7 @@ class Arbiter:
                 log.error("%s", reason)
         if self.stopping:  # nothing is dispatched any more: what came back is released
             self.release_waiting()
-        elif status == EXIT_HANDLER_INIT:
+        elif status == CHILD_INIT_FAILED:
             # init() failed: that repeats in every new process, so halt (gunicorn does too).
             log.error("handler process %d failed to start (%s): halting", pid, reason)
             self.request_stop(EXIT_HANDLER_INIT)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
-
 from broker.base import Broker
+from broker.urls import broker_kind
 from supervisor.config import Config
 
 
 def make_broker(config: Config) -> Broker:
-    scheme = urlparse(config.broker.url).scheme
+    kind = broker_kind(config.broker.url)
     job, sup = config.job, config.supervisor
-    if scheme in ("redis", "rediss"):
+    if kind == "redis":
         from broker.redis import RedisBroker
 
         return RedisBroker(
@@ -21,7 +20,7 @@ def make_broker(config: Config) -> Broker:
             maintenance_interval=sup.maintenance_interval,
             max_envelope_bytes=sup.envelope_limit(), tls=config.broker.tls,
         )
-    if scheme in ("nats", "tls"):
+    if kind == "nats":
         from broker.nats import NatsBroker
 
         return NatsBroker(
@@ -31,4 +30,4 @@ def make_broker(config: Config) -> Broker:
             max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
             tls=config.broker.tls,
         )
-    raise ValueError(f"no broker for URL scheme {scheme!r}")
+    raise AssertionError(kind)

@@ -19,11 +19,11 @@ from typing import NoReturn
 
 import setproctitle
 
-from supervisor import logs, metrics, systemd
+from supervisor import exits, logs, metrics, systemd
 from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load, split_handler
 from supervisor.ops import COMMANDS
 
-EXIT_CONFIG = 2
+EXIT_CONFIG = exits.CONFIG
 
 log = logging.getLogger("supervisor")
 

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
+from broker.redis.keys import hash_tag
 from broker.tls import TlsFileError, TlsSettings, check_files
-from broker.urls import redact
+from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact
 from worker import handler as handler_paths
 from worker.handler import async_hooks_problem, is_async
 from worker.protocol import DELIVER_OVERHEAD
@@ -35,8 +36,6 @@ from worker.ring import Ring
 
 #: When set and not empty, overrides ``[broker] url`` (so that secrets stay out of files).
 ENV_BROKER_URL = "QUEUE_BROKER_URL"
-REDIS_SCHEMES = ("redis", "rediss")
-NATS_SCHEMES = ("nats", "tls")
 #: The TLS keys of [broker] that name files (relative paths: to the job file's folder).
 TLS_FILE_KEYS = ("tls_ca", "tls_cert", "tls_key")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -777,20 +776,6 @@ resolve_handler = handler_paths.resolve
 
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def broker_kind(url: str) -> str:
-    """``"nats"`` for nats:// and tls:// URLs, otherwise ``"redis"``."""
-    return "nats" if urlsplit(url).scheme in NATS_SCHEMES else "redis"
-
-
-def hash_tag(name: str) -> str | None:
-    """The Redis Cluster hash tag of a key name: what the first ``{...}`` encloses, if any."""
-    opening = name.find("{")
-    closing = name.find("}", opening + 1)
-    if opening < 0 or closing <= opening + 1:
-        return None
-    return name[opening + 1 : closing]
 
 
 def _show(value: Any) -> str:

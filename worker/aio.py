@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 from worker import protocol
 from worker.handler import Handler
 from worker.message import Message
+from worker.process import CHILD_BROKEN
 from worker.ring import Ring
 from worker.runner import (
     BATCH,
@@ -49,7 +50,7 @@ log = logging.getLogger("worker.runner")
 TICK = 0.1  # seconds between looks at the stop flag (it comes without a wake-up)
 _PARENT_CHECK_TICKS = 10  # ticks between checks that the parent is still there
 #: Exit code when this module's own bookkeeping raised: the supervisor sees a lost worker.
-EXIT_BROKEN = 70
+EXIT_BROKEN = CHILD_BROKEN
 
 
 def run(

@@ -28,12 +28,12 @@ from typing import Literal, NoReturn
 
 import setproctitle
 
-from worker.process import reset_signals, set_parent_death_signal
+from worker.process import CHILD_BROKEN, reset_signals, set_parent_death_signal
 
 #: Slot of the "exited" event that reports the death of the server itself.
 SERVER_SLOT = -1
 #: Exit code of a child whose target raised.
-EXIT_TARGET_RAISED = 70
+EXIT_TARGET_RAISED = CHILD_BROKEN
 
 _REQUEST = struct.Struct("=i")  # slot
 _EVENT = struct.Struct("=Biii")  # kind, slot, pid, status

@@ -23,17 +23,14 @@ import setproctitle
 from worker import protocol
 from worker.handler import Handler, HandlerError, load
 from worker.message import Message
-from worker.process import set_parent_death_signal
+from worker.process import CHILD_INIT_FAILED, CHILD_ORPHANED, set_parent_death_signal
 from worker.ring import Ring
 
 log = logging.getLogger(__name__)
 
 #: Records taken from the ring per read (one release of room per batch).
 BATCH = 256
-#: Exit code of a process whose handler failed to load or whose init() raised.
-EXIT_INIT_FAILED = 3
-#: Exit code of a process that found its parent gone.
-EXIT_ORPHANED = 1
+EXIT_INIT_FAILED, EXIT_ORPHANED = CHILD_INIT_FAILED, CHILD_ORPHANED
 
 _IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)
 _PARENT_CHECK = 1.0  # seconds between checks that the parent is still there

@@ -55,7 +55,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
-from broker.redis.keys import QueueKeys
+from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
@@ -171,8 +171,7 @@ def default_consumer_id() -> str:
 
 def has_hash_tag(namespace: str) -> bool:
     """True if every key of the namespace hashes by a non-empty ``{...}`` tag in it."""
-    start = namespace.find("{")
-    return start >= 0 and namespace.find("}", start + 1) > start + 1
+    return hash_tag(namespace) is not None
 
 
 class RedisBroker:

@@ -32,6 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def hash_tag(name: str) -> str | None:
+    """The Redis Cluster hash tag of a key name: what the first ``{...}`` encloses, if any
+    (Redis hashes the whole name when the braces enclose nothing)."""
+    opening = name.find("{")
+    closing = name.find("}", opening + 1)
+    if opening < 0 or closing <= opening + 1:
+        return None
+    return name[opening + 1 : closing]
+
+
 @dataclass(frozen=True, slots=True)
 class QueueKeys:
     namespace: str

@@ -24,7 +24,7 @@ import redis.exceptions
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
 from broker.redis import acl as redis_acl
 from broker.redis.keys import QueueKeys
-from supervisor import logs
+from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
 from supervisor.ops import inspect
@@ -32,7 +32,7 @@ from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payl
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
 
-EXIT_OK, EXIT_LEFT, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 5
+EXIT_OK, EXIT_LEFT, EXIT_USAGE, EXIT_REFUSED = exits.OK, exits.LEFT, exits.USAGE, exits.REFUSED
 
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
 LIST_AT_MOST = 20
