@@ -123,7 +123,14 @@ def test_check_finds_a_delivery_in_two_places():
 # -- the settler -------------------------------------------------------------------------------
 
 
-async def settler_with(broker: MemoryBroker, count: int) -> tuple[Settler, Buffer, list]:
+async def settler_with(
+    count: int, replay_uncertain: bool = True, **faults: int
+) -> tuple[Settler, Buffer, list, MemoryBroker]:
+    """A settler over ``count`` completed successes, on a broker with ``faults`` to come:
+    (settler, buffer, the confirmations it made, broker)."""
+    broker = MemoryBroker(replay_uncertain=replay_uncertain)
+    for name, value in faults.items():
+        setattr(broker.faults, name, value)
     await broker.publish_many("jobs", [{"n": n} for n in range(count)])
     received = await broker.receive(count, 0.01)
     buffer = Buffer(prefetch=count, handlers=1)
@@ -134,13 +141,12 @@ async def settler_with(broker: MemoryBroker, count: int) -> tuple[Settler, Buffe
         buffer.finished(0, entry.id, None)
     confirmed: list = []
     settler = Settler(broker, buffer, lambda entry, ok: confirmed.append((entry.id, ok)))
-    return settler, buffer, confirmed
+    return settler, buffer, confirmed, broker
 
 
 def test_a_confirmed_commit_is_forgotten_and_confirmed():
     async def scenario():
-        broker = MemoryBroker()
-        settler, buffer, confirmed = await settler_with(broker, 3)
+        settler, buffer, confirmed, broker = await settler_with(3)
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and sorted(confirmed) == [(1, True), (2, True), (3, True)]
         assert sum(broker.committed.values()) == 3
@@ -150,9 +156,7 @@ def test_a_confirmed_commit_is_forgotten_and_confirmed():
 
 def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again():
     async def scenario():
-        broker = MemoryBroker()
-        broker.faults.settle_errors = 1
-        settler, buffer, confirmed = await settler_with(broker, 3)
+        settler, buffer, confirmed, broker = await settler_with(3, settle_errors=1)
         assert not await settler.settle(buffer.take_completed(10))
         buffer.check()
         assert len(buffer.completed) == 3 and not confirmed and not broker.committed
@@ -164,9 +168,7 @@ def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again():
 
 def test_one_unapplied_result_does_not_hold_back_the_others():
     async def scenario():
-        broker = MemoryBroker()
-        broker.faults.unapplied = 1
-        settler, buffer, _ = await settler_with(broker, 3)
+        settler, buffer, _, _ = await settler_with(3, unapplied=1)
         assert not await settler.settle(buffer.take_completed(10))
         assert [entry.id for entry in buffer.completed] == [1] and buffer.outstanding == 1
 
@@ -175,9 +177,7 @@ def test_one_unapplied_result_does_not_hold_back_the_others():
 
 def test_a_lost_reply_is_replayed_and_the_replay_finds_it_done():
     async def scenario():
-        broker = MemoryBroker()
-        broker.faults.uncertain_applied = 1
-        settler, buffer, confirmed = await settler_with(broker, 1)
+        settler, buffer, confirmed, broker = await settler_with(1, uncertain_applied=1)
         assert not await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 1  # not known to be applied: kept
         assert await settler.settle(buffer.take_completed(10))  # answered stale: forgotten
@@ -189,9 +189,9 @@ def test_a_lost_reply_is_replayed_and_the_replay_finds_it_done():
 
 def test_without_replay_a_lost_reply_is_left_to_the_broker():
     async def scenario():
-        broker = MemoryBroker(replay_uncertain=False)
-        broker.faults.uncertain_unapplied = 1
-        settler, buffer, _ = await settler_with(broker, 1)
+        settler, buffer, _, broker = await settler_with(
+            1, replay_uncertain=False, uncertain_unapplied=1
+        )
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and not broker.committed
         assert len(broker.owned) == 1  # the broker redelivers it after its ack wait
@@ -201,8 +201,7 @@ def test_without_replay_a_lost_reply_is_left_to_the_broker():
 
 def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten():
     async def scenario():
-        broker = MemoryBroker()
-        settler, buffer, confirmed = await settler_with(broker, 2)
+        settler, buffer, confirmed, broker = await settler_with(2)
         broker.recover(buffer.entries[1].delivery.pid)
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and sorted(confirmed) == [(1, False), (2, True)]
@@ -214,12 +213,20 @@ def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten():
 # -- the arbiter ---------------------------------------------------------------------------------
 
 
+async def running_core(
+    messages: int, prefetch: int, coroutines: int, broker: MemoryBroker | None = None
+) -> tuple[Core, MemoryBroker, list[str]]:
+    """An arbiter running with ``messages`` published: (core, broker, their pids)."""
+    broker = broker or MemoryBroker()
+    pids = await broker.publish_many("jobs", [{"n": n} for n in range(messages)])
+    core = Core(core_config(prefetch=prefetch, coroutines=coroutines), broker)
+    await core.start()
+    return core, broker, pids
+
+
 def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
     async def scenario():
-        broker = MemoryBroker()
-        pids = await broker.publish_many("jobs", [{"n": n} for n in range(200)])
-        core = Core(core_config(prefetch=10, coroutines=2), broker)
-        await core.start()
+        core, broker, pids = await running_core(200, 10, 2)
         peak = 0
         async with asyncio.timeout(10):
             while len(broker.committed) < len(pids):
@@ -265,9 +272,7 @@ def test_a_broker_refusing_settlements_for_a_while_loses_nothing():
     async def scenario():
         broker = MemoryBroker()
         broker.faults.settle_errors = 3
-        pids = await broker.publish_many("jobs", [{"n": n} for n in range(30)])
-        core = Core(core_config(prefetch=10, coroutines=2), broker)
-        await core.start()
+        core, broker, pids = await running_core(30, 10, 2, broker)
         async with asyncio.timeout(10):
             while len(broker.committed) < 30:
                 for process in core.server.living():
@@ -283,10 +288,7 @@ def test_a_broker_refusing_settlements_for_a_while_loses_nothing():
 
 def test_a_stop_releases_what_never_started_with_its_attempts_unchanged():
     async def scenario():
-        broker = MemoryBroker()
-        pids = await broker.publish_many("jobs", [{"n": n} for n in range(30)])
-        core = Core(core_config(prefetch=10, coroutines=2), broker)
-        await core.start()
+        core, broker, pids = await running_core(30, 10, 2)
         await core.wait_for(lambda: core.arbiter.buffer.outstanding == 10)
         assert await core.stop(work=False) == EXIT_OK  # the handlers skip what they hold
         assert sorted(message.pid for message in broker.ready) == sorted(pids)
@@ -298,10 +300,7 @@ def test_a_stop_releases_what_never_started_with_its_attempts_unchanged():
 
 def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recovered():
     async def scenario():
-        broker = MemoryBroker()
-        await broker.publish_many("jobs", [{"n": n} for n in range(4)])
-        core = Core(core_config(prefetch=4, coroutines=2), broker)
-        await core.start()
+        core, broker, _ = await running_core(4, 4, 2)
         await core.wait_for(lambda: core.arbiter.buffer.load(0) + core.arbiter.buffer.load(1) == 4)
         for process in core.server.living():
             process.start_next()  # and never return
@@ -317,10 +316,7 @@ def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recove
 
 def test_a_handler_answering_out_of_order_stops_the_supervisor_for_a_restart():
     async def scenario():
-        broker = MemoryBroker()
-        await broker.publish_many("jobs", [{"n": n} for n in range(2)])
-        core = Core(core_config(prefetch=2, coroutines=1), broker)
-        await core.start()
+        core, broker, _ = await running_core(2, 2, 1)
         await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
         from worker import protocol
 
