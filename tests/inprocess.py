@@ -186,7 +186,7 @@ shutdown_deadline = {shutdown_deadline}
 maintenance_interval = 0.2
 lease = 3
 progress_interval = 0
-ring_slots = 64
+ring_slots = 1024
 ring_slot_size = 1024
 """,
         environ={},
