@@ -80,6 +80,7 @@ class Arbiter:
         self.wants_confirm = callable(getattr(handler_module, "on_success", None))
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = is_async(resolve_handler(config.job.handler))
+        self.capacity = len(slots) * (config.job.tasks_per_process if self.concurrent else 1)
         self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
         self.exit_code = EXIT_OK
         self.stopping = False
@@ -87,7 +88,10 @@ class Arbiter:
         self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
         self.closed = False  # the background loops end (even if a client swallows a cancel)
         self.stop_requested = asyncio.Event()
-        self.room = asyncio.Event()
+        self.room = asyncio.Event()  # set when receiving may be due again (see receive_due)
+        #: Receive once this much of prefetch is free (or the handlers are about to run dry):
+        #: a slow handler then costs one receive per batch instead of one per job.
+        self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.settle_wanted = asyncio.Event()
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
@@ -221,11 +225,11 @@ class Arbiter:
     async def receive_loop(self) -> None:
         failures = 0
         while not self.stopping:
-            room = min(self.buffer.room, MAX_BATCH)
-            if room <= 0:
+            if not self.receive_due():
                 self.room.clear()
                 await self.room.wait()
                 continue
+            room = min(self.buffer.room, MAX_BATCH)
             try:
                 with self.metrics.timed("receive"):
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
@@ -245,6 +249,15 @@ class Arbiter:
                 self.metrics.received(len(received.deliveries))
                 self.buffer.add(received.deliveries)
                 self.dispatch()
+
+    def receive_due(self) -> bool:
+        """Room for a batch, or room for anything while the handlers are about to run dry."""
+        room = self.buffer.room
+        return room >= self.refill_at or (room > 0 and self.running_dry())
+
+    def running_dry(self) -> bool:
+        """No more deliveries waiting to start than the handlers can run at once."""
+        return self.buffer.unstarted() <= self.capacity
 
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""
@@ -285,6 +298,8 @@ class Arbiter:
             self.settle_wanted.set()
         self.progress.set()
         self.dispatch()
+        if self.running_dry():
+            self.room.set()
 
     def read_outcomes(self, slot: Slot) -> None:
         while records := slot.to_parent.get_many(1024):

@@ -85,6 +85,10 @@ class Buffer:
         """Deliveries given to handler ``slot`` and not finished (queued or running)."""
         return len(self.queued[slot]) + len(self.running[slot])
 
+    def unstarted(self) -> int:
+        """Deliveries waiting or queued in a ring, not started yet."""
+        return len(self.waiting) + sum(map(len, self.queued))
+
     def unsettled(self, slot: int) -> bool:
         """Something given to handler ``slot`` still waits for its on_success confirmation."""
         return any(entry.slot == slot for entry in self.entries.values())

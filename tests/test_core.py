@@ -243,6 +243,47 @@ def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
     run(scenario())
 
 
+def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
+    async def scenario():
+        core, broker, _ = await running_core(300, 100, 1)
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
+        receives = broker.calls["receive"]
+        handler = core.process(0)
+
+        async def run(jobs: int) -> None:
+            for _ in range(jobs):
+                handler.start_next()
+                handler.finish()
+            settled = sum(broker.committed.values()) + jobs
+            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+            await core.settle_down()
+
+        await run(24)  # 24 free of 100: less than a quarter, and 76 still to start
+        assert broker.calls["receive"] == receives and core.arbiter.buffer.outstanding == 76
+        await run(1)  # a quarter free: one receive fills it
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
+        assert broker.calls["receive"] == receives + 1
+        assert await core.stop(work=False) == EXIT_OK
+
+    run(scenario())
+
+
+def test_handlers_about_to_run_dry_are_refilled_whatever_the_room():
+    async def scenario():
+        core, _, _ = await running_core(150, 100, 1)
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
+        handler = core.process(0)
+        for _ in range(100):
+            handler.start_next()  # all started (waiting for flush(), say)
+        handler.finish()
+        # One free, 99 running, none left to start: without a refill the handler would idle.
+        buffer = core.arbiter.buffer
+        await core.wait_for(lambda: buffer.unstarted() == 1 and buffer.outstanding == 100)
+        assert await core.stop(work=False) == EXIT_OK
+
+    run(scenario())
+
+
 def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
     async def scenario():
         broker = MemoryBroker(max_attempts=1)  # a blamed delivery is dead at once
