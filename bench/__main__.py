@@ -15,6 +15,7 @@ README.md (tables, ratios, targets) and chart.png to ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -84,9 +85,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefetch", default="1,8,32,100",
                         help="comma-separated prefetch values (default 1,8,32,100)")
     parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--coroutines", default="1",
+                        help="comma-separated handler process counts (default 1); a prefetch "
+                             "below the count is skipped")
+    parser.add_argument("--baseline", type=Path,
+                        help="results.json of an earlier run on this machine (an older "
+                             "commit, run just before): the report compares against it")
     parser.add_argument("--handlers", default="noop,stats-usage",
                         help="comma-separated: noop, stats-usage (on the embedded ClickHouse "
-                             "engine), stats-usage-sqlite (default noop,stats-usage)")
+                             "engine), stats-usage-sqlite, sleep-1ms (default noop,stats-usage)")
     parser.add_argument("--url", action="append", default=[],
                         help="use this server instead of a private one (redis://, nats://); "
                              "may be given once per broker")
@@ -189,14 +196,23 @@ def with_latency(args, target, row: dict[str, Any] | None, prefetch: int, handle
           f"max {lat['max_ms']:.1f} ms", file=sys.stderr, flush=True)
 
 
+def configurations(args, prefetches: list[int], handlers: list[str]):
+    """(coroutines, handler, prefetch) to run: a prefetch must cover every process."""
+    for coroutines in sorted({int(c) for c in args.coroutines.split(",") if c.strip()}):
+        for handler in handlers:
+            for prefetch in prefetches:
+                if prefetch >= coroutines:
+                    yield coroutines, handler, prefetch
+
+
 def run_redis(args, target: runs.RedisTarget, prefetches: list[int], handlers: list[str],
               rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
-    for handler in handlers:
-        for prefetch in prefetches:
-            row = attempt(rows, {"system": "queue-supervisor", "broker": "redis",
-                                 "handler": handler, "prefetch": prefetch},
-                          lambda p=prefetch, h=handler: runs.supervisor_redis(
-                              target, p, args.messages, h))
+    for coroutines, handler, prefetch in configurations(args, prefetches, handlers):
+        row = attempt(rows, {"system": "queue-supervisor", "broker": "redis",
+                             "handler": handler, "prefetch": prefetch, "coroutines": coroutines},
+                      lambda p=prefetch, h=handler, c=coroutines: runs.supervisor_redis(
+                          target, p, args.messages, h, coroutines=c))
+        if coroutines == 1:
             with_latency(args, target, row, prefetch, handler)
     if args.large_history:
         from bench import large_history
@@ -253,12 +269,12 @@ def run_redis_peers(args, target: runs.RedisTarget, rows: list[dict[str, Any]]) 
 
 def run_nats(args, run: runs.NatsTargetRun, prefetches: list[int], handlers: list[str],
              rows: list[dict[str, Any]]) -> None:
-    for handler in handlers:
-        for prefetch in prefetches:
-            row = attempt(rows, {"system": "queue-supervisor", "broker": "nats",
-                                 "handler": handler, "prefetch": prefetch},
-                          lambda p=prefetch, h=handler: runs.supervisor_nats(
-                              run, p, args.messages, h))
+    for coroutines, handler, prefetch in configurations(args, prefetches, handlers):
+        row = attempt(rows, {"system": "queue-supervisor", "broker": "nats",
+                             "handler": handler, "prefetch": prefetch, "coroutines": coroutines},
+                      lambda p=prefetch, h=handler, c=coroutines: runs.supervisor_nats(
+                          run, p, args.messages, h, coroutines=c))
+        if coroutines == 1:
             with_latency(args, run, row, prefetch, handler)
     if args.peers:
         def raw_run() -> dict[str, Any]:
@@ -296,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch": prefetches, "messages": args.messages, "runs": rows,
         "busy_at_start": busy, "method": METHOD,
         "settings": (f"{args.messages:,} messages per configuration, median of {REPEAT} "
-                     f"run(s); coroutines 1; "
+                     f"run(s); coroutines {args.coroutines} (1 where not said); "
                      f"Redis appendonly {args.redis_aof}; NATS JetStream file storage "
                      f"(work-queue stream, explicit ack); latency publish rate = "
                      f"{args.latency_load:g} x the configuration's jobs/s for "
@@ -323,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"] = machine.describe(servers, load_at_start)
     results["load_at_end"] = machine.load()
     results["minutes"] = round((time.time() - started) / 60, 1)
+    if args.baseline:
+        results["baseline"] = json.loads(args.baseline.read_text())
+        results["baseline"]["path"] = str(args.baseline)
     print(report.table(rows))
     for line in report.ratios(results):
         print(line)
