@@ -89,9 +89,11 @@ class Arbiter:
         self.closed = False  # the background loops end (even if a client swallows a cancel)
         self.stop_requested = asyncio.Event()
         self.room = asyncio.Event()  # set when receiving may be due again (see receive_due)
-        #: Receive once this much of prefetch is free (or the handlers are about to run dry):
-        #: a slow handler then costs one receive per batch instead of one per job.
+        #: Once prefetch was full, receive again when this much of it is free (or the
+        #: handlers are about to run dry): a slow handler then costs one receive per batch
+        #: instead of one per job.
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
+        self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
@@ -251,9 +253,16 @@ class Arbiter:
                 self.dispatch()
 
     def receive_due(self) -> bool:
-        """Room for a batch, or room for anything while the handlers are about to run dry."""
+        """Filling up to prefetch; once full, room for a batch again (or for anything when
+        the handlers are about to run dry)."""
         room = self.buffer.room
-        return room >= self.refill_at or (room > 0 and self.running_dry())
+        if room <= 0:
+            self.topped_up = True
+            return False
+        if self.topped_up and room < self.refill_at and not self.running_dry():
+            return False
+        self.topped_up = False
+        return True
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
