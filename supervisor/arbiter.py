@@ -176,6 +176,7 @@ class Arbiter:
         if self.ready.is_set() or not self.connected or self.stopping:
             return
         if all(slot.ready for slot in self.slots):
+            self.update_title()  # "running" before systemd (and a person) hears it
             self.ready.set()
             if self.notifier.ready():
                 log.info("ready: told systemd")
