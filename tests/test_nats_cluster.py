@@ -1,0 +1,230 @@
+"""A JetStream cluster of three private nats-servers: streams with 3 replicas, a supervisor
+given every server's URL, and servers killed under it (SIGKILL) while it consumes.
+
+What must hold: consumption goes on through the servers left, every message runs at least
+once, the supervisor never dies; an ack answered 503 while the cluster elects a new leader
+is tried again, never taken for a stale delivery. Duplicates (a lost ack reply, a pull in
+flight on the dead server) are allowed and counted; recovery times come from
+``python -m bench.failover_nats``, never from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+from pathlib import Path
+
+import nats
+import pytest
+
+from broker.base import Action, BrokerError, Outcome, Settlement
+from broker.nats import NatsBroker
+from broker.nats.setup import QueueNames
+from support.brokers import receive_all
+from support.servers import NatsCluster, NatsServer
+from support.supervision import QUEUE, lines, wait_for, write_config
+from tests.test_config import MINIMAL, error_of, load_text, with_job
+
+NAMES = QueueNames.of(QUEUE)
+CLIENT_NAME = f"queue-supervisor {QUEUE}"
+
+
+@pytest.fixture
+def cluster():
+    servers = NatsCluster().start()
+    yield servers
+    servers.close()
+
+
+async def stream_state(url: str) -> tuple[int, int]:
+    """(messages in the work stream, its replicas) as the servers at ``url`` see them."""
+    client = await nats.connect(url.split(","), allow_reconnect=False)
+    try:
+        info = await client.jetstream(timeout=10).stream_info(NAMES.stream)
+        return info.state.messages, info.config.num_replicas or 1
+    finally:
+        await client.close()
+
+
+async def connected(url: str, **options) -> NatsBroker:
+    broker = NatsBroker(url, QUEUE, **options)
+    await broker.connect()
+    return broker
+
+
+# -- creating and adopting replicated streams -----------------------------------------------
+
+
+async def test_streams_are_created_with_the_replicas_asked_for(cluster):
+    broker = await connected(cluster.url, replicas=3)
+    try:
+        assert broker.policy.replicas == 3
+    finally:
+        await broker.close()
+    assert await stream_state(cluster.url) == (0, 3)
+    assert cluster.leader(NAMES.dead_stream) is not None
+
+
+async def test_an_existing_stream_keeps_its_replicas(caplog):
+    server = NatsServer().start()
+    try:
+        first = await connected(server.url)  # creates it with 1 replica
+        await first.close()
+        with caplog.at_level(logging.WARNING, logger="broker.nats"):
+            adopting = await connected(server.url, replicas=3)
+        await adopting.close()
+        assert adopting.policy.replicas == 1
+        assert "has 1 replicas; [nats] replicas = 3 only applies" in caplog.text
+        assert await stream_state(server.url) == (0, 1)
+    finally:
+        server.close()
+
+
+async def test_replicas_a_lone_server_cannot_keep_are_refused_with_its_reason():
+    server = NatsServer().start()
+    try:
+        with pytest.raises(BrokerError, match=r"not created.*replicas"):
+            await connected(server.url, replicas=3, connect_timeout=3)
+    finally:
+        server.close()
+
+
+# -- failover under the broker adapter ------------------------------------------------------
+
+
+async def test_acks_and_renewals_wait_out_a_consumer_leader_election(cluster):
+    """Connected to a follower, the broker sees 503 "no responders" for every ack while
+    the cluster elects a new consumer leader: they are tried again until it answers (none
+    is reported stale, none is lost), and receiving goes on."""
+    setup = await connected(cluster.url, replicas=3, ack_wait=30)
+    await setup.publish_many(QUEUE, [{"n": n} for n in range(300)])
+    await setup.close()
+    leader = cluster.leader(NAMES.stream, "worker")
+    assert leader is not None
+    followers = ",".join(s.url for s in cluster.servers if s is not leader)
+    broker = await connected(followers, ack_wait=30)
+    try:
+        held = await receive_all(broker, 200)
+        leader.stop()
+        assert await broker.extend(held[100:]) == [True] * 100
+        results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+        assert collections.Counter(r.outcome for r in results) == {Outcome.OK: 200}
+        seen = collections.Counter(d.pid for d in held)
+        while sum(seen.values()) < 300 or len(seen) < 300:
+            rest = (await broker.receive(100, 1.0)).deliveries
+            seen.update(d.pid for d in rest)
+            settled = await broker.settle([Settlement(Action.COMMIT, d) for d in rest])
+            assert all(result.ok for result in settled)
+        assert len(seen) == 300
+        assert broker.reconnects == 0  # its own server never went away
+    finally:
+        await broker.close()
+    assert (await stream_state(followers))[0] == 0
+
+
+# -- a supervisor over the cluster ----------------------------------------------------------
+
+
+def handled(directory: Path) -> list[str]:
+    return lines(directory / "handled")
+
+
+def publish(url: str, count: int) -> list[str]:
+    async def send() -> list[str]:
+        broker = await connected(url, replicas=3, ack_wait=2.0)
+        try:
+            return await broker.publish_many(QUEUE, [{"n": n, "sleep": 0.003}
+                                                     for n in range(count)])
+        finally:
+            await broker.close()
+
+    return asyncio.run(send())
+
+
+def start_on_cluster(tmp_path: Path, cluster: NatsCluster, supervisors):
+    config = write_config(tmp_path, cluster.url, job={"prefetch": 50},
+                          nats={"ack_wait": 2.0, "replicas": 3})
+    return supervisors(config)
+
+
+def progress_after(tmp_path: Path, count: int, what: str) -> None:
+    wait_for(lambda: len(handled(tmp_path)) >= count + 50, 45, what)
+
+
+def finish(tmp_path: Path, cluster: NatsCluster, supervisor, pids: list[str]) -> None:
+    wait_for(lambda: set(handled(tmp_path)) == set(pids), 60, "every message")
+    wait_for(lambda: asyncio.run(stream_state(cluster.url))[0] == 0, 30, "all acknowledged")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(20) == 0
+    duplicates = len(handled(tmp_path)) - len(pids)
+    print(f"{len(pids)} messages, {duplicates} ran twice")  # at least once; counted
+
+
+def test_killing_the_stream_leader_then_the_new_consumer_leader(tmp_path, cluster, supervisors):
+    pids = publish(cluster.url, 1500)
+    supervisor = start_on_cluster(tmp_path, cluster, supervisors)
+    progress_after(tmp_path, 0, "consumption")
+    leader = cluster.leader(NAMES.stream)
+    assert leader is not None
+    leader.stop()
+    progress_after(tmp_path, len(handled(tmp_path)), "consumption without the stream leader")
+    cluster.start()  # it rejoins; then any server may go: here the consumer's new leader
+    second = wait_for(lambda: cluster.leader(NAMES.stream, "worker"), 20, "a consumer leader")
+    second.stop()
+    progress_after(tmp_path, len(handled(tmp_path)), "consumption without the second one")
+    finish(tmp_path, cluster, supervisor, pids)
+    assert "Traceback" not in supervisor.output()
+
+
+def test_killing_the_server_the_supervisor_is_connected_to(tmp_path, cluster, supervisors):
+    pids = publish(cluster.url, 1500)
+    supervisor = start_on_cluster(tmp_path, cluster, supervisors)
+    progress_after(tmp_path, 0, "consumption")
+    [serving] = wait_for(lambda: cluster.serving(CLIENT_NAME), 10, "the supervisor's server")
+    serving.stop()
+    progress_after(tmp_path, len(handled(tmp_path)), "consumption on another server")
+    assert cluster.serving(CLIENT_NAME) not in ([], [serving])
+    finish(tmp_path, cluster, supervisor, pids)
+    assert "NATS reconnected" in supervisor.output()
+
+
+# -- configuration: server lists and replicas -----------------------------------------------
+
+
+@pytest.mark.parametrize("url", [
+    "nats://h1:4222,nats://h2:4222,nats://h3:4222",
+    "tls://u:p@h1:4222, tls://u:p@h2:4222",
+])
+def test_a_list_of_nats_servers_loads(tmp_path, url):
+    assert load_text(tmp_path, with_job(f'url = "{url}"\n', "broker")).broker.url == url
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("nats://h1:4222,redis://h2:6379", 'server 2 of 2 (redis://h2:6379) has scheme "redis"'),
+    ("nats://h1:4222,h2:4222", "server 2 of 2 (h2:4222) is not a URL"),
+    ("nats://h1:4222,,nats://h3:4222", "empty server 2 of 3"),
+    ("nats://h1:4222,nats://:4222", "server 2 of 2 (nats://:4222) names no host"),
+    ("nats://h1:4222,tls://h2:4222", "mixes nats:// and tls://"),
+])
+def test_each_server_of_a_list_is_checked(tmp_path, url, expected):
+    message = error_of(tmp_path, with_job(f'url = "{url}"\n', "broker"))
+    assert "[broker] url = " in message and expected in message
+
+
+def test_a_bad_server_list_hides_every_password(tmp_path):
+    url = "nats://a:hunter2@h1:4222,nats://b:swordfish@h2:port"
+    message = error_of(tmp_path, MINIMAL, environ={"QUEUE_BROKER_URL": url})
+    assert "hunter2" not in message and "swordfish" not in message
+    assert "QUEUE_BROKER_URL" in message and "server 2 of 2 (nats://b:***@h2:port)" in message
+
+
+@pytest.mark.parametrize(("replicas", "ok"), [(1, True), (3, True), (5, True), (0, False),
+                                              (6, False)])
+def test_replicas_are_one_to_five(tmp_path, replicas, ok):
+    text = with_job(f"replicas = {replicas}\n", "nats")
+    if ok:
+        assert load_text(tmp_path, text).nats.replicas == replicas
+    else:
+        assert "[nats] replicas" in error_of(tmp_path, text)
