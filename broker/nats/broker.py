@@ -97,6 +97,8 @@ MAX_EXHAUSTED = 10_000
 #: An ack answered 503: nobody serves the consumer, so nobody applied it (certain).
 NO_RESPONDERS = "no responder: the consumer has no leader now (a JetStream cluster electing " \
     "one); not applied"
+#: Seconds each JetStream API call of a reconnection's setup may take (then tried again).
+RECONNECT_SETUP_TIMEOUT = 1.0
 #: First and longest pause (s) between tries of an ack answered 503.
 LEADERLESS_BACKOFF = (0.1, 1.0)
 
@@ -504,8 +506,12 @@ class NatsBroker:
 
     async def _prepare(self, conn: Connection) -> None:
         """Every new connection: adopt the queue's settings, subscribe to the advisory."""
+        # A reconnection, often to a cluster electing leaders (where the API stays silent
+        # until it has one): shorter tries, so the first answer after the election is taken.
+        timeout = self._timeout if self._policy is None else min(self._timeout,
+                                                                 RECONNECT_SETUP_TIMEOUT)
         try:
-            policy = await adopt_queue(conn, self._names, self._wanted, self._timeout)
+            policy = await adopt_queue(conn, self._names, self._wanted, timeout)
         except BrokerError as error:
             if self._policy is None or isinstance(error, RETRYABLE):
                 raise  # at start, a refusal stops us; a reconnect never refuses
