@@ -26,6 +26,7 @@ from support.brokers import receive_all
 from support.servers import NatsCluster, NatsServer
 from support.supervision import QUEUE, lines, wait_for, write_config
 from tests.test_config import MINIMAL, error_of, load_text, with_job
+from tests.test_soak import failed_rows, soak
 
 NAMES = QueueNames.of(QUEUE)
 CLIENT_NAME = f"queue-supervisor {QUEUE}"
@@ -228,3 +229,18 @@ def test_replicas_are_one_to_five(tmp_path, replicas, ok):
         assert load_text(tmp_path, text).nats.replicas == replicas
     else:
         assert "[nats] replicas" in error_of(tmp_path, text)
+
+
+# -- the chaos soak's failover fault, CI-sized -----------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_soak_on_a_cluster_survives_a_failover():
+    result = soak("nats", "--nats-cluster", "--messages", "600", "--seconds", "10",
+                  "--seed", "3", "--gap", "4,5", "--faults", "failover", timeout=80)
+    output = result.stdout + result.stderr[-3000:]
+    assert failed_rows(result.stdout) == [], output
+    assert result.returncode == 0, output
+    [row] = [line.split() for line in result.stdout.splitlines()
+             if line.startswith("failover ")]
+    assert row[1] == "1" and row[-1] == "0", output  # one failover, nothing lost

@@ -77,6 +77,7 @@ class Settings:
     store: str = "clickhouse"  # the stats-usage store: the embedded engine, or "sqlite"
     handler: str = HANDLER
     faults: tuple[str, ...] = ()  # only these kinds (empty: every kind)
+    nats_cluster: bool = False  # NATS: three servers, 3 replicas, the "failover" fault
     log_level: str = "warning"  # the supervisors' (their logs are kept with a failed run)
     sabotage: bool = False  # self-test: drop one message unpublished, corrupt one total
     keep: bool = False
@@ -104,13 +105,13 @@ class Outcome:
     report: str
 
 
-def make_side(broker: str) -> Any:
+def make_side(broker: str, nats_cluster: bool = False) -> Any:
     if broker == "redis":
         return RedisSide(QUEUE)
     if broker == "nats":
         from bench.chaos.nats_side import NatsSide
 
-        return NatsSide(QUEUE)
+        return NatsSide(QUEUE, cluster=nats_cluster)
     raise ValueError(f"unknown broker {broker!r}")
 
 
@@ -303,7 +304,7 @@ def _wait_quietly(supervisor: Supervisor, timeout: float) -> int | None:
 class Soak:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.side = make_side(settings.broker)
+        self.side = make_side(settings.broker, settings.nats_cluster)
         self.messages = generate(QUEUE, settings.messages, settings.seed)
         self.rng = random.Random(f"faults:{settings.seed}")
         self.workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{settings.broker}-"))
