@@ -125,6 +125,25 @@ async def test_acks_and_renewals_wait_out_a_consumer_leader_election(cluster):
     assert (await stream_state(followers))[0] == 0
 
 
+async def test_an_ack_to_a_deleted_consumer_ends_stale_after_its_tries():
+    """503 means "nobody applied it"; only the JetStream API saying the consumer is gone
+    turns it into STALE (the delivery is over), after the tries of one request timeout."""
+    server = NatsServer().start()
+    try:
+        broker = await connected(server.url, request_timeout=1.0)
+        await broker.publish(QUEUE, {"n": 1})
+        held = await receive_all(broker, 1)
+        client = await nats.connect(server.url)
+        await client.jetstream().delete_consumer(NAMES.stream, "worker")
+        await client.close()
+        [result] = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+        assert (result.outcome, result.detail) == (
+            Outcome.STALE, "no responder: the consumer no longer exists")
+        await broker.close()
+    finally:
+        server.close()
+
+
 # -- a supervisor over the cluster ----------------------------------------------------------
 
 
