@@ -95,8 +95,8 @@ RELEASE_DELAY = 5.0
 #: Advisories kept for the next maintenance pass at most (they are rare; this bounds memory).
 MAX_EXHAUSTED = 10_000
 #: An ack answered 503: nobody serves the consumer, so nobody applied it (certain).
-NO_RESPONDERS = "no responder: the consumer has no leader now (a JetStream cluster electing " \
-    "one); not applied"
+NO_RESPONDERS = ("no responder: the consumer has no leader now (a JetStream cluster electing "
+                 "one); not applied")
 #: Seconds each JetStream API call of a reconnection's setup may take (then tried again).
 RECONNECT_SETUP_TIMEOUT = 1.0
 #: First and longest pause (s) between tries of an ack answered 503.
@@ -673,7 +673,8 @@ def _stored_header(stored: dict[str, Any], name: str) -> str | None:
 
 def _check_puback(subject: str, reply: Msg) -> None:
     if (reply.headers or {}).get("Status") == "503":
-        raise BrokerError(f"no JetStream stream stores {subject!r}: create the queue's "
+        raise BrokerError(f"no JetStream stream stores {subject!r} (or the one that does "
+                          f"has no leader now: a cluster electing one); create the queue's "
                           f"stream first (connect a broker for that queue)")
     try:
         ack = orjson.loads(reply.data)
