@@ -3,7 +3,9 @@ one server is killed (SIGKILL), and what one stream costs the servers.
 
 Failover scenarios (a fresh cluster each; the work stream and consumer have 3 replicas):
 ``stream_leader``, ``consumer_leader``, ``connected_server`` (the server the supervisor's
-connection is on) and ``follower`` (a server that is none of those, when there is one).
+connection is on) and ``follower`` (a server that is none of those, when there is one), each
+killed with SIGKILL; ``stream_leader_sigterm``: the stream leader stopped with SIGTERM (a
+graceful shutdown, which hands its leaderships over first).
 Messages are published at a steady rate from a separate client (its own retries, with
 ``Nats-Msg-Id`` so a repeat is deduplicated); the victim is killed at ``--kill-at``, started
 again ``--down`` seconds later (it rejoins), and the run drains. Per scenario:
@@ -52,7 +54,8 @@ from support.supervision import Supervisor, wait_for, write_config
 QUEUE = "failover"
 NAMES = QueueNames.of(QUEUE)
 CLIENT_NAME = f"queue-supervisor {QUEUE}"
-SCENARIOS = ("stream_leader", "consumer_leader", "connected_server", "follower")
+SCENARIOS = ("stream_leader", "consumer_leader", "connected_server", "follower",
+             "stream_leader_sigterm")
 
 
 @dataclass
@@ -148,7 +151,7 @@ def roles_of(cluster: NatsCluster, server: NatsServer) -> list[str]:
 
 
 def pick_victim(cluster: NatsCluster, scenario: str) -> NatsServer | None:
-    if scenario == "stream_leader":
+    if scenario in ("stream_leader", "stream_leader_sigterm"):
         return cluster.leader(NAMES.stream)
     if scenario == "consumer_leader":
         return cluster.leader(NAMES.stream, "worker")
@@ -214,7 +217,7 @@ async def failover(scenario: str, settings: Settings) -> Failover:
             return result
         result.victim, result.roles = victim.name, ", ".join(roles_of(cluster, victim))
         killed = time.time()
-        victim.stop()
+        victim.stop(signal.SIGTERM if scenario.endswith("_sigterm") else signal.SIGKILL)
         await asyncio.sleep(settings.down)
         victim.start()
         await publishing
