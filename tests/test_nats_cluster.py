@@ -14,6 +14,7 @@ import asyncio
 import collections
 import logging
 import signal
+import time
 from pathlib import Path
 
 import nats
@@ -21,8 +22,10 @@ import pytest
 
 from broker.base import Action, BrokerError, Outcome, Settlement
 from broker.nats import NatsBroker
+from broker.nats.pull import NO_LEADER_PAUSE
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
+from support.faultproxy import FaultProxy
 from support.servers import NatsCluster, NatsServer
 from support.supervision import QUEUE, lines, wait_for, write_config
 from tests.test_config import MINIMAL, error_of, load_text, with_job
@@ -123,6 +126,28 @@ async def test_acks_and_renewals_wait_out_a_consumer_leader_election(cluster):
     finally:
         await broker.close()
     assert (await stream_state(followers))[0] == 0
+
+
+async def test_pulls_pause_while_the_consumer_has_no_leader(cluster):
+    """Every pull is answered 503 at once during the election: receiving must wait a
+    little between them, not spin (counted at a proxy: requests, not time)."""
+    setup = await connected(cluster.url, replicas=3)
+    await setup.close()
+    leader = cluster.leader(NAMES.stream, "worker")
+    assert leader is not None
+    follower = next(s for s in cluster.servers if s is not leader)
+    proxy = await FaultProxy(follower.port).start()
+    broker = await connected(proxy.url)
+    try:
+        leader.stop()
+        began = time.monotonic()
+        while time.monotonic() - began < 2.0:
+            assert (await broker.receive(10, 1.0)).deliveries == []
+        pulls = proxy.published[NAMES.next_subject]
+        assert 2 <= pulls <= 2 / NO_LEADER_PAUSE * 2 + 2, pulls  # a wait and a top-up each
+    finally:
+        await broker.close()
+        await proxy.close()
 
 
 async def test_an_ack_to_a_deleted_consumer_ends_stale_after_its_tries():
