@@ -211,23 +211,46 @@ class NatsCluster:
     def leader(self, stream: str, consumer: str = "") -> NatsServer | None:
         """The server that leads ``stream`` (or its ``consumer``) now, as a running server
         reports it; None while there is none (an election)."""
-        query = "/jsz?streams=true&consumers=true"
         for server in self.servers:
-            if not server.running:
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                for account in server.monitor(query).get("account_details") or []:
-                    for detail in account.get("stream_detail") or []:
-                        if detail.get("name") != stream:
-                            continue
-                        if consumer:
-                            found = [c for c in detail.get("consumer_detail") or []
-                                     if c.get("name") == consumer]
-                            detail = found[0] if found else {}
-                        leader = (detail.get("cluster") or {}).get("leader")
-                        if leader:
-                            return self.by_name(leader)
+            leader = (self._group(server, stream, consumer).get("cluster") or {}).get("leader")
+            if leader:
+                return self.by_name(leader)
         return None
+
+    def wait_current(self, stream: str, consumer: str = "", timeout: float = 30.0) -> None:
+        """Until the leader of ``stream`` (or its ``consumer``) sees every other running
+        server as a current replica: a server that rejoined has caught up, so the group
+        may lose another one."""
+        deadline = time.monotonic() + timeout
+        while not self._current(stream, consumer):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas of {stream} {consumer} not current in {timeout}s")
+            time.sleep(0.1)
+
+    def _current(self, stream: str, consumer: str) -> bool:
+        leader = self.leader(stream, consumer)
+        if leader is None:
+            return False
+        replicas = (self._group(leader, stream, consumer).get("cluster") or {}).get("replicas")
+        current = {peer.get("name") for peer in replicas or [] if peer.get("current")}
+        return all(s.name in current for s in self.servers if s.running and s is not leader)
+
+    @staticmethod
+    def _group(server: NatsServer, stream: str, consumer: str) -> dict:
+        """The stream's (or its consumer's) entry of ``server``'s /jsz, or {}."""
+        if not server.running:
+            return {}
+        with contextlib.suppress(OSError, ValueError):
+            for account in server.monitor("/jsz?streams=true&consumers=true").get(
+                    "account_details") or []:
+                for detail in account.get("stream_detail") or []:
+                    if detail.get("name") != stream:
+                        continue
+                    if not consumer:
+                        return detail
+                    return next((c for c in detail.get("consumer_detail") or []
+                                 if c.get("name") == consumer), {})
+        return {}
 
     def serving(self, client_name: str) -> list[NatsServer]:
         """The servers a client named ``client_name`` is connected to now (monitor /connz)."""

@@ -142,9 +142,24 @@ class Fleet:
         deadline = time.monotonic() + timeout
         for supervisor in list(self.members):
             while not running(supervisor):
-                if supervisor.process.poll() is not None or time.monotonic() > deadline:
+                exited = supervisor.process.poll() is not None
+                late = time.monotonic() > deadline
+                if exited and not late and self._unreachable(supervisor):
+                    # Exit 1, its documented answer (e.g. a JetStream cluster still creating
+                    # the replicated streams another supervisor asked for): as systemd would.
+                    self.members.remove(supervisor)
+                    supervisor = self.start_one()
+                    continue
+                if exited or late:
                     raise RuntimeError("a supervisor did not start:\n" + supervisor.output())
                 await asyncio.sleep(0.1)
+
+    def _unreachable(self, supervisor: Supervisor) -> bool:
+        if supervisor.process.returncode == 1 and "cannot connect to the broker" in (
+                supervisor.output()):
+            self.unreachable += 1
+            return True
+        return False
 
     def watch(self) -> None:
         """A member that exited without being told to is a finding; it is replaced."""
@@ -153,10 +168,8 @@ class Fleet:
             if code is not None:
                 self.members.remove(supervisor)
                 output = supervisor.output()
-                if code == 1 and "cannot connect to the broker" in output:
-                    # Started while the broker restarted: exit 1 is its documented answer.
-                    self.unreachable += 1
-                else:
+                # Started while the broker restarted: exit 1 is its documented answer.
+                if not self._unreachable(supervisor):
                     tail = output.strip().splitlines()[-5:]
                     self.problems.append(
                         f"supervisor {supervisor.pid} exited on its own with code {code}: "
