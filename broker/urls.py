@@ -48,6 +48,13 @@ _QUERY_PARAMETER = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
 _ALREADY_HIDDEN = re.compile(re.escape(HIDDEN) + r"[:,.)'\"\]]*")
 
 
+def split_servers(url: str) -> list[str]:
+    """The URLs of a server list (``nats://h1:4222,nats://h2:4222``), as NATS clients take
+    it: split at every comma, blanks around each trimmed. A comma inside a password must
+    be written ``%2C``. A single URL is a list of one."""
+    return [part.strip() for part in url.split(",")]
+
+
 def redact(text: str) -> str:
     """``text`` with the credentials of every URL in it replaced by ``***``.
 

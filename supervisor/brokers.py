@@ -28,6 +28,6 @@ def make_broker(config: Config) -> Broker:
             max_attempts=job.max_attempts, retry_backoff=job.retry_backoff,
             namespace=config.broker.namespace,
             max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
-            tls=config.broker.tls,
+            replicas=config.nats.replicas, tls=config.broker.tls,
         )
     raise AssertionError(kind)

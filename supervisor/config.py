@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from broker.redis.keys import hash_tag
 from broker.tls import TlsFileError, TlsSettings, check_files
-from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact
+from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact, split_servers
 from worker import handler as handler_paths
 from worker.handler import async_hooks_problem, is_async
 from worker.protocol import DELIVER_OVERHEAD
@@ -135,7 +135,36 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)
+def nats_servers_problem(url: str) -> str | None:
+    """Why a comma-separated NATS server list is not usable, or None: each server is
+    checked as a URL of its own, and all share one scheme (TLS for all, or for none)."""
+    servers = split_servers(url)
+    schemes = set()
+    for number, server in enumerate(servers, 1):
+        where = f"server {number} of {len(servers)}"
+        if not server:
+            return f"has an empty {where} (a stray comma?)"
+        problem = url_problem(server)
+        if problem:
+            return f"{where} ({redact(server)}) {problem}"
+        scheme = urlsplit(server).scheme
+        if scheme not in NATS_SCHEMES:
+            return (f'{where} ({redact(server)}) has scheme "{scheme}"; every server of a '
+                    "NATS list is nats:// or tls://")
+        schemes.add(scheme)
+    if len(schemes) > 1:
+        return "mixes nats:// and tls:// servers; write tls:// for every server, or none"
+    return None
+
+
+def broker_url_problem(url: str) -> str | None:
+    """``url_problem``, and for a NATS URL with commas, the check of each server."""
+    if "," in url and urlsplit(url).scheme in NATS_SCHEMES:
+        return nats_servers_problem(url)
+    return url_problem(url)
+
+
+BROKER_URL = Rule("redis:// rediss:// nats:// tls://", broker_url_problem)
 # Where the file is and what it holds is checked once the job file's folder is known
 # (relative paths are relative to it): see _tls_files_usable.
 PEM_FILE = Rule("a file path, relative to the job file's folder; empty: none",
@@ -176,8 +205,8 @@ CANCEL_GRACE = 2.0
 class BrokerConfig:
     url: str = setting(
         "redis://127.0.0.1:6379/0",
-        f"broker URL: redis://, rediss:// (TLS), nats://, tls:// (TLS); {ENV_BROKER_URL} "
-        "overrides",
+        f"broker URL: redis://, rediss:// (TLS), nats://, tls:// (TLS); NATS takes several "
+        f"servers of one cluster, comma-separated; {ENV_BROKER_URL} overrides",
         BROKER_URL,
     )
     namespace: str = setting(
@@ -333,6 +362,11 @@ class NatsConfig:
     ack_wait: float = setting(
         30.0, "AckWait (s) of a consumer the supervisor creates (an existing one keeps its "
         "own): redelivery after this long without ack or renewal", above(0)
+    )
+    replicas: int = setting(
+        1, "copies of each message (num_replicas) of the streams the supervisor creates, "
+        "one per server of a JetStream cluster (an existing stream keeps its own)",
+        at_least(1), at_most(5),
     )
 
 
@@ -580,7 +614,7 @@ class _Values:
         url = environ.get(ENV_BROKER_URL, "")
         if not url:
             return
-        problem = url_problem(url)
+        problem = broker_url_problem(url)
         if problem:
             self.fail(f"{ENV_BROKER_URL} = {_show(url)} (overrides [broker] url) {problem}")
         self.by_section["broker"]["url"] = url

@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
                         "soak's ledger; the test suite passes an unsafe variant)")
     parser.add_argument("--faults", default="",
                         help="comma-separated fault kinds to inject (default: every kind)")
+    parser.add_argument("--nats-cluster", action="store_true",
+                        help="NATS: three servers in a JetStream cluster, the work stream on "
+                        "3 replicas; the broker fault is then 'failover' (the stream leader, "
+                        "or another server, killed and started again) instead of "
+                        "'broker_restart'")
     parser.add_argument("--sabotage", action="store_true",
                         help="self-test of the checks: one message is never published and "
                         "one total is corrupted, so the run must fail naming both")
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         prefetch=args.prefetch, work_ms=args.work_ms,
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,
         sabotage=args.sabotage, log_level=args.log_level, store=store,
-        handler=args.handler, faults=faults,
+        handler=args.handler, faults=faults, nats_cluster=args.nats_cluster,
     )
     brokers = ["redis", "nats"] if args.broker == "both" else [args.broker]
     return run_all(brokers, settings)
@@ -77,7 +82,7 @@ def fault_kinds() -> list[str]:
     from bench.chaos.sides import RedisSide
 
     kinds = [*PROCESS_FAULTS, *(k for ks in STORE_FAULTS.values() for k in ks)]
-    return list(dict.fromkeys([*kinds, *RedisSide.faults, *NatsSide.faults]))
+    return list(dict.fromkeys([*kinds, *RedisSide.faults, *NatsSide.known_faults]))
 
 
 if __name__ == "__main__":

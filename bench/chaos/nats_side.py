@@ -5,6 +5,12 @@ from the server's side of the wire; the harness connects to the server directly.
 server runs with file storage and is restarted with SIGKILL; publishing pauses meanwhile.
 A publish carries ``Nats-Msg-Id``, so repeating one whose PubAck was lost is deduplicated
 by the stream.
+
+With ``cluster=True`` (``--nats-cluster``) the broker is three servers with the work
+stream on 3 replicas, one proxy each (the supervisors get the three proxy URLs); instead
+of the whole-server restart the fault is a "failover": SIGKILL of the stream's leader (every
+other time, of a server picked at random), and once a new leader answers, the victim is
+started again and rejoins.
 """
 
 from __future__ import annotations
@@ -24,18 +30,22 @@ from bench.chaos.sides import Check, FinalState
 from bench.chaos.workload import Message
 from broker.nats.setup import CONSUMER, QueueNames
 from support.faultproxy import FaultProxy
-from support.servers import NatsServer
+from support.servers import NatsCluster, NatsServer
 
 
 class NatsSide:
     name = "nats"
-    faults = ("connection_cut", "broker_restart")
+    #: Every kind this side knows (a cluster injects "failover", a lone server restarts).
+    known_faults = ("connection_cut", "broker_restart", "failover")
 
-    def __init__(self, queue: str) -> None:
+    def __init__(self, queue: str, cluster: bool = False) -> None:
         self.queue = queue
         self.names = QueueNames.of(queue)
-        self.server = NatsServer()
-        self.proxy: FaultProxy | None = None
+        self.cluster = NatsCluster() if cluster else None
+        self.server = self.cluster.servers[0] if self.cluster else NatsServer()
+        self.faults = ("connection_cut", "failover" if cluster else "broker_restart")
+        self.proxies: list[FaultProxy] = []
+        self.failovers = 0
         self.publishing = asyncio.Event()
         self.publishing.set()
         self.nc: Any = None
@@ -44,18 +54,25 @@ class NatsSide:
 
     @property
     def supervisor_url(self) -> str:
-        assert self.proxy is not None
-        return self.proxy.url
+        return ",".join(proxy.url for proxy in self.proxies)
+
+    @property
+    def servers(self) -> list[NatsServer]:
+        return self.cluster.servers if self.cluster else [self.server]
 
     def config_sections(self, settings: Any) -> dict[str, dict[str, Any]]:
         # Redelivery after the lease, as on Redis; the consumer's budget is max_attempts.
-        return {"nats": {"ack_wait": settings.lease}}
+        return {"nats": {"ack_wait": settings.lease, "replicas": len(self.servers)}}
 
     async def start(self) -> None:
-        self.server.start()
-        self.proxy = await FaultProxy(self.server.port).start()
+        if self.cluster:
+            await asyncio.to_thread(self.cluster.start)
+        else:
+            self.server.start()
+        self.proxies = [await FaultProxy(server.port).start() for server in self.servers]
         self.nc = await nats.connect(
-            self.server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
+            [server.url for server in self.servers], max_reconnect_attempts=-1,
+            reconnect_time_wait=0.1,
             name="chaos harness", error_cb=_quiet, disconnected_cb=_quiet_event,
             reconnected_cb=_quiet_event,
         )
@@ -78,11 +95,14 @@ class NatsSide:
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.close()
-        if self.proxy is not None:
+        for proxy in self.proxies:
             with contextlib.suppress(Exception):
-                await self.proxy.close()
-                await asyncio.sleep(0.1)  # let the proxy's connection tasks end
-        self.server.close()
+                await proxy.close()
+        await asyncio.sleep(0.1)  # let the proxies' connection tasks end
+        if self.cluster:
+            self.cluster.close()
+        else:
+            self.server.close()
 
     # -- publishing -------------------------------------------------------------------------
 
@@ -109,14 +129,44 @@ class NatsSide:
     # -- faults -----------------------------------------------------------------------------
 
     async def inject(self, fault: str) -> str:
-        assert self.proxy is not None
         if fault == "connection_cut":
-            pairs = len(self.proxy._pairs)
-            await self.proxy.cut()
+            pairs = sum(len(proxy._pairs) for proxy in self.proxies)
+            for proxy in self.proxies:
+                await proxy.cut()
             return f"proxy cut {pairs} supervisor connections"
-        if fault == "broker_restart":
+        if fault == "broker_restart" and not self.cluster:
             return await self._restart()
-        raise ValueError(f"unknown fault {fault!r}")
+        if fault == "failover" and self.cluster:
+            return await self._failover(self.cluster)
+        raise ValueError(f"fault {fault!r} does not apply to this NATS side")
+
+    async def _failover(self, cluster: NatsCluster) -> str:
+        """SIGKILL the stream leader (or every other time any server); once the cluster
+        has a stream leader again, start the victim, which rejoins. Publishing goes on
+        (its retries wait out the election)."""
+        self.failovers += 1
+        leader = await asyncio.to_thread(cluster.leader, self.names.stream)
+        victim = leader if leader and self.failovers % 2 else self._rng_server(cluster)
+        what = "stream leader" if victim is leader else "server"
+        began = time.monotonic()
+        victim.stop()
+        await asyncio.to_thread(self._until_led, cluster, victim)
+        elected = time.monotonic() - began
+        await asyncio.to_thread(victim.start)
+        await asyncio.to_thread(cluster.wait_ready, 60)
+        return (f"SIGKILL {what} {victim.name}; a stream leader after {elected:.2f}s; "
+                f"{victim.name} rejoined after {time.monotonic() - began:.2f}s")
+
+    def _rng_server(self, cluster: NatsCluster) -> NatsServer:
+        return cluster.servers[(self.failovers // 2) % len(cluster.servers)]
+
+    def _until_led(self, cluster: NatsCluster, victim: NatsServer) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            leader = cluster.leader(self.names.stream)
+            if leader is not None and leader is not victim:
+                return
+            time.sleep(0.05)
 
     async def _restart(self) -> str:
         self.publishing.clear()

@@ -77,6 +77,7 @@ class Settings:
     store: str = "clickhouse"  # the stats-usage store: the embedded engine, or "sqlite"
     handler: str = HANDLER
     faults: tuple[str, ...] = ()  # only these kinds (empty: every kind)
+    nats_cluster: bool = False  # NATS: three servers, 3 replicas, the "failover" fault
     log_level: str = "warning"  # the supervisors' (their logs are kept with a failed run)
     sabotage: bool = False  # self-test: drop one message unpublished, corrupt one total
     keep: bool = False
@@ -104,13 +105,13 @@ class Outcome:
     report: str
 
 
-def make_side(broker: str) -> Any:
+def make_side(broker: str, nats_cluster: bool = False) -> Any:
     if broker == "redis":
         return RedisSide(QUEUE)
     if broker == "nats":
         from bench.chaos.nats_side import NatsSide
 
-        return NatsSide(QUEUE)
+        return NatsSide(QUEUE, cluster=nats_cluster)
     raise ValueError(f"unknown broker {broker!r}")
 
 
@@ -141,9 +142,24 @@ class Fleet:
         deadline = time.monotonic() + timeout
         for supervisor in list(self.members):
             while not running(supervisor):
-                if supervisor.process.poll() is not None or time.monotonic() > deadline:
+                exited = supervisor.process.poll() is not None
+                late = time.monotonic() > deadline
+                if exited and not late and self._unreachable(supervisor):
+                    # Exit 1, its documented answer (e.g. a JetStream cluster still creating
+                    # the replicated streams another supervisor asked for): as systemd would.
+                    self.members.remove(supervisor)
+                    supervisor = self.start_one()
+                    continue
+                if exited or late:
                     raise RuntimeError("a supervisor did not start:\n" + supervisor.output())
                 await asyncio.sleep(0.1)
+
+    def _unreachable(self, supervisor: Supervisor) -> bool:
+        if supervisor.process.returncode == 1 and "cannot connect to the broker" in (
+                supervisor.output()):
+            self.unreachable += 1
+            return True
+        return False
 
     def watch(self) -> None:
         """A member that exited without being told to is a finding; it is replaced."""
@@ -152,10 +168,8 @@ class Fleet:
             if code is not None:
                 self.members.remove(supervisor)
                 output = supervisor.output()
-                if code == 1 and "cannot connect to the broker" in output:
-                    # Started while the broker restarted: exit 1 is its documented answer.
-                    self.unreachable += 1
-                else:
+                # Started while the broker restarted: exit 1 is its documented answer.
+                if not self._unreachable(supervisor):
                     tail = output.strip().splitlines()[-5:]
                     self.problems.append(
                         f"supervisor {supervisor.pid} exited on its own with code {code}: "
@@ -303,7 +317,7 @@ def _wait_quietly(supervisor: Supervisor, timeout: float) -> int | None:
 class Soak:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.side = make_side(settings.broker)
+        self.side = make_side(settings.broker, settings.nats_cluster)
         self.messages = generate(QUEUE, settings.messages, settings.seed)
         self.rng = random.Random(f"faults:{settings.seed}")
         self.workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{settings.broker}-"))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -93,6 +94,13 @@ ADVISORY_GROUP = "utopia_queue_dead_letter"
 RELEASE_DELAY = 5.0
 #: Advisories kept for the next maintenance pass at most (they are rare; this bounds memory).
 MAX_EXHAUSTED = 10_000
+#: An ack answered 503: nobody serves the consumer, so nobody applied it (certain).
+NO_RESPONDERS = ("no responder: the consumer has no leader now (a JetStream cluster electing "
+                 "one); not applied")
+#: Seconds each JetStream API call of a reconnection's setup may take (then tried again).
+RECONNECT_SETUP_TIMEOUT = 1.0
+#: First and longest pause (s) between tries of an ack answered 503.
+LEADERLESS_BACKOFF = (0.1, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +131,7 @@ class NatsBroker:
         namespace: str = "utopia-queue",
         max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         job_ttl: float = 0.0,
+        replicas: int = 1,
         request_timeout: float = 5.0,
         connect_timeout: float = 5.0,
         ping_interval: float = 10.0,
@@ -133,8 +142,11 @@ class NatsBroker:
         creates (MaxDeliver = max_attempts + 1, queue 5's spare delivery); an existing one
         is adopted as it is, and its budget wins. ``namespace`` makes the queue identity
         kept in the stream metadata. ``job_ttl`` (s, 0 = forever) is the max age of dead
-        letters in a dead stream we create. ``options`` go to ``nats.connect``. ``tls``:
-        with a tls:// URL or any setting, every connection is TLS with these settings
+        letters in a dead stream we create; ``replicas`` the num_replicas of the streams we
+        create (an existing stream keeps its own). ``url`` may list several servers of one
+        JetStream cluster, comma-separated: each new connection goes to one that answers.
+        ``options`` go to ``nats.connect``. ``tls``: with a tls:// URL or any setting,
+        every connection is TLS with these settings
         (a server that does not start TLS is refused, see ``broker.nats.tls``)."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -143,7 +155,8 @@ class NatsBroker:
         self.queue = queue
         self._names = QueueNames.of(queue)
         self._wanted = Wanted(ack_wait=float(ack_wait), max_attempts=max_attempts,
-                              identity=identity(namespace, queue), job_ttl=job_ttl)
+                              identity=identity(namespace, queue), job_ttl=job_ttl,
+                              replicas=replicas)
         self._policy: Adopted | None = None
         self._retry_backoff = retry_backoff
         self._max_bytes = max_envelope_bytes
@@ -164,6 +177,8 @@ class NatsBroker:
                           options=connect_options)
         self._held = Holdings()
         self._exhausted: collections.deque[int] = collections.deque(maxlen=MAX_EXHAUSTED)
+        self._gone: asyncio.Future[bool] | None = None  # see _consumer_gone
+        self._gone_until = 0.0
 
     @property
     def names(self) -> QueueNames:
@@ -491,8 +506,12 @@ class NatsBroker:
 
     async def _prepare(self, conn: Connection) -> None:
         """Every new connection: adopt the queue's settings, subscribe to the advisory."""
+        # A reconnection, often to a cluster electing leaders (where the API stays silent
+        # until it has one): shorter tries, so the first answer after the election is taken.
+        timeout = self._timeout if self._policy is None else min(self._timeout,
+                                                                 RECONNECT_SETUP_TIMEOUT)
         try:
-            policy = await adopt_queue(conn, self._names, self._wanted, self._timeout)
+            policy = await adopt_queue(conn, self._names, self._wanted, timeout)
         except BrokerError as error:
             if self._policy is None or isinstance(error, RETRYABLE):
                 raise  # at start, a refusal stops us; a reconnect never refuses
@@ -520,6 +539,10 @@ class NatsBroker:
                         "dead-lettered if a worker receives the server's advisory",
                         self._names.consumer, self._names.stream, policy.max_deliver,
                         "utopia_queue_spare_delivery")
+        if policy.replicas != self._wanted.replicas:
+            log.warning("NATS stream %s has %d replicas; [nats] replicas = %d only applies to "
+                        "a stream this supervisor creates (an existing one is adopted as it is)",
+                        self._names.stream, policy.replicas, self._wanted.replicas)
         if policy.lease < self._wanted.ack_wait:
             log.warning("NATS consumer %r on %s waits %gs for an ack; deliveries are renewed "
                         "every %gs", self._names.consumer, self._names.stream, policy.lease,
@@ -535,8 +558,8 @@ class NatsBroker:
             return
         budget, spare = read_consumer_policy(consumer, self._wanted.max_attempts)
         if (budget, spare) != (self.policy.budget, self.policy.spare):
-            self._use(Adopted(budget, spare, deliver_limit(consumer.get("max_deliver")),
-                              self.policy.ack_wait, self.policy.backoff, self.policy.bounded))
+            self._use(dataclasses.replace(self.policy, budget=budget, spare=spare,
+                                          max_deliver=deliver_limit(consumer.get("max_deliver"))))
 
     async def _api(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
         conn = await self._connection(self._timeout)
@@ -550,8 +573,16 @@ class NatsBroker:
         self._link.suspect(conn, self._timeout)
 
     async def _respond(self, receipt: NatsReceipt, body: bytes) -> Result:
-        """Send an ack-family message as a request on the live connection."""
-        for _ in range(2):  # a second try only when the first was certainly not sent
+        """Send an ack-family message as a request on the live connection.
+
+        Not sent: one more try at once. Answered 503 (nobody serves the consumer: a
+        JetStream cluster elects its new leader within seconds): tried again with backoff
+        for up to the request timeout; then STALE if the consumer no longer exists, else
+        ERROR (certainly not applied: the caller settles or renews it again later).
+        """
+        unsent = 0
+        pause, deadline = LEADERLESS_BACKOFF[0], time.monotonic() + self._timeout
+        while True:
             try:
                 conn = await self._connection(self._timeout)
             except BrokerError as error:
@@ -559,7 +590,17 @@ class NatsBroker:
             result = await self._request(conn, receipt.reply, body)
             if result.outcome is not Outcome.ERROR:
                 return result
-        return result
+            if result.detail != NO_RESPONDERS:
+                unsent += 1
+                if unsent == 2:
+                    return result
+                continue
+            if time.monotonic() + pause > deadline:
+                if await self._consumer_gone():
+                    return Result(Outcome.STALE, "no responder: the consumer no longer exists")
+                return result
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, LEADERLESS_BACKOFF[1])
 
     async def _request(self, conn: Connection, reply: str, body: bytes) -> Result:
         try:
@@ -570,8 +611,24 @@ class NatsBroker:
             self._suspect(conn)
             return Result(Outcome.UNCERTAIN, str(error))
         if (answer.headers or {}).get("Status") == "503":
-            return Result(Outcome.STALE, "no responder: the consumer no longer exists")
+            return Result(Outcome.ERROR, NO_RESPONDERS)
         return Result(Outcome.OK)
+
+    async def _consumer_gone(self) -> bool:
+        """Whether the JetStream API says the consumer does not exist: one question at a
+        time (and its answer kept for a second), however many acks got a 503."""
+        if self._gone is None or (self._gone.done() and time.monotonic() > self._gone_until):
+            self._gone = asyncio.ensure_future(self._ask_consumer_gone())
+            self._gone_until = time.monotonic() + 1.0
+        return await asyncio.shield(self._gone)
+
+    async def _ask_consumer_gone(self) -> bool:
+        names = self._names
+        try:
+            info = await self._api(f"$JS.API.CONSUMER.INFO.{names.stream}.{names.consumer}", {})
+        except BrokerError:
+            return False  # no answer (still electing): not known to be gone
+        return (info.get("error") or {}).get("code") == 404
 
 
 def _receipt(msg: Msg) -> NatsReceipt | None:
@@ -616,7 +673,8 @@ def _stored_header(stored: dict[str, Any], name: str) -> str | None:
 
 def _check_puback(subject: str, reply: Msg) -> None:
     if (reply.headers or {}).get("Status") == "503":
-        raise BrokerError(f"no JetStream stream stores {subject!r}: create the queue's "
+        raise BrokerError(f"no JetStream stream stores {subject!r} (or the one that does "
+                          f"has no leader now: a cluster electing one); create the queue's "
                           f"stream first (connect a broker for that queue)")
     try:
         ack = orjson.loads(reply.data)

@@ -33,6 +33,13 @@ log = logging.getLogger("broker.nats")
 
 #: Extra seconds to wait past a pull request's own expiry for the server's 408.
 EXPIRY_GRACE = 1.0
+#: Seconds a receive waits after a pull answered 503 "no responders": nobody serves the
+#: consumer (a JetStream cluster electing its leader), so asking again at once only spins.
+NO_LEADER_PAUSE = 0.25
+
+
+class NoResponders(Exception):
+    """A pull request was answered 503: the consumer has no leader right now."""
 
 
 class Puller:
@@ -51,6 +58,7 @@ class Puller:
         self._no_wait = False  # stop_waiting() was called
         self._owed = 0  # asked for by requests that timed out; may still arrive
         self._owed_until = 0.0
+        self._leaderless_since: float | None = None  # first 503 of an outage, for the log
 
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
@@ -93,7 +101,26 @@ class Puller:
             except RequestTimeout as error:
                 log.warning("pull request got no answer: %s", error)
                 self._on_silence(conn)
+            except NoResponders:
+                self._note_leaderless()
+                if not got and not self._backlog:
+                    await asyncio.sleep(min(block_timeout, NO_LEADER_PAUSE))
+            else:
+                self._note_served()
             return got + self._take(max_messages - len(got))
+
+    def _note_leaderless(self) -> None:
+        if self._leaderless_since is None:
+            self._leaderless_since = time.monotonic()
+            log.warning("NATS consumer has no leader (503 no responders: a JetStream cluster "
+                        "is electing one, or the consumer is gone); pulling again every "
+                        "%gs", NO_LEADER_PAUSE)
+
+    def _note_served(self) -> None:
+        if self._leaderless_since is not None:
+            log.warning("NATS consumer answers pulls again after %.2fs without a leader",
+                        time.monotonic() - self._leaderless_since)
+            self._leaderless_since = None
 
     def _still_owed(self) -> int:
         if self._owed and time.monotonic() >= self._owed_until:
@@ -153,8 +180,11 @@ class Puller:
 
 
 def _log_status(msg: Msg) -> None:
-    """404 (nothing there) and 408 (expired) are the normal ends of a pull request."""
+    """404 (nothing there) and 408 (expired) are the normal ends of a pull request; 503
+    raises NoResponders."""
     headers = msg.headers or {}
     code = headers.get("Status", "")
+    if code == "503":
+        raise NoResponders()
     if code not in ("404", "408"):
         log.info("pull request ended with status %s %s", code, headers.get("Description", ""))

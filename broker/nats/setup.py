@@ -102,6 +102,7 @@ class Wanted:
     max_attempts: int  # handler runs before the dead letter
     identity: str
     job_ttl: float = 0.0  # seconds dead letters are kept; 0 = forever
+    replicas: int = 1  # num_replicas of the streams we create (a JetStream cluster: up to 5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class Adopted:
     ack_wait: float  # the consumer's, seconds
     backoff: tuple[float, ...] = ()  # the consumer's redelivery delays, seconds
     bounded: bool = False  # the work stream has size limits (release must not republish)
+    replicas: int = 1  # the work stream's num_replicas, as found
 
     @property
     def lease(self) -> float:
@@ -123,8 +125,9 @@ class Adopted:
     def describe(self) -> str:
         spare = f", delivery {self.spare} dead-lettered on arrival" if self.spare else ""
         backoff = f", backoff {list(self.backoff)}s" if self.backoff else ""
+        replicas = f", {self.replicas} replicas" if self.replicas > 1 else ""
         return (f"{self.budget} attempts (MaxDeliver {self.max_deliver}{spare}), "
-                f"ack_wait {self.ack_wait:g}s{backoff}")
+                f"ack_wait {self.ack_wait:g}s{backoff}{replicas}")
 
 
 async def adopt_queue(
@@ -134,14 +137,14 @@ async def adopt_queue(
     api = _Api(conn, timeout)
     work = await api.stream(names.stream, {
         "name": names.stream, "subjects": names.work_subjects, "retention": "workqueue",
-        "storage": "file", "num_replicas": 1,
+        "storage": "file", "num_replicas": wanted.replicas,
         "duplicate_window": int(DUPLICATE_WINDOW * _NS),
         "metadata": {IDENTITY: wanted.identity},
     })
     _check_work_stream(names, wanted, work)
     dead: dict[str, Any] = {
         "name": names.dead_stream, "subjects": [names.dead_subject],
-        "retention": "workqueue", "storage": "file", "num_replicas": 1,
+        "retention": "workqueue", "storage": "file", "num_replicas": wanted.replicas,
         "metadata": {IDENTITY: wanted.identity},
     }
     if wanted.job_ttl > 0:
@@ -181,6 +184,7 @@ def _adopted(consumer: dict[str, Any], work: dict[str, Any], wanted: Wanted) -> 
         ack_wait=consumer.get("ack_wait", 30 * _NS) / _NS,
         backoff=tuple(b / _NS for b in consumer.get("backoff") or ()),
         bounded=any((work.get(limit) or -1) > 0 for limit in limits),
+        replicas=work.get("num_replicas") or 1,
     )
 
 
@@ -258,9 +262,12 @@ class _Api:
         if _not_found(found):
             created = await self._call(f"$JS.API.STREAM.CREATE.{name}", config)
             if "error" not in created:
-                log.info("created NATS stream %s", name)
+                log.info("created NATS stream %s (%d replicas)", name,
+                         config.get("num_replicas", 1))
                 return created["config"]
             found = await self._call(f"$JS.API.STREAM.INFO.{name}")  # lost a creation race?
+            if _not_found(found):  # no: the creation itself was refused, say why
+                return _config_or_raise(created, f"stream {name} not created")
         return _config_or_raise(found, f"stream {name}")
 
     async def consumer(self, stream: str, name: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from broker.tls import TlsSettings
+from broker.urls import split_servers
 
 #: asyncio logs this whenever a connection nats-py upgraded to TLS reaches its end: its
 #: stream protocol was made for the plain socket and asks to stay half-open, which TLS
@@ -53,20 +54,28 @@ def tls_options(url: str, tls: TlsSettings | None) -> dict[str, Any]:
     """``nats.connect`` options: none unless TLS is asked for (a tls:// URL or any TLS
     setting), then the context every connection must use."""
     tls = tls or TlsSettings()
-    if urlsplit(url).scheme != "tls" and not tls.configured:
+    if not _tls_url(url) and not tls.configured:
         return {}  # nats:// without settings: nats-py's own upgrade if the server asks
     return {"tls": tls.context()}
 
 
 def wants_tls(url: str, options: dict[str, Any]) -> bool:
-    return urlsplit(url).scheme == "tls" or options.get("tls") is not None
+    return _tls_url(url) or options.get("tls") is not None
+
+
+def _tls_url(url: str) -> bool:
+    """Any tls:// server in the (comma-separated) list asks for TLS on every connection."""
+    return any(urlsplit(server).scheme == "tls" for server in split_servers(url))
 
 
 async def connect(url: str, **options: Any) -> Client:
-    """``nats.connect``, refusing a plaintext connection when TLS is asked for."""
+    """``nats.connect``, refusing a plaintext connection when TLS is asked for. ``url``
+    may list several servers of one cluster, comma-separated: nats-py tries them in a
+    random order (its default) until one answers."""
     client = _TlsOnlyClient() if wants_tls(url, options) else Client()
+    servers = split_servers(url)
     try:
-        await client.connect(url, **options)
+        await client.connect(servers if len(servers) > 1 else url, **options)
     except BaseException:
         _drop_socket(client)
         raise
