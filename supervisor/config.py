@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
+from broker.redis.replication import Replication
+from broker.redis.seeds import problem as seed_problem
+from broker.redis.seeds import split as split_seeds
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import redact
 from worker import handler as handler_paths
@@ -110,7 +113,20 @@ NO_SPACES = Rule(
 
 
 def url_problem(url: str) -> str | None:
-    """Why ``url`` is not a usable broker URL, or None."""
+    """Why ``url`` (one URL, or comma-separated Redis Cluster seeds) is not usable, or None."""
+    parts = url.split(",")
+    if len(parts) == 1:
+        return _one_url_problem(url)
+    for index, part in enumerate(parts, 1):
+        if not part.strip():
+            return f"has an empty entry in its comma-separated list (entry {index})"
+        problem = _one_url_problem(part.strip())
+        if problem:
+            return f"entry {index} ({_show(part.strip())}) {problem}"
+    return seed_problem(url)
+
+
+def _one_url_problem(url: str) -> str | None:
     if "://" not in url:
         return "is not a URL (expected e.g. redis://127.0.0.1:6379/0)"
     try:
@@ -178,7 +194,8 @@ class BrokerConfig:
     url: str = setting(
         "redis://127.0.0.1:6379/0",
         f"broker URL: redis://, rediss:// (TLS), nats://, tls:// (TLS); {ENV_BROKER_URL} "
-        "overrides",
+        "overrides. A Redis Cluster may list several nodes, comma-separated (seeds: any one "
+        "reachable at start is enough)",
         BROKER_URL,
     )
     namespace: str = setting(
@@ -190,6 +207,17 @@ class BrokerConfig:
     cluster: bool = setting(False, "true: the Redis URL is a Redis Cluster node")
     block_timeout: float = setting(
         2.0, "longest a receive blocks on an idle queue (s)", above(0), at_most(60)
+    )
+    wait_replicas: int = setting(
+        0, "Redis replicas that must confirm a write before it counts (WAIT): publishes, the "
+        "registration before a blocking receive, claims and settlements; 0 = none "
+        "(replication stays asynchronous: a failover can take back the last writes)",
+        at_least(0), at_most(16),
+    )
+    wait_timeout: float = setting(
+        1.0, "longest a write waits for wait_replicas (s); a publish not confirmed by then "
+        "fails (publish again), a consumer's write is logged and counted", above(0),
+        at_most(60),
     )
     tls_ca: str = setting(
         "", "PEM file of the CA certificates that sign the broker's certificate, trusted "
@@ -218,6 +246,10 @@ class BrokerConfig:
         return TlsSettings(self.tls_ca, self.tls_cert, self.tls_key, self.tls_verify_hostname)
 
     @property
+    def replication(self) -> Replication:
+        return Replication(self.wait_replicas, self.wait_timeout)
+
+    @property
     def safe_url(self) -> str:
         """The URL with its password or token hidden, for logs and messages."""
         return redact(self.url)
@@ -226,6 +258,7 @@ class BrokerConfig:
         return (
             f"BrokerConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
             f"cluster={self.cluster!r}, block_timeout={self.block_timeout!r}, "
+            f"wait_replicas={self.wait_replicas!r}, wait_timeout={self.wait_timeout!r}, "
             f"tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}, "
             f"tls_verify_hostname={self.tls_verify_hostname!r})"
         )
@@ -682,6 +715,32 @@ def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
     )
 
 
+def _seed_list_needs_cluster(values: _Values) -> str | None:
+    url = values["broker.url"]
+    count = len(split_seeds(url))
+    if count == 1:
+        return None
+    label = values.label("broker", "url")
+    if broker_kind(url) == "nats":
+        return f"{label} lists {count} NATS URLs; give one (several are Redis Cluster seeds)"
+    if values["broker.cluster"]:
+        return None
+    return (
+        f"{label} lists {count} Redis URLs, which are the seed nodes of a Redis Cluster; "
+        "set [broker] cluster = true, or give one URL"
+    )
+
+
+def _wait_replicas_needs_redis(values: _Values) -> str | None:
+    replicas = values["broker.wait_replicas"]
+    if not replicas or broker_kind(values["broker.url"]) == "redis":
+        return None
+    return (
+        f"[broker] wait_replicas = {replicas} works on Redis only (WAIT); JetStream "
+        "confirms a publish or an ack once its stream's replicas have it"
+    )
+
+
 def _retry_backoff_needs_nats(values: _Values) -> str | None:
     backoff = values["job.retry_backoff"]
     if not backoff or broker_kind(values["broker.url"]) == "nats":
@@ -756,6 +815,9 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),
     CrossCheck("`[job] retry_backoff` > 0 only with a NATS URL", _retry_backoff_needs_nats),
+    CrossCheck("several comma-separated URLs only for a Redis Cluster (`cluster = true`)",
+               _seed_list_needs_cluster),
+    CrossCheck("`[broker] wait_replicas` > 0 only with a Redis URL", _wait_replicas_needs_redis),
     CrossCheck(
         "`[broker] tls_*` keys with a Redis URL need rediss:// (with redis:// they are an "
         "error, not an upgrade), with a NATS URL they make TLS required (for nats:// too)",

@@ -200,8 +200,9 @@ def setuser_lines(keys: QueueKeys, password: str = PASSWORD, *, select: bool = F
 
 
 def selects_database(url: str) -> bool:
-    """True if redis-py sends SELECT on each connection of this URL (database not 0)."""
-    return bool(parse_url(url).get("db") or 0)
+    """True if redis-py sends SELECT on each connection of this URL (database not 0); of a
+    list of cluster seeds, the first (its settings are the client's)."""
+    return bool(parse_url(url.split(",")[0]).get("db") or 0)
 
 
 def script_commands(name: str) -> set[str]:
