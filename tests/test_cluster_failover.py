@@ -24,16 +24,24 @@ Found here (the README's "Failover" section has the table), per write taken back
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from redis.asyncio.cluster import RedisCluster
+from redis.cluster import ClusterNode as SyncClusterNode
 from redis.crc import key_slot
 
 from broker.base import Outcome
 from broker.redis import RedisBroker, seeds
 from broker.redis.keys import QueueKeys
 from broker.redis.replication import NotReplicated, Replication
+from support.supervision import Supervisor, lines, outstanding, wait_for, write_config
+from support.supervision import keys as e2e_keys
+from support.supervision import publish as publish_e2e
 from tests.cluster import ClusterNode, PrivateCluster
 from tests.test_redis_broker import wait_until
 
@@ -248,3 +256,78 @@ async def test_seed_list_starts_while_a_seed_is_down(replicated_cluster):
         assert [d.pid for d in (await broker.receive(1, 0)).deliveries] == [pid]
     finally:
         await broker.close()
+
+
+# -- end to end: supervisors follow the new master ----------------------------------------
+
+
+@pytest.fixture
+def sync_client(replicated_cluster: PrivateCluster):
+    nodes = [SyncClusterNode("127.0.0.1", node.port) for node in replicated_cluster.nodes]
+    connection = redis.RedisCluster(startup_nodes=nodes)
+    yield connection
+    connection.close()
+
+
+def start_supervisors(tmp_path: Path, cluster: PrivateCluster, launch, count: int,
+                      **broker: Any) -> list[Supervisor]:
+    config = write_config(
+        tmp_path, cluster.seed_url, job={"coroutines": 1, "prefetch": 20},
+        broker={"cluster": True, "namespace": NS, **broker},
+    )
+    # No on_success check against Redis (E2E_REDIS empty): it would connect per message.
+    return [launch(config, "", namespace=NS) for _ in range(count)]
+
+
+def run_through_failover(tmp_path: Path, cluster: PrivateCluster, sync_client, launch,
+                         fail_over) -> dict[str, float]:
+    """Two supervisors consume 1,500 messages; ``fail_over(master, replica)`` strikes the
+    queue's master after the first 300. Returns what happened, and checks that nothing is
+    lost or stuck and that both supervisors lived through it."""
+    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.002} for n in range(1500)], NS)
+    sync_client.wait(1, 2000, target_nodes=sync_client.get_node_from_key(e2e_keys(NS).ready))
+    running = start_supervisors(tmp_path, cluster, launch, 2)
+    wait_for(lambda: len(lines(tmp_path / "handled")) >= 300, 60, "the first 300")
+    master = cluster.owner(SLOT)
+    replica = cluster.replica_of(master)
+    struck = time.monotonic()
+    before = len(lines(tmp_path / "handled"))
+    fail_over(master, replica)
+    promoted = time.monotonic() - struck
+    # Past what the two prefetch buffers held at the strike: new receives were needed.
+    wait_for(lambda: len(lines(tmp_path / "handled")) > before + 60, 60, "progress")
+    resumed = time.monotonic() - struck
+    wait_for(lambda: set(lines(tmp_path / "handled")) >= set(pids), 90, "every message")
+    wait_for(lambda: outstanding(sync_client, NS) == 0, 30, "nothing outstanding")
+    for supervisor in running:
+        assert supervisor.process.poll() is None, supervisor.output()  # followed, no restart
+    handled = lines(tmp_path / "handled")
+    assert sync_client.llen(e2e_keys(NS).ready) == 0
+    for supervisor in running:
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.wait(30) == 0, supervisor.output()
+    return {"messages": len(pids), "handled": len(handled),
+            "duplicates": len(handled) - len(set(handled)), "lost": len(set(pids) - set(handled)),
+            "promoted_s": round(promoted, 2), "resumed_s": round(resumed, 2)}
+
+
+def test_e2e_supervisors_follow_a_killed_master(tmp_path, replicated_cluster, sync_client,
+                                               supervisors):
+    def kill(master: ClusterNode, replica: ClusterNode) -> None:
+        master.kill()  # SIGKILL; the replica is elected after the node timeout
+        replicated_cluster.wait_promoted(replica, 30)
+
+    result = run_through_failover(tmp_path, replicated_cluster, sync_client, supervisors, kill)
+    print("SIGKILL of the master:", result)
+    assert result["lost"] == 0
+
+
+def test_e2e_supervisors_follow_a_manual_failover(tmp_path, replicated_cluster, sync_client,
+                                                 supervisors):
+    def manual(master: ClusterNode, replica: ClusterNode) -> None:
+        replicated_cluster.failover(replica)  # CLUSTER FAILOVER: the replica catches up first
+
+    result = run_through_failover(tmp_path, replicated_cluster, sync_client, supervisors,
+                                  manual)
+    print("CLUSTER FAILOVER:", result)
+    assert result["lost"] == 0

@@ -32,8 +32,7 @@ def problem(url: str) -> str | None:
     schemes = {urlsplit(part).scheme for part in parts}
     if len(schemes) > 1:
         return f"mixes schemes {', '.join(sorted(schemes))}; every seed must use the same one"
-    users = {(parse_url(part).get("username"), parse_url(part).get("password"))
-             for part in parts}
+    users = {(urlsplit(part).username, urlsplit(part).password) for part in parts}
     if len(users) > 1:
         return "gives different credentials per seed; a cluster has one user for all nodes"
     return None
