@@ -49,7 +49,7 @@ def nats_server():
 @pytest.fixture(scope="session")
 def redis_cluster_servers():
     """One private three-master Redis Cluster per xdist worker; see ``redis_cluster``."""
-    from tests.cluster import PrivateCluster
+    from support.cluster import PrivateCluster
 
     cluster = PrivateCluster().start()
     yield cluster
@@ -69,7 +69,7 @@ def replicated_cluster_servers():
     """One private Redis Cluster of three masters with a replica each, per xdist worker;
     see ``replicated_cluster``. A 2 s node timeout: a killed master's replica takes over
     within about 5 s."""
-    from tests.cluster import PrivateCluster
+    from support.cluster import PrivateCluster
 
     cluster = PrivateCluster(replicas=1, node_timeout=2000).start()
     yield cluster

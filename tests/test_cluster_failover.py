@@ -39,10 +39,10 @@ from broker.base import Outcome
 from broker.redis import RedisBroker, seeds
 from broker.redis.keys import QueueKeys
 from broker.redis.replication import NotReplicated, Replication
+from support.cluster import ClusterNode, PrivateCluster
 from support.supervision import Supervisor, lines, outstanding, wait_for, write_config
 from support.supervision import keys as e2e_keys
 from support.supervision import publish as publish_e2e
-from tests.cluster import ClusterNode, PrivateCluster
 from tests.test_redis_broker import wait_until
 
 NS = "{utopia-queue}"
