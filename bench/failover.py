@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -135,6 +136,9 @@ async def one_run(cluster: PrivateCluster, scenario: str, wait: int, folder: Pat
         client.close()
         alive = sum(s.process.poll() is None for s in supervisors)
         for supervisor in supervisors:
+            if supervisor.process.poll() is not None:  # it should have lived through it
+                print(f"supervisor exited ({supervisor.process.returncode}):\n"
+                      f"{supervisor.output()[-4000:]}", file=sys.stderr)
             supervisor.stop()
     rows = read_handled(record)
     counts = Counter(pid for pid, _ in rows)

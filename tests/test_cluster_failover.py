@@ -244,6 +244,25 @@ async def test_with_wait_replicas_no_blocking_move_without_a_replicated_registra
     assert await ready(client) == 1  # where any consumer finds it
 
 
+async def test_a_receive_blocked_during_a_manual_failover_returns_and_follows(
+    replicated_cluster, brokers, client
+):
+    """The old master lets blocked clients go ("UNBLOCKED ... master -> replica"): the
+    receive ends empty, not with an error that would stop the supervisor."""
+    receiver = await brokers()
+    blocked = asyncio.create_task(receiver.receive(10, 5.0))
+
+    async def registered() -> bool:
+        return await client.zcard(KEYS.reservations) == 1
+
+    await wait_until(registered)
+    master = replicated_cluster.owner(SLOT)
+    replicated_cluster.failover(replicated_cluster.replica_of(master))
+    assert (await blocked).deliveries == []
+    [pid] = await receiver.publish_many(QUEUE, [{"n": 0}])
+    assert [d.pid for d in (await receiver.receive(10, 1.0)).deliveries] == [pid]
+
+
 async def test_seed_list_starts_while_a_seed_is_down(replicated_cluster):
     down = replicated_cluster.replica_of(replicated_cluster.owner(SLOT))
     down.kill()  # a replica: every slot stays served

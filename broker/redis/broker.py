@@ -370,6 +370,12 @@ class RedisBroker:
             if not self._no_wait or _cancelling():
                 raise
             return await self._give_back(key)
+        except redis.exceptions.ResponseError as error:
+            if not str(error).startswith("UNBLOCKED"):
+                raise
+            # The master became a replica (CLUSTER FAILOVER) while we waited and let go of
+            # us: nothing moved. Like a timeout; the next call finds the new master.
+            payload = None
         finally:
             self._blocked = None
         if payload is None:
