@@ -232,12 +232,15 @@ async def test_a_registration_taken_back_can_strand_a_payload(
 
 
 async def test_with_wait_replicas_no_blocking_move_without_a_replicated_registration(
-    replicated_cluster, brokers, client
+    replicated_cluster, brokers, client, monkeypatch
 ):
     receiver = await brokers(replication=CUT_WAIT)
+    moves: list[tuple] = []
+    monkeypatch.setattr(receiver._blocking, "blmove", lambda *args: moves.append(args))
     master, replica = cut(replicated_cluster)
     reservation = await receiver.reserve(10, 5.0)  # the registration was not confirmed
     assert reservation.payloads == [] and receiver.unreplicated == 1
+    assert moves == []  # so no BLMOVE was sent
     assert await client.zcard(KEYS.reservations) == 0  # withdrawn: it never blocked
     take_back(replicated_cluster, master, replica)
     await (await brokers()).publish_many(QUEUE, [{"n": 0}])

@@ -319,29 +319,33 @@ class RedisBroker:
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
+            block = bool(wait)
             if wait and self.replication.enabled:
-                payloads = await self._reserve_replicated(keys, n, wait)
+                payloads, block = await self._reserve_replicated(keys, n, wait)
                 registered_at = time.monotonic()
             else:
                 payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
-            if not payloads and wait:
+            if not payloads and block:
                 payloads = await self._reserve_blocking(key, block_timeout, registered_at)
         return Reservation(key, token, payloads)
 
-    async def _reserve_replicated(self, keys: list[str], n: int, wait: int) -> list[bytes]:
+    async def _reserve_replicated(
+        self, keys: list[str], n: int, wait: int
+    ) -> tuple[list[bytes], bool]:
         """Reserve; on an idle queue, register the empty reservation and wait for replicas
         to have it before blocking: a move into a reservation whose registration a failover
-        took back would leave a list no registry names."""
+        took back would leave a list no registry names. Returns the payloads and whether a
+        blocking move may follow (False: the registration was not confirmed)."""
         payloads = await self.scripts.call("reserve", keys, [n, self._lease, 0])
         if payloads:
-            return payloads
+            return payloads, False
         payloads, confirmed = await self.scripts.call_replicated(
             "reserve", keys, [n, self._lease, wait], self.replication
         )
         if payloads or self._replicated("reservation", confirmed, 1):
-            return payloads
-        await self.client.zrem(self.keys.reservations, keys[2])  # do not block on it
-        return []
+            return payloads, not payloads
+        await self.client.zrem(self.keys.reservations, keys[2])  # never block on it
+        return [], False
 
     def _replicated(self, what: str, confirmed: int, count: int) -> bool:
         """False (logged, counted) when fewer replicas than wanted confirmed a write."""
