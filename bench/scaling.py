@@ -50,6 +50,8 @@ class Run:
     jobs_per_s: float
     server_us_per_job: float
     requests_per_job: float
+    server_commands_per_job: float  # every command Redis ran, scripts' inner ones included
+    server_commands: dict[str, int]  # the same by command name, for the whole run
     script_calls_per_job: float
     reserve_calls: int
     claim_calls: int
@@ -129,6 +131,8 @@ def measure(server: RedisServer, count: int, messages: int, wait_replicas: int,
         parents_used = sum(family.root_cpu() for family in families) - parents_before
         counts = [received(port) for port in ports]
         figures = redis_side.delta(before, after, internal, probe)
+        executed = (sum(after.calls.values()) - sum(before.calls.values())
+                    - sum(probe.sent.values()) - 1)  # less the harness's polls and INFO
         idle = idle_load(client, server_process)
     finally:
         for child in children:
@@ -140,6 +144,9 @@ def measure(server: RedisServer, count: int, messages: int, wait_replicas: int,
         seconds=round(seconds, 3), jobs_per_s=round(messages / seconds),
         server_us_per_job=round(figures["server_cpu_s"] / messages * 1e6, 2),
         requests_per_job=round(figures["requests"] / messages, 4),
+        server_commands_per_job=round(executed / messages, 3),
+        server_commands={name: after.calls[name] - before.calls.get(name, 0)
+                         for name in after.calls if after.calls[name] > before.calls.get(name, 0)},
         script_calls_per_job=round(figures["script_calls"] / messages, 4),
         reserve_calls=figures["reserve_calls"], claim_calls=figures["claim_calls"],
         settle_calls=figures["settle_calls"], other_requests=others,
@@ -191,17 +198,19 @@ def report(runs: list[Run], about: dict[str, Any]) -> str:
         f"{about['load_at_start']}; busy processes at the start: "
         f"{', '.join(about['busy_at_start']) or 'none'}.",
         "",
-        "| supervisors | wait_replicas | jobs/s | Redis µs/job | requests/job | scripts/job "
+        "| supervisors | wait_replicas | jobs/s | Redis µs/job | requests/job "
+        "| Redis commands/job | scripts/job "
         "| reserve / claim / settle calls | jobs per supervisor | min/max | Jain "
         "| CPU: redis / parents / handlers / other (machine busy) | idle cmds/s "
         "| idle Redis CPU % |",
-        "|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|---:|---:|",
     ]
     for run in runs:
         share = run.cpu_share
         lines.append(
             f"| {run.supervisors} | {run.wait_replicas} | {run.jobs_per_s:,} "
-            f"| {run.server_us_per_job} | {run.requests_per_job} | {run.script_calls_per_job} "
+            f"| {run.server_us_per_job} | {run.requests_per_job} "
+            f"| {run.server_commands_per_job} | {run.script_calls_per_job} "
             f"| {run.reserve_calls} / {run.claim_calls} / {run.settle_calls} "
             f"| {' '.join(str(n) for n in run.per_supervisor)} | {run.fairness_min_max} "
             f"| {run.fairness_jain} | {share['redis_server']:.0%} / "
