@@ -164,6 +164,19 @@ def measure(server: RedisServer, count: int, messages: int, wait_replicas: int,
     )
 
 
+def measure_again(server: RedisServer, count: int, messages: int, wait_replicas: int,
+                  folder: Path, attempts: int = 3) -> Run:
+    """``measure``, started over when a supervisor failed to start (a metrics port that
+    another process took between the draw and the bind)."""
+    for attempt in range(attempts):
+        try:
+            return measure(server, count, messages, wait_replicas, folder)
+        except (RuntimeError, psutil.Error):
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def idle_load(client: redis.Redis, server: psutil.Process) -> tuple[float, float]:
     """Commands/s and server CPU % while the supervisors of a run sit on an empty queue."""
     time.sleep(1.0)
@@ -238,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             for wait in (int(w) for w in args.wait_replicas.split(",")):
                 for count in (int(n) for n in args.supervisors.split(",")):
-                    run = measure(master, count, args.messages, wait, Path(folder))
+                    run = measure_again(master, count, args.messages, wait, Path(folder))
                     print(json.dumps(asdict(run)), flush=True)
                     runs.append(run)
     finally:
