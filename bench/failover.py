@@ -6,7 +6,8 @@ A private Redis Cluster, three masters with a replica each (``support.cluster``,
 timeout 2 s). Per run: two ``python -m supervisor`` (coroutines 1, prefetch 100, a handler
 that records each pid with the time) consume a hash-tagged queue while a producer in this
 process publishes 20 messages every 10 ms (about 2,000/s, each confirmed before the next,
-``publish_many`` with the run's ``wait_replicas``). After 3 s the queue's master is struck:
+``publish_many`` with the run's ``wait_replicas``). Once half of a 30,000 message backlog
+is handled, the queue's master is struck:
 
 - ``sigkill``: SIGKILL; the replica is elected after the node timeout.
 - ``manual``: ``CLUSTER FAILOVER`` on the replica (it catches up with the master first).
@@ -14,10 +15,9 @@ process publishes 20 messages every 10 ms (about 2,000/s, each confirmed before 
   replica misses the last 0.3 s of writes (the worst case of a lagging replica; a healthy
   one on a LAN is a fraction of a millisecond behind).
 
-Before the producer starts, 30,000 messages are queued (replicated), so the supervisors
-work through a backlog when the strike comes. A killed master is started again 1 s after
-its replica took over (it rejoins as a replica). The producer goes on for 6 s after the
-strike (a publish that fails or is not confirmed is
+The backlog is queued (and replicated) before the supervisors start. A killed master is
+started again 1 s after its replica took over (it rejoins as a replica). The producer goes
+on for 6 s after the strike (a publish that fails or is not confirmed is
 retried as a new message, and not counted as published). Then everything is drained, and:
 published (confirmed), lost (confirmed but never handled), duplicates (extra runs), the
 longest pause in handling around the strike, and how long the promotion took.
@@ -45,7 +45,7 @@ from support.supervision import Supervisor, outstanding, wait_for, write_config
 NS = "{bench}"
 QUEUE = "e2e"  # support.supervision's queue
 BATCH, EVERY = 20, 0.01
-BEFORE, AFTER = 3.0, 6.0
+AFTER = 6.0
 BACKLOG = 30_000
 SCENARIOS = ("sigkill", "manual", "sigkill-lagging")
 
@@ -138,7 +138,10 @@ async def one_run(cluster: PrivateCluster, scenario: str, wait: int, folder: Pat
     try:
         producer = asyncio.create_task(
             produce(cluster.seed_url, Replication(wait, 1.0), stop, confirmed))
-        await asyncio.sleep(BEFORE)
+        # Strike halfway through the backlog, so that every run has consumers busy with
+        # older work and a producer's pushes waiting behind it at the strike.
+        await asyncio.to_thread(
+            wait_for, lambda: len(read_handled(record)) >= BACKLOG // 2, 60, "half the backlog")
         struck_at = time.monotonic()
         promoted = await asyncio.to_thread(strike, cluster, scenario)
         await asyncio.sleep(max(0.0, AFTER - (time.monotonic() - struck_at)))
