@@ -118,8 +118,8 @@ def read_handled(path: Path) -> list[tuple[str, float]]:
     return rows
 
 
-async def one_run(cluster: PrivateCluster, scenario: str, wait: int, folder: Path
-                  ) -> dict[str, Any]:
+async def one_run(cluster: PrivateCluster, scenario: str, wait: int, folder: Path,
+                  lease: float = 3.0) -> dict[str, Any]:
     cluster.heal()
     cluster.flush()
     record = folder / f"handled-{scenario}-{wait}-{time.monotonic_ns()}.txt"
@@ -127,7 +127,7 @@ async def one_run(cluster: PrivateCluster, scenario: str, wait: int, folder: Pat
         folder, cluster.seed_url, handler="bench.record:handle",
         broker={"cluster": True, "namespace": NS, "wait_replicas": wait},
         job={"coroutines": 1, "prefetch": 100},
-        supervisor={"lease": 3, "maintenance_interval": 1, "log_level": "warning"},
+        supervisor={"lease": lease, "maintenance_interval": 1, "log_level": "warning"},
     )
     backlog = await prefill(cluster, BACKLOG)
     supervisors = [Supervisor(config, folder, "", namespace=NS, BENCH_RECORD=str(record))
@@ -170,7 +170,7 @@ async def one_run(cluster: PrivateCluster, scenario: str, wait: int, folder: Pat
     window = [at for at in times if at >= struck_at - 1]
     gaps = [b - a for a, b in itertools.pairwise(window)]
     return {
-        "scenario": scenario, "wait_replicas": wait, "backlog": len(backlog),
+        "scenario": scenario, "wait_replicas": wait, "lease": lease, "backlog": len(backlog),
         "published": len(confirmed), "publish_failures": failed, "handled": len(rows),
         "lost_backlog": len(set(backlog) - set(counts)),  # only consumers' writes touched
         "lost_published": len(set(confirmed) - set(counts)),  # confirmed pushes
@@ -190,17 +190,17 @@ def cluster_client(cluster: PrivateCluster) -> Any:
 
 def table(runs: list[dict[str, Any]]) -> str:
     lines = [
-        "| scenario | wait_replicas | runs | backlog + published | lost of the backlog "
+        "| scenario | wait_replicas | lease s | runs | backlog + published | lost of the backlog "
         "| lost of the published | duplicates (per run) | publish failures "
         "| pause in handling s (max) | promotion s (max) |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
     for run in runs:
-        groups.setdefault((run["scenario"], run["wait_replicas"]), []).append(run)
-    for (scenario, wait), group in groups.items():
+        groups.setdefault((run["scenario"], run["wait_replicas"], run["lease"]), []).append(run)
+    for (scenario, wait, lease), group in groups.items():
         lines.append(
-            f"| {scenario} | {wait} | {len(group)} "
+            f"| {scenario} | {wait} | {lease:g} | {len(group)} "
             f"| {sum(r['backlog'] for r in group):,} + {sum(r['published'] for r in group):,} "
             f"| {sum(r['lost_backlog'] for r in group)} "
             f"| {sum(r['lost_published'] for r in group)} "
@@ -219,7 +219,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             for _ in range(args.repeat):
                 for scenario in args.scenarios.split(","):
                     for wait in (int(w) for w in args.wait_replicas.split(",")):
-                        run = await one_run(cluster, scenario, wait, Path(folder))
+                        run = await one_run(cluster, scenario, wait, Path(folder),
+                                            args.lease)
                         print(json.dumps(run), flush=True)
                         runs.append(run)
     finally:
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-replicas", default="0,1")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--node-timeout", type=int, default=2000, help="ms")
+    parser.add_argument("--lease", type=float, default=3.0,
+                        help="[supervisor] lease (s); below the failover time, claims of "
+                        "deliveries still running expire during it (duplicates)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     about = machine.describe({}, machine.load())
