@@ -112,7 +112,7 @@ def read_handled(path: Path) -> list[tuple[str, float]]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().split("\n")[:-1]:  # the last may still be being written
         pid, _, at = line.partition(" ")
         rows.append((pid, float(at)))
     return rows
