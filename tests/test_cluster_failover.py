@@ -316,10 +316,11 @@ def start_supervisors(tmp_path: Path, cluster: PrivateCluster, launch, count: in
 
 
 def run_through_failover(tmp_path: Path, cluster: PrivateCluster, sync_client, launch,
-                         fail_over) -> dict[str, float]:
+                         fail_over, again_when_idle: bool = False) -> dict[str, float]:
     """Two supervisors consume 1,500 messages; ``fail_over(master, replica)`` strikes the
-    queue's master after the first 300. Returns what happened, and checks that nothing is
-    lost or stuck and that both supervisors lived through it."""
+    queue's master after the first 300 (and, ``again_when_idle``, once more while both wait
+    on the empty queue, after which 50 more are published). Returns what happened, and
+    checks that nothing is lost or stuck and that both supervisors lived through it."""
     pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.002} for n in range(1500)], NS)
     running = start_supervisors(tmp_path, cluster, launch, 2)
     wait_for(lambda: len(lines(tmp_path / "handled")) >= 300, 60, "the first 300")
@@ -334,6 +335,13 @@ def run_through_failover(tmp_path: Path, cluster: PrivateCluster, sync_client, l
     resumed = time.monotonic() - struck
     wait_for(lambda: set(lines(tmp_path / "handled")) >= set(pids), 90, "every message")
     wait_for(lambda: outstanding(sync_client, NS) == 0, 30, "nothing outstanding")
+    if again_when_idle:
+        time.sleep(1.5)  # both blocked in BLMOVE on the master (block_timeout 1 s)
+        master = cluster.owner(SLOT)
+        fail_over(master, cluster.replica_of(master))
+        pids += publish_e2e(sync_client, [{"after": n} for n in range(50)], NS)
+        wait_for(lambda: set(lines(tmp_path / "handled")) >= set(pids), 60, "the 50 more")
+        wait_for(lambda: outstanding(sync_client, NS) == 0, 30, "nothing outstanding")
     for supervisor in running:
         assert supervisor.process.poll() is None, supervisor.output()  # followed, no restart
     handled = lines(tmp_path / "handled")
@@ -363,6 +371,6 @@ def test_e2e_supervisors_follow_a_manual_failover(tmp_path, replicated_cluster, 
         replicated_cluster.failover(replica)  # CLUSTER FAILOVER: the replica catches up first
 
     result = run_through_failover(tmp_path, replicated_cluster, sync_client, supervisors,
-                                  manual)
+                                  manual, again_when_idle=True)
     print("CLUSTER FAILOVER:", result)
     assert result["lost"] == 0
