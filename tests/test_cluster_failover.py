@@ -274,6 +274,11 @@ async def test_a_receive_blocked_during_a_manual_failover_returns_and_follows(
 
     await wait_until(registered)
     master = replicated_cluster.owner(SLOT)
+
+    async def blocking() -> bool:  # its BLMOVE waits on the master itself
+        return master.client.info("clients")["blocked_clients"] >= 1
+
+    await wait_until(blocking)
     replicated_cluster.failover(replicated_cluster.replica_of(master))
     assert (await blocked).deliveries == []
     [pid] = await receiver.publish_many(QUEUE, [{"n": 0}])
