@@ -84,15 +84,19 @@ for i = 1, n do owner_keys[i] = KEYS[6 + 3 * i] end
 local owners = redis.call('MGET', unpack(owner_keys))
 
 -- Removing the pids from processing. The oldest deliveries, the ones that complete first,
--- sit nearest the tail: while the list is short, the last n + 16 entries are read once and
--- the settled pids found there are taken out by rewriting that tail (one LTRIM, one RPUSH)
--- instead of one LREM each; any other pid is removed by LREM from the tail. A long list
--- keeps a legacy history at its tail, so there every pid is removed by LREM from the head.
+-- sit nearest the tail: while the list is short, a tail window is read once and the
+-- settled pids found there are taken out by rewriting it from the first one taken (one
+-- LTRIM, one RPUSH) instead of one LREM each; any other pid is removed by LREM from the
+-- tail. The window is 16 entries per item (plus 16): with several consumers on a queue a
+-- consumer's oldest deliveries lie among theirs, up to all outstanding deliveries from the
+-- tail, and one LREM each would cost each item a scan that grows with the consumers. A long
+-- list keeps a legacy history at its tail, so there every pid is removed by LREM from the
+-- head.
 local length = redis.call('LLEN', processing)
 local from, window, in_window, taken = 1, {}, {}, {}
 if length <= 1000 then
   from = -1
-  window = redis.call('LRANGE', processing, -(n + 16), -1)
+  window = redis.call('LRANGE', processing, -(16 * n + 16), -1)
   for _, entry in ipairs(window) do in_window[entry] = (in_window[entry] or 0) + 1 end
 end
 
@@ -171,11 +175,13 @@ if next(taken) then
       keep[k] = true
     end
   end
+  local first = 1  -- the entry taken nearest the head: only from there on is rewritten
+  while keep[first] do first = first + 1 end
   local kept = {}
-  for k = 1, #window do
+  for k = first, #window do
     if keep[k] then kept[#kept + 1] = window[k] end
   end
-  redis.call('LTRIM', processing, 0, -(#window + 1))
+  redis.call('LTRIM', processing, 0, -(#window - first + 2))
   if #kept > 0 then redis.call('RPUSH', processing, unpack(kept)) end
 end
 if #doomed > 0 then redis.call('DEL', unpack(doomed)) end

@@ -19,6 +19,7 @@ def make_broker(config: Config) -> Broker:
             job_ttl=job.job_ttl, recovery_age=sup.recovery_age,
             maintenance_interval=sup.maintenance_interval,
             max_envelope_bytes=sup.envelope_limit(), tls=config.broker.tls,
+            replication=config.broker.replication,
         )
     if kind == "nats":
         from broker.nats import NatsBroker

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 from broker.redis.keys import hash_tag
+from broker.redis.replication import Replication
+from broker.redis.seeds import problem as seed_problem
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact, split_servers
 from worker import handler as handler_paths
@@ -109,7 +111,27 @@ NO_SPACES = Rule(
 
 
 def url_problem(url: str) -> str | None:
-    """Why ``url`` is not a usable broker URL, or None."""
+    """Why ``url`` is not usable, or None: one URL, or a comma-separated list (the servers
+    of a NATS cluster, or the seed nodes of a Redis Cluster), each checked as a URL of its
+    own, all with one scheme (TLS for all, or for none)."""
+    servers = split_servers(url)
+    if len(servers) == 1:
+        return _one_url_problem(url)
+    for number, server in enumerate(servers, 1):
+        where = f"server {number} of {len(servers)}"
+        if not server:
+            return f"has an empty {where} (a stray comma?)"
+        problem = _one_url_problem(server)
+        if problem:
+            return f"{where} ({redact(server)}) {problem}"
+    schemes = sorted({urlsplit(server).scheme for server in servers})
+    if len(schemes) > 1:
+        shown = ", ".join(f"{scheme}://" for scheme in schemes)
+        return f"mixes schemes {shown}; every server of a list uses the same one"
+    return seed_problem(url) if schemes[0] in REDIS_SCHEMES else None
+
+
+def _one_url_problem(url: str) -> str | None:
     if "://" not in url:
         return "is not a URL (expected e.g. redis://127.0.0.1:6379/0)"
     try:
@@ -135,36 +157,7 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-def nats_servers_problem(url: str) -> str | None:
-    """Why a comma-separated NATS server list is not usable, or None: each server is
-    checked as a URL of its own, and all share one scheme (TLS for all, or for none)."""
-    servers = split_servers(url)
-    schemes = set()
-    for number, server in enumerate(servers, 1):
-        where = f"server {number} of {len(servers)}"
-        if not server:
-            return f"has an empty {where} (a stray comma?)"
-        problem = url_problem(server)
-        if problem:
-            return f"{where} ({redact(server)}) {problem}"
-        scheme = urlsplit(server).scheme
-        if scheme not in NATS_SCHEMES:
-            return (f'{where} ({redact(server)}) has scheme "{scheme}"; every server of a '
-                    "NATS list is nats:// or tls://")
-        schemes.add(scheme)
-    if len(schemes) > 1:
-        return "mixes nats:// and tls:// servers; write tls:// for every server, or none"
-    return None
-
-
-def broker_url_problem(url: str) -> str | None:
-    """``url_problem``, and for a NATS URL with commas, the check of each server."""
-    if "," in url and urlsplit(url).scheme in NATS_SCHEMES:
-        return nats_servers_problem(url)
-    return url_problem(url)
-
-
-BROKER_URL = Rule("redis:// rediss:// nats:// tls://", broker_url_problem)
+BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)
 # Where the file is and what it holds is checked once the job file's folder is known
 # (relative paths are relative to it): see _tls_files_usable.
 PEM_FILE = Rule("a file path, relative to the job file's folder; empty: none",
@@ -205,8 +198,9 @@ CANCEL_GRACE = 2.0
 class BrokerConfig:
     url: str = setting(
         "redis://127.0.0.1:6379/0",
-        f"broker URL: redis://, rediss:// (TLS), nats://, tls:// (TLS); NATS takes several "
-        f"servers of one cluster, comma-separated; {ENV_BROKER_URL} overrides",
+        f"broker URL: redis://, rediss:// (TLS), nats://, tls:// (TLS); {ENV_BROKER_URL} "
+        "overrides. Several comma-separated: the servers of a NATS cluster, or seed nodes "
+        "of a Redis Cluster (any one reachable at start is enough)",
         BROKER_URL,
     )
     namespace: str = setting(
@@ -218,6 +212,17 @@ class BrokerConfig:
     cluster: bool = setting(False, "true: the Redis URL is a Redis Cluster node")
     block_timeout: float = setting(
         2.0, "longest a receive blocks on an idle queue (s)", above(0), at_most(60)
+    )
+    wait_replicas: int = setting(
+        0, "Redis replicas that must confirm a write before it counts (WAIT): publishes, the "
+        "registration before a blocking receive, claims and settlements; 0 = none "
+        "(replication stays asynchronous: a failover can take back the last writes)",
+        at_least(0), at_most(16),
+    )
+    wait_timeout: float = setting(
+        1.0, "longest a write waits for wait_replicas (s); a publish not confirmed by then "
+        "fails (publish again), a consumer's write is logged and counted", above(0),
+        at_most(60),
     )
     tls_ca: str = setting(
         "", "PEM file of the CA certificates that sign the broker's certificate, trusted "
@@ -246,6 +251,10 @@ class BrokerConfig:
         return TlsSettings(self.tls_ca, self.tls_cert, self.tls_key, self.tls_verify_hostname)
 
     @property
+    def replication(self) -> Replication:
+        return Replication(self.wait_replicas, self.wait_timeout)
+
+    @property
     def safe_url(self) -> str:
         """The URL with its password or token hidden, for logs and messages."""
         return redact(self.url)
@@ -254,6 +263,7 @@ class BrokerConfig:
         return (
             f"BrokerConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
             f"cluster={self.cluster!r}, block_timeout={self.block_timeout!r}, "
+            f"wait_replicas={self.wait_replicas!r}, wait_timeout={self.wait_timeout!r}, "
             f"tls_ca={self.tls_ca!r}, tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}, "
             f"tls_verify_hostname={self.tls_verify_hostname!r})"
         )
@@ -614,7 +624,7 @@ class _Values:
         url = environ.get(ENV_BROKER_URL, "")
         if not url:
             return
-        problem = broker_url_problem(url)
+        problem = url_problem(url)
         if problem:
             self.fail(f"{ENV_BROKER_URL} = {_show(url)} (overrides [broker] url) {problem}")
         self.by_section["broker"]["url"] = url
@@ -715,6 +725,30 @@ def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
     )
 
 
+def _seed_list_needs_cluster(values: _Values) -> str | None:
+    url = values["broker.url"]
+    count = len(split_servers(url))
+    if count == 1 or broker_kind(url) == "nats":
+        return None
+    label = values.label("broker", "url")
+    if values["broker.cluster"]:
+        return None
+    return (
+        f"{label} lists {count} Redis URLs, which are the seed nodes of a Redis Cluster; "
+        "set [broker] cluster = true, or give one URL"
+    )
+
+
+def _wait_replicas_needs_redis(values: _Values) -> str | None:
+    replicas = values["broker.wait_replicas"]
+    if not replicas or broker_kind(values["broker.url"]) == "redis":
+        return None
+    return (
+        f"[broker] wait_replicas = {replicas} works on Redis only (WAIT); JetStream "
+        "confirms a publish or an ack once its stream's replicas have it"
+    )
+
+
 def _retry_backoff_needs_nats(values: _Values) -> str | None:
     backoff = values["job.retry_backoff"]
     if not backoff or broker_kind(values["broker.url"]) == "nats":
@@ -789,6 +823,9 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),
     CrossCheck("`[job] retry_backoff` > 0 only with a NATS URL", _retry_backoff_needs_nats),
+    CrossCheck("several comma-separated Redis URLs only for a Redis Cluster (`cluster = true`)",
+               _seed_list_needs_cluster),
+    CrossCheck("`[broker] wait_replicas` > 0 only with a Redis URL", _wait_replicas_needs_redis),
     CrossCheck(
         "`[broker] tls_*` keys with a Redis URL need rediss:// (with redis:// they are an "
         "error, not an upgrade), with a NATS URL they make TLS required (for nats:// too)",

@@ -49,7 +49,7 @@ def nats_server():
 @pytest.fixture(scope="session")
 def redis_cluster_servers():
     """One private three-master Redis Cluster per xdist worker; see ``redis_cluster``."""
-    from tests.cluster import PrivateCluster
+    from support.cluster import PrivateCluster
 
     cluster = PrivateCluster().start()
     yield cluster
@@ -62,6 +62,28 @@ def redis_cluster(redis_cluster_servers):
     redis_cluster_servers.wait_ok()
     redis_cluster_servers.flush()
     return redis_cluster_servers
+
+
+@pytest.fixture(scope="session")
+def replicated_cluster_servers():
+    """One private Redis Cluster of three masters with a replica each, per xdist worker;
+    see ``replicated_cluster``. A 2 s node timeout: a killed master's replica takes over
+    within about 5 s."""
+    from support.cluster import PrivateCluster
+
+    cluster = PrivateCluster(replicas=1, node_timeout=2000).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def replicated_cluster(replicated_cluster_servers):
+    """The replicated cluster with every node up and replicating, emptied for this test;
+    healed again afterwards (a test kills masters and cuts replication links)."""
+    replicated_cluster_servers.heal()
+    replicated_cluster_servers.flush()
+    yield replicated_cluster_servers
+    replicated_cluster_servers.heal()
 
 
 @pytest.fixture

@@ -124,3 +124,11 @@ def test_the_readme_shows_the_lines_and_the_table_these_lists_make(capsys, monke
               'print(a.describe())" -->\n')
     table = README[README.index(marker) + len(marker):].split("\n\n", 1)[0] + "\n"
     assert table == acl.describe()
+
+
+def test_wait_replicas_grants_wait_to_the_writers_only():
+    job, publish, status = (acl.BY_NAME[name] for name in ("job", "publish", "status"))
+    assert "wait" not in acl.commands(job)
+    assert "wait" in acl.commands(job, wait=True) and "wait" in acl.commands(publish, wait=True)
+    assert "wait" not in acl.commands(status, wait=True)
+    assert "wait" in acl.WHY

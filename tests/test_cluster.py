@@ -26,10 +26,10 @@ from broker.redis.keys import QueueKeys
 from broker.redis.placement import PlacementError
 from broker.redis.publish import Publisher
 from supervisor import cli
+from support.cluster import PrivateCluster
 from support.supervision import Supervisor, counter, lines, outstanding, wait_for, write_config
 from support.supervision import keys as e2e_keys
 from support.supervision import publish as publish_e2e
-from tests.cluster import PrivateCluster
 from tests.test_redis_broker import count_script_calls, wait_until
 
 NS = "{utopia-queue}"

@@ -546,3 +546,61 @@ def test_the_check_and_the_handler_process_accept_the_same_handlers(tmp_path, sp
         error_of(tmp_path, text)
         with pytest.raises(HandlerError):
             load(spec)
+
+
+# -- Redis Cluster seeds and wait_replicas ------------------------------------------------
+
+
+def test_a_cluster_url_may_list_several_seeds(tmp_path):
+    url = "redis://u:p@10.0.0.1:6379/0,redis://u:p@10.0.0.2:6379/0"
+    text = with_job(f'url = "{url}"\ncluster = true\nnamespace = "{{q}}"\n', "broker")
+    assert load_text(tmp_path, text).broker.url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "cluster", "expected"),
+    [
+        ("redis://a:1,redis://b:2", "false", "set [broker] cluster = true"),
+        ("redis://a:1,,redis://b:2", "true", "empty server 2 of 3"),
+        ("redis://a:1,b:2", "true", "server 2 of 2 (b:2) is not a URL"),
+        ("redis://a:1,rediss://b:2", "true", "mixes schemes"),
+        ("redis://u:p@a:1,redis://u:q@b:2", "true", "different credentials"),
+        ("redis://a:1,nats://b:2", "true", "mixes schemes nats://, redis://"),
+    ],
+)
+def test_bad_seed_lists_are_errors(tmp_path, url, cluster, expected):
+    text = with_job(f'url = "{url}"\ncluster = {cluster}\nnamespace = "{{q}}"\n', "broker")
+    message = error_of(tmp_path, text)
+    assert "[broker] url" in message and expected in message
+    assert ":p@" not in message and ":q@" not in message  # no password shown
+
+
+def test_wait_replicas_defaults_to_none(tmp_path):
+    loaded = load_text(tmp_path, MINIMAL)
+    assert (loaded.broker.wait_replicas, loaded.broker.wait_timeout) == (0, 1.0)
+    assert not loaded.broker.replication.enabled
+
+
+def test_wait_replicas_is_read(tmp_path):
+    loaded = load_text(tmp_path, with_job("wait_replicas = 1\nwait_timeout = 0.5\n", "broker"))
+    assert loaded.broker.replication.replicas == 1
+    assert loaded.broker.replication.timeout_ms == 500
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("wait_replicas = -1", "[broker] wait_replicas = -1 must be >= 0"),
+        ("wait_replicas = 1.5", "expected an integer"),
+        ("wait_replicas = 17", "must be <= 16"),
+        ("wait_timeout = 0", "[broker] wait_timeout = 0 must be > 0"),
+        ("wait_timeout = 61", "must be <= 60"),
+    ],
+)
+def test_bad_wait_settings_are_errors(tmp_path, line, expected):
+    assert expected in error_of(tmp_path, with_job(line + "\n", "broker"))
+
+
+def test_wait_replicas_needs_redis(tmp_path):
+    message = error_of(tmp_path, with_job('url = "nats://h:4222"\nwait_replicas = 1\n', "broker"))
+    assert "[broker] wait_replicas = 1 works on Redis only" in message

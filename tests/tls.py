@@ -22,8 +22,8 @@ import redis
 
 from broker.tls import TlsSettings
 from supervisor import cli
+from support.cluster import ClusterNode, PrivateCluster, cluster_ports
 from support.servers import NatsServer, RedisServer, nats_server_binary, wait_for_port
-from tests.cluster import ClusterNode, PrivateCluster, cluster_ports
 
 #: What the server certificate is valid for: the loopback address and its usual name.
 SERVER_NAMES = "IP:127.0.0.1,DNS:localhost"

@@ -14,7 +14,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Publish stats-usage messages, run real supervisors, inject faults at "
         "seeded moments, and check that nothing is lost and the usage totals are exact.",
     )
-    parser.add_argument("--broker", choices=("redis", "nats", "both"), default="redis")
+    parser.add_argument("--broker", choices=("redis", "nats", "both", "redis-cluster"),
+                        default="redis",
+                        help="redis-cluster: three masters with a replica each, and the "
+                        "failover fault (not part of both)")
     parser.add_argument("--messages", type=int, default=5000, help="messages per broker")
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="publishing and fault window per broker (s)")
@@ -77,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fault_kinds() -> list[str]:
+    from bench.chaos.cluster_side import RedisClusterSide
     from bench.chaos.nats_side import NatsSide
     from bench.chaos.run import PROCESS_FAULTS, STORE_FAULTS
     from bench.chaos.sides import RedisSide
 
     kinds = [*PROCESS_FAULTS, *(k for ks in STORE_FAULTS.values() for k in ks)]
-    return list(dict.fromkeys([*kinds, *RedisSide.faults, *NatsSide.known_faults]))
+    return list(dict.fromkeys([*kinds, *RedisSide.faults, *NatsSide.known_faults,
+                               *RedisClusterSide.faults]))
 
 
 if __name__ == "__main__":

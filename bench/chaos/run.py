@@ -108,6 +108,10 @@ class Outcome:
 def make_side(broker: str, nats_cluster: bool = False) -> Any:
     if broker == "redis":
         return RedisSide(QUEUE)
+    if broker == "redis-cluster":
+        from bench.chaos.cluster_side import RedisClusterSide
+
+        return RedisClusterSide(QUEUE)
     if broker == "nats":
         from bench.chaos.nats_side import NatsSide
 

@@ -31,6 +31,9 @@ SELECT = ("select",)
 #: A Redis Cluster client reads the slot map and the command table, and follows ASK
 #: redirections while a slot migrates.
 CLUSTER = ("cluster|slots", "command", "asking")
+#: Only with ``[broker] wait_replicas``: the writers wait for replicas after their writes.
+WAIT = ("wait",)
+WAITERS = ("job", "publish")
 
 #: Why the Python side sends each command (commands only scripts run are explained by them).
 WHY = {
@@ -39,6 +42,7 @@ WHY = {
     "cluster|slots": "Cluster only: the slot map",
     "command": "Cluster only: the command table (key positions)",
     "asking": "Cluster only: follow ASK while a slot migrates",
+    "wait": "wait_replicas only: replicas confirm a write (WAIT) before it counts",
     "evalsha": "every state change is a Lua script, run by its SHA",
     "script|load": "load a script again after NOSCRIPT (server restart, SCRIPT FLUSH)",
     "blmove": "wait on an idle queue: ready list -> the registered reservation",
@@ -169,9 +173,11 @@ def user_name(queue: str, role: str) -> str:
     return f"{queue}-{role}"
 
 
-def commands(role: Role, *, select: bool = False, cluster: bool = False) -> list[str]:
+def commands(role: Role, *, select: bool = False, cluster: bool = False,
+             wait: bool = False) -> list[str]:
     """Every command the role's user may run, in the order the rules list them."""
-    extra = (*(SELECT if select else ()), *(CLUSTER if cluster else ()))
+    extra = (*(SELECT if select else ()), *(CLUSTER if cluster else ()),
+             *(WAIT if wait and role.name in WAITERS else ()))
     return list(dict.fromkeys((*CONNECT, *extra, *role.commands)))
 
 
@@ -181,27 +187,31 @@ def patterns(role: Role, keys: QueueKeys) -> list[str]:
 
 
 def rules(role: Role, keys: QueueKeys, password: str = PASSWORD, *, select: bool = False,
-          cluster: bool = False) -> list[str]:
+          cluster: bool = False, wait: bool = False) -> list[str]:
     """The ACL SETUSER arguments after the user name. ``reset`` first: no command, key or
     channel is left from an earlier definition, so running it again re-creates the user."""
-    allowed = [f"+{name}" for name in commands(role, select=select, cluster=cluster)]
+    allowed = [f"+{name}" for name in commands(role, select=select, cluster=cluster,
+                                               wait=wait)]
     return ["reset", "on", f">{password}", *allowed, *patterns(role, keys)]
 
 
 def setuser_lines(keys: QueueKeys, password: str = PASSWORD, *, select: bool = False,
-                  cluster: bool = False, roles: Sequence[str] | None = None) -> list[str]:
+                  cluster: bool = False, roles: Sequence[str] | None = None,
+                  wait: bool = False) -> list[str]:
     """One ``ACL SETUSER`` line per role (``roles``: only these), for ``redis-cli`` (on every
     node of a Cluster: ACL users are not replicated)."""
     return [
         " ".join(["ACL SETUSER", user_name(keys.queue, role.name),
-                  *rules(role, keys, password, select=select, cluster=cluster)])
+                  *rules(role, keys, password, select=select, cluster=cluster,
+                         wait=wait)])
         for role in ROLES if roles is None or role.name in roles
     ]
 
 
 def selects_database(url: str) -> bool:
-    """True if redis-py sends SELECT on each connection of this URL (database not 0)."""
-    return bool(parse_url(url).get("db") or 0)
+    """True if redis-py sends SELECT on each connection of this URL (database not 0); of a
+    list of cluster seeds, the first (its settings are the client's)."""
+    return bool(parse_url(url.split(",")[0]).get("db") or 0)
 
 
 def script_commands(name: str) -> set[str]:

@@ -28,7 +28,6 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import (
     Connection,
     SSLConnection,
@@ -55,8 +54,11 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.redis import seeds
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
+from broker.redis.replication import NONE as NO_WAIT
+from broker.redis.replication import NotReplicated, Replication
 from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
@@ -195,8 +197,11 @@ class RedisBroker:
         maintenance_interval: float = 5.0,
         max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         tls: TlsSettings | None = None,
+        replication: Replication = NO_WAIT,
     ) -> None:
-        """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked)."""
+        """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked);
+        ``replication``: the replicas that must confirm publishes, blocking registrations,
+        claims and settlements (``[broker] wait_replicas``; none by default)."""
         self.url = url
         self.tls = tls or TlsSettings()
         self.queue = queue
@@ -210,6 +215,9 @@ class RedisBroker:
         self.maintenance_interval = max(1, math.ceil(maintenance_interval))
         self.max_envelope_bytes = max_envelope_bytes
         self.keys = QueueKeys(namespace, queue)
+        self.replication = replication
+        #: Writes a replica had not confirmed when WAIT timed out (see _replicated).
+        self.unreplicated = 0
         self.client = self._new_client(COMMAND_TIMEOUT)
         # Blocking reads get their own connection: they must never hold up settle or extend.
         self._blocking = self._new_client(None)
@@ -236,7 +244,7 @@ class RedisBroker:
         if self.cluster:
             # The cluster client keeps its retries: they follow failovers. A retried claim
             # is resolved by the ownership check; a retried settle can only turn OK into STALE.
-            return RedisCluster.from_url(self.url, **options)
+            return seeds.cluster_client(self.url, **options)
         # No automatic retries: a command whose reply was lost must not run a second time.
         return aioredis.Redis.from_url(
             self.url, retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.url),
@@ -257,7 +265,7 @@ class RedisBroker:
         except _UNREACHABLE as error:
             # SELECT of a database the server lacks: "DB index is out of range".
             if isinstance(error, redis.exceptions.ResponseError) and "DB index" in str(error):
-                database = parse_url(self.url).get("db", 0)
+                database = parse_url(seeds.split(self.url)[0]).get("db", 0)
                 raise BrokerRefused(
                     f"Redis at {redact(self.url)} has no database {database} ({error}): a "
                     "server has `databases` of them, 16 by default, numbered from 0"
@@ -271,7 +279,7 @@ class RedisBroker:
         where = f"Redis at {redact(self.url)}"
         if isinstance(error, redis.exceptions.NoPermissionError):
             return f"{where} refused a command to this URL's user ({error}): grant it in its ACL"
-        if not parse_url(self.url).get("password"):
+        if not parse_url(seeds.split(self.url)[0]).get("password"):
             return f"{where} requires a password, and the URL gives none ({error})"
         return f"{where} refused the URL's user name or password ({error})"
 
@@ -310,10 +318,42 @@ class RedisBroker:
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
-            payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
-            if not payloads and wait:
+            block = bool(wait)
+            if wait and self.replication.enabled:
+                payloads, block = await self._reserve_replicated(keys, n, wait)
+                registered_at = time.monotonic()
+            else:
+                payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
+            if not payloads and block:
                 payloads = await self._reserve_blocking(key, block_timeout, registered_at)
         return Reservation(key, token, payloads)
+
+    async def _reserve_replicated(
+        self, keys: list[str], n: int, wait: int
+    ) -> tuple[list[bytes], bool]:
+        """Reserve; on an idle queue, register the empty reservation and wait for replicas
+        to have it before blocking: a move into a reservation whose registration a failover
+        took back would leave a list no registry names. Returns the payloads and whether a
+        blocking move may follow (False: the registration was not confirmed)."""
+        payloads = await self.scripts.call("reserve", keys, [n, self._lease, 0])
+        if payloads:
+            return payloads, False
+        payloads, confirmed = await self.scripts.call_replicated(
+            "reserve", keys, [n, self._lease, wait], self.replication
+        )
+        if payloads or self._replicated("reservation", confirmed, 1):
+            return payloads, not payloads
+        await self.client.zrem(self.keys.reservations, keys[2])  # never block on it
+        return [], False
+
+    def _replicated(self, what: str, confirmed: int, count: int) -> bool:
+        """False (logged, counted) when fewer replicas than wanted confirmed a write."""
+        if confirmed >= self.replication.replicas:
+            return True
+        self.unreplicated += count
+        log.warning("%s", NotReplicated(f"{what} of {count} on {self.queue}", confirmed,
+                                        self.replication.replicas))
+        return False
 
     async def _reserve_blocking(
         self, key: str, timeout: float, registered_at: float
@@ -333,6 +373,12 @@ class RedisBroker:
             if not self._no_wait or _cancelling():
                 raise
             return await self._give_back(key)
+        except redis.exceptions.ResponseError as error:
+            if not str(error).startswith("UNBLOCKED"):
+                raise
+            # The master became a replica (CLUSTER FAILOVER) while we waited and let go of
+            # us: nothing moved. Like a timeout; the next call finds the new master.
+            payload = None
         finally:
             self._blocked = None
         if payload is None:
@@ -365,7 +411,15 @@ class RedisBroker:
         """Make the reserved payloads this consumer's deliveries (poison what is malformed)."""
         plan = self._plan_claim(reservation)
         try:
-            reply = await self.scripts.call("claim", plan.keys, plan.args)
+            if self.replication.enabled:
+                # A claim a failover takes back runs its deliveries twice: start none
+                # before a replica has it (its reservation too: replication is in order).
+                reply, confirmed = await self.scripts.call_replicated(
+                    "claim", plan.keys, plan.args, self.replication
+                )
+                self._replicated("claim", confirmed, len(plan.items))
+            else:
+                reply = await self.scripts.call("claim", plan.keys, plan.args)
         except CONNECTION_ERRORS as error:
             # Applied or not, we cannot tell: the next receive runs the claim again.
             self._unresolved.append(plan)
@@ -475,7 +529,14 @@ class RedisBroker:
         keys += markers
         args += envelopes
         try:
-            reply = await self.scripts.call("settle", keys, args)
+            if self.replication.enabled:
+                # A commit a failover takes back is run again: confirm only what a replica has.
+                reply, confirmed = await self.scripts.call_replicated(
+                    "settle", keys, args, self.replication
+                )
+                self._replicated("settlement", confirmed, len(batch))
+            else:
+                reply = await self.scripts.call("settle", keys, args)
         except CONNECTION_ERRORS as error:
             uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {error!r}")
             return [uncertain] * len(batch)
@@ -558,12 +619,16 @@ class RedisBroker:
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         from broker.redis import publish
 
-        return await publish.publish(self.client, self.namespace, queue, payload)
+        return await publish.publish(
+            self.client, self.namespace, queue, payload, self.replication
+        )
 
     async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
         from broker.redis import publish
 
-        return await publish.publish_many(self.client, self.namespace, queue, payloads)
+        return await publish.publish_many(
+            self.client, self.namespace, queue, payloads, self.replication
+        )
 
 
 @contextlib.asynccontextmanager

@@ -23,25 +23,36 @@ from typing import Any
 from broker import envelope
 from broker.base import MAX_BATCH, BrokerError
 from broker.redis.keys import QueueKeys
+from broker.redis.replication import NONE as NO_WAIT
+from broker.redis.replication import NotReplicated, Replication, write_and_wait
 
 
-async def publish(client: Any, namespace: str, queue: str, payload: dict[str, Any]) -> str:
-    """Publish one message; returns its pid once Redis has it."""
-    pid, raw = envelope.build(queue, payload)
-    await client.lpush(QueueKeys(namespace, queue).ready, raw)
+async def publish(
+    client: Any, namespace: str, queue: str, payload: dict[str, Any],
+    replication: Replication = NO_WAIT,
+) -> str:
+    """Publish one message; returns its pid once Redis has it (and, with ``replication``,
+    that many replicas: else ``NotReplicated``)."""
+    [pid] = await publish_many(client, namespace, queue, [payload], replication)
     return pid
 
 
 async def publish_many(
-    client: Any, namespace: str, queue: str, payloads: Sequence[dict[str, Any]]
+    client: Any, namespace: str, queue: str, payloads: Sequence[dict[str, Any]],
+    replication: Replication = NO_WAIT,
 ) -> list[str]:
     """Publish several messages in order (the first is consumed first); returns their pids.
 
-    One round trip: the LPUSHes of 1,000 values each go in one pipeline.
+    One round trip: the LPUSHes of 1,000 values each go in one pipeline. With
+    ``replication``, a WAIT follows them on the same connection, and fewer replicas than
+    asked raise ``NotReplicated``: the messages are on the master, but a failover could
+    still take them back, so the caller must not count them as published (publishing
+    again can store one twice, never lose one).
     """
     built = [envelope.build(queue, payload) for payload in payloads]
     if built:
-        await _push(client, {QueueKeys(namespace, queue).ready: [raw for _, raw in built]})
+        ready = QueueKeys(namespace, queue).ready
+        await _push(client, {ready: [raw for _, raw in built]}, replication)
     return [pid for pid, _ in built]
 
 
@@ -186,8 +197,21 @@ class Publisher:
         self._pending = batch
 
 
-async def _push(client: Any, values_by_key: dict[str, list[bytes]]) -> None:
+async def _push(
+    client: Any, values_by_key: dict[str, list[bytes]], replication: Replication = NO_WAIT
+) -> None:
     """LPUSH each key's values in order, 1,000 per command, all in one round trip."""
+    if replication.enabled:
+        for key, values in values_by_key.items():
+            commands = [("LPUSH", key, *chunk) for _, chunk in _chunks({key: values})]
+            results, confirmed = await write_and_wait(client, key, commands, replication)
+            error = next((r for r in results if isinstance(r, Exception)), None)
+            if error is not None:
+                raise error
+            if confirmed < replication.replicas:
+                raise NotReplicated(f"publish of {len(values)} to {key}", confirmed,
+                                    replication.replicas)
+        return
     pipe = client.pipeline(transaction=False)
     for key, values in _chunks(values_by_key):
         pipe.lpush(key, *values)

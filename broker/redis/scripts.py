@@ -25,12 +25,14 @@ from typing import Any
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
+    NoScriptError,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
 
 from broker.base import BrokerError, WrongTypeError
+from broker.redis.replication import Replication, write_and_wait
 
 #: Cluster errors raised before a script ran (TTL exhausted is a ClusterError): safe to repeat.
 NOT_RUN = (TryAgainError, ClusterDownError, ClusterError, SlotNotCoveredError)
@@ -62,10 +64,32 @@ class Scripts:
         self._client = client
         self._scripts: dict[str, Any] = {}
 
-    async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+    def _script(self, name: str) -> Any:
         script = self._scripts.get(name)
         if script is None:
             script = self._scripts[name] = self._client.register_script(lua_source(name))
+        return script
+
+    async def call_replicated(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], replication: Replication
+    ) -> tuple[Any, int]:
+        """Like ``call``, then WAIT for ``replication.replicas`` on the same connection:
+        the reply and how many replicas acknowledged the script's writes."""
+        script = self._script(name)
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        for _ in range(2):  # a NOSCRIPT reply: load the script, then once more
+            [reply], confirmed = await write_and_wait(
+                self._client, keys[0], [command], replication
+            )
+            if not isinstance(reply, NoScriptError):
+                break
+            await self._client.script_load(script.script)
+        if isinstance(reply, ResponseError):
+            raise translate(name, reply) from reply
+        return reply, confirmed
+
+    async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        script = self._script(name)
         deadline, pause = time.monotonic() + NOT_RUN_PATIENCE, 0.01
         while True:
             try:

@@ -151,7 +151,7 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
     keys = QueueKeys(config.broker.namespace, config.job.queue)
     lines = redis_acl.setuser_lines(
         keys, select=redis_acl.selects_database(config.broker.url), cluster=config.broker.cluster,
-        roles=args.roles or None,
+        roles=args.roles or None, wait=config.broker.wait_replicas > 0,
     )
     where = "on every node of the Cluster" if config.broker.cluster else "with redis-cli"
     print(f"# Redis users of queue {keys.queue} (namespace {keys.namespace}): replace "

@@ -1,0 +1,57 @@
+"""Seed nodes of a Redis Cluster: ``[broker] url`` may list several, comma-separated.
+
+A cluster client needs one reachable node to load the slot map; with one seed, a supervisor
+started while that node is down (killed, failing over, replaced) cannot start at all. So, as
+NATS clients take several server URLs, the URL may name several nodes:
+
+    redis://10.0.0.11:6379/0,redis://10.0.0.12:6379/0,redis://10.0.0.13:6379/0
+
+Each part is a whole URL; credentials, TLS and database are read from the first (a cluster
+has one database and, here, one user for all nodes). Once connected the client learns every
+node from the slot map, so the list only matters for starting and for a full reload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.connection import parse_url
+
+from broker.urls import split_servers
+
+
+def split(url: str) -> list[str]:
+    """The URLs of a comma-separated list (one URL: a list of one)."""
+    return [part for part in split_servers(url) if part]
+
+
+def problem(url: str) -> str | None:
+    """Why a list of seed URLs cannot be used together, or None (each part is checked as a
+    URL on its own elsewhere)."""
+    parts = split(url)
+    schemes = {urlsplit(part).scheme for part in parts}
+    if len(schemes) > 1:
+        return f"mixes schemes {', '.join(sorted(schemes))}; every seed must use the same one"
+    users = {(urlsplit(part).username, urlsplit(part).password) for part in parts}
+    if len(users) > 1:
+        return "gives different credentials per seed; a cluster has one user for all nodes"
+    return None
+
+
+def cluster_client(url: str, **options: Any) -> RedisCluster:
+    """A cluster client that may start from any of the seeds in ``url``."""
+    parts = split(url)
+    if len(parts) == 1:
+        return RedisCluster.from_url(url, **options)
+    settings: dict[str, Any] = {**options, **parse_url(parts[0])}
+    settings.pop("host", None)
+    settings.pop("port", None)
+    if settings.pop("connection_class", None) is not None:  # rediss:// -> SSLConnection
+        settings["ssl"] = True
+    nodes = []
+    for part in parts:
+        parsed = urlsplit(part)
+        nodes.append(ClusterNode(parsed.hostname or "127.0.0.1", parsed.port or 6379))
+    return RedisCluster(startup_nodes=nodes, **settings)
