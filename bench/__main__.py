@@ -205,15 +205,21 @@ def configurations(args, prefetches: list[int], handlers: list[str]):
                     yield coroutines, handler, prefetch
 
 
-def run_redis(args, target: runs.RedisTarget, prefetches: list[int], handlers: list[str],
-              rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+def run_ours(args, target, measure, prefetches: list[int], handlers: list[str],
+             rows: list[dict[str, Any]]) -> None:
+    """Every configuration of ours on one broker (``measure``: runs.supervisor_redis/nats)."""
     for coroutines, handler, prefetch in configurations(args, prefetches, handlers):
-        row = attempt(rows, {"system": "queue-supervisor", "broker": "redis",
+        row = attempt(rows, {"system": "queue-supervisor", "broker": target.broker,
                              "handler": handler, "prefetch": prefetch, "coroutines": coroutines},
-                      lambda p=prefetch, h=handler, c=coroutines: runs.supervisor_redis(
+                      lambda p=prefetch, h=handler, c=coroutines: measure(
                           target, p, args.messages, h, coroutines=c))
         if coroutines == 1:
             with_latency(args, target, row, prefetch, handler)
+
+
+def run_redis(args, target: runs.RedisTarget, prefetches: list[int], handlers: list[str],
+              rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+    run_ours(args, target, runs.supervisor_redis, prefetches, handlers, rows)
     if args.large_history:
         from bench import large_history
 
@@ -269,13 +275,7 @@ def run_redis_peers(args, target: runs.RedisTarget, rows: list[dict[str, Any]]) 
 
 def run_nats(args, run: runs.NatsTargetRun, prefetches: list[int], handlers: list[str],
              rows: list[dict[str, Any]]) -> None:
-    for coroutines, handler, prefetch in configurations(args, prefetches, handlers):
-        row = attempt(rows, {"system": "queue-supervisor", "broker": "nats",
-                             "handler": handler, "prefetch": prefetch, "coroutines": coroutines},
-                      lambda p=prefetch, h=handler, c=coroutines: runs.supervisor_nats(
-                          run, p, args.messages, h, coroutines=c))
-        if coroutines == 1:
-            with_latency(args, run, row, prefetch, handler)
+    run_ours(args, run, runs.supervisor_nats, prefetches, handlers, rows)
     if args.peers:
         def raw_run() -> dict[str, Any]:
             row = runs.peer_nats(run, "raw nats-py", "bench.peer_nats_raw", args.messages,

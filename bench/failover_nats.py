@@ -112,7 +112,7 @@ class Publisher:
 
     async def _one(self, js: Any, n: int) -> None:
         pid, raw = envelope.build(QUEUE, {"n": n})
-        first = time.time()
+        first = time.monotonic()
         self.sent_at[pid] = first
         while True:
             try:
@@ -120,7 +120,7 @@ class Publisher:
                 break
             except Exception:  # no leader, no server: repeat (deduplicated by Nats-Msg-Id)
                 await asyncio.sleep(0.1)
-        self.confirmed[pid] = time.time()
+        self.confirmed[pid] = time.monotonic()
         self.stalls.append((first, self.confirmed[pid] - first))
 
 
@@ -176,8 +176,8 @@ def start_supervisor(workdir: Path, url: str, settings: Settings, handler: str,
         nats={"ack_wait": settings.ack_wait, "replicas": 3},
         supervisor={"lease": settings.lease, "log_level": "warning"},
     )
-    supervisor = Supervisor(config, workdir, "", FAILOVER_LOG=str(log),
-                            FAILOVER_WORK_MS=str(settings.work_ms))
+    supervisor = Supervisor(config, workdir, "", BENCH_RECORD=str(log),
+                            BENCH_WORK_MS=str(settings.work_ms))
     wait_for(lambda: consuming(supervisor), 30, "the supervisor to consume")
     return supervisor
 
@@ -206,7 +206,7 @@ async def failover(scenario: str, settings: Settings) -> Failover:
     try:
         await create_queue(cluster.url, settings)
         supervisor = start_supervisor(workdir, cluster.url, settings,
-                                      "bench.failover_handler:handle", log)
+                                      "bench.record:handle", log)
         publisher = Publisher(cluster.url)
         publishing = asyncio.ensure_future(publisher.run(settings.rate, settings.seconds))
         await asyncio.sleep(settings.kill_at)
@@ -216,7 +216,7 @@ async def failover(scenario: str, settings: Settings) -> Failover:
             result.notes.append("no such server in this cluster's layout: skipped")
             return result
         result.victim, result.roles = victim.name, ", ".join(roles_of(cluster, victim))
-        killed = time.time()
+        killed = time.monotonic()
         victim.stop(signal.SIGTERM if scenario.endswith("_sigterm") else signal.SIGKILL)
         await asyncio.sleep(settings.down)
         victim.start()
