@@ -58,6 +58,7 @@ from broker.base import (
 from broker.redis.keys import QueueKeys
 from broker.redis.placement import check_placement
 from broker.redis.scripts import Scripts
+from broker.redis.wire import Wire
 from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
@@ -216,7 +217,10 @@ class RedisBroker:
         self._blocking = self._new_client(None)
         self._no_wait = False  # stop_waiting() was called: receives never block again
         self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
-        self.scripts = Scripts(self.client)
+        # The scripts of the hot path go over a lean connection of their own (see wire);
+        # a cluster keeps redis-py's client, which follows the slot map.
+        self._wire = None if cluster else Wire(url, self.tls, COMMAND_TIMEOUT, CONNECT_TIMEOUT)
+        self.scripts = Scripts(self.client, self._wire)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
         self._job_prefix = self.keys.job("")
@@ -277,6 +281,8 @@ class RedisBroker:
         return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         await self._blocking.aclose()
         await self.client.aclose()
 

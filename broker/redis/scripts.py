@@ -16,6 +16,7 @@ Scripts report a bad key type or counter with an error reply that starts with ``
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -31,6 +32,7 @@ from redis.exceptions import (
 )
 
 from broker.base import BrokerError, WrongTypeError
+from broker.redis.wire import Wire
 
 #: Cluster errors raised before a script ran (TTL exhausted is a ClusterError): safe to repeat.
 NOT_RUN = (TryAgainError, ClusterDownError, ClusterError, SlotNotCoveredError)
@@ -56,13 +58,18 @@ def lua_source(name: str) -> str:
 
 
 class Scripts:
-    """Named scripts bound to one redis-py asyncio client (plain or cluster)."""
+    """Named scripts bound to one redis-py asyncio client (plain or cluster), or, on a plain
+    Redis, to a ``Wire`` (the lean connection of the hot path)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, wire: Wire | None = None) -> None:
         self._client = client
+        self._wire = wire
         self._scripts: dict[str, Any] = {}
+        self._shas: dict[str, str] = {}
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        if self._wire is not None:
+            return await self._call_on_wire(self._wire, name, keys, args)
         script = self._scripts.get(name)
         if script is None:
             script = self._scripts[name] = self._client.register_script(lua_source(name))
@@ -77,6 +84,25 @@ class Scripts:
                 raise translate(name, error) from error
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)
+
+
+    async def _call_on_wire(
+        self, wire: Wire, name: str, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
+        sha = self._shas.get(name)
+        if sha is None:
+            sha = self._shas[name] = hashlib.sha1(lua_source(name).encode()).hexdigest()
+        try:
+            try:
+                return await wire.call("EVALSHA", sha, len(keys), *keys, *args)
+            except ResponseError as error:
+                if not str(error).startswith("NOSCRIPT"):
+                    raise
+            # Answered before the script ran: load it and run it now, exactly once.
+            await wire.call("SCRIPT", "LOAD", lua_source(name))
+            return await wire.call("EVALSHA", sha, len(keys), *keys, *args)
+        except ResponseError as error:
+            raise translate(name, error) from error
 
 
 def translate(name: str, error: ResponseError) -> BrokerError:
