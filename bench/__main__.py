@@ -84,9 +84,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefetch", default="1,8,32,100",
                         help="comma-separated prefetch values (default 1,8,32,100)")
     parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--coroutines", default="1",
+                        help="comma-separated handler process counts (default 1); each "
+                             "configuration runs with each, in this order")
     parser.add_argument("--handlers", default="noop,stats-usage",
                         help="comma-separated: noop, stats-usage (on the embedded ClickHouse "
-                             "engine), stats-usage-sqlite (default noop,stats-usage)")
+                             "engine), stats-usage-sqlite, sleep-1ms (a 1 ms sleep) "
+                             "(default noop,stats-usage)")
     parser.add_argument("--url", action="append", default=[],
                         help="use this server instead of a private one (redis://, nats://); "
                              "may be given once per broker")
@@ -174,7 +178,7 @@ def attempt(rows: list[dict[str, Any]], what: dict[str, Any], call) -> dict[str,
 
 
 def with_latency(args, target, row: dict[str, Any] | None, prefetch: int, handler: str) -> None:
-    if row is None or args.latency_load <= 0:
+    if row is None or args.latency_load <= 0 or handler not in runs.LATENCY_HANDLERS:
         return
     rate = max(100.0, row["jobs_per_s"] * args.latency_load)
     try:
@@ -191,13 +195,16 @@ def with_latency(args, target, row: dict[str, Any] | None, prefetch: int, handle
 
 def run_redis(args, target: runs.RedisTarget, prefetches: list[int], handlers: list[str],
               rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
-    for handler in handlers:
-        for prefetch in prefetches:
-            row = attempt(rows, {"system": "queue-supervisor", "broker": "redis",
-                                 "handler": handler, "prefetch": prefetch},
-                          lambda p=prefetch, h=handler: runs.supervisor_redis(
-                              target, p, args.messages, h))
-            with_latency(args, target, row, prefetch, handler)
+    for coroutines in args.coroutine_counts:
+        for handler in handlers:
+            for prefetch in prefetches:
+                row = attempt(rows, {"system": "queue-supervisor", "broker": "redis",
+                                     "handler": handler, "prefetch": prefetch,
+                                     "coroutines": coroutines},
+                              lambda p=prefetch, h=handler, c=coroutines: runs.supervisor_redis(
+                                  target, p, args.messages, h, coroutines=c))
+                if coroutines == 1:
+                    with_latency(args, target, row, prefetch, handler)
     if args.large_history:
         from bench import large_history
 
@@ -253,13 +260,16 @@ def run_redis_peers(args, target: runs.RedisTarget, rows: list[dict[str, Any]]) 
 
 def run_nats(args, run: runs.NatsTargetRun, prefetches: list[int], handlers: list[str],
              rows: list[dict[str, Any]]) -> None:
-    for handler in handlers:
-        for prefetch in prefetches:
-            row = attempt(rows, {"system": "queue-supervisor", "broker": "nats",
-                                 "handler": handler, "prefetch": prefetch},
-                          lambda p=prefetch, h=handler: runs.supervisor_nats(
-                              run, p, args.messages, h))
-            with_latency(args, run, row, prefetch, handler)
+    for coroutines in args.coroutine_counts:
+        for handler in handlers:
+            for prefetch in prefetches:
+                row = attempt(rows, {"system": "queue-supervisor", "broker": "nats",
+                                     "handler": handler, "prefetch": prefetch,
+                                     "coroutines": coroutines},
+                              lambda p=prefetch, h=handler, c=coroutines: runs.supervisor_nats(
+                                  run, p, args.messages, h, coroutines=c))
+                if coroutines == 1:
+                    with_latency(args, run, row, prefetch, handler)
     if args.peers:
         def raw_run() -> dict[str, Any]:
             row = runs.peer_nats(run, "raw nats-py", "bench.peer_nats_raw", args.messages,
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     prefetches = [int(p) for p in args.prefetch.split(",") if p.strip()]
     handlers = [h.strip() for h in args.handlers.split(",") if h.strip()]
+    args.coroutine_counts = [int(c) for c in args.coroutines.split(",") if c.strip()]
     unknown = set(handlers) - set(runs.HANDLERS)
     if unknown:
         print(f"error: unknown handler(s) {sorted(unknown)}; use {', '.join(runs.HANDLERS)}",
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch": prefetches, "messages": args.messages, "runs": rows,
         "busy_at_start": busy, "method": METHOD,
         "settings": (f"{args.messages:,} messages per configuration, median of {REPEAT} "
-                     f"run(s); coroutines 1; "
+                     f"run(s); coroutines {args.coroutines} (handler processes); "
                      f"Redis appendonly {args.redis_aof}; NATS JetStream file storage "
                      f"(work-queue stream, explicit ack); latency publish rate = "
                      f"{args.latency_load:g} x the configuration's jobs/s for "

@@ -47,7 +47,7 @@ from broker.redis.keys import QueueKeys
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 STAGING = f"{KEYS.ready}.staging"
 HANDLERS = {"noop": "examples.noop:handle", "stats-usage": "examples.stats_usage:handle",
-            "stats-usage-sqlite": "examples.stats_usage:handle"}
+            "stats-usage-sqlite": "examples.stats_usage:handle", "sleep-1ms": "bench.slow:handle"}
 LATENCY_HANDLERS = {"noop": "bench.latency:handle", "stats-usage": "bench.latency_usage:handle",
                     "stats-usage-sqlite": "bench.latency_usage:handle"}
 #: The stats-usage store per handler: the embedded ClickHouse engine (the default) or SQLite.
@@ -91,12 +91,12 @@ class NatsTargetRun:
 METRICS = False
 
 
-def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: int = 0
-             ) -> Path:
+def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: int = 0,
+             coroutines: int = 1) -> Path:
     config = folder / "bench.toml"
     text = (
         f'[broker]\nurl = "{url}"\nnamespace = "{NAMESPACE}"\n'
-        f'[job]\nqueue = "{QUEUE}"\nhandler = "{handler}"\ncoroutines = 1\n'
+        f'[job]\nqueue = "{QUEUE}"\nhandler = "{handler}"\ncoroutines = {coroutines}\n'
         f"prefetch = {prefetch}\nmax_attempts = {nats_side.MAX_ATTEMPTS}\n"
         f'[supervisor]\nlog_level = "warning"\nmetrics_port = {metrics_port}\n'
     )
@@ -169,7 +169,7 @@ def _figures(jobs: int, seconds: float, client_cpu: float | None, server: dict[s
 
 
 def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler: str,
-                     history: bool = False) -> dict[str, Any]:
+                     history: bool = False, coroutines: int = 1) -> dict[str, Any]:
     client = target.client
     client.flushdb()
     if history:
@@ -180,7 +180,8 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
         own = OwnCounters()
-        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port)
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
+                          coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
         try:
             wait_until_title(child.pid, "running")
@@ -207,7 +208,8 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
     claimed = int(client.get(KEYS.stat("total")) or 0)
     result.update(
         broker="redis", system="queue-supervisor", handler=handler, prefetch=prefetch,
-        history=history, supervisor_us_per_job=per_job(root_cpu, messages, 1e6),
+        coroutines=coroutines, history=history,
+        supervisor_us_per_job=per_job(root_cpu, messages, 1e6),
         batch_fill=per_job(messages, server["claim_calls"] or 0),
         reserve_calls=server["reserve_calls"], settle_fill=per_job(messages,
                                                                    server["settle_calls"] or 0),
@@ -220,14 +222,15 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
     return result
 
 
-def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: str
-                    ) -> dict[str, Any]:
+def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: str,
+                    coroutines: int = 1) -> dict[str, Any]:
     target = run.target
     run.control.prepare(messages)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
         own = OwnCounters()
-        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port)
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
+                          coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
         try:
             wait_until_title(child.pid, "running")
@@ -253,7 +256,8 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
     consumer = nats_side.consumer_state(target)
     result.update(
         broker="nats", system="queue-supervisor", handler=handler, prefetch=prefetch,
-        history=False, supervisor_us_per_job=per_job(root_cpu, jobs, 1e6),
+        coroutines=coroutines, history=False,
+        supervisor_us_per_job=per_job(root_cpu, jobs, 1e6),
         batch_fill=_nats_fill(jobs, server),
         rss_supervisor_mib=rss_supervisor, rss_children_mib=rss_children,
         redeliveries=consumer.get("num_redelivered"), failed=None, **own_figures,
