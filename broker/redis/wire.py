@@ -7,9 +7,10 @@ behind another. Here a command is packed by hiredis in one call, written straigh
 transport, and its reply parsed by hiredis as the bytes arrive, into the caller's future.
 Commands from several tasks share the connection, pipelined: replies come back in order.
 
-Nothing is ever sent twice. A lost connection (or a reply later than ``timeout``) fails every
-command in flight with redis-py's ConnectionError or TimeoutError, as redis-py would (the
-broker treats those as "applied or not, unknown"); the next call opens a new connection.
+Nothing is ever sent twice. A lost connection (or a reply later than ``timeout``, give or take
+a quarter of it) fails every command in flight with redis-py's ConnectionError or
+TimeoutError, as redis-py would (the broker treats those as "applied or not, unknown"); the
+next call opens a new connection.
 A plain Redis only: a Redis Cluster keeps redis-py's client, which follows redirections.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,16 +30,24 @@ from broker.tls import TlsSettings
 
 
 class _Replies(asyncio.Protocol):
-    """One connection: every command's future, in the order the replies will come."""
+    """One connection: every command's future, in the order the replies will come.
 
-    def __init__(self) -> None:
+    The reply timeout is kept by one watchdog per connection, not a timer per command: it
+    wakes every ``timeout / 4`` while commands wait and drops the connection once the
+    oldest has waited longer than ``timeout``.
+    """
+
+    def __init__(self, timeout: float) -> None:
         self._reader = hiredis.Reader(
             protocolError=redis.exceptions.InvalidResponse,
             replyError=redis.exceptions.ResponseError,
         )
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._sent_at: collections.deque[float] = collections.deque()  # one per waiting
         self._transport: Any = None  # uvloop's transports are not asyncio.Transport
         self._loop = asyncio.get_running_loop()
+        self._timeout = timeout
+        self._watchdog: asyncio.TimerHandle | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -49,6 +59,7 @@ class _Replies(asyncio.Protocol):
         try:
             while (reply := reader.gets()) is not False:
                 future = waiting.popleft()
+                self._sent_at.popleft()
                 if not future.done():  # its caller gave up (cancelled): the reply is dropped
                     future.set_result(reply)
         except (redis.exceptions.InvalidResponse, IndexError) as error:
@@ -64,17 +75,33 @@ class _Replies(asyncio.Protocol):
             raise redis.exceptions.ConnectionError("Connection closed.")
         future = self._loop.create_future()
         self._waiting.append(future)
+        self._sent_at.append(time.monotonic())
+        if self._watchdog is None:
+            self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
         self._transport.write(packed)
         return future
 
-    def abort(self, reason: str) -> None:
+    def _watch(self) -> None:
+        self._watchdog = None
+        if self.closed or not self._sent_at:
+            return  # idle: the next send arms it again
+        if time.monotonic() - self._sent_at[0] > self._timeout:
+            self.abort("timeout", redis.exceptions.TimeoutError("Timeout reading from socket"))
+            return
+        self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
+
+    def abort(self, reason: str, error: Exception | None = None) -> None:
         """Drop the connection: the order of replies can no longer be trusted."""
         self.closed = True
-        self._fail(redis.exceptions.ConnectionError(reason))
+        self._fail(error or redis.exceptions.ConnectionError(reason))
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._transport is not None:
             self._transport.abort()
 
     def _fail(self, error: Exception) -> None:
+        self._sent_at.clear()
         while self._waiting:
             future = self._waiting.popleft()
             if not future.done():
@@ -99,13 +126,7 @@ class Wire:
         replies = self._replies
         if replies is None or replies.closed:
             replies = await self._connect()
-        future = replies.send(hiredis.pack_command(args))
-        try:
-            async with asyncio.timeout(self._timeout):
-                reply = await future
-        except TimeoutError:
-            replies.abort("timeout")
-            raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+        reply = await replies.send(hiredis.pack_command(args))
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
         return reply
@@ -129,15 +150,18 @@ class Wire:
         loop = asyncio.get_running_loop()
         options = self._options
         if options.get("path"):
-            _, replies = await loop.create_unix_connection(_Replies, options["path"])
+            _, replies = await loop.create_unix_connection(self._protocol, options["path"])
             return replies
         host = options.get("host") or "localhost"
         ssl = self._tls.context() if self._tls is not None else None
         _, replies = await loop.create_connection(
-            _Replies, host, options.get("port") or 6379, ssl=ssl,
+            self._protocol, host, options.get("port") or 6379, ssl=ssl,
             server_hostname=host if ssl is not None else None,
         )
         return replies
+
+    def _protocol(self) -> _Replies:
+        return _Replies(self._timeout)
 
     async def _hello(self, replies: _Replies) -> None:
         """AUTH and SELECT as redis-py does them for the same URL."""
