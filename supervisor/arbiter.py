@@ -256,13 +256,21 @@ class Arbiter:
         if not ready or not self.buffer.waiting or self.stopping:
             return
         depth = -(-self.buffer.prefetch // len(self.slots))  # fair share per handler
-        plan: dict[Slot, list[Entry]] = {}
-        while self.buffer.waiting:
-            slot = min(ready, key=lambda s: s.load + len(plan.get(s, ())))
-            if slot.load + len(plan.get(slot, ())) >= depth:
+        # Each next delivery to the least loaded ready handler (the first on a tie), up to
+        # its share; with one handler that is one slice, not a choice per delivery.
+        loads = {slot: slot.load for slot in ready}
+        plan: dict[Slot, list[Entry]] = {slot: [] for slot in ready}
+        waiting = self.buffer.waiting
+        while waiting:
+            slot = min(loads, key=loads.__getitem__) if len(loads) > 1 else ready[0]
+            take = min(depth - loads[slot], len(waiting) if len(loads) == 1 else 1)
+            if take <= 0:
                 break
-            plan.setdefault(slot, []).append(self.buffer.waiting.popleft())
+            plan[slot] += [waiting.popleft() for _ in range(take)]
+            loads[slot] += take
         for slot, entries in plan.items():
+            if not entries:
+                continue
             records = [
                 protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts)
                 for e in entries
