@@ -163,15 +163,22 @@ def _loads(raw: bytes) -> tuple[Any, frozenset[str]]:
         len(run) > 19 or run > _INT64_MAX_DIGITS for run in _LONG_DIGITS.findall(raw)
     ):
         try:
-            return _orjson_loads(raw), frozenset()
+            if len(raw) <= _SHALLOW_BYTES:  # too short to nest too deep: the usual case
+                return orjson.loads(raw), _NO_WIDE
+            return _orjson_loads(raw), _NO_WIDE
         except orjson.JSONDecodeError:
             pass
     return _loads_like_php(raw)
 
 
+_NO_WIDE: frozenset[str] = frozenset()
+#: A document this short cannot open MAX_NESTING + 1 levels and close them again.
+_SHALLOW_BYTES = 2 * MAX_NESTING
+
+
 def _orjson_loads(raw: bytes) -> Any:
     # Deeper nesting needs MAX_NESTING + 1 opening brackets and as many closing ones.
-    if len(raw) <= 2 * MAX_NESTING or raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
+    if len(raw) <= _SHALLOW_BYTES or raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
         return orjson.loads(raw)
     # orjson refuses more than 1024 nested levels: inside _PAD arrays, that is PHP's 511.
     # (Walking the result instead would cost a millisecond on a payload of many objects.)
