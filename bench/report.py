@@ -26,7 +26,8 @@ def _latency(row: dict[str, Any]) -> str:
 COLUMNS = (
     ("system", "system", lambda r: r["system"]),
     ("broker", "broker", lambda r: r["broker"]),
-    ("handler", "handler", lambda r: r["handler"] + (" +history" if r.get("history") else "")),
+    ("handler", "handler", lambda r: r["handler"] + (" +history" if r.get("history") else "")
+     + (f" x{r['coroutines']}" if r.get("coroutines", 1) > 1 else "")),
     ("prefetch", "prefetch", lambda r: _num(r.get("prefetch"))),
     ("coroutines", "coroutines", lambda r: _num(r.get("coroutines"))),
     ("jobs/s", "jobs_per_s", lambda r: _num(r.get("jobs_per_s"))),

@@ -180,7 +180,8 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
         own = OwnCounters()
-        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port, coroutines)
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
+                          coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
         try:
             wait_until_title(child.pid, "running")
@@ -228,7 +229,8 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
         own = OwnCounters()
-        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port, coroutines)
+        config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
+                          coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
         try:
             wait_until_title(child.pid, "running")

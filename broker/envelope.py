@@ -105,6 +105,16 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
         raise MalformedEnvelope("empty message")
     if max_bytes is not None and len(raw) > max_bytes:
         raise MalformedEnvelope(f"envelope of {len(raw)} bytes exceeds {max_bytes}")
+    # What producers write, inline (it runs for every message, twice): a short document
+    # with no run of 19 digits, which orjson reads as PHP does, and fields that need no
+    # cast or coercion.
+    if len(raw) <= _SHALLOW_BYTES and _NINETEEN_DIGITS not in raw.translate(_DIGITS_AS_ZERO):
+        try:
+            envelope = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            envelope = None
+        if type(envelope) is dict and _plain(envelope):
+            return envelope
     envelope, wide = _loads(raw)
     if type(envelope) is dict and _plain(envelope):
         return envelope  # what producers write: no cast or coercion to make
@@ -163,15 +173,22 @@ def _loads(raw: bytes) -> tuple[Any, frozenset[str]]:
         len(run) > 19 or run > _INT64_MAX_DIGITS for run in _LONG_DIGITS.findall(raw)
     ):
         try:
-            return _orjson_loads(raw), frozenset()
+            if len(raw) <= _SHALLOW_BYTES:  # too short to nest too deep: the usual case
+                return orjson.loads(raw), _NO_WIDE
+            return _orjson_loads(raw), _NO_WIDE
         except orjson.JSONDecodeError:
             pass
     return _loads_like_php(raw)
 
 
+_NO_WIDE: frozenset[str] = frozenset()
+#: A document this short cannot open MAX_NESTING + 1 levels and close them again.
+_SHALLOW_BYTES = 2 * MAX_NESTING
+
+
 def _orjson_loads(raw: bytes) -> Any:
     # Deeper nesting needs MAX_NESTING + 1 opening brackets and as many closing ones.
-    if len(raw) <= 2 * MAX_NESTING or raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
+    if len(raw) <= _SHALLOW_BYTES or raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
         return orjson.loads(raw)
     # orjson refuses more than 1024 nested levels: inside _PAD arrays, that is PHP's 511.
     # (Walking the result instead would cost a millisecond on a payload of many objects.)

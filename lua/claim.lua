@@ -27,7 +27,11 @@
 -- ARGV[1]   lease                   seconds (the claim keys' expiry)
 -- ARGV[2]   token                   32 hex: the reservation's token, the owner of all
 -- ARGV[3]   n                       payloads expected in the reservation (<= 1000)
--- ARGV[3+2i], ARGV[4+2i]            payload i (in the order taken): 'g' or 'p', pid
+-- ARGV[4]   kinds                   n characters, payload i (in the order taken) is
+--                                   'g' (good) or 'p' (poison)
+-- ARGV[5]   pid offset              length of the jobs keys' common prefix: a good
+--                                   payload's pid is its jobs key after it
+-- (The pids are read from the jobs keys, not sent again: nothing is built from them.)
 --
 -- Returns {'expired', moved}, 'mismatch', or n results: 'ok', 'deferred' or 'poison'.
 
@@ -51,21 +55,19 @@ local function bad_counter(key)
 end
 
 local registry, reservation, ready, processing = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local n = tonumber(ARGV[3])
+local n, kinds, offset = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 local goods = (#KEYS - 7) / 3
-if not n or n > 1000 or #ARGV ~= 3 + 2 * n or goods ~= math.floor(goods) then
-  return redis.error_reply('QSARG claim needs 2 arguments per payload, at most 1000')
+if not n or n > 1000 or #ARGV ~= 5 or not kinds or #kinds ~= n or not offset
+    or string.find(kinds, '[^gp]') or goods ~= math.floor(goods) then
+  return redis.error_reply('QSARG claim needs a kind per payload (g or p), at most 1000')
 end
 
 local err = wrong_type(registry, 'zset') or wrong_type(reservation, 'list')
   or wrong_type(ready, 'list') or wrong_type(processing, 'list') or wrong_type(KEYS[5], 'list')
   or bad_counter(KEYS[6]) or bad_counter(KEYS[7])
 if err then return err end
-local good_args = 0
-for i = 1, n do
-  if ARGV[2 + 2 * i] == 'g' then good_args = good_args + 1 end
-end
-if good_args ~= goods then
+local _, good_kinds = string.gsub(kinds, 'g', 'g')
+if good_kinds ~= goods then
   return redis.error_reply('QSARG claim needs jobs, claims and owners keys per good payload')
 end
 
@@ -95,24 +97,29 @@ if goods > 0 then
 end
 
 local results, records, pids, poisoned, deferred = {}, {}, {}, {}, {}
+local nrecords, npids = 0, 0
 local token, lease = ARGV[2], ARGV[1]
 local g = 0
 for i = 1, n do
   local raw = stored[n + 1 - i]  -- the list holds the most recently taken at its head
-  if ARGV[2 + 2 * i] == 'g' then
+  if string.byte(kinds, i) == 103 then  -- 'g'
     g = g + 1
-    local owner_key = KEYS[7 + 3 * g]
+    local at = 4 + 3 * g
+    local owner_key = KEYS[at + 3]
     if owned[owner_key] then
       deferred[#deferred + 1] = raw
       results[i] = 'deferred'
     else
       owned[owner_key] = true
-      records[#records + 1] = KEYS[5 + 3 * g]
-      records[#records + 1] = raw
-      records[#records + 1] = owner_key
-      records[#records + 1] = token
-      redis.call('SETEX', KEYS[6 + 3 * g], lease, token)
-      pids[#pids + 1] = ARGV[3 + 2 * i]
+      local job_key = KEYS[at + 1]
+      records[nrecords + 1] = job_key
+      records[nrecords + 2] = raw
+      records[nrecords + 3] = owner_key
+      records[nrecords + 4] = token
+      nrecords = nrecords + 4
+      redis.call('SETEX', KEYS[at + 2], lease, token)
+      npids = npids + 1
+      pids[npids] = string.sub(job_key, offset + 1)
       results[i] = 'ok'
     end
   else
@@ -120,11 +127,11 @@ for i = 1, n do
     results[i] = 'poison'
   end
 end
-if #pids > 0 then
+if npids > 0 then
   redis.call('MSET', unpack(records))
   redis.call('LPUSH', processing, unpack(pids))
-  redis.call('INCRBY', KEYS[6], #pids)
-  redis.call('INCRBY', KEYS[7], #pids)
+  redis.call('INCRBY', KEYS[6], npids)
+  redis.call('INCRBY', KEYS[7], npids)
 end
 if #poisoned > 0 then redis.call('LPUSH', KEYS[5], unpack(poisoned)) end
 if #deferred > 0 then redis.call('LPUSH', ready, unpack(deferred)) end

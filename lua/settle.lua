@@ -27,8 +27,11 @@
 -- KEYS[6+3n+m]                      the m-th keyed item's marker {ns}.pending.{q}.{hex key}
 -- ARGV[1]   job_ttl                 seconds a rejected job record is kept; 0 = forever
 -- ARGV[2]   n                       items (<= 1000)
--- ARGV[3i..2+3i]                    item i: op (upper case: a keyed message), token, pid
--- ARGV[3+3n+r]                      the new envelope of the r-th retry ('r' or 'R')
+-- ARGV[3]   ops                     n characters, item i's op (upper case: a keyed message)
+-- ARGV[4]   pid offset              length of the jobs keys' common prefix: an item's pid
+--                                   is its jobs key after it (read, not sent again)
+-- ARGV[4+i]                         item i: the owner token it was claimed with
+-- ARGV[4+n+r]                       the new envelope of the r-th retry ('r' or 'R')
 --
 -- Returns an array of n results: 'ok', 'stale' or 'missing'.
 
@@ -51,25 +54,23 @@ local function bad_counter(key)
   end
 end
 
-local OPS = {c = true, r = true, f = true, l = true}
+-- Op characters by byte: the op in lower case, and whether a marker key follows.
+local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l',
+             [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l'}
 local ready, processing, failed = KEYS[1], KEYS[2], KEYS[3]
-local n, job_ttl = tonumber(ARGV[2]), tonumber(ARGV[1])
-if not n or n > 1000 or not job_ttl or #ARGV < 2 + 3 * n then
-  return redis.error_reply('QSARG settle needs a job_ttl, a count and 3 arguments per item')
+local n, job_ttl, ops, offset = tonumber(ARGV[2]), tonumber(ARGV[1]), ARGV[3], tonumber(ARGV[4])
+if not n or n > 1000 or not job_ttl or not offset or not ops or #ops ~= n then
+  return redis.error_reply('QSARG settle needs a job_ttl, a count, an op per item and a '
+    .. 'pid offset')
 end
-local keyed, retries = 0, 0
-for i = 1, n do
-  local op = ARGV[3 * i]
-  local lower = string.lower(op)
-  if not OPS[lower] then
-    return redis.error_reply('QSARG settle op must be c, r, f or l, not ' .. tostring(op))
-  end
-  if op ~= lower then keyed = keyed + 1 end
-  if lower == 'r' then retries = retries + 1 end
+if string.find(ops, '[^crflCRFL]') then
+  return redis.error_reply('QSARG settle ops must be c, r, f or l, not ' .. ops)
 end
-if #KEYS ~= 6 + 3 * n + keyed or #ARGV ~= 2 + 3 * n + retries then
-  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed) per item and an envelope '
-    .. 'per retry, at most 1000 items')
+local _, keyed = string.gsub(ops, '%u', '')
+local _, retries = string.gsub(ops, '[rR]', '')
+if #KEYS ~= 6 + 3 * n + keyed or #ARGV ~= 4 + n + retries then
+  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed) and a token per item and '
+    .. 'an envelope per retry, at most 1000 items')
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(processing, 'list')
@@ -93,62 +94,71 @@ local owners = redis.call('MGET', unpack(owner_keys))
 -- list keeps a legacy history at its tail, so there every pid is removed by LREM from the
 -- head.
 local length = redis.call('LLEN', processing)
-local from, window, in_window, taken = 1, {}, {}, {}
+local from, window, in_window, taken, any_taken = 1, {}, {}, {}, false
 if length <= 1000 then
   from = -1
   window = redis.call('LRANGE', processing, -(16 * n + 16), -1)
   for _, entry in ipairs(window) do in_window[entry] = (in_window[entry] or 0) + 1 end
 end
 
--- Takes pid out of processing (from the window if it is there); false if it is not there.
-local function remove(pid)
-  if (in_window[pid] or 0) > 0 then
-    in_window[pid] = in_window[pid] - 1
-    taken[pid] = (taken[pid] or 0) + 1
-    return true
-  end
-  return redis.call('LREM', processing, from, pid) > 0
-end
-
 local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
+local ndoomed, nrequeued, nreleased, nrejected = 0, 0, 0, 0
 local commits, failures, applied, settled, markers, retried = 0, 0, 0, {}, 0, 0
 for i = 1, n do
-  local op, token, pid = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
-  local claim, job, owner = KEYS[4 + 3 * i], KEYS[5 + 3 * i], KEYS[6 + 3 * i]
+  local code = string.byte(ops, i)
+  local op, token = OPS[code], ARGV[4 + i]
+  local at = 3 + 3 * i
+  local claim, job, owner = KEYS[at + 1], KEYS[at + 2], KEYS[at + 3]
   local marker_at = 0  -- the index in KEYS of this item's marker (0: not keyed)
-  local lower = string.lower(op)
-  if op ~= lower then
+  if code < 97 then  -- upper case: keyed
     markers = markers + 1
     marker_at = 6 + 3 * n + markers
-    op = lower
   end
   local envelope_at = 0
   if op == 'r' then
     retried = retried + 1
-    envelope_at = 2 + 3 * n + retried
+    envelope_at = 4 + n + retried
   end
   local result = 'stale'
   if owners[i] == token and not settled[owner] then
     local record = nil
     if op == 'f' or op == 'l' then record = redis.call('MGET', job)[1] end
+    local pid = string.sub(job, offset + 1)
+    local removed = false
     if not record and (op == 'f' or op == 'l') then
       result = 'missing'
-    elseif remove(pid) then
+    else
+      local left = in_window[pid]
+      if left and left > 0 then
+        in_window[pid] = left - 1
+        taken[pid] = (taken[pid] or 0) + 1
+        any_taken = true
+        removed = true
+      else
+        removed = redis.call('LREM', processing, from, pid) > 0
+      end
+    end
+    if removed then
       result = 'ok'
       applied = applied + 1
       settled[owner] = true
-      doomed[#doomed + 1] = claim
-      doomed[#doomed + 1] = owner
+      doomed[ndoomed + 1] = claim
+      doomed[ndoomed + 2] = owner
+      ndoomed = ndoomed + 2
       if op == 'f' then
-        rejected[#rejected + 1] = pid
+        nrejected = nrejected + 1
+        rejected[nrejected] = pid
         if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
         failures = failures + 1
       else
-        doomed[#doomed + 1] = job
+        ndoomed = ndoomed + 1
+        doomed[ndoomed] = job
         if op == 'l' then
-          released[#released + 1] = record
+          nreleased = nreleased + 1
+          released[nreleased] = record
         elseif op == 'r' then
-          requeued[#requeued + 1] = ARGV[envelope_at]
+          nrequeued = nrequeued + 1
+          requeued[nrequeued] = ARGV[envelope_at]
           failures = failures + 1
         else
           commits = commits + 1
@@ -156,14 +166,15 @@ for i = 1, n do
       end
       if marker_at > 0 and (op == 'c' or op == 'f')
           and redis.call('MGET', KEYS[marker_at])[1] == pid then
-        doomed[#doomed + 1] = KEYS[marker_at]
+        ndoomed = ndoomed + 1
+        doomed[ndoomed] = KEYS[marker_at]
       end
     end
   end
   results[i] = result
 end
 
-if next(taken) then
+if any_taken then
   -- Rewrite the tail window without the entries taken: per removal the occurrence nearest
   -- the tail, as LREM from the tail would take it.
   local keep = {}
@@ -177,20 +188,23 @@ if next(taken) then
   end
   local first = 1  -- the entry taken nearest the head: only from there on is rewritten
   while keep[first] do first = first + 1 end
-  local kept = {}
+  local kept, nkept = {}, 0
   for k = first, #window do
-    if keep[k] then kept[#kept + 1] = window[k] end
+    if keep[k] then
+      nkept = nkept + 1
+      kept[nkept] = window[k]
+    end
   end
   redis.call('LTRIM', processing, 0, -(#window - first + 2))
-  if #kept > 0 then redis.call('RPUSH', processing, unpack(kept)) end
+  if nkept > 0 then redis.call('RPUSH', processing, unpack(kept)) end
 end
-if #doomed > 0 then redis.call('DEL', unpack(doomed)) end
+if ndoomed > 0 then redis.call('DEL', unpack(doomed)) end
 
-if #rejected > 0 then redis.call('LPUSH', failed, unpack(rejected)) end
-if #requeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
-if #released > 0 then
+if nrejected > 0 then redis.call('LPUSH', failed, unpack(rejected)) end
+if nrequeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
+if nreleased > 0 then
   local reversed = {}
-  for k = #released, 1, -1 do reversed[#reversed + 1] = released[k] end
+  for k = nreleased, 1, -1 do reversed[#reversed + 1] = released[k] end
   redis.call('RPUSH', ready, unpack(reversed))
 end
 if commits > 0 then redis.call('INCRBY', KEYS[5], commits) end

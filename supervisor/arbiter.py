@@ -278,13 +278,19 @@ class Arbiter:
         depth = -(-buffer.prefetch // len(self.slots))  # fair share per handler
         share = {slot: buffer.load(slot.index) for slot in ready}
         plan: dict[Slot, int] = {}
-        for _ in range(len(buffer.waiting)):
-            slot = min(ready, key=share.__getitem__)
-            if share[slot] >= depth:
-                break
-            share[slot] += 1
-            plan[slot] = plan.get(slot, 0) + 1
+        if len(ready) == 1:  # one slice, not a choice per delivery
+            [slot] = ready
+            plan[slot] = max(0, min(depth - share[slot], len(buffer.waiting)))
+        else:  # each next delivery to the least loaded (the first on a tie), up to its share
+            for _ in range(len(buffer.waiting)):
+                slot = min(ready, key=share.__getitem__)
+                if share[slot] >= depth:
+                    break
+                share[slot] += 1
+                plan[slot] = plan.get(slot, 0) + 1
         for slot, count in plan.items():
+            if not count:
+                continue
             entries = buffer.next_waiting(count)
             records = [
                 protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts)

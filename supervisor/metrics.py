@@ -67,7 +67,8 @@ class Metrics:
 
     def settled(self, action: Action | str, n: int = 1) -> None:
         """``n`` settlements of ``action`` (commit, reject, release) were confirmed."""
-        action = Action(action)
+        if action.__class__ is not Action:  # Action(member) costs an enum lookup per job
+            action = Action(action)
         self.counts[action.value] += n
         if action is not Action.RELEASE:
             self.throughput.add(n)

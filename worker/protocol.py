@@ -41,7 +41,10 @@ MAX_ERROR_BYTES = 4096
 
 _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
+_DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
 _TEXT_KINDS = (FAILED, INIT_FAILED)
+#: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
+_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD))
 
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
@@ -63,12 +66,10 @@ def text_data(data: object) -> str:
 def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
     """Raises ValueError for attempts outside signed 64-bit (``decode`` never yields one)."""
     if attempts is None:
-        body = _ATTEMPTS.pack(0, 0)
-    elif -(2**63) <= attempts < 2**63:
-        body = _ATTEMPTS.pack(1, attempts)
-    else:
-        raise ValueError(f"attempts {attempts} is outside the signed 64-bit range")
-    return _HEAD.pack(DELIVER, delivery_id) + body + raw
+        return _DELIVER_HEAD.pack(DELIVER, delivery_id, 0, 0) + raw
+    if -(2**63) <= attempts < 2**63:
+        return _DELIVER_HEAD.pack(DELIVER, delivery_id, 1, attempts) + raw
+    raise ValueError(f"attempts {attempts} is outside the signed 64-bit range")
 
 
 def encode_confirm(delivery_id: int, committed: bool) -> bytes:
@@ -115,6 +116,8 @@ def decode(record: bytes) -> Decoded:
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
+    if kind in _BARE_KINDS:
+        return kind, delivery_id, None
     if kind == DELIVER:
         known, attempts = _ATTEMPTS.unpack_from(record, _HEAD.size)
         raw = record[DELIVER_OVERHEAD:]

@@ -60,6 +60,7 @@ from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
 from broker.redis.scripts import Scripts
+from broker.redis.wire import Wire
 from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
@@ -223,10 +224,14 @@ class RedisBroker:
         self._blocking = self._new_client(None)
         self._no_wait = False  # stop_waiting() was called: receives never block again
         self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
-        self.scripts = Scripts(self.client)
+        # The scripts of the hot path go over a lean connection of their own (see wire);
+        # a cluster keeps redis-py's client, which follows the slot map.
+        self._wire = None if cluster else Wire(url, self.tls, COMMAND_TIMEOUT, CONNECT_TIMEOUT)
+        self.scripts = Scripts(self.client, self._wire)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
         self._job_prefix = self.keys.job("")
+        self._job_prefix_bytes = len(self._job_prefix.encode())
         self._owner_prefix = self.keys.owner("")
         self._claim_prefix = self.keys.claim("")
         self._record = self.keys.supervisor(self.consumer_id)
@@ -284,6 +289,8 @@ class RedisBroker:
         return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         await self._blocking.aclose()
         await self.client.aclose()
 
@@ -432,22 +439,27 @@ class RedisBroker:
             self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
         ]
         token = reservation.token
-        args: list[Any] = [self._lease, token, len(reservation.payloads)]
+        kinds: list[str] = []
         items: list[Delivery | Poisoned] = []
+        job_prefix, claim_prefix, owner_prefix = (
+            self._job_prefix, self._claim_prefix, self._owner_prefix)
+        max_bytes = self.max_envelope_bytes
         for raw in reservation.payloads:
             try:
-                decoded = envelope.decode(raw, self.max_envelope_bytes)
+                decoded = envelope.decode(raw, max_bytes)
             except envelope.MalformedEnvelope as error:
-                args += ("p", "")
+                kinds.append("p")
                 items.append(Poisoned(raw, str(error)))
                 continue
             pid = decoded["pid"]
-            keys += (self._job_prefix + pid, self._claim_prefix + pid, self._owner_prefix + pid)
-            args += ("g", pid)
+            keys += (job_prefix + pid, claim_prefix + pid, owner_prefix + pid)
+            kinds.append("g")
             items.append(Delivery(
                 pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
                 decoded["payload"], raw, token, decoded,
             ))
+        # The script reads each pid from its jobs key, after the prefix (counted in bytes).
+        args = [self._lease, token, len(items), "".join(kinds), self._job_prefix_bytes]
         return _ClaimPlan(reservation, keys, args, items)
 
     async def _claimed(self, plan: _ClaimPlan, reply: Any) -> Received:
@@ -511,23 +523,33 @@ class RedisBroker:
             self.keys.ready, self.keys.processing, self.keys.failed,
             self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
         ]
-        args: list[Any] = [self.job_ttl, len(batch)]
+        ops: list[str] = []
+        tokens: list[str] = []
         markers: list[str] = []
         envelopes: list[bytes] = []
+        job_prefix, claim_prefix, owner_prefix = (
+            self._job_prefix, self._claim_prefix, self._owner_prefix)
         for settlement in batch:
             delivery = settlement.delivery
             pid = delivery.pid
-            keys += (self._claim_prefix + pid, self._job_prefix + pid, self._owner_prefix + pid)
-            op, new_envelope = self._settle_op(settlement)
-            if new_envelope:
-                envelopes.append(new_envelope)
-            marker = self.keys.marker(delivery.envelope)
-            if marker:
-                markers.append(marker)
-                op = op.upper()  # keyed: the marker follows the items' keys
-            args += (op, delivery.receipt, pid)
+            keys += (claim_prefix + pid, job_prefix + pid, owner_prefix + pid)
+            if settlement.action is Action.COMMIT:
+                op = "c"
+            else:
+                op, new_envelope = self._settle_op(settlement)
+                if new_envelope:
+                    envelopes.append(new_envelope)
+            if "key" in delivery.envelope:  # possibly keyed (coalesced)
+                marker = self.keys.marker(delivery.envelope)
+                if marker:
+                    markers.append(marker)
+                    op = op.upper()  # keyed: the marker follows the items' keys
+            ops.append(op)
+            tokens.append(delivery.receipt)
         keys += markers
-        args += envelopes
+        # The script reads each pid from its jobs key, after the prefix (counted in bytes).
+        args: list[Any] = [self.job_ttl, len(batch), "".join(ops), self._job_prefix_bytes,
+                           *tokens, *envelopes]
         try:
             if self.replication.enabled:
                 # A commit a failover takes back is run again: confirm only what a replica has.

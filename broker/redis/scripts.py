@@ -16,6 +16,7 @@ Scripts report a bad key type or counter with an error reply that starts with ``
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -33,6 +34,7 @@ from redis.exceptions import (
 
 from broker.base import BrokerError, WrongTypeError
 from broker.redis.replication import Replication, write_and_wait
+from broker.redis.wire import Wire
 
 #: Cluster errors raised before a script ran (TTL exhausted is a ClusterError): safe to repeat.
 NOT_RUN = (TryAgainError, ClusterDownError, ClusterError, SlotNotCoveredError)
@@ -58,11 +60,14 @@ def lua_source(name: str) -> str:
 
 
 class Scripts:
-    """Named scripts bound to one redis-py asyncio client (plain or cluster)."""
+    """Named scripts bound to one redis-py asyncio client (plain or cluster), or, on a plain
+    Redis, to a ``Wire`` (the lean connection of the hot path)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, wire: Wire | None = None) -> None:
         self._client = client
+        self._wire = wire
         self._scripts: dict[str, Any] = {}
+        self._shas: dict[str, str] = {}
 
     def _script(self, name: str) -> Any:
         script = self._scripts.get(name)
@@ -89,6 +94,8 @@ class Scripts:
         return reply, confirmed
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        if self._wire is not None:
+            return await self._call_on_wire(self._wire, name, keys, args)
         script = self._script(name)
         deadline, pause = time.monotonic() + NOT_RUN_PATIENCE, 0.01
         while True:
@@ -101,6 +108,24 @@ class Scripts:
                 raise translate(name, error) from error
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)
+
+    async def _call_on_wire(
+        self, wire: Wire, name: str, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
+        sha = self._shas.get(name)
+        if sha is None:
+            sha = self._shas[name] = hashlib.sha1(lua_source(name).encode()).hexdigest()
+        try:
+            try:
+                return await wire.call("EVALSHA", sha, len(keys), *keys, *args)
+            except ResponseError as error:
+                if not str(error).startswith("NOSCRIPT"):
+                    raise
+            # Answered before the script ran: load it and run it now, exactly once.
+            await wire.call("SCRIPT", "LOAD", lua_source(name))
+            return await wire.call("EVALSHA", sha, len(keys), *keys, *args)
+        except ResponseError as error:
+            raise translate(name, error) from error
 
 
 def translate(name: str, error: ResponseError) -> BrokerError:
