@@ -85,20 +85,36 @@ for i = 1, n do owner_keys[i] = KEYS[6 + 3 * i] end
 local owners = redis.call('MGET', unpack(owner_keys))
 
 -- Removing the pids from processing. The oldest deliveries, the ones that complete first,
--- sit nearest the tail: while the list is short, a tail window is read once and the
--- settled pids found there are taken out by rewriting it from the first one taken (one
--- LTRIM, one RPUSH) instead of one LREM each; any other pid is removed by LREM from the
--- tail. The window is 16 entries per item (plus 16): with several consumers on a queue a
--- consumer's oldest deliveries lie among theirs, up to all outstanding deliveries from the
--- tail, and one LREM each would cost each item a scan that grows with the consumers. A long
--- list keeps a legacy history at its tail, so there every pid is removed by LREM from the
--- head.
+-- sit nearest the tail: while the list is short, a tail window is read and the settled
+-- pids found there are taken out by rewriting it from the first one taken (one LTRIM, one
+-- RPUSH) instead of one LREM each; any other pid is removed by LREM from the tail. The
+-- window is n + 16 entries, which holds a lone consumer's pids; when some are not in it,
+-- it grows once to 16 per item (plus 16): with several consumers on a queue a consumer's
+-- oldest deliveries lie among theirs, up to all outstanding deliveries from the tail, and
+-- one LREM each would cost each item a scan that grows with the consumers. A long list
+-- keeps a legacy history at its tail, so there every pid is removed by LREM from the head.
 local length = redis.call('LLEN', processing)
 local from, window, in_window, taken, any_taken = 1, {}, {}, {}, false
 if length <= 1000 then
   from = -1
-  window = redis.call('LRANGE', processing, -(16 * n + 16), -1)
+  window = redis.call('LRANGE', processing, -(n + 16), -1)
   for _, entry in ipairs(window) do in_window[entry] = (in_window[entry] or 0) + 1 end
+  local wide = 16 * n + 16
+  if #window < length and wide > #window then
+    local missing = false
+    for i = 1, n do
+      if not in_window[string.sub(KEYS[5 + 3 * i], offset + 1)] then
+        missing = true
+        break
+      end
+    end
+    if missing then  -- the entries before the window, then the window
+      local wider = redis.call('LRANGE', processing, -wide, -(#window + 1))
+      for _, entry in ipairs(wider) do in_window[entry] = (in_window[entry] or 0) + 1 end
+      for _, entry in ipairs(window) do wider[#wider + 1] = entry end
+      window = wider
+    end
+  end
 end
 
 local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
