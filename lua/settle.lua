@@ -93,6 +93,8 @@ local owners = redis.call('MGET', unpack(owner_keys))
 -- oldest deliveries lie among theirs, up to all outstanding deliveries from the tail, and
 -- one LREM each would cost each item a scan that grows with the consumers. A long list
 -- keeps a legacy history at its tail, so there every pid is removed by LREM from the head.
+local pids = {}
+for i = 1, n do pids[i] = string.sub(KEYS[5 + 3 * i], offset + 1) end
 local length = redis.call('LLEN', processing)
 local from, window, in_window, taken, any_taken = 1, {}, {}, {}, false
 if length <= 1000 then
@@ -103,7 +105,7 @@ if length <= 1000 then
   if #window < length and wide > #window then
     local missing = false
     for i = 1, n do
-      if not in_window[string.sub(KEYS[5 + 3 * i], offset + 1)] then
+      if not in_window[pids[i]] then
         missing = true
         break
       end
@@ -139,7 +141,7 @@ for i = 1, n do
   if owners[i] == token and not settled[owner] then
     local record = nil
     if op == 'f' or op == 'l' then record = redis.call('MGET', job)[1] end
-    local pid = string.sub(job, offset + 1)
+    local pid = pids[i]
     local removed = false
     if not record and (op == 'f' or op == 'l') then
       result = 'missing'
