@@ -34,20 +34,57 @@ ENV_SEED = "CHAOS_SEED"
 #: Milliseconds each call takes (a sleep standing for the I/O of a real handler).
 ENV_WORK_MS = "CHAOS_WORK_MS"
 
-_fd: int | None = None
-_work = 0.0
-_buffered: list[str] = []  # pids buffered in stats_usage since the last flush()
-
-
 class ChaosFailure(Exception):
     """The seeded failure of one call (the message is retried by policy)."""
 
 
+class LedgerLines:
+    """This process's lines in ``$CHAOS_LEDGER`` and the pids its store has buffered; the
+    plain and the async handler both keep one."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.work = 0.0  # seconds each call takes ($CHAOS_WORK_MS)
+        self.buffered: list[str] = []  # pids buffered in the store since the last flush
+
+    def open(self) -> None:
+        self.work = float(os.environ.get(ENV_WORK_MS, "0")) / 1000
+        self.fd = os.open(os.environ[ENV_LEDGER], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def before(self, message: Any) -> None:
+        """The seeded failure, if this call draws one (written, then raised)."""
+        if seeded_failure(message.payload, message.pid, message.attempts):
+            self.call(message, "x")
+            raise ChaosFailure(f"seeded failure of {message.pid} at attempt {message.attempts}")
+
+    def call(self, message: Any, outcome: str) -> None:
+        self._write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} "
+                    f"{outcome}\n")
+        if outcome == ".":
+            self.buffered.append(message.pid)
+
+    def take_buffered(self) -> list[str]:
+        """The pids the next flush covers (the store empties its buffer whether or not the
+        flush succeeds)."""
+        pids, self.buffered = self.buffered, []
+        return pids
+
+    def flushed(self, pids: list[str]) -> None:
+        if pids:
+            self._write(f"C {time.time():.3f} {os.getpid()} {' '.join(pids)}\n")
+
+    def _write(self, line: str) -> None:
+        if self.fd is None:
+            raise RuntimeError("chaos handler used before init()")
+        os.write(self.fd, line.encode())
+
+
+_lines = LedgerLines()
+
+
 def init() -> None:
-    global _fd, _work
-    _work = float(os.environ.get(ENV_WORK_MS, "0")) / 1000
     stats_usage.init()
-    _fd = os.open(os.environ[ENV_LEDGER], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    _lines.open()
 
 
 def fails(seed: str, draw: object, attempts: int, probability: float) -> bool:
@@ -77,28 +114,17 @@ def seeded_failure(payload: Any, pid: str, attempts: int) -> bool:
 
 
 def handle(message: Any) -> None:
-    time.sleep(_work + extra_work(message.payload))
-    if seeded_failure(message.payload, message.pid, message.attempts):
-        _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} x\n")
-        raise ChaosFailure(f"seeded failure of {message.pid} at attempt {message.attempts}")
+    time.sleep(_lines.work + extra_work(message.payload))
+    _lines.before(message)
     try:
         stats_usage.handle(message)
     except ValueError:
-        _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} v\n")
+        _lines.call(message, "v")
         raise
-    _write(f"I {time.time():.3f} {os.getpid()} {message.pid} {message.attempts} .\n")
-    _buffered.append(message.pid)
+    _lines.call(message, ".")
 
 
 def flush() -> None:
-    pids = _buffered.copy()
-    _buffered.clear()  # stats_usage empties its buffer whether or not the flush succeeds
+    pids = _lines.take_buffered()
     stats_usage.flush()
-    if pids:
-        _write(f"C {time.time():.3f} {os.getpid()} {' '.join(pids)}\n")
-
-
-def _write(line: str) -> None:
-    if _fd is None:
-        raise RuntimeError("chaos handler used before init()")
-    os.write(_fd, line.encode())
+    _lines.flushed(pids)
