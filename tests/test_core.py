@@ -250,7 +250,7 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
         receives = broker.calls["receive"]
         handler = core.process(0)
 
-        async def run(jobs: int) -> None:
+        async def finish(jobs: int) -> None:
             for _ in range(jobs):
                 handler.start_next()
                 handler.finish()
@@ -258,9 +258,9 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
             await core.wait_for(lambda: sum(broker.committed.values()) == settled)
             await core.settle_down()
 
-        await run(24)  # 24 free of 100: less than a quarter, and 76 still to start
+        await finish(24)  # 24 free of 100: less than a quarter, and 76 still to start
         assert broker.calls["receive"] == receives and core.arbiter.buffer.outstanding == 76
-        await run(1)  # a quarter free: one receive fills it
+        await finish(1)  # a quarter free: one receive fills it
         await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
         assert broker.calls["receive"] == receives + 1
         assert await core.stop(work=False) == EXIT_OK
