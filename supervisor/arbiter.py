@@ -37,8 +37,6 @@ from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
 
-EXIT_OK, EXIT_BROKER, EXIT_HANDLER_INIT = exits.OK, exits.BROKER, exits.HANDLER_INIT
-EXIT_BROKEN, EXIT_REFUSED = exits.BROKEN, exits.REFUSED
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
 #: A slot whose processes die this many times in a row before they are ready stops us (exit 4,
 #: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
@@ -82,7 +80,7 @@ class Arbiter:
         self.concurrent = is_async(resolve_handler(config.job.handler))
         self.capacity = len(slots) * (config.job.tasks_per_process if self.concurrent else 1)
         self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
-        self.exit_code = EXIT_OK
+        self.exit_code = exits.OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
         self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
@@ -116,7 +114,7 @@ class Arbiter:
         except (BrokerError, OSError) as error:
             log.error("cannot connect to the broker: %s", error)
             refused = isinstance(error, BrokerRefused)
-            self.exit_code, self.stopping = (EXIT_REFUSED if refused else EXIT_BROKER), True
+            self.exit_code, self.stopping = (exits.REFUSED if refused else exits.BROKER), True
             await self.stop_children(deadline=time.monotonic() + 5)
             return self.exit_code
         log.info(
@@ -165,11 +163,11 @@ class Arbiter:
 
     def fail(self, what: str, error: BaseException | None) -> None:
         log.error("%s: stopping (exit %d) so that the service is restarted", what,
-                  EXIT_BROKEN, exc_info=error)
+                  exits.BROKEN, exc_info=error)
         if not self.stopping:
-            self.request_stop(EXIT_BROKEN)
-        elif self.exit_code == EXIT_OK:
-            self.exit_code = EXIT_BROKEN
+            self.request_stop(exits.BROKEN)
+        elif self.exit_code == exits.OK:
+            self.exit_code = exits.BROKEN
 
     def notify_ready_once(self) -> None:
         """READY=1 once the broker is connected and every handler process is up."""
@@ -347,7 +345,7 @@ class Arbiter:
             self.notify_ready_once()
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", slot.pid, data)
-            self.request_stop(EXIT_HANDLER_INIT)
+            self.request_stop(exits.HANDLER_INIT)
 
     def confirm(self, entry: Entry, committed: bool) -> None:
         """Tell the handler process its message is settled (it runs on_success if committed)."""
@@ -501,7 +499,7 @@ class Arbiter:
             if event.slot == SERVER_SLOT:  # the fork server itself died: no more handlers
                 asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
                 log.error("fork server %d exited (%s): stopping", event.pid, event.status)
-                self.request_stop(EXIT_BROKEN)
+                self.request_stop(exits.BROKEN)
                 self.lose_all_handlers()
                 continue
             slot = self.slots[event.slot]
@@ -559,7 +557,7 @@ class Arbiter:
         elif status == CHILD_INIT_FAILED:
             # init() failed: that repeats in every new process, so halt (gunicorn does too).
             log.error("handler process %d failed to start (%s): halting", pid, reason)
-            self.request_stop(EXIT_HANDLER_INIT)
+            self.request_stop(exits.HANDLER_INIT)
         elif not was_ready:
             self.respawn_later(slot, pid, reason)
         else:
@@ -577,7 +575,7 @@ class Arbiter:
         if slot.early_deaths >= MAX_EARLY_DEATHS:
             log.error("handler process %d died before it was ready, %d times in a row (%s): "
                       "stopping", pid, slot.early_deaths, reason)
-            self.request_stop(EXIT_BROKEN)
+            self.request_stop(exits.BROKEN)
             return
         delay = min(RESPAWN_DELAY * 2 ** (slot.early_deaths - 1), 10.0)
         log.error("handler process %d died before it was ready (%s): another in %.1fs",

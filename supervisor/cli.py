@@ -23,8 +23,6 @@ from supervisor import exits, logs, metrics, systemd
 from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load, split_handler
 from supervisor.ops import COMMANDS
 
-EXIT_CONFIG = exits.CONFIG
-
 log = logging.getLogger("supervisor")
 
 
@@ -46,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load(args.config)
     except ConfigError as error:
         print(logs.error_line(error), file=sys.stderr)
-        return EXIT_CONFIG
+        return exits.CONFIG
     setup_logging(config)
     for warning in config.warnings:
         log.warning("%s", logs.Explanation(warning))
@@ -70,7 +68,7 @@ def run(config: Config) -> int:
     except RingMemoryError as error:
         print(logs.error_line(f"{config.path}: {error}; lower [supervisor] ring_slots or "
                               "ring_slot_size, or [job] coroutines"), file=sys.stderr)
-        return EXIT_CONFIG
+        return exits.CONFIG
 
     def handler_process(index: int) -> NoReturn:
         from worker.runner import run as run_handler
@@ -98,7 +96,7 @@ def run(config: Config) -> int:
         print(logs.error_line(f"{config.path}: [supervisor] metrics_port = "
                               f"{config.supervisor.metrics_port} cannot be served: {error}"),
               file=sys.stderr)
-        return EXIT_CONFIG
+        return exits.CONFIG
     try:
         broker = make_broker(config)
         arbiter = Arbiter(config, broker, slots, forkserver, handler_module,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from broker.base import Delivery
 from broker.memory import MemoryBroker
-from supervisor.arbiter import EXIT_BROKEN, EXIT_OK
+from supervisor import exits
 from supervisor.buffer import Buffer, BufferError, State
 from supervisor.settlement import Settler
 from tests.inprocess import Core, core_config
@@ -236,7 +236,7 @@ def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
                 await core.settle_down(2)
                 core.arbiter.buffer.check()
                 peak = max(peak, core.arbiter.buffer.outstanding)
-        assert await core.stop() == EXIT_OK
+        assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids) and not broker.owned
         assert 0 < peak <= 10
 
@@ -263,7 +263,7 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
         await finish(1)  # a quarter free: one receive fills it
         await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
         assert broker.calls["receive"] == receives + 1
-        assert await core.stop(work=False) == EXIT_OK
+        assert await core.stop(work=False) == exits.OK
 
     run(scenario())
 
@@ -279,7 +279,7 @@ def test_handlers_about_to_run_dry_are_refilled_whatever_the_room():
         # One free, 99 running, none left to start: without a refill the handler would idle.
         buffer = core.arbiter.buffer
         await core.wait_for(lambda: buffer.unstarted() == 1 and buffer.outstanding == 100)
-        assert await core.stop(work=False) == EXIT_OK
+        assert await core.stop(work=False) == exits.OK
 
     run(scenario())
 
@@ -302,7 +302,7 @@ def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
         core.arbiter.buffer.check()
         assert core.process(0).work() == 5
         await core.wait_for(lambda: len(broker.committed) == 5)
-        assert await core.stop() == EXIT_OK
+        assert await core.stop() == exits.OK
         assert broker.dead == [blamed_pid] and pids[1] == blamed_pid
         assert set(broker.committed) == set(pids) - {blamed_pid}
 
@@ -320,7 +320,7 @@ def test_a_broker_refusing_settlements_for_a_while_loses_nothing():
                     process.work()
                 await asyncio.sleep(0.005)
                 core.arbiter.buffer.check()
-        assert await core.stop() == EXIT_OK
+        assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
         assert broker.calls["settle"] >= 4
 
@@ -331,7 +331,7 @@ def test_a_stop_releases_what_never_started_with_its_attempts_unchanged():
     async def scenario():
         core, broker, pids = await running_core(30, 10, 2)
         await core.wait_for(lambda: core.arbiter.buffer.outstanding == 10)
-        assert await core.stop(work=False) == EXIT_OK  # the handlers skip what they hold
+        assert await core.stop(work=False) == exits.OK  # the handlers skip what they hold
         assert sorted(message.pid for message in broker.ready) == sorted(pids)
         assert not broker.committed and not broker.owned
         assert all(message.attempts == 0 for message in broker.ready)
@@ -346,7 +346,7 @@ def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recove
         for process in core.server.living():
             process.start_next()  # and never return
         await core.wait_for(lambda: sum(map(len, core.arbiter.buffer.running)) == 2)
-        assert await core.stop(work=False) == EXIT_OK
+        assert await core.stop(work=False) == exits.OK
         assert core.server.spawned == 2  # nobody replaced at a stop
         # The two started were handed to recovery (an attempt each); the two queued released.
         assert sorted(message.attempts for message in broker.ready) == [0, 0, 1, 1]
@@ -362,7 +362,7 @@ def test_a_handler_answering_out_of_order_stops_the_supervisor_for_a_restart():
         from worker import protocol
 
         core.process(0).post(protocol.encode_started(2))  # the ring holds 1 first
-        assert await core.stop() == EXIT_BROKEN
+        assert await core.stop() == exits.BROKEN
         assert not broker.owned and len(broker.ready) == 2
 
     run(scenario())
@@ -425,7 +425,7 @@ async def play(steps: list[tuple], work_at_stop: bool, handler: str) -> None:
         assert buffer.outstanding <= PREFETCH
     code = await core.stop(work=work_at_stop)
     note(f"exit {code}, broker calls {dict(broker.calls)}")
-    assert code == EXIT_OK
+    assert code == exits.OK
     # Nothing lost: every message is finished for good, or back in the queue, never held.
     assert not broker.owned
     assert set(published) == broker.settled | {message.pid for message in broker.ready}

@@ -20,7 +20,7 @@ from urllib.parse import quote
 import orjson
 import pytest
 
-from supervisor import arbiter, cli
+from supervisor import exits
 from support.servers import NatsServer, RedisServer, environ_without_broker, free_port
 from support.supervision import ROOT, Supervisor, wait_for, write_config
 
@@ -87,7 +87,7 @@ def test_the_password_is_shown_nowhere_in_any_form(tmp_path: Path, protected_red
     unreachable = url.replace(f":{port}/", f":{free_port()}/")
     config = write_config(tmp_path, unreachable, handler=HANDLER)
     failed = Supervisor(config, tmp_path, "")
-    assert failed.wait(30) == arbiter.EXIT_BROKER
+    assert failed.wait(30) == exits.BROKER
     assert "cannot reach Redis at redis://" in failed.output()
     status = run_command("status", str(config))
     assert status.returncode == 1 and "cannot reach Redis at redis://" in status.stderr
@@ -187,5 +187,5 @@ def test_the_unit_restarts_no_exit_that_would_only_repeat():
     unit = (ROOT / "conf" / "queue-supervisor@.service").read_text()
     [line] = [line for line in unit.splitlines() if line.startswith("RestartPreventExitStatus=")]
     prevented = {int(code) for code in line.partition("=")[2].split()}
-    assert prevented == {cli.EXIT_CONFIG, arbiter.EXIT_HANDLER_INIT, arbiter.EXIT_REFUSED}
-    assert arbiter.EXIT_REFUSED == 5  # the code the tests above expect
+    assert prevented == {exits.CONFIG, exits.HANDLER_INIT, exits.REFUSED}
+    assert exits.REFUSED == 5  # the code the tests above expect

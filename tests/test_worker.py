@@ -20,6 +20,7 @@ import pytest
 from broker import envelope
 from worker import protocol, runner
 from worker.forkserver import ForkServer
+from worker.process import CHILD_INIT_FAILED
 from worker.ring import Ring
 
 
@@ -288,7 +289,7 @@ def test_sigint_is_ignored(start, tmp_path: Path) -> None:
 def test_failing_init_reports_and_exits_with_code_3(start) -> None:
     child = start("tests.handlers.init_raises:handle")
     assert child.outcomes(1) == [("INIT_FAILED", 0, "init() failed: RuntimeError: no database")]
-    assert child.exit_status() == runner.EXIT_INIT_FAILED == 3
+    assert child.exit_status() == CHILD_INIT_FAILED == 3
 
 
 def test_unimportable_handler_reports_init_failed(start) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from broker import envelope
 from tests import test_worker
 from tests.test_worker import lines, wait_until
-from worker import protocol, runner
+from worker import protocol
+from worker.process import CHILD_INIT_FAILED
 
 start = test_worker.start  # the fixture: a handler process on its own fork server
 
@@ -165,7 +166,7 @@ def test_a_failing_async_init_reports_and_exits_with_code_3(start, monkeypatch) 
     monkeypatch.setenv("AIO_INIT_FAILS", "1")
     child = start("tests.handlers.aio_flushing:handle", tasks=2)
     assert child.outcomes(1) == [("INIT_FAILED", 0, "init() failed: RuntimeError: no database")]
-    assert child.exit_status() == runner.EXIT_INIT_FAILED
+    assert child.exit_status() == CHILD_INIT_FAILED
 
 
 def test_async_hooks_beside_a_plain_handler_are_refused(start) -> None:

@@ -49,8 +49,6 @@ log = logging.getLogger("worker.runner")
 
 TICK = 0.1  # seconds between looks at the stop flag (it comes without a wake-up)
 _PARENT_CHECK_TICKS = 10  # ticks between checks that the parent is still there
-#: Exit code when this module's own bookkeeping raised: the supervisor sees a lost worker.
-EXIT_BROKEN = CHILD_BROKEN
 
 
 def run(
@@ -69,7 +67,7 @@ def run(
     runner.send([protocol.encode_ready(wants_confirm=hooks.on_success is not None)])
     log.info("handler process %d ready (%s, up to %d deliveries at once)", slot, spec, tasks)
     loop.run_until_complete(runner.serve())
-    _exit(EXIT_BROKEN)  # serve() only ends by exiting the process
+    _exit(CHILD_BROKEN)  # serve() only ends by exiting the process
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -139,7 +137,7 @@ class _AsyncRunner:
                 callback(*args)
             except Exception:
                 log.exception("handler process bookkeeping failed: exiting")
-                _exit(EXIT_BROKEN)
+                _exit(CHILD_BROKEN)
 
         return run_guarded
 
@@ -210,7 +208,7 @@ class _AsyncRunner:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("handler process task failed", exc_info=task.exception())
-            _exit(EXIT_BROKEN)
+            _exit(CHILD_BROKEN)
         self._request_pump()
 
     def _expire(self, delivery_id: int) -> None:
@@ -295,7 +293,7 @@ class _AsyncRunner:
         if task.cancelled() or task.exception() is not None:
             log.error("flush bookkeeping failed", exc_info=None if task.cancelled()
                       else task.exception())
-            _exit(EXIT_BROKEN)
+            _exit(CHILD_BROKEN)
         self._request_pump()
 
     # -- after settlement ----------------------------------------------------------------

@@ -32,8 +32,6 @@ from worker.process import CHILD_BROKEN, reset_signals, set_parent_death_signal
 
 #: Slot of the "exited" event that reports the death of the server itself.
 SERVER_SLOT = -1
-#: Exit code of a child whose target raised.
-EXIT_TARGET_RAISED = CHILD_BROKEN
 
 _REQUEST = struct.Struct("=i")  # slot
 _EVENT = struct.Struct("=Biii")  # kind, slot, pid, status
@@ -284,7 +282,7 @@ def _run_child(
     target: Callable[[int], NoReturn], slot: int, server: int, inherited: tuple[int, ...]
 ) -> NoReturn:
     """A handler process: clean up what fork copied, then run ``target(slot)``."""
-    code = EXIT_TARGET_RAISED
+    code = CHILD_BROKEN  # the target raised
     try:
         reset_signals()  # first: the server's wake-up fd is among those closed below
         for fd in inherited:

@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 #: Records taken from the ring per read (one release of room per batch).
 BATCH = 256
-EXIT_INIT_FAILED, EXIT_ORPHANED = CHILD_INIT_FAILED, CHILD_ORPHANED
 
 _IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)
 _PARENT_CHECK = 1.0  # seconds between checks that the parent is still there
@@ -98,7 +97,7 @@ def init_failed(text: str, origin: str, to_parent: Ring) -> NoReturn:
     fail the same way), then exit 3."""
     log.error("%s%s", text, origin)
     _put_all(to_parent, [protocol.encode_init_failed(text)], os.getppid())
-    _exit(EXIT_INIT_FAILED)
+    _exit(CHILD_INIT_FAILED)
 
 
 class _Runner:
@@ -242,7 +241,7 @@ def _put_all(ring: Ring, records: list[bytes], parent: int) -> None:
 def _exit_if_orphaned(parent: int) -> None:
     if os.getppid() != parent:
         log.error("parent process %d is gone; exiting", parent)
-        _exit(EXIT_ORPHANED)
+        _exit(CHILD_ORPHANED)
 
 
 def _exit(code: int) -> NoReturn:

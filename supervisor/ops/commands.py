@@ -32,8 +32,6 @@ from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payl
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
 
-EXIT_OK, EXIT_LEFT, EXIT_USAGE, EXIT_REFUSED = exits.OK, exits.LEFT, exits.USAGE, exits.REFUSED
-
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
 LIST_AT_MOST = 20
 #: Characters of a reserved payload shown by ``status`` (``--json`` shows them whole); a
@@ -66,7 +64,7 @@ async def status(config: Config, args: argparse.Namespace) -> int:
         print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
     else:
         print("\n".join(lines))
-    return EXIT_OK
+    return exits.OK
 
 
 async def recover_now(config: Config, args: argparse.Namespace) -> int:
@@ -79,7 +77,7 @@ async def recover_now(config: Config, args: argparse.Namespace) -> int:
     )
     if not finished:
         print(f"stopped after {args.timeout:g}s: maintenance was still busy or locked")
-    return EXIT_OK if finished else EXIT_LEFT
+    return exits.OK if finished else exits.LEFT
 
 
 async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
@@ -97,7 +95,7 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
         print(f"left {report.malformed} undecodable job records where they are")
     if report.skipped:
         print(f"skipped {report.skipped} that changed meanwhile")
-    return EXIT_OK
+    return exits.OK
 
 
 async def publish(config: Config, args: argparse.Namespace) -> int:
@@ -105,13 +103,13 @@ async def publish(config: Config, args: argparse.Namespace) -> int:
         payloads = read_input(args.file, envelope_limit(config))
     except (InputError, OSError) as error:
         print(logs.error_line(error), file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     async with opened_broker(config, "publish") as broker:
         pids = await publish_all(broker, config.job.queue, payloads)
     print(f"published {len(pids)} messages to {config.job.queue}")
     if args.verbose:
         print("\n".join(pids))
-    return EXIT_OK
+    return exits.OK
 
 
 async def drain(config: Config, args: argparse.Namespace) -> int:
@@ -129,18 +127,18 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
         if alive:
             print(f"still running after {timeout:g}s: pids "
                   f"{', '.join(str(p.pid) for p in alive)}")
-            return EXIT_LEFT
+            return exits.LEFT
         recovered, left = await recover_until_empty(broker, deadline)
     print(f"recovered {recovered} deliveries")
     print("\n".join(describe_leftovers(left, config.job.queue)))
-    return EXIT_OK if left.empty else EXIT_LEFT
+    return exits.OK if left.empty else exits.LEFT
 
 
 async def check(config: Config, args: argparse.Namespace) -> int:
     async with redis_broker(config, "check") as broker:
         left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
     print("\n".join(describe_leftovers(left, config.job.queue)))
-    return EXIT_OK if left.empty else EXIT_LEFT
+    return exits.OK if left.empty else exits.LEFT
 
 
 async def acl(config: Config, args: argparse.Namespace) -> int:
@@ -157,7 +155,7 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
     print(f"# Redis users of queue {keys.queue} (namespace {keys.namespace}): replace "
           f"{redis_acl.PASSWORD}, run {where}; README \"Redis ACL\"", file=sys.stderr)
     print("\n".join(lines))
-    return EXIT_OK
+    return exits.OK
 
 
 async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspect.Leftovers]:
@@ -336,7 +334,7 @@ def main(argv: Sequence[str]) -> int:
         config = load(args.config, import_handler=False)
     except ConfigError as error:
         print(logs.error_line(error), file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     logs.setup(config.supervisor.log_level)
     for library in ("redis", "nats", "asyncio", "urllib3"):
         # An operator command prints its answer; a client library's debug lines are noise.
@@ -348,13 +346,13 @@ def main(argv: Sequence[str]) -> int:
         return asyncio.run(command(config, args))
     except Unsupported as error:
         print(logs.error_line(error), file=sys.stderr)
-        return EXIT_USAGE
+        return exits.USAGE
     except BrokerRefused as error:
         print(logs.error_line(f"{args.command} failed: {error}"), file=sys.stderr)
-        return EXIT_REFUSED
+        return exits.REFUSED
     except (BrokerError, redis.exceptions.RedisError, nats.errors.Error, OSError) as error:
         print(logs.error_line(f"{args.command} failed: {error}"), file=sys.stderr)
-        return EXIT_LEFT
+        return exits.LEFT
 
 
 def _positive(text: str) -> int:
