@@ -18,8 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from redis.connection import parse_url
-
+from broker.redis import seeds
 from broker.redis.keys import QueueKeys, glob_escape
 from broker.redis.scripts import LUA_DIR
 
@@ -211,7 +210,7 @@ def setuser_lines(keys: QueueKeys, password: str = PASSWORD, *, select: bool = F
 def selects_database(url: str) -> bool:
     """True if redis-py sends SELECT on each connection of this URL (database not 0); of a
     list of cluster seeds, the first (its settings are the client's)."""
-    return bool(parse_url(url.split(",")[0]).get("db") or 0)
+    return bool(seeds.settings(url).get("db") or 0)
 
 
 def script_commands(name: str) -> set[str]:

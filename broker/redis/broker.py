@@ -32,7 +32,6 @@ from redis.asyncio.connection import (
     Connection,
     SSLConnection,
     UnixDomainSocketConnection,
-    parse_url,
 )
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -270,7 +269,7 @@ class RedisBroker:
         except _UNREACHABLE as error:
             # SELECT of a database the server lacks: "DB index is out of range".
             if isinstance(error, redis.exceptions.ResponseError) and "DB index" in str(error):
-                database = parse_url(seeds.split(self.url)[0]).get("db", 0)
+                database = seeds.settings(self.url).get("db", 0)
                 raise BrokerRefused(
                     f"Redis at {redact(self.url)} has no database {database} ({error}): a "
                     "server has `databases` of them, 16 by default, numbered from 0"
@@ -284,7 +283,7 @@ class RedisBroker:
         where = f"Redis at {redact(self.url)}"
         if isinstance(error, redis.exceptions.NoPermissionError):
             return f"{where} refused a command to this URL's user ({error}): grant it in its ACL"
-        if not parse_url(seeds.split(self.url)[0]).get("password"):
+        if not seeds.settings(self.url).get("password"):
             return f"{where} requires a password, and the URL gives none ({error})"
         return f"{where} refused the URL's user name or password ({error})"
 

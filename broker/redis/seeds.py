@@ -22,18 +22,16 @@ from redis.connection import parse_url
 from broker.urls import split_servers
 
 
-def split(url: str) -> list[str]:
-    """The URLs of a comma-separated list (one URL: a list of one)."""
-    return [part for part in split_servers(url) if part]
+def settings(url: str) -> dict[str, Any]:
+    """redis-py's settings of a URL or a seed list: the first seed's (credentials, database,
+    TLS), which are the client's."""
+    return parse_url(split_servers(url)[0])
 
 
 def problem(url: str) -> str | None:
     """Why a list of seed URLs cannot be used together, or None (each part is checked as a
-    URL on its own elsewhere)."""
-    parts = split(url)
-    schemes = {urlsplit(part).scheme for part in parts}
-    if len(schemes) > 1:
-        return f"mixes schemes {', '.join(sorted(schemes))}; every seed must use the same one"
+    URL, and the list for one scheme, by the configuration's URL check)."""
+    parts = split_servers(url)
     users = {(urlsplit(part).username, urlsplit(part).password) for part in parts}
     if len(users) > 1:
         return "gives different credentials per seed; a cluster has one user for all nodes"
@@ -42,16 +40,16 @@ def problem(url: str) -> str | None:
 
 def cluster_client(url: str, **options: Any) -> RedisCluster:
     """A cluster client that may start from any of the seeds in ``url``."""
-    parts = split(url)
+    parts = split_servers(url)
     if len(parts) == 1:
         return RedisCluster.from_url(url, **options)
-    settings: dict[str, Any] = {**options, **parse_url(parts[0])}
-    settings.pop("host", None)
-    settings.pop("port", None)
-    if settings.pop("connection_class", None) is not None:  # rediss:// -> SSLConnection
-        settings["ssl"] = True
+    client: dict[str, Any] = {**options, **settings(url)}
+    client.pop("host", None)
+    client.pop("port", None)
+    if client.pop("connection_class", None) is not None:  # rediss:// -> SSLConnection
+        client["ssl"] = True
     nodes = []
     for part in parts:
         parsed = urlsplit(part)
         nodes.append(ClusterNode(parsed.hostname or "127.0.0.1", parsed.port or 6379))
-    return RedisCluster(startup_nodes=nodes, **settings)
+    return RedisCluster(startup_nodes=nodes, **client)
