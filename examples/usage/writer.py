@@ -77,7 +77,7 @@ class Engine:
                       "'queue-supervisor[clickhouse]', or set STATS_USAGE_DB to a path "
                       "ending in .sqlite", error)
             raise SystemExit(EXIT_NO_ENGINE) from error
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
         _wait_for_folder(path, stop, time.monotonic() + OPEN_TIMEOUT)
         return cls(chdb_session.Session(path))
 
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s stats-usage writer [%(process)d] "
                                "%(levelname)s: %(message)s")
+    # The engine creates the folder's files and folders itself: none may be readable by
+    # other local users, whatever the umask of the hand run that started this writer.
+    os.umask(0o077)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the supervisor to handle
     stop = Stop()
     signal.signal(signal.SIGTERM, stop.set)
