@@ -311,8 +311,9 @@ COMMANDS: dict[str, tuple[Command, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__.split(
-        "\n")[0])
+    from supervisor.cli import program_name
+
+    parser = argparse.ArgumentParser(prog=program_name(), description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = {name: commands.add_parser(name, help=doc, description=doc)
            for name, (_, doc) in COMMANDS.items()}
