@@ -37,6 +37,11 @@ class WriterUnavailable(RuntimeError):
     """No writer could be reached or started in time."""
 
 
+class ForeignWriter(WriterUnavailable):
+    """The writer's socket name is held by a process of another user: nothing is sent to
+    it, at once and on every try (it could read the rows and forge every answer)."""
+
+
 class WriterClient:
     """A ``Database`` (see ``examples.usage.clickhouse``) served by the folder's writer."""
 
@@ -103,6 +108,14 @@ class WriterClient:
             sock.close()
             self._start_writer()
             raise
+        writer = wire.peer(sock)
+        if writer.uid != os.geteuid():
+            sock.close()
+            raise ForeignWriter(
+                f"the stats-usage writer socket for {self.path} is held by pid {writer.pid} "
+                f"of uid {writer.uid}, not by this user (uid {os.geteuid()}): no usage is "
+                "sent to it and the flush fails, so its messages are not acknowledged. Stop "
+                "that process, or set STATS_USAGE_DB to another path")
         self._sock = sock
         return sock
 
