@@ -260,6 +260,18 @@ def test_a_squatted_writer_name_stops_the_job_before_anything_is_acknowledged(
     assert squatter.requests() == []
 
 
+def test_a_name_held_by_a_socket_that_accepts_nothing_fails_the_store_clearly(path):
+    """Bound, never listening: connections are refused, so the client starts a writer,
+    which finds the name taken and no writer behind it; it says so and exits 3 (before,
+    it returned 0 and the client retried for CALL_TIMEOUT)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as holder:
+        holder.bind(wire.address(path))
+        began = time.monotonic()
+        with pytest.raises(WriterUnavailable, match="exited with code 3"):
+            open_store(path)
+        assert time.monotonic() - began < 30
+
+
 def test_totals_per_hour_and_a_redelivery_in_a_later_hour_counts_once(path):
     store = open_store(path)
     try:
