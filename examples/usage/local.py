@@ -80,7 +80,7 @@ class WriterClient:
         delay = 0.02
         while True:
             try:
-                sock = self._connect()
+                sock = self._connect(max(0.1, deadline - time.monotonic()))
                 sock.settimeout(max(0.1, deadline - time.monotonic()))
                 sock.sendall(request)
                 reply, body = wire.recv_frame(sock)
@@ -98,10 +98,11 @@ class WriterClient:
                 raise WriterError(body.decode(errors="replace"))
             return body
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, timeout: float) -> socket.socket:
         if self._sock is not None:
             return self._sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)  # a listener that never accepts fills its backlog: no hang
         try:
             sock.connect(self._address)
         except OSError:

@@ -217,12 +217,16 @@ def _name_in_use(path: str) -> int:
 
 
 def _name_holder(address: str, deadline: float) -> wire.Peer | None:
-    """The credentials of the process listening on ``address``; None if it refuses."""
+    """The credentials of the process listening on ``address``; None if it refuses, or
+    never accepts (a writer of ours accepts at once)."""
     while True:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(max(POLL, deadline - time.monotonic()))
             try:
                 probe.connect(address)
                 return wire.peer(probe)
+            except TimeoutError:
+                return None
             except ConnectionRefusedError:
                 if time.monotonic() > deadline:
                     return None
