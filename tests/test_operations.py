@@ -148,6 +148,13 @@ async def test_status_shows_no_control_character_from_the_broker(conf, run, redi
     assert orjson.loads(out)["stats"]["success"] == crafted  # the data, escaped as JSON
 
 
+async def test_drain_shows_another_hosts_record_escaped(conf, run, redis_client):
+    await redis_client.set(keys().supervisor("elsewhere"), b"other\x1b]0;pwned\x07host 42")
+    code, out = await run("drain", conf, "--timeout", "10")
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert "running on other hosts (drain there too): other\\x1b]0;pwned\\x07host 42" in out
+
+
 # -- check and recover ------------------------------------------------------------------------
 
 

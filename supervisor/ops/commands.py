@@ -125,7 +125,8 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
         print(f"stopping {len(found)} supervisors of {config.job.queue}"
               + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
         if elsewhere:
-            print(f"running on other hosts (drain there too): {', '.join(elsewhere)}")
+            shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
+            print(f"running on other hosts (drain there too): {shown}")
         _, alive = await asyncio.to_thread(processes.stop, found, timeout)
         if alive:
             print(f"still running after {timeout:g}s: pids "
