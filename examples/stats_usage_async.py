@@ -24,7 +24,7 @@ import orjson
 
 from examples.stats_usage import ENV_DB, make_payload, parse, period_of, totals
 from examples.usage import Usage
-from examples.usage.sqlite import ADD_TO_TOTAL, BUSY_TIMEOUT, SCHEMA
+from examples.usage.sqlite import ADD_TO_TOTAL, BUSY_TIMEOUT, SCHEMA, create_private
 
 #: This handler writes SQLite only (the plain one defaults to the embedded ClickHouse engine).
 DEFAULT_DB = "stats-usage.sqlite"
@@ -78,6 +78,7 @@ async def flush() -> None:
 
 async def connect(path: str) -> aiosqlite.Connection:
     """Open (and create if needed) the database, as ``stats_usage.connect`` does."""
+    create_private(path)
     db = await aiosqlite.connect(path, timeout=BUSY_TIMEOUT, isolation_level=None)
     async with db.execute("PRAGMA journal_mode") as cursor:
         mode = (await cursor.fetchone())[0]  # type: ignore[index]

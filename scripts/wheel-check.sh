@@ -32,7 +32,9 @@ prefetch = 20
 TOML
 count=200
 for n in $(seq "$count"); do echo "{\"n\": $n}"; done | "$work/venv/bin/python" -m supervisor publish job.toml
-"$work/venv/bin/python" -m supervisor job.toml >supervisor.log 2>&1 &
+# The console script, as an install should start it (README: "Other local users").
+"$work/venv/bin/queue-supervisor" --help >/dev/null
+"$work/venv/bin/queue-supervisor" job.toml >supervisor.log 2>&1 &
 supervisor=$!
 pids+=("$supervisor")
 done_count=0

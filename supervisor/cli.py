@@ -24,6 +24,8 @@ from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load, split_h
 from supervisor.ops import COMMANDS
 
 log = logging.getLogger("supervisor")
+#: The console script (pyproject.toml [project.scripts]).
+SCRIPT = "queue-supervisor"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,9 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return operate(argv)
     parser = argparse.ArgumentParser(
-        prog="python -m supervisor",
+        prog=program_name(),
         description=__doc__.split("\n")[0],
-        epilog=f"operator commands: python -m supervisor {{{','.join(COMMANDS)}}} CONF ... "
+        epilog=f"operator commands: {program_name()} {{{','.join(COMMANDS)}}} CONF ... "
         "(each has --help)",
     )
     parser.add_argument("config", help="the job's TOML file, e.g. conf/stats-usage.toml")
@@ -49,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in config.warnings:
         log.warning("%s", logs.Explanation(warning))
     return run(config)
+
+
+def program_name() -> str:
+    """How this program was started, for usage lines: the console script, or the module."""
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return SCRIPT if script == SCRIPT else "python -m supervisor"
 
 
 def setup_logging(config: Config) -> None:

@@ -138,7 +138,11 @@ def _one_url_problem(url: str) -> str | None:
         parts = urlsplit(url)
         parts.port  # noqa: B018 -- parsing the port is what raises on a bad one
     except ValueError as error:
-        return f"is not a valid URL ({error})"
+        # Never urllib's message: it quotes the "port", often a piece of the password.
+        return f"is not a valid URL ({_parse_failure(error)}; {_ENCODE_SECRETS})"
+    if _userinfo_cut_short(url, parts.netloc):
+        return ("has an @ after its host: the password or token before it holds an unencoded "
+                f"/ ? or #, which ends it early ({_ENCODE_SECRETS})")
     if parts.scheme not in REDIS_SCHEMES + NATS_SCHEMES:
         return f'has scheme "{parts.scheme}"; expected one of redis, rediss, nats, tls'
     if not parts.hostname:
@@ -155,6 +159,33 @@ def _one_url_problem(url: str) -> str | None:
             return (f"sets {tls_params[0]} in its query; TLS is set with the [broker] "
                     "tls_* keys (a URL parameter would override them)")
     return None
+
+
+#: A password or token with one of these unencoded ends the userinfo early (the parser
+#: reads the rest as port, path, query or fragment): the one fix, said in every such error.
+_ENCODE_SECRETS = ("a password or token containing / ? # or @ must be percent-encoded: "
+                   "%2F %3F %23 %40")
+
+
+def _parse_failure(error: ValueError) -> str:
+    """What urllib found wrong, in words that quote no part of the URL."""
+    message = str(error)
+    if message.startswith("Port could not be cast"):
+        return "the port after the host is not a number"
+    if message.startswith("Port out of range"):
+        return "the port is not in 0-65535"
+    if "IPv6" in message:
+        return "unbalanced [ ] around the host (an IPv6 address is written [::1])"
+    return "it cannot be parsed"
+
+
+def _userinfo_cut_short(url: str, netloc: str) -> bool:
+    """An ``@`` after the host the parser found: the userinfo was cut at an unencoded
+    ``/``, ``?`` or ``#`` (``redis://u:12#secret@h``, ``nats://tok/en@h``), so the host
+    is a piece of it. An ``@`` inside a query value (``?password=p@ss``) is no sign."""
+    after_host = url[url.index("://") + 3 + len(netloc):]
+    at = after_host.find("@")
+    return "@" not in netloc and at >= 0 and "=" not in after_host[:at]
 
 
 BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)

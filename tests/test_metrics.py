@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import logging
+import resource
+import select
+import signal
 import socket
+import time
 import urllib.request
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.base import Action
 from supervisor import metrics
 from support.servers import free_port
-from support.supervision import QUEUE, Supervisor, wait_for, write_config
+from support.supervision import QUEUE, Supervisor, counter, publish, wait_for, write_config
 
 
 @pytest.fixture
@@ -73,7 +81,7 @@ def test_the_endpoint_serves_the_counters_gauges_and_histograms(served):
 
 
 def test_binds_loopback_by_default(served):
-    assert served._server.server_address[0] == "127.0.0.1"
+    assert served._endpoint.address[0] == "127.0.0.1"
 
 
 def test_port_zero_means_off_but_throughput_is_still_counted():
@@ -131,3 +139,128 @@ def _try_scrape(port: int) -> dict | None:
         return scrape(port)
     except OSError:
         return None
+
+
+# -- a hostile neighbour (issue 28, M3) -------------------------------------------------------
+
+HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # the blank line never comes
+
+
+def half_sent(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections that each sent half a request, opened without waiting on any
+    one of them; returns once all are established or after 30 s (a server that stopped
+    accepting, out of descriptors, leaves the rest unanswered)."""
+    flood = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        flood.append(sock)
+    waiting, deadline = list(flood), time.monotonic() + 30
+    while waiting and time.monotonic() < deadline:
+        _, writable, _ = select.select([], waiting, [], 1)
+        for sock in writable:
+            with contextlib.suppress(OSError):
+                sock.send(HALF_A_REQUEST)
+            waiting.remove(sock)
+    return flood
+
+
+def test_the_answer_is_prometheus_clients_own(served):
+    """The same bytes as the library's exposition, in each format it negotiates."""
+    from prometheus_client import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+
+    served.settled(Action.COMMIT, 3)
+    served.settle_batch(3, 0.001)
+    url = f"http://127.0.0.1:{served.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")
+        assert response.read() == generate_latest(served.registry)
+    request = urllib.request.Request(url, headers={
+        "Accept": "application/openmetrics-text; version=1.0.0", "Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.headers["Content-Encoding"] == "gzip"
+        assert gzip.decompress(response.read()) == openmetrics(served.registry)
+
+
+def test_a_slow_request_is_closed_after_the_timeout_and_others_are_answered_meanwhile(served):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as slow:
+        slow.sendall(HALF_A_REQUEST)
+        began = time.monotonic()
+        assert value(scrape(served.port), "deliveries_received_total") == 0
+        assert slow.recv(1024) == b""  # closed unanswered
+        waited = time.monotonic() - began
+    assert metrics.REQUEST_TIMEOUT - 1 <= waited < metrics.REQUEST_TIMEOUT + 10
+
+
+def test_a_flood_of_half_sent_requests_holds_few_descriptors_and_scrapes_go_on(served):
+    before = psutil.Process().num_fds()
+    flood = half_sent(served.port, 300)
+    try:
+        assert value(scrape(served.port), "deliveries_received_total") == 0
+        # The endpoint's share: at most its cap of connections; the rest are the flood's own.
+        held = wait_for(lambda: _endpoint_fds(before, flood), 30, "the flood to be accepted")
+        assert held <= metrics.MAX_CONNECTIONS + 1
+    finally:
+        for sock in flood:
+            sock.close()
+    assert value(scrape(served.port), "deliveries_received_total") == 0
+
+
+def _endpoint_fds(before: int, flood: list[socket.socket]) -> int | None:
+    """The descriptors the endpoint holds now (the process's, less the flood's and the ones
+    open before it), once the endpoint accepted (and so cut) most of the flood."""
+    closed_by_peer = 0
+    for sock in flood:
+        try:
+            if sock.recv(1, socket.MSG_PEEK) == b"":
+                closed_by_peer += 1
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed_by_peer += 1
+    if closed_by_peer < len(flood) - metrics.MAX_CONNECTIONS:
+        return None
+    return psutil.Process().num_fds() - before - len(flood)
+
+
+def test_the_supervisor_keeps_consuming_through_a_flood_of_half_sent_requests(
+        tmp_path, redis_url, client, supervisors):
+    """More half-sent requests than the supervisor has descriptors: it still reconnects to
+    the broker and consumes, and the endpoint still answers."""
+    port = free_port()
+    config = write_config(tmp_path, redis_url, supervisor={"metrics_port": port})
+    supervisor = supervisors(config, redis_url)
+    wait_for(lambda: _try_scrape(port), 30, "the metrics endpoint")
+    process = psutil.Process(supervisor.pid)
+    resource.prlimit(supervisor.pid, resource.RLIMIT_NOFILE, (256, 256))
+    before = process.num_fds()
+    flood = half_sent(port, 400)
+    try:
+        wait_for(lambda: process.num_fds() - before <= metrics.MAX_CONNECTIONS + 2, 30,
+                 "the endpoint to hold at most its cap of connections")
+        # Every broker connection of the supervisor is cut: it must open new ones now.
+        client.client_kill_filter(_type="normal", skipme=True)
+        publish(client, [{"n": n} for n in range(50)])
+        wait_for(lambda: counter(client, "success") == 50, 60, "50 jobs done during the flood")
+        assert value(wait_for(lambda: _try_scrape(port), 30, "a scrape during the flood"),
+                     "deliveries_received_total", queue=QUEUE) >= 50
+    finally:
+        for sock in flood:
+            sock.close()
+    assert _try_scrape(port) is not None
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
+
+
+def test_a_metrics_host_beyond_loopback_is_warned_about(caplog):
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert metrics.exposure_warning(host) is None
+    for host in ("0.0.0.0", "::", "10.0.0.5", "metrics.example"):
+        assert "not a loopback address" in metrics.exposure_warning(host)
+    # An address of no interface here (TEST-NET-1): warned before the bind fails, and
+    # nothing is ever exposed by this test.
+    with caplog.at_level(logging.WARNING), pytest.raises(OSError):
+        metrics.start("stats-usage", free_port(), "192.0.2.1")
+    assert "metrics_host = 192.0.2.1 is not a loopback address" in caplog.text

@@ -127,6 +127,34 @@ async def test_status_text_escapes_what_it_shows_from_the_broker(conf, run, redi
     assert len(shown) < 200
 
 
+async def test_status_shows_no_control_character_from_the_broker(conf, run, redis_client):
+    """Issue 28, L3: a crafted counter, supervisor record and reservation key reach neither
+    the text nor the JSON output as terminal controls; the counter is shown as invalid."""
+    crafted = "\x1b]0;pwned\x07\x9b31m\u202e"
+    await redis_client.set(keys().stat("success"), crafted.encode())
+    await redis_client.set(keys().supervisor(f"id{crafted}"), f"host{crafted} 42".encode())
+    await redis_client.zadd(keys().reservations, {f"{keys().reservations}.{crafted}": 1})
+
+    def controls(text: str) -> list[str]:
+        return [c for c in text if (c < " " and c != "\n") or "\x7f" <= c <= "\x9f"
+                or c == "\u202e"]
+
+    code, text = await run("status", conf)
+    assert code == 0 and controls(text) == []
+    [stats] = [line for line in text.splitlines() if line.startswith("  stats")]
+    assert "success invalid '\\x1b]0;pwned\\x07" in stats, stats
+    code, out = await run("status", conf, "--json")
+    assert code == 0 and controls(out) == []
+    assert orjson.loads(out)["stats"]["success"] == crafted  # the data, escaped as JSON
+
+
+async def test_drain_shows_another_hosts_record_escaped(conf, run, redis_client):
+    await redis_client.set(keys().supervisor("elsewhere"), b"other\x1b]0;pwned\x07host 42")
+    code, out = await run("drain", conf, "--timeout", "10")
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert "running on other hosts (drain there too): other\\x1b]0;pwned\\x07host 42" in out
+
+
 # -- check and recover ------------------------------------------------------------------------
 
 

@@ -105,6 +105,11 @@ def test_the_supervisors_own_service_settings_are_kept():
     assert int(last("TimeoutStopSec")) > 30  # above the default shutdown_deadline
 
 
+def test_descriptors_are_bounded_and_a_memory_ceiling_is_offered():
+    assert int(last("LimitNOFILE")) >= 4096
+    assert "#MemoryMax=" in UNIT.read_text()  # a value only the job's own peak can give
+
+
 @pytest.fixture
 def runnable_unit(tmp_path: Path) -> Path:
     """The unit as an instance, with an interpreter that exists here (verify checks it)."""

@@ -160,6 +160,118 @@ def test_the_writer_answers_only_its_own_user(path):
         store.close()
 
 
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="needs root to run the squatter as another user")
+
+
+class Squatter:
+    """Another local user's process (issue 28, H2), forked from the test as uid 65534
+    (no interpreter of this test is readable by that user): it binds the writer's socket
+    name first and answers OK to every request, telling the test the kind of each."""
+
+    def __init__(self, address: str) -> None:
+        self._reader, writer = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(self._reader)
+                self._serve(address, writer)
+            finally:
+                os._exit(1)
+        self._running = True
+        os.close(writer)
+        self._lines = os.fdopen(self._reader, "r")
+        assert self._lines.readline() == "listening\n"
+
+    @staticmethod
+    def _serve(address: str, out: int) -> None:
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(16)
+        os.write(out, b"listening\n")
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                reader = wire.FrameReader()
+                while data := conn.recv(1 << 16):
+                    for kind, _ in reader.feed(data):
+                        os.write(out, b"request " + kind + b"\n")
+                        conn.sendall(wire.frame(wire.OK, b"[]"))
+
+    def requests(self) -> list[str]:
+        """The requests it got (it is stopped first)."""
+        self.stop()
+        return [line.strip() for line in self._lines]
+
+    def stop(self) -> None:
+        if self._running:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self._running = False
+
+
+@pytest.fixture
+def squatter(path):
+    """The squatter holding the writer's socket name for ``path``."""
+    process = Squatter(wire.address(path))
+    yield process
+    process.stop()
+
+
+@needs_root
+def test_the_client_sends_nothing_to_a_writer_of_another_user(path, squatter):
+    began = time.monotonic()
+    with pytest.raises(WriterUnavailable) as raised:
+        open_store(path)
+    message = str(raised.value)
+    assert f"pid {squatter.pid} of uid {NOBODY}" in message and "not by this user" in message
+    assert time.monotonic() - began < 10  # at once, not after CALL_TIMEOUT
+    assert squatter.requests() == []
+    assert writers(path) == []
+
+
+@needs_root
+def test_a_writer_that_finds_its_name_held_by_another_user_says_so_and_fails(path, squatter):
+    done = subprocess.run([sys.executable, "-m", "examples.usage.writer", path,
+                           str(os.getpid())], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert f"held by pid {squatter.pid} of uid {NOBODY}" in done.stderr
+    assert squatter.requests() == []
+
+
+@needs_root
+def test_a_squatted_writer_name_stops_the_job_before_anything_is_acknowledged(
+        redis_url, client, tmp_path, path, squatter, supervisors):
+    """The job as the review ran it: with the name squatted, init() fails (exit 3, which
+    systemd does not restart), the messages stay ready, the squatter gets no row."""
+    config = write_config(tmp_path, redis_url, handler="examples.stats_usage:handle")
+    publish(client, [make_payload("p1", {"executions": 1}) for _ in range(20)])
+    supervisor = supervisors(config, redis_url, STATS_USAGE_DB=path)
+    assert supervisor.wait(60) == 3, supervisor.output()
+    assert f"uid {NOBODY}" in supervisor.output()
+    from support.supervision import keys
+
+    assert client.llen(keys().ready) == 20
+    assert counter(client, "success") == 0
+    assert squatter.requests() == []
+
+
+def test_a_name_held_by_a_socket_that_accepts_nothing_fails_the_store_clearly(path):
+    """Bound, never listening: connections are refused, so the client starts a writer,
+    which finds the name taken and no writer behind it; it says so and exits 3 (before,
+    it returned 0 and the client retried for CALL_TIMEOUT)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as holder:
+        holder.bind(wire.address(path))
+        began = time.monotonic()
+        with pytest.raises(WriterUnavailable, match="exited with code 3"):
+            open_store(path)
+        assert time.monotonic() - began < 30
+
+
 def test_totals_per_hour_and_a_redelivery_in_a_later_hour_counts_once(path):
     store = open_store(path)
     try:

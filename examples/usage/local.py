@@ -37,6 +37,11 @@ class WriterUnavailable(RuntimeError):
     """No writer could be reached or started in time."""
 
 
+class ForeignWriter(WriterUnavailable):
+    """The writer's socket name is held by a process of another user: nothing is sent to
+    it, at once and on every try (it could read the rows and forge every answer)."""
+
+
 class WriterClient:
     """A ``Database`` (see ``examples.usage.clickhouse``) served by the folder's writer."""
 
@@ -75,7 +80,7 @@ class WriterClient:
         delay = 0.02
         while True:
             try:
-                sock = self._connect()
+                sock = self._connect(max(0.1, deadline - time.monotonic()))
                 sock.settimeout(max(0.1, deadline - time.monotonic()))
                 sock.sendall(request)
                 reply, body = wire.recv_frame(sock)
@@ -93,16 +98,25 @@ class WriterClient:
                 raise WriterError(body.decode(errors="replace"))
             return body
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, timeout: float) -> socket.socket:
         if self._sock is not None:
             return self._sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)  # a listener that never accepts fills its backlog: no hang
         try:
             sock.connect(self._address)
         except OSError:
             sock.close()
             self._start_writer()
             raise
+        writer = wire.peer(sock)
+        if writer.uid != os.geteuid():
+            sock.close()
+            raise ForeignWriter(
+                f"the stats-usage writer socket for {self.path} is held by pid {writer.pid} "
+                f"of uid {writer.uid}, not by this user (uid {os.geteuid()}): no usage is "
+                "sent to it and the flush fails, so its messages are not acknowledged. Stop "
+                "that process, or set STATS_USAGE_DB to another path")
         self._sock = sock
         return sock
 

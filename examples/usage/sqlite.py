@@ -54,8 +54,22 @@ class SqliteStore:
         self.db.close()
 
 
+#: A new database file (and so its -wal and -shm files, which SQLite gives the database
+#: file's mode) is readable by its owner only: the totals are nobody else's business.
+FILE_MODE = 0o600
+
+
+def create_private(path: str) -> None:
+    """Create the database file ``path`` with ``FILE_MODE`` unless it exists (whatever the
+    umask of a hand run: 0644 would let every local user read it)."""
+    if path in ("", ":memory:"):  # no file at all
+        return
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
+
+
 def connect(path: str) -> sqlite3.Connection:
     """Open (and create if needed) the database; several processes may share it."""
+    create_private(path)
     # Autocommit mode: transactions are the explicit BEGIN IMMEDIATE of transaction().
     db = sqlite3.connect(path, timeout=BUSY_TIMEOUT, isolation_level=None)
     # WAL: readers never block the writer. Switching to it takes a lock without waiting on

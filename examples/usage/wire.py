@@ -6,6 +6,9 @@ OK (for SELECT, the rows as a JSON array of arrays) or ERROR (the engine's messa
 
 The socket lives in Linux's abstract namespace, named after the database's real path: no
 file to go stale, and the name is free again the moment its writer dies, however it dies.
+That namespace has no permissions: anyone may bind a name first, or connect. So each side
+checks the other's credentials (``SO_PEERCRED``, set by the kernel): the writer answers
+only its own user, and a client sends usage only to a writer of its own user.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import os
 import socket
 import struct
+from typing import NamedTuple
 
 HEADER = struct.Struct(">cI")
 #: Largest frame accepted (a batch of rows, or a SELECT's result).
@@ -27,6 +31,22 @@ def address(path: str) -> str:
     """The writer's abstract socket name for the database folder ``path``."""
     digest = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:32]
     return f"\0queue-supervisor-stats-usage-{digest}"
+
+
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class Peer(NamedTuple):
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer(sock: socket.socket) -> Peer:
+    """Who is at the other end of a connected Unix socket (as it was when it connected,
+    or for a listener's side, when it called listen)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    return Peer(*_CREDENTIALS.unpack(raw))
 
 
 def frame(kind: bytes, payload: bytes) -> bytes:

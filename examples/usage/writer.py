@@ -29,7 +29,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from collections import defaultdict
@@ -49,7 +48,11 @@ POLL = 0.25
 #: Seconds a reply may take to leave before its reader is dropped.
 SEND_TIMEOUT = 10.0
 EXIT_NO_ENGINE = 2
-_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+#: The socket name is held by a process of another user (or one that is no writer).
+EXIT_NAME_TAKEN = 3
+#: Seconds a name in use may refuse connections before it counts as taken by a stranger
+#: (a writer of ours between its bind and its listen refuses them for a moment).
+PROBE_TIMEOUT = 3.0
 
 
 class Stop:
@@ -77,7 +80,7 @@ class Engine:
                       "'queue-supervisor[clickhouse]', or set STATS_USAGE_DB to a path "
                       "ending in .sqlite", error)
             raise SystemExit(EXIT_NO_ENGINE) from error
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
         _wait_for_folder(path, stop, time.monotonic() + OPEN_TIMEOUT)
         return cls(chdb_session.Session(path))
 
@@ -158,10 +161,9 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector,
     except BlockingIOError:
         return
     # The abstract namespace has no file permissions: only this user's processes may talk.
-    _, uid, _ = _CREDENTIALS.unpack(
-        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    if uid != os.geteuid():
-        log.warning("refused a connection of uid %d", uid)
+    client = wire.peer(conn)
+    if client.uid != os.geteuid():
+        log.warning("refused a connection of uid %d (pid %d)", client.uid, client.pid)
         conn.close()
         return
     conn.settimeout(SEND_TIMEOUT)  # recv only after select said readable
@@ -200,11 +202,45 @@ def answer(engine: Engine, requests: list[tuple[socket.socket, bytes, bytes]]
     return replies
 
 
+def _name_in_use(path: str) -> int:
+    """0 when a writer of this user serves ``path`` already; else say who holds the name
+    (anyone may bind an abstract name first, to read the rows or forge the answers)."""
+    holder = _name_holder(wire.address(path), time.monotonic() + PROBE_TIMEOUT)
+    if holder is not None and holder.uid == os.geteuid():
+        return 0
+    who = ("a process that accepts no connection" if holder is None
+           else f"pid {holder.pid} of uid {holder.uid}")
+    log.error("cannot serve %s: its socket name is held by %s, not by a writer of this user "
+              "(uid %d); no usage is sent there. Stop that process, or set STATS_USAGE_DB to "
+              "another path", os.path.realpath(path), who, os.geteuid())
+    return EXIT_NAME_TAKEN
+
+
+def _name_holder(address: str, deadline: float) -> wire.Peer | None:
+    """The credentials of the process listening on ``address``; None if it refuses, or
+    never accepts (a writer of ours accepts at once)."""
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(max(POLL, deadline - time.monotonic()))
+            try:
+                probe.connect(address)
+                return wire.peer(probe)
+            except TimeoutError:
+                return None
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    return None
+        time.sleep(POLL)
+
+
 def main(argv: list[str] | None = None) -> int:
     path, parent = (argv if argv is not None else sys.argv[1:])[:2]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s stats-usage writer [%(process)d] "
                                "%(levelname)s: %(message)s")
+    # The engine creates the folder's files and folders itself: none may be readable by
+    # other local users, whatever the umask of the hand run that started this writer.
+    os.umask(0o077)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the supervisor to handle
     stop = Stop()
     signal.signal(signal.SIGTERM, stop.set)
@@ -218,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         listener.close()
         if error.errno == errno.EADDRINUSE:
-            return 0  # another writer serves this database
+            return _name_in_use(path)
         raise
     try:
         listener.listen(128)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -60,10 +61,12 @@ async def status(config: Config, args: argparse.Namespace) -> int:
         lines = describe_status(state)
     state["url"] = config.broker.safe_url  # which broker, never with its credentials
     lines.insert(1, f"  broker        {state['url']}")
+    # Names, pids and counters come from the broker, where anyone with write access may
+    # have put a terminal escape: every line is escaped as a whole, whoever composed it.
     if args.json:
-        print(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
+        print(json_for_terminal(state))
     else:
-        print("\n".join(lines))
+        print("\n".join(logs.escape(line) for line in lines))
     return exits.OK
 
 
@@ -122,7 +125,8 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
         print(f"stopping {len(found)} supervisors of {config.job.queue}"
               + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
         if elsewhere:
-            print(f"running on other hosts (drain there too): {', '.join(elsewhere)}")
+            shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
+            print(f"running on other hosts (drain there too): {shown}")
         _, alive = await asyncio.to_thread(processes.stop, found, timeout)
         if alive:
             print(f"still running after {timeout:g}s: pids "
@@ -188,7 +192,7 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         f"{reservations['expired']} expired",
     ]
     for item in reservations["lists"]:
-        lines.append(f"    {item['key']}  {item['size']} payloads, "
+        lines.append(f"    {logs.clean(item['key'])}  {item['size']} payloads, "
                      f"{_expiry(item['expires_in_ms'])}")
         lines += [f"      {logs.clean(payload, PAYLOAD_CHARS)}" for payload in item["payloads"]]
     lines += [
@@ -202,8 +206,25 @@ def describe_status(state: dict[str, Any]) -> list[str]:
     if state["previous_format"]:
         lines.append(f"  previous-format supervisors still running: {state['previous_format']}"
                      " (stop them: see the README, upgrading)")
-    lines.append("  stats         " + "  ".join(f"{k} {v}" for k, v in stats.items()))
+    lines.append("  stats         " + "  ".join(f"{k} {_count(v)}" for k, v in stats.items()))
     return lines
+
+
+def _count(value: int | str) -> str:
+    """A counter as a number, or flagged: a corrupt one is worth seeing, as data."""
+    return str(value) if isinstance(value, int) else f"invalid {logs.clean(repr(value))}"
+
+
+#: What ``logs.escape`` escapes and orjson writes as it is (it escapes C0 controls only).
+_UNSAFE_IN_JSON = re.compile(r"[\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def json_for_terminal(state: dict[str, Any]) -> str:
+    """``state`` as indented JSON with no character a terminal acts on: DEL, C1 controls
+    and bidirectional overrides become ``\\uNNNN`` (the same JSON string: such characters
+    can only occur inside strings)."""
+    text = orjson.dumps(state, option=orjson.OPT_INDENT_2).decode()
+    return _UNSAFE_IN_JSON.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
@@ -291,8 +312,9 @@ COMMANDS: dict[str, tuple[Command, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__.split(
-        "\n")[0])
+    from supervisor.cli import program_name
+
+    parser = argparse.ArgumentParser(prog=program_name(), description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = {name: commands.add_parser(name, help=doc, description=doc)
            for name, (_, doc) in COMMANDS.items()}
