@@ -74,6 +74,7 @@ from broker.nats.setup import (
     QueueNames,
     Wanted,
     adopt_queue,
+    check_renamed,
     deliver_limit,
     identity,
     read_consumer_policy,
@@ -511,6 +512,8 @@ class NatsBroker:
         timeout = self._timeout if self._policy is None else min(self._timeout,
                                                                  RECONNECT_SETUP_TIMEOUT)
         try:
+            if self._policy is None:
+                await check_renamed(conn, self.queue, self._wanted, timeout)
             policy = await adopt_queue(conn, self._names, self._wanted, timeout)
         except BrokerError as error:
             if self._policy is None or isinstance(error, RETRYABLE):
