@@ -227,12 +227,13 @@ def read_consumer_policy(consumer: dict[str, Any], max_attempts: int) -> tuple[i
     Marked with the spare delivery: MaxDeliver - 1 attempts, the last delivery is only
     dead-lettered. Unmarked: MaxDeliver attempts, and a delivery that ran out while no
     handler held it is announced by the server's max-deliveries advisory. Unlimited: our
-    ``max_attempts``, with the next delivery dead-lettered on arrival (a job whose every
-    run died unsettled, e.g. it kills its supervisor, must not come back forever).
+    ``max_attempts`` for rejections and no spare, as queue 5's ``spareOf()`` (a job whose
+    every run dies unsettled, e.g. it kills its supervisor, comes back until it succeeds,
+    under PHP workers as here; the start-up warning says so).
     """
     max_deliver = deliver_limit(consumer.get("max_deliver"))
     if max_deliver == UNLIMITED:
-        return max_attempts, max_attempts + 1
+        return max_attempts, None
     if (consumer.get("metadata") or {}).get(SPARE_DELIVERY) is not None and max_deliver > 1:
         return max_deliver - 1, max_deliver
     return max_deliver, None
