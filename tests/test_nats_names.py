@@ -3,7 +3,10 @@ the streams an earlier release named differently (non-ASCII queue names) still e
 
 from __future__ import annotations
 
+import asyncio
+
 import nats
+import orjson
 import pytest
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
@@ -11,8 +14,10 @@ from nats.js.errors import NotFoundError
 from broker.base import BrokerError
 from broker.nats import NatsBroker
 from broker.nats.setup import QueueNames
+from supervisor import cli
 from support.brokers import receive_all
 from support.servers import NatsServer
+from support.supervision import write_config
 
 #: (queue, stream, subject, dead stream, dead subject) as PHP 8.2 computes them with queue
 #: 5's streamToken()/subjectToken() (``preg_replace('/[^A-Za-z0-9_-]/', '_', $name)``, no
@@ -195,3 +200,20 @@ async def test_dead_letters_left_in_the_earlier_dead_stream_are_named(nats_serve
         await broker.close()
     assert "NATS stream Q_CAF__DEAD holds 1 dead letters" in caplog.text
     assert "Q_CAF___DEAD" in caplog.text
+
+
+async def test_status_names_the_earlier_releases_stream(
+    nats_server, js, tmp_path, capsys, monkeypatch
+):
+    """What the operator of a supervisor that refuses to start sees in `status`."""
+    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+    old = await earlier_release_stream(js, "caf\u00e9", "12:utopia-queue:caf\u00e9")
+    await js.publish(old.subject, b'{"pid":"p1"}')
+    conf = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle",
+                            job={"queue": "caf\u00e9"}))
+    code = await asyncio.to_thread(cli.main, ["status", conf, "--json"])
+    state = orjson.loads(capsys.readouterr().out)
+    assert code == 0 and state["stream"] is None
+    assert state["earlier_stream"] == {"name": "Q_CAF_", "messages": 1}
+    code = await asyncio.to_thread(cli.main, ["status", conf])
+    assert "earlier name  stream Q_CAF_ still exists (1 messages)" in capsys.readouterr().out

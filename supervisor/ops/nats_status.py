@@ -19,7 +19,7 @@ from nats.js.errors import NotFoundError
 from broker.base import BrokerError
 from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
-from broker.nats.setup import QueueNames, read_consumer_policy
+from broker.nats.setup import IDENTITY, QueueNames, identity, read_consumer_policy
 from broker.nats.tls import tls_options
 from broker.urls import redact
 from supervisor.config import Config
@@ -63,6 +63,7 @@ async def _queue_status(config: Config) -> dict[str, Any]:
         work = await _stream(js, names.stream)
         dead = await _stream(js, names.dead_stream)
         consumer = await _consumer(js, names)
+        earlier = await _earlier_stream(js, config)
     except TimeoutError:
         raise BrokerError(f"NATS at {redact(config.broker.url)} took the connection, but its "
                           f"JetStream API did not answer within {CONNECT_TIMEOUT:g}s (no "
@@ -80,7 +81,21 @@ async def _queue_status(config: Config) -> dict[str, Any]:
         "waiting_pulls": consumer.num_waiting if consumer else 0,
         "dead": dead.state.messages if dead else 0,
         "consumer": _consumer_settings(consumer, config.job.max_attempts),
+        "earlier_stream": earlier,
     }
+
+
+async def _earlier_stream(js: Any, config: Config) -> dict[str, Any] | None:
+    """This queue's stream under the name an earlier release gave a non-ASCII queue (a
+    start refuses while it exists): its name and message count, else None."""
+    old = QueueNames.legacy(config.job.queue)
+    info = await _stream(js, old.stream) if old else None
+    if old is None or info is None:
+        return None
+    if (info.config.metadata or {}).get(IDENTITY) != identity(config.broker.namespace,
+                                                               config.job.queue):
+        return None  # another queue's own stream ("caf_" has Q_CAF_)
+    return {"name": old.stream, "messages": info.state.messages}
 
 
 async def _stream(js: Any, name: str) -> Any:
@@ -131,4 +146,13 @@ def describe(state: dict[str, Any]) -> list[str]:
         f"{', then a spare delivery' if consumer['spare_delivery'] else ''}), "
         f"{state['waiting_pulls']} waiting pulls"
         if consumer else "  consumer      absent",
+        *_earlier_lines(state.get("earlier_stream")),
     ]
+
+
+def _earlier_lines(earlier: dict[str, Any] | None) -> list[str]:
+    if earlier is None:
+        return []
+    return [f"  earlier name  stream {earlier['name']} still exists ({earlier['messages']} "
+            f"messages): supervisors refuse to start until it is drained and deleted "
+            f"(README, NATS JetStream)"]
