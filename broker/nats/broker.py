@@ -612,6 +612,7 @@ class NatsBroker:
         await asyncio.shield(self._rereading)
 
     async def _reread_policy(self) -> None:
+        self._policy_read = time.monotonic()  # failed or not: maintenance asks again later
         try:
             conn = await self._connection(self._timeout)
             consumer = await reread_consumer(conn, self._names, self._timeout)
@@ -619,7 +620,6 @@ class NatsBroker:
             log.warning("could not re-read NATS consumer %r (%s); using its last settings",
                         self._names.consumer, error)
             return
-        self._policy_read = time.monotonic()
         budget, spare = read_consumer_policy(consumer, self._wanted.max_attempts)
         if (budget, spare) != (self.policy.budget, self.policy.spare):
             self._use(dataclasses.replace(self.policy, budget=budget, spare=spare,
