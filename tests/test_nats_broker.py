@@ -140,7 +140,7 @@ async def php_queue(js, *, max_deliver: int, spare: bool, ack_wait: float = 30,
     ({"max_deliver": 5, "spare": False}, 5, None),  # N1
     ({"max_deliver": 6, "spare": True, "keyed": True}, 5, 6),  # N2
     ({"max_deliver": 6, "spare": True}, 5, 6),  # N3
-    ({"max_deliver": -1, "spare": False}, 3, 4),  # unlimited: our max_attempts
+    ({"max_deliver": -1, "spare": False}, 3, None),  # unlimited: no spare, as spareOf()
 ])
 async def test_a_php_made_queue_is_adopted_never_rewritten(
     brokers, js, caplog, layout, budget, spare

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -70,10 +71,12 @@ from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
 from broker.nats.pull import Puller
 from broker.nats.setup import (
+    UNLIMITED,
     Adopted,
     QueueNames,
     Wanted,
     adopt_queue,
+    check_renamed,
     deliver_limit,
     identity,
     read_consumer_policy,
@@ -92,8 +95,11 @@ JSON = "application/json"
 ADVISORY_GROUP = "utopia_queue_dead_letter"
 #: Seconds a released message waits on a size-limited stream (queue 5's release delay).
 RELEASE_DELAY = 5.0
-#: Advisories kept for the next maintenance pass at most (they are rare; this bounds memory).
+#: Advisories kept for the next burial pass at most (they are rare; this bounds memory).
 MAX_EXHAUSTED = 10_000
+#: Seconds a maintenance pass trusts the consumer's budget as last read (queue 5 re-adopts
+#: at most every 30 s); a dead-letter verdict reads it again whatever its age.
+POLICY_MAX_AGE = 30.0
 #: An ack answered 503: nobody serves the consumer, so nobody applied it (certain).
 NO_RESPONDERS = ("no responder: the consumer has no leader now (a JetStream cluster electing "
                  "one); not applied")
@@ -177,6 +183,9 @@ class NatsBroker:
                           options=connect_options)
         self._held = Holdings()
         self._exhausted: collections.deque[int] = collections.deque(maxlen=MAX_EXHAUSTED)
+        self._burying: asyncio.Future[None] | None = None  # see _bury_announced
+        self._rereading: asyncio.Future[None] | None = None  # see _refresh_policy
+        self._policy_read = 0.0  # time.monotonic() of the last read of the consumer
         self._gone: asyncio.Future[bool] | None = None  # see _consumer_gone
         self._gone_until = 0.0
 
@@ -222,6 +231,13 @@ class NatsBroker:
         leftovers = self._puller.take_backlog()
         if leftovers and self._link.connection is not None:
             await asyncio.gather(*(self._release_unreturned(msg) for msg in leftovers))
+        if self._burying is not None and not self._burying.done():
+            # A burial cut short leaves a copy in dead and the original in work: let it end.
+            with contextlib.suppress(Exception, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._burying), self._timeout)
+            self._burying.cancel()
+        if self._rereading is not None:
+            self._rereading.cancel()
         await self._link.close()
         self._held.clear()
 
@@ -240,7 +256,27 @@ class NatsBroker:
         return max(0.0, time.time() - first.timestamp())
 
     async def maintain(self) -> MaintenanceReport:
-        """Dead-letter what the max-deliveries advisories named (JetStream redelivers the rest)."""
+        """Read the consumer's budget when it is old (another worker may have changed it),
+        and dead-letter what the max-deliveries advisories named, if a receive has not
+        already (JetStream redelivers the rest)."""
+        if time.monotonic() - self._policy_read >= POLICY_MAX_AGE:
+            await self._refresh_policy()
+        burying = self._bury_announced()
+        if burying is not None:
+            await asyncio.shield(burying)
+        return MaintenanceReport()
+
+    def _bury_announced(self) -> asyncio.Future[None] | None:
+        """The pass over what the advisories named, started unless one runs. Queue 5 drains
+        them on every receive; here a receive starts the pass and does not wait for it."""
+        if self._burying is None or self._burying.done():
+            if not self._exhausted:
+                return None
+            self._burying = asyncio.ensure_future(self._bury_exhausted_all())
+            self._burying.add_done_callback(_log_burial_failure)
+        return self._burying
+
+    async def _bury_exhausted_all(self) -> None:
         for _ in range(len(self._exhausted)):
             seq = self._exhausted.popleft()
             try:
@@ -250,7 +286,6 @@ class NatsBroker:
                             "tried again at the next pass: %s", seq, error)
                 self._exhausted.append(seq)
                 break
-        return MaintenanceReport()
 
     async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
         """Nothing to do: JetStream redelivers unacknowledged deliveries after ack_wait."""
@@ -260,6 +295,7 @@ class NatsBroker:
     async def receive(self, max_messages: int, block_timeout: float) -> Received:
         check_receive_limit(max_messages)
         conn = await self._connection(max(block_timeout, self._connect_timeout))
+        self._bury_announced()
         msgs = await self._puller.pull(conn, max_messages, block_timeout)
         received = Received()
         poison: list[asyncio.Future[Poisoned | None]] = []
@@ -272,7 +308,7 @@ class NatsBroker:
             spare = self.policy.spare
             if spare is not None and receipt.delivered >= spare and not reread:
                 reread = True  # the consumer is shared: its budget may have grown since
-                await self._reread_policy(conn)
+                await self._refresh_policy()
                 spare = self.policy.spare
             if spare is not None and receipt.delivered >= spare:
                 reason = (f"out of attempts: delivery {receipt.delivered} of a consumer that "
@@ -340,7 +376,7 @@ class NatsBroker:
             result = await self._respond(receipt, ACK)
         elif action is Action.RELEASE:
             result = await self._release(settlement.delivery)
-        elif self._retry().exhausted(delivered - 1):
+        elif await self._out_of_attempts(delivered):
             result = await self._bury(settlement)
         else:
             delay = self._retry().delay(delivered - 1, self.policy.backoff)
@@ -348,6 +384,15 @@ class NatsBroker:
         if result.outcome is not Outcome.ERROR:  # on ERROR it is still ours: settled again
             self._held.drop(seq, delivered)
         return result
+
+    async def _out_of_attempts(self, delivered: int) -> bool:
+        """The budget's verdict on a rejected delivery. A dead letter is final, and the
+        consumer is shared (a queue-5 worker's ensure mode may have raised MaxDeliver since
+        we read it): before one, the budget is read again."""
+        if not self._retry().exhausted(delivered - 1):
+            return False
+        await self._refresh_policy()
+        return self._retry().exhausted(delivered - 1)
 
     async def _bury(self, settlement: Settlement) -> Result:
         """Out of attempts: publish to the dead subject (PubAck awaited), then TERM."""
@@ -511,6 +556,8 @@ class NatsBroker:
         timeout = self._timeout if self._policy is None else min(self._timeout,
                                                                  RECONNECT_SETUP_TIMEOUT)
         try:
+            if self._policy is None:
+                await check_renamed(conn, self.queue, self._wanted, timeout)
             policy = await adopt_queue(conn, self._names, self._wanted, timeout)
         except BrokerError as error:
             if self._policy is None or isinstance(error, RETRYABLE):
@@ -519,6 +566,7 @@ class NatsBroker:
                       "(%s); carrying on with %s", self.queue, error, self._policy.describe())
             policy = self._policy
         self._use(policy)
+        self._policy_read = time.monotonic()
         await conn.subscribe(self._names.advisory_subject, self._on_advisory,
                              queue=ADVISORY_GROUP)
 
@@ -533,7 +581,14 @@ class NatsBroker:
                         "budget is shared with every worker of the queue, so it wins)",
                         self._names.consumer, self._names.stream, policy.budget,
                         self._wanted.max_attempts)
-        if policy.spare is None:
+        if policy.max_deliver == UNLIMITED:
+            log.warning("NATS consumer %r on %s keeps no spare delivery and has no delivery "
+                        "limit (MaxDeliver %d): a job whose every run dies unsettled (it "
+                        "kills its worker, say) is delivered again without end, as under "
+                        "queue 5; a MaxDeliver with the %s mark bounds it",
+                        self._names.consumer, self._names.stream, policy.max_deliver,
+                        "utopia_queue_spare_delivery")
+        elif policy.spare is None:
             log.warning("NATS consumer %r on %s keeps no spare delivery (MaxDeliver %d "
                         "without %s): a job whose last delivery dies unsettled is only "
                         "dead-lettered if a worker receives the server's advisory",
@@ -548,9 +603,18 @@ class NatsBroker:
                         "every %gs", self._names.consumer, self._names.stream, policy.lease,
                         policy.lease / 3)
 
-    async def _reread_policy(self, conn: Connection) -> None:
-        """Queue 5 does the same before dead-lettering a delivery at the spare."""
+    async def _refresh_policy(self) -> None:
+        """Read the consumer's budget again: one request at a time however many verdicts
+        wait for it, so a burst of jobs at their last attempt costs one read per round trip.
+        Queue 5 does the same before it parks a delivery at the spare."""
+        if self._rereading is None or self._rereading.done():
+            self._rereading = asyncio.ensure_future(self._reread_policy())
+        await asyncio.shield(self._rereading)
+
+    async def _reread_policy(self) -> None:
+        self._policy_read = time.monotonic()  # failed or not: maintenance asks again later
         try:
+            conn = await self._connection(self._timeout)
             consumer = await reread_consumer(conn, self._names, self._timeout)
         except BrokerError as error:
             log.warning("could not re-read NATS consumer %r (%s); using its last settings",
@@ -629,6 +693,13 @@ class NatsBroker:
         except BrokerError:
             return False  # no answer (still electing): not known to be gone
         return (info.get("error") or {}).get("code") == 404
+
+
+def _log_burial_failure(task: asyncio.Future[None]) -> None:
+    """A pass no maintain() awaited must not fail unseen."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("burying exhausted deliveries failed; tried again at the next pass: %r",
+                  task.exception())
 
 
 def _receipt(msg: Msg) -> NatsReceipt | None:

@@ -1,7 +1,8 @@
 """JetStream names of a queue, and adopting (or creating) its streams and consumer.
 
-Names (queue 5's): stream ``Q_<NAME>`` (upper-cased, characters outside ``A-Za-z0-9_-``
-become ``_``) on subject ``q.<name>.normal`` and, for coalescing keys,
+Names (queue 5's): stream ``Q_<NAME>`` (upper-cased, every *byte* of the UTF-8 name outside
+``A-Za-z0-9_-`` becomes ``_``, as PHP's ``preg_replace`` without ``/u``: ``café`` is
+``Q_CAF__``) on subject ``q.<name>.normal`` and, for coalescing keys,
 ``q.<name>.normal.<hex>``; durable pull consumer ``worker``; dead letters to
 ``q.<name>.dead`` in stream ``Q_<NAME>_DEAD``.
 
@@ -44,7 +45,10 @@ SPARE_DELIVERY = "utopia_queue_spare_delivery"
 IDENTITY = "utopia_queue_identity"
 #: Queue 5's duplicate window for message ids (seconds).
 DUPLICATE_WINDOW = 120.0
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+#: Queue 5 replaces bytes, not characters (its pattern has no /u): matched on the UTF-8 bytes.
+_UNSAFE = re.compile(rb"[^A-Za-z0-9_-]")
+#: What an earlier release replaced instead: characters (see ``QueueNames.legacy``).
+_UNSAFE_CHARACTER = re.compile(r"[^A-Za-z0-9_-]")
 _NS = 1_000_000_000
 
 
@@ -58,15 +62,28 @@ class QueueNames:
 
     @classmethod
     def of(cls, queue: str) -> QueueNames:
-        token = _UNSAFE.sub("_", queue)
-        if not token:
+        return cls._named(queue, token(queue))
+
+    @classmethod
+    def legacy(cls, queue: str) -> QueueNames | None:
+        """The names this supervisor used before it followed queue 5 byte for byte (one
+        ``_`` per character): None where they are the same (an ASCII name)."""
+        old = _UNSAFE_CHARACTER.sub("_", queue)
+        return None if old == token(queue) else cls._named(queue, old)
+
+    @classmethod
+    def _named(cls, queue: str, safe: str) -> QueueNames:
+        if not safe:
             raise ValueError("queue name is empty")
         names = cls(
-            stream=f"Q_{token.upper()}", subject=f"q.{token.lower()}.normal",
-            dead_stream=f"Q_{token.upper()}_DEAD", dead_subject=f"q.{token.lower()}.dead",
+            stream=f"Q_{safe.upper()}", subject=f"q.{safe.lower()}.normal",
+            dead_stream=f"Q_{safe.upper()}_DEAD", dead_subject=f"q.{safe.lower()}.dead",
         )
         if len(names.dead_stream) > MAX_STREAM_NAME:
-            raise ValueError(f"queue name {queue!r} is too long for a JetStream stream name")
+            raise ValueError(f"queue name {queue!r} is too long for a JetStream stream name: "
+                             f"its dead stream's name would be {len(names.dead_stream)} bytes (at "
+                             f"most {MAX_STREAM_NAME}; each byte of a non-ASCII character "
+                             f"counts)")
         return names
 
     @property
@@ -87,6 +104,13 @@ class QueueNames:
     def advisory_subject(self) -> str:
         """Where the server announces deliveries that ran out of MaxDeliver."""
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.*"
+
+
+def token(queue: str) -> str:
+    """Queue 5's ``streamToken``/``subjectToken`` before the case change: ASCII only, so
+    ``upper``/``lower`` change ASCII letters alone, as PHP 8's locale-free functions do."""
+    raw = queue.encode("utf-8", "surrogatepass")
+    return _UNSAFE.sub(b"_", raw).decode("ascii")
 
 
 def identity(namespace: str, queue: str) -> str:
@@ -159,18 +183,57 @@ async def adopt_queue(
     return _adopted(consumer, work, wanted)
 
 
+async def check_renamed(
+    conn: Connection, queue: str, wanted: Wanted, timeout: float
+) -> None:
+    """Refuse to start beside this queue's streams under the names an earlier release gave
+    a non-ASCII queue (one ``_`` per character: ``Q_CAF_`` for ``café``, where queue 5 has
+    ``Q_CAF__``). Consuming the new stream while the old one still exists would leave its
+    jobs, and whatever earlier producers still publish there, behind without a word.
+    A stream of that name that another queue owns (``caf_``'s) is none of our business."""
+    old, new = QueueNames.legacy(queue), QueueNames.of(queue)
+    if old is None:
+        return
+    api = _Api(conn, timeout)
+    dead = await api.stream_info(old.dead_stream)
+    if _ours(dead, wanted) and (dead.get("state") or {}).get("messages"):
+        log.warning("NATS stream %s holds %d dead letters of queue %r under the name an "
+                    "earlier release used; queue 5 and this release keep them in %s. Move "
+                    "or read them there (nats stream view %s), then delete it.",
+                    old.dead_stream, dead["state"]["messages"], queue, new.dead_stream,
+                    old.dead_stream)
+    work = await api.stream_info(old.stream)
+    if not _ours(work, wanted):
+        return
+    messages = (work.get("state") or {}).get("messages", 0)
+    raise BrokerError(
+        f"NATS stream {old.stream} (subject {old.subject}) holds queue {queue!r} under the "
+        f"name an earlier release of this supervisor gave it ({messages} messages); queue 5, "
+        f"and this release, name the queue {new.stream} (subject {new.subject}): one '_' "
+        f"per UTF-8 byte, not per character. Not starting, so that nothing there is left "
+        f"behind: stop the earlier release's producers, let its supervisors drain "
+        f"{old.stream}, then delete it (nats stream rm {old.stream}) and start this one."
+    )
+
+
+def _ours(answer: dict[str, Any], wanted: Wanted) -> bool:
+    metadata = (answer.get("config") or {}).get("metadata") or {}
+    return "error" not in answer and metadata.get(IDENTITY) == wanted.identity
+
+
 def read_consumer_policy(consumer: dict[str, Any], max_attempts: int) -> tuple[int, int | None]:
     """(budget, spare) as queue 5 reads them from a consumer's MaxDeliver and metadata.
 
     Marked with the spare delivery: MaxDeliver - 1 attempts, the last delivery is only
     dead-lettered. Unmarked: MaxDeliver attempts, and a delivery that ran out while no
     handler held it is announced by the server's max-deliveries advisory. Unlimited: our
-    ``max_attempts``, with the next delivery dead-lettered on arrival (a job whose every
-    run died unsettled, e.g. it kills its supervisor, must not come back forever).
+    ``max_attempts`` for rejections and no spare, as queue 5's ``spareOf()`` (a job whose
+    every run dies unsettled, e.g. it kills its supervisor, comes back until it succeeds,
+    under PHP workers as here; the start-up warning says so).
     """
     max_deliver = deliver_limit(consumer.get("max_deliver"))
     if max_deliver == UNLIMITED:
-        return max_attempts, max_attempts + 1
+        return max_attempts, None
     if (consumer.get("metadata") or {}).get(SPARE_DELIVERY) is not None and max_deliver > 1:
         return max_deliver - 1, max_deliver
     return max_deliver, None
@@ -281,6 +344,9 @@ class _Api:
                 return created["config"]
             found = await self.consumer_info(stream, name)
         return _config_or_raise(found, f"consumer {name} on {stream}")
+
+    async def stream_info(self, name: str) -> dict[str, Any]:
+        return await self._call(f"$JS.API.STREAM.INFO.{name}")
 
     async def consumer_info(self, stream: str, name: str) -> dict[str, Any]:
         return await self._call(f"$JS.API.CONSUMER.INFO.{stream}.{name}")

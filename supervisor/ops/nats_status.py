@@ -2,10 +2,16 @@
 
 Nothing is created here (unlike the broker's connect, which creates what is missing): a
 stream or consumer that does not exist is reported as absent.
+
+Bounded: an unreachable server is one quick try (nats-py alone would try 60 times, 2 s
+apart), a silent one (a port that accepts and never speaks) ``CONNECT_TIMEOUT``, and the
+whole command ``STATUS_TIMEOUT``; either ends in a ``BrokerError`` naming the server (the
+CLI prints it and exits 1).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from nats.js.errors import NotFoundError
@@ -13,21 +19,35 @@ from nats.js.errors import NotFoundError
 from broker.base import BrokerError
 from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
-from broker.nats.setup import QueueNames, read_consumer_policy
+from broker.nats.setup import IDENTITY, QueueNames, identity, read_consumer_policy
 from broker.nats.tls import tls_options
 from broker.urls import redact
 from supervisor.config import Config
 
-CONNECT_TIMEOUT = 5.0
+#: Seconds for one server to accept the connection and say INFO.
+CONNECT_TIMEOUT = 3.0
+#: Seconds for the whole command: connecting (each server of a list) and three API calls.
+STATUS_TIMEOUT = 10.0
 
 
 async def queue_status(config: Config) -> dict[str, Any]:
+    try:
+        async with asyncio.timeout(STATUS_TIMEOUT):
+            return await _queue_status(config)
+    except TimeoutError:
+        raise BrokerError(f"NATS at {redact(config.broker.url)} did not answer within "
+                          f"{STATUS_TIMEOUT:g}s") from None
+
+
+async def _queue_status(config: Config) -> dict[str, Any]:
     names = QueueNames.of(config.job.queue)
     tls = config.broker.tls
     options = tls_options(config.broker.url, tls)
     try:
         client = await nats_tls.connect(
             config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
+            # nats-py retries a refused server 60 times 2 s apart, reconnects or not.
+            max_reconnect_attempts=1, reconnect_time_wait=0.1,
             name=f"queue-supervisor status {config.job.queue}", error_cb=quiet_error, **options,
         )
     except Exception as error:  # whatever nats-py raises: say where, and why if we know
@@ -39,10 +59,15 @@ async def queue_status(config: Config) -> dict[str, Any]:
             f"cannot reach NATS at {redact(config.broker.url)}: {_describe(error)}{hint}"
         ) from error
     try:
-        js = client.jetstream()
+        js = client.jetstream(timeout=CONNECT_TIMEOUT)
         work = await _stream(js, names.stream)
         dead = await _stream(js, names.dead_stream)
         consumer = await _consumer(js, names)
+        earlier = await _earlier_stream(js, config)
+    except TimeoutError:
+        raise BrokerError(f"NATS at {redact(config.broker.url)} took the connection, but its "
+                          f"JetStream API did not answer within {CONNECT_TIMEOUT:g}s (no "
+                          f"JetStream on that server, or a cluster without a leader)") from None
     finally:
         await client.close()
     return {
@@ -56,7 +81,21 @@ async def queue_status(config: Config) -> dict[str, Any]:
         "waiting_pulls": consumer.num_waiting if consumer else 0,
         "dead": dead.state.messages if dead else 0,
         "consumer": _consumer_settings(consumer, config.job.max_attempts),
+        "earlier_stream": earlier,
     }
+
+
+async def _earlier_stream(js: Any, config: Config) -> dict[str, Any] | None:
+    """This queue's stream under the name an earlier release gave a non-ASCII queue (a
+    start refuses while it exists): its name and message count, else None."""
+    old = QueueNames.legacy(config.job.queue)
+    info = await _stream(js, old.stream) if old else None
+    if old is None or info is None:
+        return None
+    if (info.config.metadata or {}).get(IDENTITY) != identity(config.broker.namespace,
+                                                               config.job.queue):
+        return None  # another queue's own stream ("caf_" has Q_CAF_)
+    return {"name": old.stream, "messages": info.state.messages}
 
 
 async def _stream(js: Any, name: str) -> Any:
@@ -74,6 +113,8 @@ async def _consumer(js: Any, names: QueueNames) -> Any:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return f"no answer within {CONNECT_TIMEOUT:g}s"
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
@@ -105,4 +146,13 @@ def describe(state: dict[str, Any]) -> list[str]:
         f"{', then a spare delivery' if consumer['spare_delivery'] else ''}), "
         f"{state['waiting_pulls']} waiting pulls"
         if consumer else "  consumer      absent",
+        *_earlier_lines(state.get("earlier_stream")),
     ]
+
+
+def _earlier_lines(earlier: dict[str, Any] | None) -> list[str]:
+    if earlier is None:
+        return []
+    return [f"  earlier name  stream {earlier['name']} still exists ({earlier['messages']} "
+            f"messages): supervisors refuse to start until it is drained and deleted "
+            f"(README, NATS JetStream)"]
