@@ -7,8 +7,16 @@
 -- Deadlines are whole seconds (queue 5). A deadline of 10^11 or more is in milliseconds,
 -- written by this project's previous format: it is expired once the clock in ms passes it.
 
-local limit = tonumber(ARGV[1])
-if not limit or limit < 1 or limit > 1000 then
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first write: Lua does not
+-- undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
+local limit = whole(ARGV[1], 1, 1000)
+if not limit then
   return redis.error_reply('QSARG expired needs a limit of 1..1000')
 end
 local actual = redis.call('TYPE', KEYS[1])['ok']

@@ -15,8 +15,16 @@
 -- Returns the number of payloads moved.
 
 local registry, ready = KEYS[1], KEYS[2]
-local limit = tonumber(ARGV[1])
-if #KEYS - 2 > 1000 or not limit or limit < 1 or limit > 1000 then
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first write: Lua does not
+-- undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
+local limit = whole(ARGV[1], 1, 1000)
+if #KEYS - 2 > 1000 or not limit then
   return redis.error_reply('QSARG recover needs at most 1000 reservations and a limit <= 1000')
 end
 

@@ -23,9 +23,19 @@ local function wrong_type(key, expected)
   end
 end
 
-local n, lease, timeout = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if not n or n < 1 or n > 1000 or not lease or not timeout or timeout < 0 then
-  return redis.error_reply('QSARG reserve needs 1 <= n <= 1000, a lease and a timeout in s')
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first write: Lua does not
+-- undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
+local MAX_TTL = 2147483647
+local n, lease = whole(ARGV[1], 1, 1000), whole(ARGV[2], 1, MAX_TTL)
+local timeout = whole(ARGV[3], 0, MAX_TTL)
+if not n or not lease or not timeout then
+  return redis.error_reply('QSARG reserve needs 1 <= n <= 1000, a lease and a timeout in whole s')
 end
 
 local err = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'zset')
