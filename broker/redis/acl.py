@@ -60,6 +60,9 @@ WHY = {
     "lmove": "a stop abandons an idle wait: what it took goes back to the ready list",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
     "lindex": "the progress line: age of the next ready message",
+    "client|id": "the blocking connection's id, named by CLIENT UNBLOCK at a stop",
+    "client|unblock": "a stop ends its own idle wait (BLMOVE) at once, then unregisters it "
+                      "(it can unblock any client of the server)",
 }
 
 
@@ -125,6 +128,7 @@ ROLES: tuple[Role, ...] = (
         (
             "evalsha", "script|load", "blmove", "zrem", "set", "llen", "lrange", "get", "mget",
             "time", "lmove", "lindex",
+            "client|id", "client|unblock",
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore",

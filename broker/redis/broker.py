@@ -89,6 +89,9 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: Pause between CLIENT UNBLOCK attempts at a stop while our BLMOVE is sent but not yet
+#: blocked in the server (CLIENT UNBLOCK then answers 0).
+UNBLOCK_PAUSE = 0.05
 #: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
 #: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
 #: on 7.2 and later every connection would leave a denial in ACL LOG.
@@ -220,9 +223,16 @@ class RedisBroker:
         self.unreplicated = 0
         self.client = self._new_client(COMMAND_TIMEOUT)
         # Blocking reads get their own connection: they must never hold up settle or extend.
-        self._blocking = self._new_client(None)
+        # One connection (not a pool), so that its CLIENT ID names the BLMOVE a stop ends.
+        self._blocking = self._new_client(None, single=not cluster)
         self._no_wait = False  # stop_waiting() was called: receives never block again
         self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
+        #: CLIENT ID of the blocking connection (None: unknown, or not allowed by the ACL)
+        #: and, on a Cluster, the node it is connected to
+        self._blocked_id: int | None = None
+        self._blocked_node: Any = None
+        self._can_unblock = True  # False once CLIENT ID was refused
+        self._unblocking: asyncio.Future | None = None
         # The scripts of the hot path go over a lean connection of their own (see wire);
         # a cluster keeps redis-py's client, which follows the slot map.
         self._wire = None if cluster else Wire(url, self.tls, COMMAND_TIMEOUT, CONNECT_TIMEOUT)
@@ -236,7 +246,7 @@ class RedisBroker:
         self._record = self.keys.supervisor(self.consumer_id)
         self._record_value = f"{socket.gethostname()} {os.getpid()}"
 
-    def _new_client(self, socket_timeout: float | None) -> Any:
+    def _new_client(self, socket_timeout: float | None, single: bool = False) -> Any:
         options: dict[str, Any] = {
             "decode_responses": False,
             "socket_timeout": socket_timeout,
@@ -252,7 +262,7 @@ class RedisBroker:
         # No automatic retries: a command whose reply was lost must not run a second time.
         return aioredis.Redis.from_url(
             self.url, retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.url),
-            **options,
+            single_connection_client=single, **options,
         )
 
     # -- connection ---------------------------------------------------------------------
@@ -288,6 +298,8 @@ class RedisBroker:
         return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
+        if self._unblocking is not None:
+            self._unblocking.cancel()
         if self._wire is not None:
             self._wire.close()
         await self._blocking.aclose()
@@ -371,6 +383,10 @@ class RedisBroker:
             # gone already, and a move into an unregistered list would strand the payload.
             await self.client.zrem(self.keys.reservations, key)
             return []
+        await self._identify_blocking()
+        if self._no_wait:  # a stop began meanwhile: no move was sent, so none can land
+            await self.client.zrem(self.keys.reservations, key)
+            return []
         move = self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
         self._blocked = asyncio.ensure_future(asyncio.wait_for(move, timeout + BLOCK_MARGIN))
         try:
@@ -394,12 +410,65 @@ class RedisBroker:
             return []
         return [payload]
 
+    async def _identify_blocking(self) -> None:
+        """Learn the blocking connection's CLIENT ID (on that connection, just before the
+        BLMOVE it names), so that a stop can end the BLMOVE with CLIENT UNBLOCK."""
+        self._blocked_id = None
+        if not self._can_unblock:
+            return
+        try:
+            if self.cluster:
+                # The blocking client's one connection to the node serving the queue's slot
+                # (it runs one command at a time, so it never opens a second one there).
+                await self._blocking.initialize()  # the slot map, once
+                node = self._blocking.get_node_from_key(self.keys.ready)
+                self._blocked_node = (node.host, node.port)
+                reply = await self._blocking.execute_command("CLIENT ID", target_nodes=node)
+            else:
+                reply = await self._blocking.client_id()
+            self._blocked_id = int(reply)
+        except redis.exceptions.ResponseError as error:  # NOPERM: an ACL from before
+            self._can_unblock = False
+            log.warning("CLIENT ID refused (%s): a stop will leave its idle receive's "
+                        "reservation registered (expired) for maintenance to remove; grant "
+                        "client|id and client|unblock (README, Redis ACL)", error)
+
     def stop_waiting(self) -> None:
         """A stop began: a receive blocked on an idle queue returns now, and no later
         receive blocks (what is there is still taken)."""
         self._no_wait = True
-        if self._blocked is not None:
-            self._blocked.cancel()
+        if self._blocked is not None and self._unblocking is None:
+            self._unblocking = asyncio.ensure_future(self._unblock(self._blocked))
+
+    async def _unblock(self, blocked: asyncio.Future) -> None:
+        """End our BLMOVE as if it timed out: CLIENT UNBLOCK from the command connection.
+        Once Redis answered 1 no move into the reservation can follow, so the receive
+        unregisters it and the registry is left empty (a cancelled BLMOVE could still be
+        served by the server after we gave up on it). Without CLIENT UNBLOCK (refused, or
+        an unknown id), the BLMOVE is abandoned instead: see ``_give_back``."""
+        try:
+            while not blocked.done():
+                if self._blocked_id is None:
+                    break
+                if await self._unblock_once(self._blocked_id):
+                    return
+                await asyncio.sleep(UNBLOCK_PAUSE)  # sent, but not blocked in Redis yet
+        except (*CONNECTION_ERRORS, redis.exceptions.ResponseError) as error:
+            log.warning("CLIENT UNBLOCK failed (%s): abandoning the blocking receive; its "
+                        "reservation stays registered (expired) for maintenance", error)
+        finally:
+            self._unblocking = None
+        if not blocked.done():
+            blocked.cancel()
+
+    async def _unblock_once(self, client_id: int) -> bool:
+        if not self.cluster:
+            return bool(await self.client.client_unblock(client_id, error=False))
+        node = self.client.get_node(*self._blocked_node)
+        if node is None:  # the node left the cluster: its BLMOVE ended with it
+            return True
+        return bool(await self.client.execute_command(
+            "CLIENT UNBLOCK", client_id, "TIMEOUT", target_nodes=node))
 
     async def _give_back(self, key: str) -> list[bytes]:
         """The blocking move was abandoned: a payload it may have moved goes back to the
