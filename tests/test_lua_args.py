@@ -104,12 +104,12 @@ async def test_reserve(broker, redis_client):
     recorded = Recorded(broker.scripts)
     await broker.reserve(3, 1)
     keys, args = recorded.last("reserve")
-    for at in range(3):  # n, lease, timeout
+    for at in range(4):  # n, lease, timeout, size limit
         for bad in [*BAD_NUMBERS, "0" if at < 2 else "-1", "1001" if at == 0 else "-1"]:
             await refused_without_writes(redis_client, "reserve", keys, args, at, bad, before)
     await restore(redis_client, before)
-    extreme = [1000, MAX_TTL, MAX_TTL]
-    assert len(await redis_client.eval(lua_source("reserve"), 3, *keys, *extreme)) == 3
+    extreme = [1000, MAX_TTL, MAX_TTL, MAX_TTL]
+    assert len(await redis_client.eval(lua_source("reserve"), len(keys), *keys, *extreme)) == 3
 
 
 async def test_claim(broker, redis_client):

@@ -140,7 +140,7 @@ ROLES: tuple[Role, ...] = (
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*",
         ),
-        ("reserve", "claim", "settle", "extend", *_SWEEP_SCRIPTS),
+        ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
     Role("publish", "python -m supervisor publish", ("lpush",), "%W~", ("queue.{q}",)),
     Role(

@@ -22,7 +22,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -89,6 +89,8 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: The longest tail envelope the progress line reads for its age without a size limit.
+PEEK_LIMIT = 1 << 20
 #: Pause between CLIENT UNBLOCK attempts at a stop while our BLMOVE is sent but not yet
 #: blocked in the server (CLIENT UNBLOCK then answers 0).
 UNBLOCK_PAUSE = 0.05
@@ -157,6 +159,9 @@ class Reservation:
     key: str
     token: str
     payloads: list[bytes]
+    #: Lengths of the payloads over the size limit that reserve.lua moved straight to poison
+    #: (they never crossed the wire).
+    oversized: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -314,9 +319,13 @@ class RedisBroker:
             if received.deliveries or received.poisoned:
                 return received
         reservation = await self.reserve(max_messages, block_timeout)
+        poisoned = [Poisoned(b"", f"envelope of {length} bytes exceeds "
+                             f"{self.max_envelope_bytes}: moved to poison unread")
+                    for length in reservation.oversized]
         if not reservation.payloads:
-            return Received()
+            return Received(poisoned=poisoned)
         received = await self.claim(reservation)
+        received.poisoned += poisoned
         if received.deferred and not (received.deliveries or received.poisoned):
             # Only copies of pids being processed already: they wait behind the rest of the
             # queue. Pausing keeps an otherwise idle queue holding one from spinning.
@@ -332,19 +341,25 @@ class RedisBroker:
         n = min(max(int(n), 1), MAX_BATCH)
         token = secrets.token_hex(16)
         key = self.keys.reservation(token)
-        keys = [self.keys.ready, self.keys.reservations, key]
+        keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
             block = bool(wait)
             if wait and self.replication.enabled:
-                payloads, block = await self._reserve_replicated(keys, n, wait)
+                reply, block = await self._reserve_replicated(keys, n, wait)
                 registered_at = time.monotonic()
             else:
-                payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
-            if not payloads and block:
-                payloads = await self._reserve_blocking(key, block_timeout, registered_at)
-        return Reservation(key, token, payloads)
+                reply = await self.scripts.call("reserve", keys, self._reserve_args(n, wait))
+            if not reply and block:
+                reply = await self._reserve_blocking(key, block_timeout, registered_at)
+        # reserve.lua answers an oversized payload with its length (an integer) instead
+        payloads = [item for item in reply if isinstance(item, bytes)]
+        oversized = [int(item) for item in reply if not isinstance(item, bytes)]
+        return Reservation(key, token, payloads, oversized)
+
+    def _reserve_args(self, n: int, wait: int) -> list[int]:
+        return [n, self._lease, wait, self.max_envelope_bytes or 0]
 
     async def _reserve_replicated(
         self, keys: list[str], n: int, wait: int
@@ -353,11 +368,11 @@ class RedisBroker:
         to have it before blocking: a move into a reservation whose registration a failover
         took back would leave a list no registry names. Returns the payloads and whether a
         blocking move may follow (False: the registration was not confirmed)."""
-        payloads = await self.scripts.call("reserve", keys, [n, self._lease, 0])
+        payloads = await self.scripts.call("reserve", keys, self._reserve_args(n, 0))
         if payloads:
             return payloads, False
         payloads, confirmed = await self.scripts.call_replicated(
-            "reserve", keys, [n, self._lease, wait], self.replication
+            "reserve", keys, self._reserve_args(n, wait), self.replication
         )
         if payloads or self._replicated("reservation", confirmed, 1):
             return payloads, not payloads
@@ -687,9 +702,10 @@ class RedisBroker:
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the next message to be received was published (None: none)."""
         async with _broker_errors("oldest ready"):
-            raw = await self.client.lindex(self.keys.ready, -1)
-        if raw is None:
-            return None
+            raw = await self.scripts.call(
+                "oldest", [self.keys.ready], [self.max_envelope_bytes or PEEK_LIMIT])
+        if not isinstance(raw, bytes):
+            return None  # empty, or over the size limit (its length): not read
         try:
             return max(0.0, time.time() - envelope.decode(raw, None)["timestamp"])
         except (envelope.MalformedEnvelope, TypeError):
