@@ -3,6 +3,8 @@
 --
 -- KEYS[1]  reservation registry    {ns}.reservations.{q}
 -- ARGV[1]  limit                   at most this many keys (<= 1000)
+-- ARGV[2]  offset                  skip this many expired ones first (those a caller has
+--                                  seen and left registered: reservations in their grace)
 --
 -- Deadlines are whole seconds (queue 5). A deadline of 10^11 or more is in milliseconds,
 -- written by this project's previous format: it is expired once the clock in ms passes it.
@@ -15,9 +17,9 @@ local function whole(value, low, high)
   if number and number >= low and number <= high then return number end
 end
 
-local limit = whole(ARGV[1], 1, 1000)
-if not limit then
-  return redis.error_reply('QSARG expired needs a limit of 1..1000')
+local limit, offset = whole(ARGV[1], 1, 1000), whole(ARGV[2] or '0', 0, 2147483647)
+if not limit or not offset or #ARGV > 2 then
+  return redis.error_reply('QSARG expired needs a limit of 1..1000 and an offset')
 end
 local actual = redis.call('TYPE', KEYS[1])['ok']
 if actual ~= 'zset' and actual ~= 'none' then
@@ -26,7 +28,7 @@ end
 
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local found = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', time[1], 'LIMIT', 0, limit)
+local found = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', time[1], 'LIMIT', offset, limit)
 if #found < limit then
   local old = redis.call('ZRANGEBYSCORE', KEYS[1], '100000000000',
     string.format('%d', now_ms), 'LIMIT', 0, limit - #found)

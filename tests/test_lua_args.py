@@ -199,10 +199,15 @@ async def test_recover_and_expired(broker, redis_client):
     before = await snapshot(redis_client)
     keys = [KEYS.reservations, KEYS.ready, reservation.key]
     for bad in [*BAD_NUMBERS, "0", "1001"]:
-        await refused_without_writes(redis_client, "recover", keys, [1000], 0, bad, before)
-        await refused_without_writes(redis_client, "expired", keys[:1], [1000], 0, bad, before)
+        await refused_without_writes(redis_client, "recover", keys, [1000, 0], 0, bad, before)
+        await refused_without_writes(redis_client, "expired", keys[:1], [1000, 0], 0, bad,
+                                     before)
+    for bad in BAD_NUMBERS:  # the grace, the offset
+        await refused_without_writes(redis_client, "recover", keys, [1000, 0], 1, bad, before)
+        await refused_without_writes(redis_client, "expired", keys[:1], [1000, 0], 1, bad,
+                                     before)
     await restore(redis_client, before)
-    assert await redis_client.eval(lua_source("recover"), 3, *keys, 1000) == 3
+    assert await redis_client.eval(lua_source("recover"), 3, *keys, 1000) == [3, 0]
 
 
 async def test_retry(redis_client):
