@@ -64,3 +64,25 @@ async def test_a_late_blocking_move_of_a_frozen_php_worker_is_recovered(redis_ur
         await broker.commit(received.deliveries)
     finally:
         await broker.close()
+
+
+async def test_reservations_in_their_grace_do_not_hide_the_others(redis_url, client):
+    """Idle PHP workers leave an empty registration after every blocking timeout; more than
+    one call's worth of them in their grace must not keep a sweep from the expired
+    reservations behind them (later deadlines)."""
+    now = client.time()[0]
+    pipe = client.pipeline(transaction=False)
+    for i in range(1500):
+        pipe.zadd(KEYS.reservations, {KEYS.reservation(f"idle{i:04}"): now - 100})
+    pipe.execute()
+    held = KEYS.reservation("held")
+    client.lpush(held, b"payload")
+    client.zadd(KEYS.reservations, {held: now - 10})
+    broker = RedisBroker(redis_url, QUEUE, namespace=NS)
+    await broker.connect()
+    try:
+        assert await sweep(broker, client) == 1
+        assert client.lrange(KEYS.ready, 0, -1) == [b"payload"]
+        assert client.zcard(KEYS.reservations) == 1500  # still in their grace
+    finally:
+        await broker.close()
