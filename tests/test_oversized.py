@@ -8,6 +8,7 @@ crossed the wire is measured by the server's own count of bytes sent
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 
@@ -75,6 +76,31 @@ async def test_only_oversized_payloads(broker, redis_client):
     assert await redis_client.zcard(KEYS.reservations) == 0  # nothing registered to wait
 
 
+async def test_an_idle_receive_drops_an_oversized_move_unread(broker, redis_client):
+    """On an idle queue the blocking BLMOVE returns what it moved: the connection reads
+    the length, drops the connection (Redis stops sending) and claim.lua poisons it."""
+    huge = oversized(0, 64 * 1024 * 1024)
+    waiting = asyncio.ensure_future(broker.receive(10, 30))
+    for _ in range(500):
+        if int((await redis_client.info("clients"))["blocked_clients"]) == 1:
+            break
+        await asyncio.sleep(0.02)
+    before = await sent_by_server(redis_client)
+    await redis_client.lpush(KEYS.ready, huge)
+    received = await asyncio.wait_for(waiting, 30)
+    sent = await sent_by_server(redis_client) - before
+    assert received.deliveries == [] and len(received.poisoned) == 1
+    assert f"envelope of {len(huge)} bytes exceeds {LIMIT}" in received.poisoned[0].reason
+    assert sent < len(huge) // 2, f"{sent} bytes crossed the wire"
+    assert await redis_client.lrange(KEYS.poison, 0, -1) == [huge]
+    assert await redis_client.zcard(KEYS.reservations) == 0
+    # The connection it dropped is replaced: the next idle receive works.
+    pid, raw = envelope.build(QUEUE, {})
+    waiting = asyncio.ensure_future(broker.receive(10, 30))
+    await redis_client.lpush(KEYS.ready, raw)
+    assert [d.pid for d in (await asyncio.wait_for(waiting, 30)).deliveries] == [pid]
+
+
 async def test_the_progress_age_does_not_read_an_oversized_tail(broker, redis_client):
     await redis_client.lpush(KEYS.ready, oversized(0))
     before = await sent_by_server(redis_client)
@@ -112,14 +138,20 @@ def test_supervisor_runs_the_good_ones_and_never_holds_a_50_mb_envelope(
         wait_for(lambda: len(lines(tmp_path / "handled")) == 7, 30, "the good ones")
         wait_for(lambda: client.llen(KEYS.poison) == 1, 30, "the oversized one in poison")
         peak = peak_rss_kib(supervisor.pid)
+        # Once more on an idle queue: its blocking move takes the envelope.
+        wait_for(lambda: int(client.info("clients")["blocked_clients"]) == 1, 30, "idle")
+        client.lpush(KEYS.ready, huge)
+        wait_for(lambda: client.llen(KEYS.poison) == 2, 30, "the idle one in poison")
+        idle_peak = peak_rss_kib(supervisor.pid)
         supervisor.signal(signal.SIGTERM)
         assert supervisor.wait(30) == 0
     finally:
         supervisor.stop()
     handled = set(lines(tmp_path / "handled"))
     assert handled == {pid for pid, _ in warm + good}
-    assert client.lrange(KEYS.poison, 0, -1) == [huge]
+    assert client.lrange(KEYS.poison, 0, -1) == [huge, huge]
     output = supervisor.output()
     assert f"envelope of {len(huge)} bytes exceeds {1 << 20}" in output, output
-    print(f"supervisor peak RSS: {baseline} KiB before, {peak} KiB after a 50 MiB envelope")
-    assert peak - baseline < 20 * 1024, (baseline, peak)
+    print(f"supervisor peak RSS: {baseline} KiB before, {peak} KiB after a 50 MiB envelope "
+          f"in a batch, {idle_peak} KiB after one taken by an idle receive")
+    assert idle_peak - baseline < 20 * 1024, (baseline, peak, idle_peak)

@@ -59,7 +59,7 @@ from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
 from broker.redis.scripts import Scripts
-from broker.redis.wire import Wire
+from broker.redis.wire import Oversized, Wire
 from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
@@ -89,6 +89,8 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: Reply timeout of the blocking connection: none in effect (each BLMOVE has its own).
+BLOCKING_WIRE_TIMEOUT = 86400.0
 #: The longest tail envelope the progress line reads for its age without a size limit.
 PEEK_LIMIT = 1 << 20
 #: Pause between CLIENT UNBLOCK attempts at a stop while our BLMOVE is sent but not yet
@@ -228,8 +230,14 @@ class RedisBroker:
         self.unreplicated = 0
         self.client = self._new_client(COMMAND_TIMEOUT)
         # Blocking reads get their own connection: they must never hold up settle or extend.
-        # One connection (not a pool), so that its CLIENT ID names the BLMOVE a stop ends.
-        self._blocking = self._new_client(None, single=not cluster)
+        # On a plain Redis a lean one that drops a payload over the size limit unread (a
+        # BLMOVE returns what it moved) and sends CLIENT ID with each BLMOVE, so that a stop
+        # can end it; a Cluster keeps redis-py's client, which follows the slot map.
+        self._blocking: Any = self._new_client(None) if cluster else None
+        self._blocking_wire = None if cluster else Wire(
+            url, self.tls, BLOCKING_WIRE_TIMEOUT, CONNECT_TIMEOUT,
+            bulk_limit=max_envelope_bytes or None,
+        )
         self._no_wait = False  # stop_waiting() was called: receives never block again
         self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
         #: CLIENT ID of the blocking connection (None: unknown, or not allowed by the ACL)
@@ -307,7 +315,10 @@ class RedisBroker:
             self._unblocking.cancel()
         if self._wire is not None:
             self._wire.close()
-        await self._blocking.aclose()
+        if self._blocking_wire is not None:
+            self._blocking_wire.close()
+        if self._blocking is not None:
+            await self._blocking.aclose()
         await self.client.aclose()
 
     # -- receiving ----------------------------------------------------------------------
@@ -343,6 +354,7 @@ class RedisBroker:
         key = self.keys.reservation(token)
         keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
+        reply: list[Any]
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
             block = bool(wait)
@@ -352,7 +364,7 @@ class RedisBroker:
             else:
                 reply = await self.scripts.call("reserve", keys, self._reserve_args(n, wait))
             if not reply and block:
-                reply = await self._reserve_blocking(key, block_timeout, registered_at)
+                reply = await self._reserve_blocking(key, token, block_timeout, registered_at)
         # reserve.lua answers an oversized payload with its length (an integer) instead
         payloads = [item for item in reply if isinstance(item, bytes)]
         oversized = [int(item) for item in reply if not isinstance(item, bytes)]
@@ -389,8 +401,8 @@ class RedisBroker:
         return False
 
     async def _reserve_blocking(
-        self, key: str, timeout: float, registered_at: float
-    ) -> list[bytes]:
+        self, key: str, token: str, timeout: float, registered_at: float
+    ) -> list[bytes | int]:
         # reserve.lua registered the empty reservation until lease + timeout from now, so a
         # payload moved into it is discoverable even if we die before we see the reply.
         if time.monotonic() - registered_at > self._lease / 2:
@@ -398,15 +410,18 @@ class RedisBroker:
             # gone already, and a move into an unregistered list would strand the payload.
             await self.client.zrem(self.keys.reservations, key)
             return []
-        await self._identify_blocking()
+        self._blocked_id = None
+        if self._blocking is not None:
+            await self._identify_blocking()
         if self._no_wait:  # a stop began meanwhile: no move was sent, so none can land
             await self.client.zrem(self.keys.reservations, key)
             return []
-        move = self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
+        move = self._move(key, timeout)
         self._blocked = asyncio.ensure_future(asyncio.wait_for(move, timeout + BLOCK_MARGIN))
         try:
             payload = await self._blocked
         except asyncio.CancelledError:
+            self._drop_blocking()
             if not self._no_wait or _cancelling():
                 raise
             return await self._give_back(key)
@@ -416,37 +431,80 @@ class RedisBroker:
             # The master became a replica (CLUSTER FAILOVER) while we waited and let go of
             # us: nothing moved. Like a timeout; the next call finds the new master.
             payload = None
+        except BaseException:
+            self._drop_blocking()  # the BLMOVE may still be waiting in Redis
+            raise
         finally:
             self._blocked = None
         if payload is None:
             # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
-            # maintenance drops the empty registration after its deadline.
+            # maintenance drops the empty registration after its deadline and grace.
             await self.client.zrem(self.keys.reservations, key)
             return []
+        if isinstance(payload, Oversized):
+            return await self._poison_moved(key, token, payload.length)
         return [payload]
 
-    async def _identify_blocking(self) -> None:
-        """Learn the blocking connection's CLIENT ID (on that connection, just before the
-        BLMOVE it names), so that a stop can end the BLMOVE with CLIENT UNBLOCK."""
-        self._blocked_id = None
-        if not self._can_unblock:
-            return
-        try:
-            if self.cluster:
-                # The blocking client's one connection to the node serving the queue's slot
-                # (it runs one command at a time, so it never opens a second one there).
-                await self._blocking.initialize()  # the slot map, once
-                node = self._blocking.get_node_from_key(self.keys.ready)
-                self._blocked_node = (node.host, node.port)
-                reply = await self._blocking.execute_command("CLIENT ID", target_nodes=node)
-            else:
-                reply = await self._blocking.client_id()
-            self._blocked_id = int(reply)
-        except redis.exceptions.ResponseError as error:  # NOPERM: an ACL from before
+    async def _move(self, key: str, timeout: float) -> Any:
+        """BLMOVE ready -> reservation ``key``; on the lean connection with CLIENT ID sent
+        just before it (so the id names this BLMOVE's connection)."""
+        if self._blocking_wire is None:
+            return await self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
+        commands: list[tuple[Any, ...]] = [("BLMOVE", self.keys.ready, key, "RIGHT", "LEFT",
+                                            timeout)]
+        if self._can_unblock:
+            commands.insert(0, ("CLIENT", "ID"))
+        *identified, moved = await self._blocking_wire.send(*commands)
+        if identified:
+            self._identified(await identified[0])
+        reply = await moved
+        if isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
+        return reply
+
+    def _identified(self, reply: Any) -> None:
+        if isinstance(reply, redis.exceptions.ResponseError):  # NOPERM: an ACL from before
             self._can_unblock = False
             log.warning("CLIENT ID refused (%s): a stop will leave its idle receive's "
                         "reservation registered (expired) for maintenance to remove; grant "
-                        "client|id and client|unblock (README, Redis ACL)", error)
+                        "client|id and client|unblock (README, Redis ACL)", reply)
+        else:
+            self._blocked_id = int(reply)
+
+    def _drop_blocking(self) -> None:
+        """Close the lean blocking connection: a BLMOVE given up on may still be waiting
+        in Redis, and the next command must not queue behind it."""
+        if self._blocking_wire is not None:
+            self._blocking_wire.close()
+
+    async def _poison_moved(self, key: str, token: str, length: int) -> list[bytes | int]:
+        """The blocking move took a payload over the size limit (its bytes were dropped
+        unread): claim.lua moves it from the reservation to poison, inside Redis."""
+        keys = [
+            self.keys.reservations, key, self.keys.ready, self.keys.processing,
+            self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
+        ]
+        reply = await self.scripts.call(
+            "claim", keys, [self._lease, token, 1, "p", self._job_prefix_bytes])
+        # Otherwise expired (back in the ready list: reserve.lua poisons it) or left to
+        # maintenance ('mismatch'): nothing to report now.
+        return [length] if reply == [b"poison"] else []
+
+    async def _identify_blocking(self) -> None:
+        """On a Cluster: learn the blocking connection's CLIENT ID (on that connection, just
+        before the BLMOVE it names), so that a stop can end the BLMOVE with CLIENT UNBLOCK."""
+        if not self._can_unblock:
+            return
+        try:
+            # The blocking client's one connection to the node serving the queue's slot
+            # (it runs one command at a time, so it never opens a second one there).
+            await self._blocking.initialize()  # the slot map, once
+            node = self._blocking.get_node_from_key(self.keys.ready)
+            self._blocked_node = (node.host, node.port)
+            reply = await self._blocking.execute_command("CLIENT ID", target_nodes=node)
+        except redis.exceptions.ResponseError as error:
+            reply = error
+        self._identified(reply)
 
     def stop_waiting(self) -> None:
         """A stop began: a receive blocked on an idle queue returns now, and no later
@@ -463,9 +521,9 @@ class RedisBroker:
         an unknown id), the BLMOVE is abandoned instead: see ``_give_back``."""
         try:
             while not blocked.done():
-                if self._blocked_id is None:
+                if self._blocked_id is None and not self._can_unblock:
                     break
-                if await self._unblock_once(self._blocked_id):
+                if self._blocked_id is not None and await self._unblock_once(self._blocked_id):
                     return
                 await asyncio.sleep(UNBLOCK_PAUSE)  # sent, but not blocked in Redis yet
         except (*CONNECTION_ERRORS, redis.exceptions.ResponseError) as error:
