@@ -5,7 +5,8 @@
 -- KEYS[3..]    reservation lists      {ns}.reservations.{q}.{token} (at most 1,000)
 -- ARGV[1]      limit                  payloads moved at most (<= 1000)
 -- ARGV[2]      grace                  seconds an expired EMPTY reservation stays registered
---                                     past its deadline (0 or absent: none, as queue 5)
+--                                     past its deadline (0 or absent: none, as queue 5;
+--                                     9999999999: whatever its deadline)
 --
 -- The caller found the keys some time ago (expired.lua). Each deadline is re-checked here
 -- against the server clock: a reservation claimed (unregistered) meanwhile is not touched.
@@ -32,7 +33,7 @@ local function whole(value, low, high)
   if number and number >= low and number <= high then return number end
 end
 
-local limit, grace = whole(ARGV[1], 1, 1000), whole(ARGV[2] or '0', 0, 2147483647)
+local limit, grace = whole(ARGV[1], 1, 1000), whole(ARGV[2] or '0', 0, 9999999999)
 if #KEYS - 2 > 1000 or not limit or not grace or #ARGV > 2 then
   return redis.error_reply('QSARG recover needs at most 1000 reservations, a limit <= 1000 '
     .. 'and a grace in whole s')

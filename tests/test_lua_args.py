@@ -202,10 +202,14 @@ async def test_recover_and_expired(broker, redis_client):
         await refused_without_writes(redis_client, "recover", keys, [1000, 0], 0, bad, before)
         await refused_without_writes(redis_client, "expired", keys[:1], [1000, 0], 0, bad,
                                      before)
-    for bad in BAD_NUMBERS:  # the grace, the offset
-        await refused_without_writes(redis_client, "recover", keys, [1000, 0], 1, bad, before)
+    for bad in BAD_NUMBERS:  # the offset; the grace (no expiry: up to 10 digits)
         await refused_without_writes(redis_client, "expired", keys[:1], [1000, 0], 1, bad,
                                      before)
+        if bad != str(MAX_TTL + 1):
+            await refused_without_writes(redis_client, "recover", keys, [1000, 0], 1, bad,
+                                         before)
+    await refused_without_writes(redis_client, "recover", keys, [1000, 0], 1, "10000000000",
+                                 before)
     await restore(redis_client, before)
     assert await redis_client.eval(lua_source("recover"), 3, *keys, 1000) == [3, 0]
 

@@ -89,6 +89,8 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: recover.lua's grace that keeps an empty reservation registered whatever its deadline.
+KEEP_REGISTERED = 9_999_999_999
 #: Reply timeout of the blocking connection: none in effect (each BLMOVE has its own).
 BLOCKING_WIRE_TIMEOUT = 86400.0
 #: The longest tail envelope the progress line reads for its age without a size limit.
@@ -550,9 +552,12 @@ class RedisBroker:
         maintenance instead of stranded in a list nobody knows."""
         async with _broker_errors("give back an abandoned reservation"):
             await self.client.zadd(self.keys.reservations, {key: 0}, xx=True)
-            for _ in range(MAX_BATCH):
-                if await self.client.lmove(key, self.keys.ready, "LEFT", "RIGHT") is None:
-                    break
+            # Moved inside Redis (a payload is never read here: it may be oversized). The
+            # grace keeps the empty list registered whatever its deadline; one emptied here
+            # is done (a blocking move moves one payload) and goes.
+            await self.scripts.call(
+                "recover", [self.keys.reservations, self.keys.ready, key],
+                [MAX_BATCH, KEEP_REGISTERED])
         return []
 
     async def claim(self, reservation: Reservation) -> Received:
