@@ -122,3 +122,26 @@ async def test_on_a_cluster_too(redis_cluster):
     finally:
         await broker.close()
         await client.aclose()
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_of_an_idle_supervisor_on_a_cluster(tmp_path, redis_cluster, supervisors):
+    namespace = "{utopia-queue}"
+    keys = QueueKeys(namespace, QUEUE)
+    client = redis.RedisCluster.from_url(redis_cluster.url)
+    node = client.get_node_from_key(keys.ready)
+    config = write_config(tmp_path, redis_cluster.url,
+                          broker={"block_timeout": 60, "cluster": True, "namespace": namespace},
+                          supervisor={"lease": 30, "shutdown_deadline": 20})
+    supervisor = supervisors(config, redis_cluster.url, namespace=namespace, E2E_CLUSTER="1")
+    try:
+        wait_for(lambda: int(client.info("clients", target_nodes=node)["blocked_clients"]) == 1,
+                 30, "the idle supervisor's BLMOVE")
+        assert client.zcard(keys.reservations) == 1
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.wait(40) == 0, supervisor.output()
+        assert client.zcard(keys.reservations) == 0
+        checked = check(config)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    finally:
+        client.close()
