@@ -53,7 +53,8 @@ local err = wrong_type(ready, 'list') or wrong_type(dead, 'list')
   or wrong_type(processing, 'list') or wrong_type(counter, 'string')
 if err then return err end
 local count = redis.call('GET', counter)
-if count and not (#count <= 18 and string.match(count, '^%-?%d+$')) then
+-- What DECRBY accepts (no leading zero, no "-0"), checked here: it runs after the moves.
+if count and count ~= '0' and not (#count <= 18 and string.match(count, '^%-?[1-9]%d*$')) then
   return redis.error_reply('QSTYPE ' .. counter .. ' is "' .. count .. '", expected an integer')
 end
 for i = 1, n do

@@ -184,6 +184,14 @@ async def test_reclaim(broker, redis_client):
     keys, args = recorded.last("reclaim")
     for bad in BAD_NUMBERS:
         await refused_without_writes(redis_client, "reclaim", keys, args, 0, bad, before)
+    # A counter DECRBY refuses (leading zeros, "-0") is refused before the first write too.
+    for bad in (b"007", b"-0", b"+1", b" 1"):
+        await restore(redis_client, before)
+        await redis_client.set(KEYS.stat("processing"), bad)
+        counter = await snapshot(redis_client)
+        with pytest.raises(redis.exceptions.ResponseError, match="QSTYPE"):
+            await redis_client.eval(lua_source("reclaim"), len(keys), *keys, *args)
+        assert await snapshot(redis_client) == counter, bad
     await restore(redis_client, before)
     assert await redis_client.eval(lua_source("reclaim"), len(keys), *keys, *args) == [1] * 3
     assert await redis_client.llen(KEYS.dead) == 3
