@@ -8,8 +8,9 @@
 --
 -- Returns nil (an empty list), the payload, or its length (an integer) when it is longer.
 
+if #ARGV ~= 1 then return redis.error_reply('QSARG oldest needs a limit in bytes') end
 local limit = #ARGV[1] <= 10 and string.match(ARGV[1], '^%d+$') and tonumber(ARGV[1])
-if #ARGV ~= 1 or not limit or limit < 1 then
+if not limit or limit < 1 then
   return redis.error_reply('QSARG oldest needs a limit in bytes')
 end
 local actual = redis.call('TYPE', KEYS[1])['ok']

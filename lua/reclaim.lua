@@ -36,7 +36,7 @@ end
 -- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
 -- write: Lua does not undo the writes made before a command that fails.
 local function whole(value, low, high)
-  local number = #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
   if number and number >= low and number <= high then return number end
 end
 

@@ -234,3 +234,10 @@ async def test_retry(redis_client):
             await redis_client.eval(lua_source("retry"), 3, *keys, *(args * 2)[:count])
         assert await snapshot(redis_client) == before
     assert await redis_client.eval(lua_source("retry"), 3, *keys, *args) == [b"ok"]
+
+
+@pytest.mark.parametrize("name", ["reserve", "claim", "settle", "extend", "reclaim", "recover",
+                                  "expired", "oldest"])
+async def test_missing_arguments_are_refused(redis_client, name):
+    with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
+        await redis_client.eval(lua_source(name), 1, KEYS.ready)
