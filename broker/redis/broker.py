@@ -261,7 +261,7 @@ class RedisBroker:
         self._record = self.keys.supervisor(self.consumer_id)
         self._record_value = f"{socket.gethostname()} {os.getpid()}"
 
-    def _new_client(self, socket_timeout: float | None, single: bool = False) -> Any:
+    def _new_client(self, socket_timeout: float | None) -> Any:
         options: dict[str, Any] = {
             "decode_responses": False,
             "socket_timeout": socket_timeout,
@@ -277,7 +277,7 @@ class RedisBroker:
         # No automatic retries: a command whose reply was lost must not run a second time.
         return aioredis.Redis.from_url(
             self.url, retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.url),
-            single_connection_client=single, **options,
+            **options,
         )
 
     # -- connection ---------------------------------------------------------------------
