@@ -54,12 +54,22 @@ local function bad_counter(key)
   end
 end
 
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
+-- write: Lua does not undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
 local registry, reservation, ready, processing = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local n, kinds, offset = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local n, kinds, offset = whole(ARGV[3], 0, 1000), ARGV[4], whole(ARGV[5], 0, 2147483647)
+local lease = whole(ARGV[1], 1, 2147483647)
 local goods = (#KEYS - 7) / 3
-if not n or n > 1000 or #ARGV ~= 5 or not kinds or #kinds ~= n or not offset
+if not n or not lease or #ARGV ~= 5 or not kinds or #kinds ~= n or not offset
     or string.find(kinds, '[^gp]') or goods ~= math.floor(goods) then
-  return redis.error_reply('QSARG claim needs a kind per payload (g or p), at most 1000')
+  return redis.error_reply('QSARG claim needs a lease in whole s, a kind per payload (g or p), '
+    .. 'at most 1000, and a pid offset')
 end
 
 local err = wrong_type(registry, 'zset') or wrong_type(reservation, 'list')
@@ -98,7 +108,7 @@ end
 
 local results, records, pids, poisoned, deferred = {}, {}, {}, {}, {}
 local nrecords, npids = 0, 0
-local token, lease = ARGV[2], ARGV[1]
+local token = ARGV[2]
 local g = 0
 for i = 1, n do
   local raw = stored[n + 1 - i]  -- the list holds the most recently taken at its head

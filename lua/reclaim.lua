@@ -32,19 +32,29 @@ local function wrong_type(key, expected)
   end
 end
 
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
+-- write: Lua does not undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
 local MODES = {q = true, d = true, x = true}
 local ready, dead, processing, counter = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local n = (#KEYS - 4) / 4
-local job_ttl = tonumber(ARGV[1])
+local job_ttl = whole(ARGV[1], 0, 2147483647)
 if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 6 * n or not job_ttl then
-  return redis.error_reply('QSARG reclaim needs 4 keys and 6 arguments per item, at most 1000')
+  return redis.error_reply('QSARG reclaim needs a job_ttl in whole s, 4 keys and 6 arguments '
+    .. 'per item, at most 1000')
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(dead, 'list')
   or wrong_type(processing, 'list') or wrong_type(counter, 'string')
 if err then return err end
 local count = redis.call('GET', counter)
-if count and not (#count <= 18 and string.match(count, '^%-?%d+$')) then
+-- What DECRBY accepts (no leading zero, no "-0"), checked here: it runs after the moves.
+if count and count ~= '0' and not (#count <= 18 and string.match(count, '^%-?[1-9]%d*$')) then
   return redis.error_reply('QSTYPE ' .. counter .. ' is "' .. count .. '", expected an integer')
 end
 for i = 1, n do
@@ -63,7 +73,7 @@ for i = 1, n do
 end
 local values = n > 0 and redis.call('MGET', unpack(reads)) or {}
 
-local results, requeued, buried = {}, {}, {}
+local results, requeued, buried, records = {}, {}, {}, {}
 local removed = 0
 for i = 1, n do
   local mode, expected, pid = ARGV[6 * i - 4], ARGV[6 * i - 3], ARGV[6 * i - 2]
@@ -85,7 +95,7 @@ for i = 1, n do
       redis.call('DEL', job)
     else
       buried[#buried + 1] = pid
-      if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
+      records[#records + 1] = job
       if ARGV[6 * i + 1] == '1' and values[2 * i] == pid then
         redis.call('DEL', marker)
       end
@@ -96,5 +106,9 @@ end
 
 if #requeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
 if #buried > 0 then redis.call('LPUSH', dead, unpack(buried)) end
+-- After the push, as queue 5 orders it: the pid is listed before its record may expire.
+if job_ttl > 0 then
+  for _, record in ipairs(records) do redis.call('EXPIRE', record, job_ttl) end
+end
 if removed > 0 then redis.call('DECRBY', counter, removed) end
 return results

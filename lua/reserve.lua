@@ -7,14 +7,20 @@
 -- KEYS[1]  ready list              {ns}.queue.{q}
 -- KEYS[2]  reservation registry    {ns}.reservations.{q}  (zset: reservation key -> deadline)
 -- KEYS[3]  reservation list        {ns}.reservations.{q}.{token}  (fresh, normally absent)
+-- KEYS[4]  poison list             {ns}.poison.{q}  (needed with a size limit)
 -- ARGV[1]  n           how many payloads at most (1..1000)
 -- ARGV[2]  lease       seconds
 -- ARGV[3]  timeout     whole seconds the caller will block for if nothing is ready (0: none)
+-- ARGV[4]  limit       bytes: a longer payload goes straight to poison (0 or absent: none)
 --
 -- The deadline is whole seconds of the server clock: now + lease + timeout (queue 5's unit).
 -- The reservation list holds the most recently taken payload at its head (as RPOPLPUSH
 -- leaves it); the reply lists the payloads in the order they were taken (oldest first).
--- Payloads are opaque here: they are never parsed.
+-- Payloads are opaque here: they are never parsed. One longer than the limit is not
+-- reserved: it is LPUSHed to poison as it is (what a PHP worker does with a payload it
+-- cannot decode), and the reply has its length (an integer) in its place, so that it never
+-- crosses the wire. Payloads are taken one at a time, so the script holds at most one of
+-- them beyond the reserved ones.
 
 local function wrong_type(key, expected)
   local actual = redis.call('TYPE', key)['ok']
@@ -23,21 +29,45 @@ local function wrong_type(key, expected)
   end
 end
 
-local n, lease, timeout = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if not n or n < 1 or n > 1000 or not lease or not timeout or timeout < 0 then
-  return redis.error_reply('QSARG reserve needs 1 <= n <= 1000, a lease and a timeout in s')
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
+-- write: Lua does not undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
+local MAX_TTL = 2147483647
+local n, lease = whole(ARGV[1], 1, 1000), whole(ARGV[2], 1, MAX_TTL)
+local timeout = whole(ARGV[3], 0, MAX_TTL)
+local limit = whole(ARGV[4] or '0', 0, 2147483647)
+if not n or not lease or not timeout or not limit or #ARGV > 4
+    or (limit > 0 and not KEYS[4]) then
+  return redis.error_reply('QSARG reserve needs 1 <= n <= 1000, a lease and a timeout in whole s '
+    .. 'and a size limit in bytes (with the poison list)')
 end
 
 local err = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'zset')
-  or wrong_type(KEYS[3], 'list')
+  or wrong_type(KEYS[3], 'list') or (KEYS[4] and wrong_type(KEYS[4], 'list'))
 if err then return err end
 
 local now = tonumber(redis.call('TIME')[1])
-local payloads = redis.call('RPOP', KEYS[1], n) or {}
+local reply, payloads = {}, {}
+for i = 1, n do
+  local raw = redis.call('RPOP', KEYS[1])
+  if not raw then break end
+  if limit > 0 and #raw > limit then
+    redis.call('LPUSH', KEYS[4], raw)
+    reply[i] = #raw
+  else
+    payloads[#payloads + 1] = raw
+    reply[i] = raw
+  end
+end
 if #payloads > 0 then
   redis.call('LPUSH', KEYS[3], unpack(payloads))
 end
-if #payloads > 0 or timeout > 0 then
+if #payloads > 0 or (#reply == 0 and timeout > 0) then
   redis.call('ZADD', KEYS[2], string.format('%d', now + lease + timeout), KEYS[3])
 end
-return payloads
+return reply

@@ -54,13 +54,22 @@ local function bad_counter(key)
   end
 end
 
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
+-- write: Lua does not undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
 -- Op characters by byte: the op in lower case, and whether a marker key follows.
 local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l',
              [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l'}
 local ready, processing, failed = KEYS[1], KEYS[2], KEYS[3]
-local n, job_ttl, ops, offset = tonumber(ARGV[2]), tonumber(ARGV[1]), ARGV[3], tonumber(ARGV[4])
-if not n or n > 1000 or not job_ttl or not offset or not ops or #ops ~= n then
-  return redis.error_reply('QSARG settle needs a job_ttl, a count, an op per item and a '
+local n, job_ttl, ops = whole(ARGV[2], 0, 1000), whole(ARGV[1], 0, 2147483647), ARGV[3]
+local offset = whole(ARGV[4], 0, 2147483647)
+if not n or not job_ttl or not offset or not ops or #ops ~= n then
+  return redis.error_reply('QSARG settle needs a job_ttl in whole s, a count, an op per item and a '
     .. 'pid offset')
 end
 if string.find(ops, '[^crflCRFL]') then
@@ -120,6 +129,7 @@ if length <= 1000 then
 end
 
 local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
+local rejected_at = {}  -- the item index of each rejected pid (its jobs key is KEYS[5+3i])
 local ndoomed, nrequeued, nreleased, nrejected = 0, 0, 0, 0
 local commits, failures, applied, settled, markers, retried = 0, 0, 0, {}, 0, 0
 for i = 1, n do
@@ -165,8 +175,8 @@ for i = 1, n do
       ndoomed = ndoomed + 2
       if op == 'f' then
         nrejected = nrejected + 1
+        rejected_at[nrejected] = i
         rejected[nrejected] = pid
-        if job_ttl > 0 then redis.call('EXPIRE', job, job_ttl) end
         failures = failures + 1
       else
         ndoomed = ndoomed + 1
@@ -218,7 +228,13 @@ if any_taken then
 end
 if ndoomed > 0 then redis.call('DEL', unpack(doomed)) end
 
-if nrejected > 0 then redis.call('LPUSH', failed, unpack(rejected)) end
+if nrejected > 0 then
+  redis.call('LPUSH', failed, unpack(rejected))
+  -- After the push, as queue 5 orders it: the pid is listed before its record may expire.
+  if job_ttl > 0 then
+    for k = 1, nrejected do redis.call('EXPIRE', KEYS[5 + 3 * rejected_at[k]], job_ttl) end
+  end
+end
 if nrequeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
 if nreleased > 0 then
   local reversed = {}

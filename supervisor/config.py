@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
-from broker.redis.keys import hash_tag
+from broker.redis.keys import MAX_TTL, hash_tag
 from broker.redis.replication import Replication
 from broker.redis.seeds import problem as seed_problem
 from broker.tls import TlsFileError, TlsSettings, check_files
@@ -323,7 +323,9 @@ class JobConfig:
         3, "runs before a job goes to failed (Redis) or dead (NATS: the budget of a consumer "
         "the supervisor creates; an existing consumer's own budget wins)", at_least(1)
     )
-    job_ttl: int = setting(0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0))
+    job_ttl: int = setting(
+        0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0), at_most(MAX_TTL)
+    )
     handler_timeout: float = setting(
         0.0, "hard limit of one handler call (s); 0 = none. An async handler's call is "
         f"cancelled then, and its process killed if it has not ended {CANCEL_GRACE:g} s later",
@@ -354,7 +356,7 @@ class SupervisorConfig:
     )
     lease: float = setting(
         30.0, "claim lease (s): a delivery not renewed for this long is recovered; renewed "
-        "every lease/3 (whole seconds on Redis)", at_least(3),
+        "every lease/3 (whole seconds on Redis)", at_least(3), at_most(MAX_TTL),
     )
     maintenance_interval: float = setting(
         5.0, "seconds between recovery sweeps (on Redis the expiry of the fleet's reap lock, "

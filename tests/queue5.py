@@ -21,6 +21,7 @@ import random
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -459,6 +460,32 @@ class Queue5Consumer:
         except redis.RedisError:
             batch = []  # PHP backs off and returns [] on any RedisException here
         return Reservation(token, reservation, list(batch))
+
+    def receive_frozen(self, n: int = 1, timeout: int = 1) -> Callable[[], list[Message]]:
+        """receive() on an idle queue, frozen (SIGSTOP, a VM pause) after registering its
+        blocking reservation and before sending BRPOPLPUSH; returns the rest of it, to run
+        on thaw: the late BRPOPLPUSH, the continuation and the claim (which raises 'Queue
+        reservation expired' once the deadline passed, leaving what moved in the list)."""
+        token = self.new_token()
+        reservation = self.key("reservations", token)
+        keys = [self.key("queue"), self.key("reservations"), reservation,
+                self.key("processing"), self.key("stats", "total"), self.key("stats", "processing")]
+        count = min(LIMIT, max(1, n))
+        assert self._run("reserve", keys, [count, self.claim_ttl, timeout, 0]) == []
+
+        def thaw() -> list[Message]:
+            raw = self.client.brpoplpush(keys[0], reservation, timeout)
+            if raw is None:
+                return []
+            batch = [raw]
+            if count > 1:
+                try:
+                    batch += self._run("reserve", keys, [count - 1, self.claim_ttl, 0, 1])
+                except redis.RedisError:
+                    return []  # as receive_reserve_only: PHP backs off, the move stays
+            return self.claim(Reservation(token, reservation, batch))
+
+        return thaw
 
     def receive(self, n: int = 1, timeout: int = 0) -> list[Message]:
         reserved = self.receive_reserve_only(n, timeout)

@@ -252,6 +252,10 @@ def test_wrong_types_are_errors(tmp_path, section, line, expected):
         ("job", "coroutines = 0", "[job] coroutines = 0 must be >= 1"),
         ("job", "max_attempts = 0", "[job] max_attempts = 0 must be >= 1"),
         ("job", "job_ttl = -1", "[job] job_ttl = -1 must be >= 0"),
+        # Above what the scripts take (EXPIRE refuses about 9.2e15 s): issue 23.2.
+        ("job", "job_ttl = 9300000000000000", "[job] job_ttl = 9300000000000000 must be <= "
+         "2147483647"),
+        ("supervisor", "lease = 1e16", "[supervisor] lease = 1e+16 must be <= 2147483647"),
         ("job", "flush_every = 0", "[job] flush_every = 0 must be >= 1"),
         ("job", "handler_timeout = -0.5", "[job] handler_timeout = -0.5 must be >= 0"),
         ("broker", 'namespace = ""', '[broker] namespace = "" must not be empty'),

@@ -57,9 +57,12 @@ WHY = {
     "zcard": "count registered reservations",
     "zrange": "list registered reservations and their deadlines",
     "pttl": "time left of a supervisor record",
-    "lmove": "a stop abandons an idle wait: what it took goes back to the ready list",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
-    "lindex": "the progress line: age of the next ready message",
+    "lindex": "the progress line: age of the next ready message (oldest.lua: only its length "
+              "when it is over the size limit)",
+    "client|id": "the blocking connection's id, named by CLIENT UNBLOCK at a stop",
+    "client|unblock": "a stop ends its own idle wait (BLMOVE) at once, then unregisters it "
+                      "(it can unblock any client of the server)",
 }
 
 
@@ -124,7 +127,8 @@ ROLES: tuple[Role, ...] = (
         "job", "the supervisor (python -m supervisor JOB)",
         (
             "evalsha", "script|load", "blmove", "zrem", "set", "llen", "lrange", "get", "mget",
-            "time", "lmove", "lindex",
+            "time", "lindex",
+            "client|id", "client|unblock",
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore",
@@ -136,7 +140,7 @@ ROLES: tuple[Role, ...] = (
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*",
         ),
-        ("reserve", "claim", "settle", "extend", *_SWEEP_SCRIPTS),
+        ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
     Role("publish", "python -m supervisor publish", ("lpush",), "%W~", ("queue.{q}",)),
     Role(

@@ -22,7 +22,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -59,7 +59,7 @@ from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
 from broker.redis.scripts import Scripts
-from broker.redis.wire import Wire
+from broker.redis.wire import Oversized, Wire
 from broker.retry import RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
@@ -89,6 +89,15 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: recover.lua's grace that keeps an empty reservation registered whatever its deadline.
+KEEP_REGISTERED = 9_999_999_999
+#: Reply timeout of the blocking connection: none in effect (each BLMOVE has its own).
+BLOCKING_WIRE_TIMEOUT = 86400.0
+#: The longest tail envelope the progress line reads for its age without a size limit.
+PEEK_LIMIT = 1 << 20
+#: Pause between CLIENT UNBLOCK attempts at a stop while our BLMOVE is sent but not yet
+#: blocked in the server (CLIENT UNBLOCK then answers 0).
+UNBLOCK_PAUSE = 0.05
 #: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
 #: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
 #: on 7.2 and later every connection would leave a denial in ACL LOG.
@@ -154,6 +163,9 @@ class Reservation:
     key: str
     token: str
     payloads: list[bytes]
+    #: Lengths of the payloads over the size limit that reserve.lua moved straight to poison
+    #: (they never crossed the wire).
+    oversized: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -220,9 +232,22 @@ class RedisBroker:
         self.unreplicated = 0
         self.client = self._new_client(COMMAND_TIMEOUT)
         # Blocking reads get their own connection: they must never hold up settle or extend.
-        self._blocking = self._new_client(None)
+        # On a plain Redis a lean one that drops a payload over the size limit unread (a
+        # BLMOVE returns what it moved) and sends CLIENT ID with each BLMOVE, so that a stop
+        # can end it; a Cluster keeps redis-py's client, which follows the slot map.
+        self._blocking: Any = self._new_client(None) if cluster else None
+        self._blocking_wire = None if cluster else Wire(
+            url, self.tls, BLOCKING_WIRE_TIMEOUT, CONNECT_TIMEOUT,
+            bulk_limit=max_envelope_bytes or None,
+        )
         self._no_wait = False  # stop_waiting() was called: receives never block again
         self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
+        #: CLIENT ID of the blocking connection (None: unknown, or not allowed by the ACL)
+        #: and, on a Cluster, the node it is connected to
+        self._blocked_id: int | None = None
+        self._blocked_node: Any = None
+        self._can_unblock = True  # False once CLIENT ID was refused
+        self._unblocking: asyncio.Future | None = None
         # The scripts of the hot path go over a lean connection of their own (see wire);
         # a cluster keeps redis-py's client, which follows the slot map.
         self._wire = None if cluster else Wire(url, self.tls, COMMAND_TIMEOUT, CONNECT_TIMEOUT)
@@ -288,9 +313,14 @@ class RedisBroker:
         return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
+        if self._unblocking is not None:
+            self._unblocking.cancel()
         if self._wire is not None:
             self._wire.close()
-        await self._blocking.aclose()
+        if self._blocking_wire is not None:
+            self._blocking_wire.close()
+        if self._blocking is not None:
+            await self._blocking.aclose()
         await self.client.aclose()
 
     # -- receiving ----------------------------------------------------------------------
@@ -302,9 +332,13 @@ class RedisBroker:
             if received.deliveries or received.poisoned:
                 return received
         reservation = await self.reserve(max_messages, block_timeout)
+        poisoned = [Poisoned(b"", f"envelope of {length} bytes exceeds "
+                             f"{self.max_envelope_bytes}: moved to poison unread")
+                    for length in reservation.oversized]
         if not reservation.payloads:
-            return Received()
+            return Received(poisoned=poisoned)
         received = await self.claim(reservation)
+        received.poisoned += poisoned
         if received.deferred and not (received.deliveries or received.poisoned):
             # Only copies of pids being processed already: they wait behind the rest of the
             # queue. Pausing keeps an otherwise idle queue holding one from spinning.
@@ -320,19 +354,26 @@ class RedisBroker:
         n = min(max(int(n), 1), MAX_BATCH)
         token = secrets.token_hex(16)
         key = self.keys.reservation(token)
-        keys = [self.keys.ready, self.keys.reservations, key]
+        keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
+        reply: list[Any]
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
             block = bool(wait)
             if wait and self.replication.enabled:
-                payloads, block = await self._reserve_replicated(keys, n, wait)
+                reply, block = await self._reserve_replicated(keys, n, wait)
                 registered_at = time.monotonic()
             else:
-                payloads = await self.scripts.call("reserve", keys, [n, self._lease, wait])
-            if not payloads and block:
-                payloads = await self._reserve_blocking(key, block_timeout, registered_at)
-        return Reservation(key, token, payloads)
+                reply = await self.scripts.call("reserve", keys, self._reserve_args(n, wait))
+            if not reply and block:
+                reply = await self._reserve_blocking(key, token, block_timeout, registered_at)
+        # reserve.lua answers an oversized payload with its length (an integer) instead
+        payloads = [item for item in reply if isinstance(item, bytes)]
+        oversized = [int(item) for item in reply if not isinstance(item, bytes)]
+        return Reservation(key, token, payloads, oversized)
+
+    def _reserve_args(self, n: int, wait: int) -> list[int]:
+        return [n, self._lease, wait, self.max_envelope_bytes or 0]
 
     async def _reserve_replicated(
         self, keys: list[str], n: int, wait: int
@@ -341,11 +382,11 @@ class RedisBroker:
         to have it before blocking: a move into a reservation whose registration a failover
         took back would leave a list no registry names. Returns the payloads and whether a
         blocking move may follow (False: the registration was not confirmed)."""
-        payloads = await self.scripts.call("reserve", keys, [n, self._lease, 0])
+        payloads = await self.scripts.call("reserve", keys, self._reserve_args(n, 0))
         if payloads:
             return payloads, False
         payloads, confirmed = await self.scripts.call_replicated(
-            "reserve", keys, [n, self._lease, wait], self.replication
+            "reserve", keys, self._reserve_args(n, wait), self.replication
         )
         if payloads or self._replicated("reservation", confirmed, 1):
             return payloads, not payloads
@@ -362,8 +403,8 @@ class RedisBroker:
         return False
 
     async def _reserve_blocking(
-        self, key: str, timeout: float, registered_at: float
-    ) -> list[bytes]:
+        self, key: str, token: str, timeout: float, registered_at: float
+    ) -> list[bytes | int]:
         # reserve.lua registered the empty reservation until lease + timeout from now, so a
         # payload moved into it is discoverable even if we die before we see the reply.
         if time.monotonic() - registered_at > self._lease / 2:
@@ -371,11 +412,18 @@ class RedisBroker:
             # gone already, and a move into an unregistered list would strand the payload.
             await self.client.zrem(self.keys.reservations, key)
             return []
-        move = self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
+        self._blocked_id = None
+        if self._blocking is not None:
+            await self._identify_blocking()
+        if self._no_wait:  # a stop began meanwhile: no move was sent, so none can land
+            await self.client.zrem(self.keys.reservations, key)
+            return []
+        move = self._move(key, timeout)
         self._blocked = asyncio.ensure_future(asyncio.wait_for(move, timeout + BLOCK_MARGIN))
         try:
             payload = await self._blocked
         except asyncio.CancelledError:
+            self._drop_blocking()
             if not self._no_wait or _cancelling():
                 raise
             return await self._give_back(key)
@@ -385,21 +433,117 @@ class RedisBroker:
             # The master became a replica (CLUSTER FAILOVER) while we waited and let go of
             # us: nothing moved. Like a timeout; the next call finds the new master.
             payload = None
+        except BaseException:
+            self._drop_blocking()  # the BLMOVE may still be waiting in Redis
+            raise
         finally:
             self._blocked = None
         if payload is None:
             # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
-            # maintenance drops the empty registration after its deadline.
+            # maintenance drops the empty registration after its deadline and grace.
             await self.client.zrem(self.keys.reservations, key)
             return []
+        if isinstance(payload, Oversized):
+            return await self._poison_moved(key, token, payload.length)
         return [payload]
+
+    async def _move(self, key: str, timeout: float) -> Any:
+        """BLMOVE ready -> reservation ``key``; on the lean connection with CLIENT ID sent
+        just before it (so the id names this BLMOVE's connection)."""
+        if self._blocking_wire is None:
+            return await self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
+        commands: list[tuple[Any, ...]] = [("BLMOVE", self.keys.ready, key, "RIGHT", "LEFT",
+                                            timeout)]
+        if self._can_unblock:
+            commands.insert(0, ("CLIENT", "ID"))
+        *identified, moved = await self._blocking_wire.send(*commands)
+        if identified:
+            self._identified(await identified[0])
+        reply = await moved
+        if isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
+        return reply
+
+    def _identified(self, reply: Any) -> None:
+        if isinstance(reply, redis.exceptions.ResponseError):  # NOPERM: an ACL from before
+            self._can_unblock = False
+            log.warning("CLIENT ID refused (%s): a stop will leave its idle receive's "
+                        "reservation registered (expired) for maintenance to remove; grant "
+                        "client|id and client|unblock (README, Redis ACL)", reply)
+        else:
+            self._blocked_id = int(reply)
+
+    def _drop_blocking(self) -> None:
+        """Close the lean blocking connection: a BLMOVE given up on may still be waiting
+        in Redis, and the next command must not queue behind it."""
+        if self._blocking_wire is not None:
+            self._blocking_wire.close()
+
+    async def _poison_moved(self, key: str, token: str, length: int) -> list[bytes | int]:
+        """The blocking move took a payload over the size limit (its bytes were dropped
+        unread): claim.lua moves it from the reservation to poison, inside Redis."""
+        keys = [
+            self.keys.reservations, key, self.keys.ready, self.keys.processing,
+            self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
+        ]
+        reply = await self.scripts.call(
+            "claim", keys, [self._lease, token, 1, "p", self._job_prefix_bytes])
+        # Otherwise expired (back in the ready list: reserve.lua poisons it) or left to
+        # maintenance ('mismatch'): nothing to report now.
+        return [length] if reply == [b"poison"] else []
+
+    async def _identify_blocking(self) -> None:
+        """On a Cluster: learn the blocking connection's CLIENT ID (on that connection, just
+        before the BLMOVE it names), so that a stop can end the BLMOVE with CLIENT UNBLOCK."""
+        if not self._can_unblock:
+            return
+        try:
+            # The blocking client's one connection to the node serving the queue's slot
+            # (it runs one command at a time, so it never opens a second one there).
+            await self._blocking.initialize()  # the slot map, once
+            node = self._blocking.get_node_from_key(self.keys.ready)
+            self._blocked_node = (node.host, node.port)
+            reply = await self._blocking.execute_command("CLIENT ID", target_nodes=node)
+        except redis.exceptions.ResponseError as error:
+            reply = error
+        self._identified(reply)
 
     def stop_waiting(self) -> None:
         """A stop began: a receive blocked on an idle queue returns now, and no later
         receive blocks (what is there is still taken)."""
         self._no_wait = True
-        if self._blocked is not None:
-            self._blocked.cancel()
+        if self._blocked is not None and self._unblocking is None:
+            self._unblocking = asyncio.ensure_future(self._unblock(self._blocked))
+
+    async def _unblock(self, blocked: asyncio.Future) -> None:
+        """End our BLMOVE as if it timed out: CLIENT UNBLOCK from the command connection.
+        Once Redis answered 1 no move into the reservation can follow, so the receive
+        unregisters it and the registry is left empty (a cancelled BLMOVE could still be
+        served by the server after we gave up on it). Without CLIENT UNBLOCK (refused, or
+        an unknown id), the BLMOVE is abandoned instead: see ``_give_back``."""
+        try:
+            while not blocked.done():
+                if self._blocked_id is None and not self._can_unblock:
+                    break
+                if self._blocked_id is not None and await self._unblock_once(self._blocked_id):
+                    return
+                await asyncio.sleep(UNBLOCK_PAUSE)  # sent, but not blocked in Redis yet
+        except (*CONNECTION_ERRORS, redis.exceptions.ResponseError) as error:
+            log.warning("CLIENT UNBLOCK failed (%s): abandoning the blocking receive; its "
+                        "reservation stays registered (expired) for maintenance", error)
+        finally:
+            self._unblocking = None
+        if not blocked.done():
+            blocked.cancel()
+
+    async def _unblock_once(self, client_id: int) -> bool:
+        if not self.cluster:
+            return bool(await self.client.client_unblock(client_id, error=False))
+        node = self.client.get_node(*self._blocked_node)
+        if node is None:  # the node left the cluster: its BLMOVE ended with it
+            return True
+        return bool(await self.client.execute_command(
+            "CLIENT UNBLOCK", client_id, "TIMEOUT", target_nodes=node))
 
     async def _give_back(self, key: str) -> list[bytes]:
         """The blocking move was abandoned: a payload it may have moved goes back to the
@@ -408,9 +552,12 @@ class RedisBroker:
         maintenance instead of stranded in a list nobody knows."""
         async with _broker_errors("give back an abandoned reservation"):
             await self.client.zadd(self.keys.reservations, {key: 0}, xx=True)
-            for _ in range(MAX_BATCH):
-                if await self.client.lmove(key, self.keys.ready, "LEFT", "RIGHT") is None:
-                    break
+            # Moved inside Redis (a payload is never read here: it may be oversized). The
+            # grace keeps the empty list registered whatever its deadline; one emptied here
+            # is done (a blocking move moves one payload) and goes.
+            await self.scripts.call(
+                "recover", [self.keys.reservations, self.keys.ready, key],
+                [MAX_BATCH, KEEP_REGISTERED])
         return []
 
     async def claim(self, reservation: Reservation) -> Received:
@@ -618,9 +765,10 @@ class RedisBroker:
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the next message to be received was published (None: none)."""
         async with _broker_errors("oldest ready"):
-            raw = await self.client.lindex(self.keys.ready, -1)
-        if raw is None:
-            return None
+            raw = await self.scripts.call(
+                "oldest", [self.keys.ready], [self.max_envelope_bytes or PEEK_LIMIT])
+        if not isinstance(raw, bytes):
+            return None  # empty, or over the size limit (its length): not read
         try:
             return max(0.0, time.time() - envelope.decode(raw, None)["timestamp"])
         except (envelope.MalformedEnvelope, TypeError):

@@ -31,6 +31,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+#: The longest expiry or deadline offset (s) any script accepts, and what the configuration
+#: allows for ``job_ttl`` and ``lease``: far below what EXPIRE refuses (about 9.2e15 s; Lua
+#: would not undo the writes made before a refused EXPIRE), and 68 years.
+MAX_TTL = 2**31 - 1
+
 
 def hash_tag(name: str) -> str | None:
     """The Redis Cluster hash tag of a key name: what the first ``{...}`` encloses, if any

@@ -57,6 +57,14 @@ log = logging.getLogger(__name__)
 
 #: expired/recover rounds in one maintain() call (each moves at most MAX_BATCH payloads).
 RESERVATION_ROUNDS = 4
+#: Seconds an expired reservation found EMPTY stays registered past its deadline (issue
+#: 23.3). It may belong to a consumer (a PHP worker) frozen after registering it and before
+#: sending its blocking move; a move that lands while it is registered is returned by the
+#: next sweep, one that lands after it went is stranded. The deadline already holds the
+#: lease and the blocking timeout, so a move sent up to lease + grace after the registration
+#: is covered (a freeze of up to 90 + 600 s for a PHP worker). Operator sweeps (``recover``,
+#: ``drain``) use none, as queue 5's own sweep does, so that they can empty the registry.
+RESERVATION_GRACE = 600
 #: List entries LREM may compare in one reclaim call, summed over its items (each scans
 #: from the nearer end), and items per call: together they keep one call within a few
 #: milliseconds of server time, however long the list.
@@ -117,7 +125,8 @@ async def maintain(
         return MaintenanceReport(skipped=True)
     try:
         report = MaintenanceReport()
-        report.expired_reservations = await recover_reservations(scripts, keys)
+        report.expired_reservations = await recover_reservations(
+            scripts, keys, grace=0 if force else RESERVATION_GRACE)
         await reap(client, scripts, keys, report, recovery_age=recovery_age,
                    max_attempts=max_attempts, job_ttl=job_ttl, scan=scan)
     except ResponseError as error:
@@ -127,17 +136,23 @@ async def maintain(
     return report
 
 
-async def recover_reservations(scripts: Scripts, keys: QueueKeys) -> int:
-    """Return the payloads of expired reservations to the ready list; returns how many."""
-    moved = 0
+async def recover_reservations(
+    scripts: Scripts, keys: QueueKeys, *, grace: int = RESERVATION_GRACE
+) -> int:
+    """Return the payloads of expired reservations to the ready list; returns how many.
+
+    An expired reservation found empty stays registered until ``grace`` seconds past its
+    deadline (see ``RESERVATION_GRACE``); those already seen are skipped in later rounds."""
+    moved = kept = 0
     for _ in range(RESERVATION_ROUNDS):
-        found = await scripts.call("expired", [keys.reservations], [MAX_BATCH])
+        found = await scripts.call("expired", [keys.reservations], [MAX_BATCH, kept])
         if not found:
             break
-        step = int(await scripts.call(
-            "recover", [keys.reservations, keys.ready, *map(_text, found)], [MAX_BATCH]
-        ))
-        moved += step
+        step, still = await scripts.call(
+            "recover", [keys.reservations, keys.ready, *map(_text, found)], [MAX_BATCH, grace]
+        )
+        moved += int(step)
+        kept += int(still)
         if len(found) < MAX_BATCH and step < MAX_BATCH:
             break  # every expired one was handled in this round
     return moved

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -108,16 +109,91 @@ class _Replies(asyncio.Protocol):
                 future.set_exception(error)
 
 
+@dataclass(frozen=True, slots=True)
+class Oversized:
+    """The reply in place of a bulk string longer than a ``Wire``'s ``bulk_limit``: its
+    length (its bytes were never read)."""
+
+    length: int
+
+
+_INCOMPLETE = object()
+
+
+class _BoundedReplies(_Replies):
+    """Replies parsed here rather than by hiredis, so that a bulk string over ``limit`` bytes
+    is never read: its command is answered ``Oversized`` as soon as the length is known, and
+    the connection is dropped at once (Redis stops sending). For the blocking connection,
+    whose BLMOVE returns whatever payload it moved (issue 28 M1), and which never has a
+    command queued behind its BLMOVE. Top-level replies only, the kinds its commands get:
+    simple strings, errors, integers, bulk strings and nulls."""
+
+    def __init__(self, timeout: float, limit: int) -> None:
+        super().__init__(timeout)
+        self._limit = limit
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self._buffer += data
+        try:
+            while (reply := self._parse()) is not _INCOMPLETE:
+                future = self._waiting.popleft()
+                self._sent_at.popleft()
+                if not future.done():  # its caller gave up (cancelled): the reply is dropped
+                    future.set_result(reply)
+                if isinstance(reply, Oversized):
+                    self.abort(f"dropped a reply of {reply.length} bytes unread")
+                    return
+        except (redis.exceptions.InvalidResponse, ValueError, IndexError) as error:
+            self.abort(f"unreadable reply: {error!r}")
+
+    def _parse(self) -> Any:
+        buffer = self._buffer
+        end = buffer.find(b"\r\n")
+        if end < 0:
+            if len(buffer) > 65536:
+                raise redis.exceptions.InvalidResponse("no reply header in 64 KiB")
+            return _INCOMPLETE
+        kind, line = buffer[:1], bytes(buffer[1:end])
+        if kind == b"$" and int(line) >= 0:
+            length = int(line)
+            if length > self._limit:
+                buffer.clear()
+                return Oversized(length)
+            if len(buffer) < end + 4 + length:
+                return _INCOMPLETE
+            value = bytes(buffer[end + 2:end + 2 + length])
+            del buffer[:end + 4 + length]
+            return value
+        del buffer[:end + 2]
+        if kind == b"+":
+            return line
+        if kind == b"-":
+            return redis.exceptions.ResponseError(line.decode(errors="replace"))
+        if kind == b":":
+            return int(line)
+        if (kind in (b"$", b"*") and line == b"-1") or kind == b"_":
+            return None
+        raise redis.exceptions.InvalidResponse(f"unexpected reply {bytes(kind + line)[:40]!r}")
+
+
 class Wire:
-    """Commands to one plain Redis (the URL's server and database), as ``call(*args)``."""
+    """Commands to one plain Redis (the URL's server and database), as ``call(*args)``.
+
+    With ``bulk_limit``, a bulk string reply longer than that many bytes is never read: it
+    comes back as ``Oversized`` (for the blocking connection; see ``_BoundedReplies``)."""
 
     def __init__(
-        self, url: str, tls: TlsSettings, timeout: float, connect_timeout: float
+        self, url: str, tls: TlsSettings, timeout: float, connect_timeout: float,
+        bulk_limit: int | None = None,
     ) -> None:
         self._options = parse_url(url)
         self._tls = tls if urlsplit(url).scheme == "rediss" else None
         self._timeout = timeout
         self._connect_timeout = connect_timeout
+        self._bulk_limit = bulk_limit
         self._replies: _Replies | None = None
         self._connecting: asyncio.Lock | None = None
 
@@ -130,6 +206,14 @@ class Wire:
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
         return reply
+
+    async def send(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
+        """Send commands back to back on one connection; the futures of their replies (an
+        error reply is the result, a ResponseError, not raised)."""
+        replies = self._replies
+        if replies is None or replies.closed:
+            replies = await self._connect()
+        return [replies.send(hiredis.pack_command(command)) for command in commands]
 
     async def _connect(self) -> _Replies:
         if self._connecting is None:
@@ -161,6 +245,8 @@ class Wire:
         return replies
 
     def _protocol(self) -> _Replies:
+        if self._bulk_limit is not None:
+            return _BoundedReplies(self._timeout, self._bulk_limit)
         return _Replies(self._timeout)
 
     async def _hello(self, replies: _Replies) -> None:

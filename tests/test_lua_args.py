@@ -1,0 +1,243 @@
+"""Every script refuses an argument it cannot apply before its first write (issue 23.2).
+
+Lua does not roll back: a command that fails halfway through a script leaves the writes
+before it in place. Each test records the real call the broker (or recovery) makes, then
+replays it from the same state with one argument made extreme or invalid, and checks that
+the script answers ``QSARG`` and that no key changed; and that the largest valid value
+still applies completely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import redis.exceptions
+
+from broker import envelope
+from broker.base import Action, Delivery, Settlement
+from broker.redis import RedisBroker
+from broker.redis.keys import MAX_TTL, QueueKeys
+from broker.redis.recovery import maintain
+from broker.redis.scripts import Scripts, lua_source
+
+QUEUE = "args"
+KEYS = QueueKeys("utopia-queue", QUEUE)
+#: What no script may accept as a count, a lease or a TTL: above what EXPIRE takes, not a
+#: whole number, not a number, negative, NaN, infinite.
+BAD_NUMBERS = ["9300000000000000", "1e16", str(MAX_TTL + 1), "1.5", "x", "", "-1", "nan",
+               "inf", "0x10"]
+
+
+class Recorded:
+    """Wraps ``Scripts.call``: every call's name, keys and arguments, as sent."""
+
+    def __init__(self, scripts: Scripts) -> None:
+        self.calls: list[tuple[str, list[str], list[Any]]] = []
+        self._call = scripts.call
+        scripts.call = self.call  # type: ignore[method-assign]
+
+    async def call(self, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        self.calls.append((name, list(keys), list(args)))
+        return await self._call(name, keys, args)
+
+    def last(self, name: str) -> tuple[list[str], list[Any]]:
+        keys, args = next((k, a) for n, k, a in reversed(self.calls) if n == name)
+        return keys, args
+
+
+async def snapshot(client) -> dict[bytes, tuple[bytes, bool]]:
+    """Every key's serialized value and whether it has an expiry."""
+    state = {}
+    for key in await client.keys("*"):
+        state[key] = (await client.dump(key), await client.pttl(key) > 0)
+    return state
+
+
+async def restore(client, state: dict[bytes, tuple[bytes, bool]]) -> None:
+    """The keys as they were; an expiry as a long one (only its presence is compared)."""
+    await client.flushdb()
+    for key, (value, expires) in state.items():
+        await client.restore(key, 3_600_000 if expires else 0, value)
+
+
+async def refused_without_writes(
+    client, name: str, keys: list[str], args: list[Any], at: int, bad: str,
+    before: dict[bytes, tuple[bytes, bool]],
+) -> None:
+    await restore(client, before)
+    changed = [*args]
+    changed[at] = bad
+    with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
+        await client.eval(lua_source(name), len(keys), *keys, *changed)
+    assert await snapshot(client) == before, f"{name}.lua ARGV[{at + 1}] = {bad!r} wrote"
+
+
+def raw(pid: str, attempts: int = 0) -> bytes:
+    return envelope.encode({"pid": pid, "queue": QUEUE, "timestamp": 1_700_000_000,
+                            "payload": {}, "attempts": attempts})
+
+
+@pytest.fixture
+async def broker(redis_url):
+    broker = RedisBroker(redis_url, QUEUE, consumer_id="args", max_attempts=1,
+                         job_ttl=MAX_TTL)
+    await broker.connect()
+    yield broker
+    await broker.close()
+
+
+async def claimed(broker: RedisBroker, client, count: int = 3) -> Recorded:
+    for i in range(count):
+        await client.lpush(KEYS.ready, raw(f"p{i}"))
+    recorded = Recorded(broker.scripts)
+    received = await broker.receive(count, 0)
+    assert len(received.deliveries) == count
+    return recorded
+
+
+async def test_reserve(broker, redis_client):
+    for i in range(3):
+        await redis_client.lpush(KEYS.ready, raw(f"p{i}"))
+    before = await snapshot(redis_client)
+    recorded = Recorded(broker.scripts)
+    await broker.reserve(3, 1)
+    keys, args = recorded.last("reserve")
+    for at in range(4):  # n, lease, timeout, size limit
+        for bad in [*BAD_NUMBERS, "0" if at < 2 else "-1", "1001" if at == 0 else "-1"]:
+            await refused_without_writes(redis_client, "reserve", keys, args, at, bad, before)
+    await restore(redis_client, before)
+    extreme = [1000, MAX_TTL, MAX_TTL, MAX_TTL]
+    assert len(await redis_client.eval(lua_source("reserve"), len(keys), *keys, *extreme)) == 3
+
+
+async def test_claim(broker, redis_client):
+    for i in range(3):
+        await redis_client.lpush(KEYS.ready, raw(f"p{i}"))
+    reservation = await broker.reserve(3, 0)
+    before = await snapshot(redis_client)
+    recorded = Recorded(broker.scripts)
+    await broker.claim(reservation)
+    keys, args = recorded.last("claim")
+    for at, bads in ((0, [*BAD_NUMBERS, "0"]), (2, ["1.5", "x", "-1"]),
+                     (4, ["1.5", "x", "-1", "nan"])):  # lease, n, pid offset
+        for bad in bads:
+            await refused_without_writes(redis_client, "claim", keys, args, at, bad, before)
+    await restore(redis_client, before)
+    args[0] = MAX_TTL
+    assert await redis_client.eval(lua_source("claim"), len(keys), *keys, *args) == [b"ok"] * 3
+    assert 0 < await redis_client.ttl(KEYS.claim("p0")) <= MAX_TTL
+
+
+async def test_settle(broker, redis_client):
+    """A reject at the last attempt keeps the job record for job_ttl (EXPIRE): the write
+    that failed halfway with a job_ttl Redis does not take."""
+    await claimed(broker, redis_client)
+    deliveries = []
+    for i in range(3):
+        raw_bytes = await redis_client.get(KEYS.job(f"p{i}"))
+        owner = (await redis_client.get(KEYS.owner(f"p{i}"))).decode()
+        decoded = envelope.decode(raw_bytes)
+        deliveries.append(Delivery(f"p{i}", QUEUE, decoded["timestamp"], 0, {}, raw_bytes,
+                                   owner, decoded))
+    before = await snapshot(redis_client)
+    recorded = Recorded(broker.scripts)
+    await broker.settle([Settlement(Action.REJECT, d, "boom") for d in deliveries])
+    keys, args = recorded.last("settle")
+    assert args[2] == "fff"
+    for at, bads in ((0, BAD_NUMBERS), (1, ["1.5", "x", "-1"]), (3, ["1.5", "x", "-1"])):
+        for bad in bads:  # job_ttl, n, pid offset
+            await refused_without_writes(redis_client, "settle", keys, args, at, bad, before)
+    await restore(redis_client, before)
+    assert await redis_client.eval(lua_source("settle"), len(keys), *keys, *args) == [b"ok"] * 3
+    assert await redis_client.llen(KEYS.failed) == 3
+    assert await redis_client.llen(KEYS.processing) == 0
+    assert 0 < await redis_client.ttl(KEYS.job("p0")) <= MAX_TTL
+
+
+async def test_extend(broker, redis_client):
+    await claimed(broker, redis_client)
+    before = await snapshot(redis_client)
+    recorded = Recorded(broker.scripts)
+    await broker.abandon([])
+    keys, args = recorded.last("extend")
+    for bad in BAD_NUMBERS:
+        await refused_without_writes(redis_client, "extend", keys, args, 0, bad, before)
+    await restore(redis_client, before)
+    args[0] = MAX_TTL
+    assert await redis_client.eval(lua_source("extend"), len(keys), *keys, *args) == []
+    assert 0 < await redis_client.ttl(keys[0]) <= MAX_TTL
+
+
+async def test_reclaim(broker, redis_client):
+    """Dead-lettering keeps the record for job_ttl: EXPIRE came after the pid left
+    processing and before it was pushed to dead, so a job_ttl Redis refuses lost it."""
+    await claimed(broker, redis_client)
+    await redis_client.delete(*(KEYS.claim(f"p{i}") for i in range(3)))  # owners died
+    before = await snapshot(redis_client)
+    scripts = Scripts(redis_client)
+    recorded = Recorded(scripts)
+    report = await maintain(redis_client, scripts, KEYS, lock_seconds=5, recovery_age=90000,
+                            max_attempts=1, job_ttl=MAX_TTL, force=True)
+    assert report.dead_consumers == 3
+    keys, args = recorded.last("reclaim")
+    for bad in BAD_NUMBERS:
+        await refused_without_writes(redis_client, "reclaim", keys, args, 0, bad, before)
+    # A counter DECRBY refuses (leading zeros, "-0") is refused before the first write too.
+    for bad in (b"007", b"-0", b"+1", b" 1"):
+        await restore(redis_client, before)
+        await redis_client.set(KEYS.stat("processing"), bad)
+        counter = await snapshot(redis_client)
+        with pytest.raises(redis.exceptions.ResponseError, match="QSTYPE"):
+            await redis_client.eval(lua_source("reclaim"), len(keys), *keys, *args)
+        assert await snapshot(redis_client) == counter, bad
+    await restore(redis_client, before)
+    assert await redis_client.eval(lua_source("reclaim"), len(keys), *keys, *args) == [1] * 3
+    assert await redis_client.llen(KEYS.dead) == 3
+    assert await redis_client.get(KEYS.stat("processing")) == b"0"
+    assert 0 < await redis_client.ttl(KEYS.job("p0")) <= MAX_TTL
+
+
+async def test_recover_and_expired(broker, redis_client):
+    for i in range(3):
+        await redis_client.lpush(KEYS.ready, raw(f"p{i}"))
+    reservation = await broker.reserve(3, 0)
+    await redis_client.zadd(KEYS.reservations, {reservation.key: 1})  # long expired
+    before = await snapshot(redis_client)
+    keys = [KEYS.reservations, KEYS.ready, reservation.key]
+    for bad in [*BAD_NUMBERS, "0", "1001"]:
+        await refused_without_writes(redis_client, "recover", keys, [1000, 0], 0, bad, before)
+        await refused_without_writes(redis_client, "expired", keys[:1], [1000, 0], 0, bad,
+                                     before)
+    for bad in BAD_NUMBERS:  # the offset; the grace (no expiry: up to 10 digits)
+        await refused_without_writes(redis_client, "expired", keys[:1], [1000, 0], 1, bad,
+                                     before)
+        if bad != str(MAX_TTL + 1):
+            await refused_without_writes(redis_client, "recover", keys, [1000, 0], 1, bad,
+                                         before)
+    await refused_without_writes(redis_client, "recover", keys, [1000, 0], 1, "10000000000",
+                                 before)
+    await restore(redis_client, before)
+    assert await redis_client.eval(lua_source("recover"), 3, *keys, 1000) == [3, 0]
+
+
+async def test_retry(redis_client):
+    await redis_client.lpush(KEYS.failed, "p0")
+    await redis_client.set(KEYS.job("p0"), raw("p0"))
+    before = await snapshot(redis_client)
+    keys = [KEYS.failed, KEYS.ready, KEYS.job("p0")]
+    args = ["p0", raw("p0"), raw("p0", 0)]
+    for count in (2, 4):  # arguments missing or left over
+        await restore(redis_client, before)
+        with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
+            await redis_client.eval(lua_source("retry"), 3, *keys, *(args * 2)[:count])
+        assert await snapshot(redis_client) == before
+    assert await redis_client.eval(lua_source("retry"), 3, *keys, *args) == [b"ok"]
+
+
+@pytest.mark.parametrize("name", ["reserve", "claim", "settle", "extend", "reclaim", "recover",
+                                  "expired", "oldest"])
+async def test_missing_arguments_are_refused(redis_client, name):
+    with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
+        await redis_client.eval(lua_source(name), 1, KEYS.ready)
