@@ -18,7 +18,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from types import ModuleType
 
 import psutil
 import setproctitle
@@ -26,13 +25,13 @@ import setproctitle
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
 from supervisor import blame, exits, logs, systemd
 from supervisor.buffer import Buffer, Entry
-from supervisor.config import CANCEL_GRACE, Config, resolve_handler
+from supervisor.config import CANCEL_GRACE, Config
 from supervisor.metrics import Metrics
 from supervisor.settlement import Settler
 from supervisor.slots import Slot
 from worker import protocol
 from worker.forkserver import SERVER_SLOT, ForkServer
-from worker.handler import is_async
+from worker.handler import Handler
 from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
@@ -62,7 +61,7 @@ class Arbiter:
         broker: Broker,
         slots: list[Slot],
         forkserver: ForkServer,
-        handler_module: ModuleType,
+        handler: Handler,
         notifier: systemd.Notifier | None = None,
         metrics: Metrics | None = None,
     ) -> None:
@@ -75,9 +74,9 @@ class Arbiter:
         self.slots = slots
         self.forkserver = forkserver
         self.buffer = Buffer(config.job.prefetch, len(slots))
-        self.wants_confirm = callable(getattr(handler_module, "on_success", None))
+        self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
-        self.concurrent = is_async(resolve_handler(config.job.handler))
+        self.concurrent = handler.is_async
         self.capacity = len(slots) * (config.job.tasks_per_process if self.concurrent else 1)
         self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
         self.exit_code = exits.OK

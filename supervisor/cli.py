@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import NoReturn
 import setproctitle
 
 from supervisor import exits, logs, metrics, systemd
-from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load, split_handler
+from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load
 from supervisor.ops import COMMANDS
 
 log = logging.getLogger("supervisor")
@@ -68,8 +67,10 @@ def run(config: Config) -> int:
     from supervisor.brokers import make_broker
     from supervisor.slots import RingMemoryError, make_slots
     from worker.forkserver import ForkServer
+    from worker.runner import run as run_handler  # here: the fork server inherits it
 
-    handler_module = importlib.import_module(split_handler(config.job.handler)[0])
+    handler = config.handler  # loaded by load(): the arbiter and, through fork, the handlers
+    assert handler is not None, "the job file was loaded without its handler"
     sup = config.supervisor
     try:
         slots = make_slots(config.job.coroutines, sup.ring_slots, sup.ring_slot_size)
@@ -79,11 +80,9 @@ def run(config: Config) -> int:
         return exits.CONFIG
 
     def handler_process(index: int) -> NoReturn:
-        from worker.runner import run as run_handler
-
         slot = slots[index]
         run_handler(
-            index, slot.to_child, slot.to_parent, config.job.handler,
+            index, slot.to_child, slot.to_parent, handler,
             flush_every=config.job.flush_every, queue=config.job.queue,
             tasks=config.job.tasks_per_process, timeout=config.job.handler_timeout,
         )
@@ -107,7 +106,7 @@ def run(config: Config) -> int:
         return exits.CONFIG
     try:
         broker = make_broker(config)
-        arbiter = Arbiter(config, broker, slots, forkserver, handler_module,
+        arbiter = Arbiter(config, broker, slots, forkserver, handler,
                           notifier=notifier, metrics=recorder)
         return asyncio_run(arbiter.run())
     finally:

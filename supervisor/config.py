@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
 import os
 import re
@@ -32,7 +31,7 @@ from broker.redis.seeds import problem as seed_problem
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact, split_servers
 from worker import handler as handler_paths
-from worker.handler import async_hooks_problem, is_async
+from worker.handler import Handler
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
 
@@ -431,6 +430,9 @@ class Config:
     nats: NatsConfig = field(default_factory=NatsConfig)
     path: str = "<memory>"
     warnings: tuple[str, ...] = ()
+    #: ``[job] handler`` loaded once by ``load`` (None: not imported, as asked), for the
+    #: arbiter and, through fork, every handler process.
+    handler: Handler | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         def lookup(dotted: str) -> Any:
@@ -553,11 +555,10 @@ def loads(
     values.resolve_files(Path(directory))
     values.override_url(environ)
     values.cross_check()
-    if import_handler:
-        values.import_handler()
+    handler = values.import_handler() if import_handler else None
     for message in values.warnings:  # only for a file that loads: an error comes first
         warnings.warn(message, DeprecationWarning, stacklevel=2)
-    return values.build()
+    return values.build(handler)
 
 
 class _Values:
@@ -669,24 +670,22 @@ class _Values:
             if problem:
                 self.fail(problem)
 
-    def import_handler(self) -> None:
+    def import_handler(self) -> Handler:
         spec = self["job.handler"]
         try:
-            target = resolve_handler(spec)
+            handler = handler_paths.load(spec)
         except HandlerError as error:
             self.fail(f"[job] {error}")
-        problem = async_hooks_problem(target, importlib.import_module(split_handler(spec)[0]))
-        if problem:
-            self.fail(f'[job] handler "{spec}": {problem}')
         tasks = self["job.tasks_per_process"]
-        if tasks > 1 and not is_async(target):
+        if tasks > 1 and not handler.is_async:
             self.fail(f"{self.label('job', 'tasks_per_process')} = {tasks} needs an async def "
                       f'handler; "{spec}" is a plain def, one delivery at a time per process '
                       "(raise coroutines instead, or make it async def)")
+        return handler
 
-    def build(self) -> Config:
+    def build(self, handler: Handler | None = None) -> Config:
         sections = {name: SECTIONS[name](**values) for name, values in self.by_section.items()}
-        return Config(**sections, path=self.path, warnings=tuple(self.warnings))
+        return Config(**sections, path=self.path, warnings=tuple(self.warnings), handler=handler)
 
 
 # The legacy keys are validated as the integers they always were.
@@ -874,9 +873,8 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
 
 # --- handlers --------------------------------------------------------------------------------
 
-# One owner: the handler process loads its handler with these very functions.
+# One owner: the handler is loaded by worker.handler.load (see _Values.import_handler).
 split_handler = handler_paths.split
-resolve_handler = handler_paths.resolve
 
 
 # --- small helpers ---------------------------------------------------------------------------

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 from collections import deque
 from collections.abc import Callable
-from types import ModuleType
 
 from broker.memory import MemoryBroker
 from supervisor.arbiter import Arbiter
@@ -38,7 +38,7 @@ class PlayedProcess:
         self.confirmed: list[tuple[int, bool]] = []
         self.exit_asked = False
         self.alive = True
-        slot.to_parent.put(protocol.encode_ready(wants_confirm=False))
+        slot.to_parent.put(protocol.encode_ready())
 
     def read(self) -> None:
         while records := self.slot.to_child.get_many(256):
@@ -201,8 +201,12 @@ class Core:
         self.slots = make_slots(config.job.coroutines, config.supervisor.ring_slots,
                                 config.supervisor.ring_slot_size)
         self.server = InProcessForkServer(self.slots)
+        # The config's handler, as the supervisor's, without on_success: the played
+        # processes answer no confirmations.
+        assert config.handler is not None
+        handler = dataclasses.replace(config.handler, on_success=None)
         self.arbiter = Arbiter(config, broker, self.slots, self.server,  # type: ignore[arg-type]
-                               ModuleType("played"))
+                               handler)
         self.run: asyncio.Task[int] | None = None
 
     async def start(self) -> None:

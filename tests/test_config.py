@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import config
-from supervisor.config import Config, ConfigError, load, resolve_handler
+from supervisor.config import Config, ConfigError, load
+from worker.handler import resolve as resolve_handler
 
 REPO = Path(__file__).resolve().parent.parent
 MINIMAL = """

@@ -12,6 +12,7 @@ import string
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psutil
@@ -20,6 +21,7 @@ import pytest
 from broker import envelope
 from worker import protocol, runner
 from worker.forkserver import ForkServer
+from worker.handler import Handler, load
 from worker.process import CHILD_INIT_FAILED
 from worker.ring import Ring
 
@@ -28,17 +30,20 @@ class Child:
     """One handler process under test, with the parent's side of its rings."""
 
     def __init__(
-        self, handler: str, *, flush_every: int = 100, slots: int = 256, slot_size: int = 256,
-        outcome_slots: int = 256, tasks: int = 1, timeout: float = 0.0,
+        self, handler: str | Handler, *, flush_every: int = 100, slots: int = 256,
+        slot_size: int = 256, outcome_slots: int = 256, tasks: int = 1, timeout: float = 0.0,
     ) -> None:
         inbox_bytes = Ring.nbytes(slots, slot_size)
         memory = mmap.mmap(-1, inbox_bytes + Ring.nbytes(outcome_slots, 64))
         view = memoryview(memory)
         self.to_child = Ring(view[:inbox_bytes], slots, slot_size, _eventfd())
         self.to_parent = Ring(view[inbox_bytes:], outcome_slots, 64, _eventfd())
+        # Loaded here, before the fork server starts, as the supervisor does: the handler
+        # process inherits it.
+        loaded = load(handler) if isinstance(handler, str) else handler
         self.server = ForkServer(
             lambda slot: runner.run(
-                slot, self.to_child, self.to_parent, handler, flush_every=flush_every,
+                slot, self.to_child, self.to_parent, loaded, flush_every=flush_every,
                 queue="tests", tasks=tasks, timeout=timeout,
             )
         )
@@ -115,7 +120,7 @@ def wait_until(condition, timeout: float = 30.0) -> None:
 def start() -> Iterator:
     children: list[Child] = []
 
-    def start_child(handler: str, **options: Any) -> Child:
+    def start_child(handler: str | Handler, **options: Any) -> Child:
         child = Child(handler, **options)
         children.append(child)
         return child
@@ -127,7 +132,7 @@ def start() -> Iterator:
 
 def test_noop_handler_reports_started_then_done_and_exits_on_request(start) -> None:
     child = start("tests.handlers.noop:handle")
-    assert child.outcomes(1) == [("READY", 0, False)]  # no on_success: no CONFIRM wanted
+    assert child.outcomes(1) == [("READY", 0, None)]
     (a, _), (b, _) = child.deliver({}, {"n": 1})
     assert child.outcomes(4) == [("STARTED", a, None), ("DONE", a, None),
                                  ("STARTED", b, None), ("DONE", b, None)]
@@ -244,7 +249,7 @@ def test_a_failing_flush_fails_every_message_it_covered(start, tmp_path: Path) -
 def test_on_success_runs_only_after_a_committed_confirm(start, tmp_path: Path) -> None:
     log = tmp_path / "log"
     child = start("tests.handlers.confirming:handle")
-    assert child.outcomes(1) == [("READY", 0, True)]  # on_success: CONFIRM wanted
+    assert child.outcomes(1) == [("READY", 0, None)]
     (a, pid_a), (b, _) = child.deliver({"log": str(log)}, {"log": str(log)})
     assert [kind for kind, _, _ in child.outcomes(4)] == ["STARTED", "DONE"] * 2
     assert lines(log) == []  # done is not confirmed: nothing yet
@@ -292,11 +297,27 @@ def test_failing_init_reports_and_exits_with_code_3(start) -> None:
     assert child.exit_status() == CHILD_INIT_FAILED == 3
 
 
-def test_unimportable_handler_reports_init_failed(start) -> None:
-    child = start("tests.handlers.does_not_exist:handle")
-    ((kind, _, text),) = child.outcomes(1)
-    assert kind == "INIT_FAILED" and "tests.handlers.does_not_exist" in text
-    assert child.exit_status() == 3
+def test_the_process_runs_the_handler_it_inherited_and_imports_nothing(start, tmp_path):
+    """The handler is loaded once, before the fork: the process neither imports it again
+    nor needs its path to be importable (a test may hand it a stub)."""
+    out = tmp_path / "out"
+
+    def handle(message) -> None:
+        out.write_text(str(message.payload["n"]))
+
+    stub = Handler("nowhere.at_all:handle", ModuleType("nowhere"), handle, None, None, None,
+                   None)
+    child = start(stub)
+    assert child.outcomes(1) == [("READY", 0, None)]
+    ((delivery_id, _),) = child.deliver({"n": 7})
+    assert child.outcomes(2) == [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
+    assert out.read_text() == "7"
+
+
+def test_only_a_module_with_on_success_wants_confirmations() -> None:
+    """What READY once carried: the supervisor reads it from the handler it loaded."""
+    assert not load("tests.handlers.noop:handle").wants_confirm
+    assert load("tests.handlers.confirming:handle").wants_confirm
 
 
 def test_a_100_kib_payload_arrives_intact_through_256_byte_slots(start, tmp_path) -> None:

@@ -8,10 +8,13 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from broker import envelope
 from tests import test_worker
 from tests.test_worker import lines, wait_until
 from worker import protocol
+from worker.handler import HandlerError, load
 from worker.process import CHILD_INIT_FAILED
 
 start = test_worker.start  # the fixture: a handler process on its own fork server
@@ -24,7 +27,7 @@ def kinds(outcomes) -> list[str]:
 def test_deliveries_run_at_once_up_to_tasks_and_start_in_order(start, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
     child = start("tests.handlers.aio:handle", tasks=3)
-    assert child.outcomes(1) == [("READY", 0, True)]
+    assert child.outcomes(1) == [("READY", 0, None)]
     sent = child.deliver(*({"log": str(log), "gate": str(gate)} for _ in range(5)))
     ids = [delivery_id for delivery_id, _ in sent]
     # Three start, in order, and all three are in the handler at once; two wait.
@@ -72,7 +75,7 @@ def test_held_until_an_async_flush_returned_and_flushes_do_not_overlap(
     log, flush_gate, gate = tmp_path / "log", tmp_path / "flush-gate", tmp_path / "gate"
     monkeypatch.setenv("AIO_FLUSH_GATE", str(flush_gate))
     child = start("tests.handlers.aio_flushing:handle", tasks=4)
-    assert child.outcomes(1) == [("READY", 0, False)]
+    assert child.outcomes(1) == [("READY", 0, None)]
     (a, pid_a), (b, pid_b) = child.deliver({"log": str(log)},
                                            {"log": str(log), "gate": str(gate)})
     # a returns at once: HELD, and flush() starts (nothing waits to start) while b runs.
@@ -169,8 +172,7 @@ def test_a_failing_async_init_reports_and_exits_with_code_3(start, monkeypatch) 
     assert child.exit_status() == CHILD_INIT_FAILED
 
 
-def test_async_hooks_beside_a_plain_handler_are_refused(start) -> None:
-    child = start("tests.handlers.aio_sync_handle:handle")
-    ((kind, _, text),) = child.outcomes(1)
-    assert kind == "INIT_FAILED" and "async hooks need an async def handler" in text
-    assert child.exit_status() == 3
+def test_async_hooks_beside_a_plain_handler_are_refused_before_any_process() -> None:
+    """The one load (the configuration check) refuses them: no process gets such a handler."""
+    with pytest.raises(HandlerError, match="async hooks need an async def handler"):
+        load("tests.handlers.aio_sync_handle:handle")

@@ -1,6 +1,6 @@
 """The handler process of an ``async def`` handler: one event loop, several deliveries at once.
 
-The ring protocol is ``worker.runner``'s, per delivery:
+The ring protocol is ``worker.base``'s, per delivery:
 
 - Deliveries start in the order they arrived (the supervisor pairs STARTED and SKIPPED
   with its own queue by order), at most ``tasks`` at once; the rest wait here, not started.
@@ -24,50 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from worker import protocol
+from worker.base import BATCH, Runner, describe, exit_if_orphaned, exit_process, log
 from worker.handler import Handler
 from worker.message import Message
 from worker.process import CHILD_BROKEN
 from worker.ring import Ring
-from worker.runner import (
-    BATCH,
-    _describe,
-    _exit,
-    _exit_if_orphaned,
-    _origin,
-    _put_all,
-    _Title,
-    init_failed,
-)
-
-log = logging.getLogger("worker.runner")
 
 TICK = 0.1  # seconds between looks at the stop flag (it comes without a wake-up)
 _PARENT_CHECK_TICKS = 10  # ticks between checks that the parent is still there
-
-
-def run(
-    hooks: Handler, inbox: Ring, outbox: Ring, *, tasks: int, flush_every: int,
-    timeout: float, title: _Title, parent: int, spec: str, slot: int,
-) -> NoReturn:
-    """Init on a new event loop, then serve on the same loop until told to exit."""
-    loop = _new_loop()
-    asyncio.set_event_loop(loop)
-    if hooks.init is not None:
-        try:
-            loop.run_until_complete(call(hooks.init))
-        except Exception as error:
-            init_failed(f"init() failed: {_describe(error)}", _origin(error), outbox)
-    runner = _AsyncRunner(inbox, outbox, hooks, tasks, flush_every, timeout, title, parent)
-    runner.send([protocol.encode_ready(wants_confirm=hooks.on_success is not None)])
-    log.info("handler process %d ready (%s, up to %d deliveries at once)", slot, spec, tasks)
-    loop.run_until_complete(runner.serve())
-    _exit(CHILD_BROKEN)  # serve() only ends by exiting the process
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -86,31 +55,39 @@ async def call(function: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-class _AsyncRunner:
+class AsyncRunner(Runner):
+    """The delivery loop of one handler process running an ``async def`` handler: up to
+    ``tasks`` deliveries at once, each cancelled after ``timeout`` seconds (0: never)."""
+
     def __init__(
-        self, inbox: Ring, outbox: Ring, hooks: Handler, tasks: int, flush_every: int,
-        timeout: float, title: _Title, parent: int,
+        self, slot: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
+        queue: str, flush_every: int, tasks: int, timeout: float,
     ) -> None:
-        self._inbox = inbox
-        self._outbox = outbox
-        self._hooks = hooks
+        super().__init__(slot, inbox, outbox, handler, parent=parent, queue=queue,
+                         flush_every=flush_every)
         self._capacity = max(1, tasks)
-        self._flush_every = max(1, flush_every)
         self._timeout = timeout
-        self._title = title
-        self._parent = parent
-        self._loop = asyncio.get_event_loop()
+        self._loop = _new_loop()
+        asyncio.set_event_loop(self._loop)
         self._waiting: deque[tuple[int, int | None, bytes]] = deque()  # not started
         self._tasks: set[asyncio.Task] = set()  # everything that counts against capacity
         self._handling: dict[int, asyncio.Task] = {}  # delivery id -> task in handle()
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._late: set[int] = set()  # their timeout expired: cancelled
-        self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._flushing: asyncio.Task | None = None
-        self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
-        self._outcomes: list[bytes] = []
         self._pump_scheduled = False
         self._exiting = False
+
+    def run(self) -> NoReturn:
+        """Init on the process's event loop, then serve on it until told to exit."""
+        if self._handler.init is not None:
+            try:
+                self._loop.run_until_complete(call(self._handler.init))
+            except Exception as error:
+                self._init_failed(error)
+        self._ready(f"{self._handler.spec}, up to {self._capacity} deliveries at once")
+        self._loop.run_until_complete(self.serve())
+        exit_process(CHILD_BROKEN)  # serve() only ends by exiting the process
 
     # -- the loop's callbacks ------------------------------------------------------------
 
@@ -122,7 +99,7 @@ class _AsyncRunner:
             await asyncio.sleep(TICK)
             ticks += 1
             if ticks % _PARENT_CHECK_TICKS == 0:
-                _exit_if_orphaned(self._parent)
+                exit_if_orphaned(self._parent)
             if self._inbox.flag and self._waiting:
                 self._request_pump()
             if not self._tasks:
@@ -137,7 +114,7 @@ class _AsyncRunner:
                 callback(*args)
             except Exception:
                 log.exception("handler process bookkeeping failed: exiting")
-                _exit(CHILD_BROKEN)
+                exit_process(CHILD_BROKEN)
 
         return run_guarded
 
@@ -147,22 +124,16 @@ class _AsyncRunner:
         while True:
             records = inbox.get_many(BATCH)
             for record in records:
-                self._dispatch(record)
+                self.dispatch(record)
             if not records and inbox.prepare_sleep():
                 break
         self._pump()
 
-    def _dispatch(self, record: bytes) -> None:
-        kind, delivery_id, data = protocol.decode(record)
-        if kind == protocol.DELIVER:
-            attempts, raw = protocol.deliver_data(data)
-            self._waiting.append((delivery_id, attempts, raw))
-        elif kind == protocol.CONFIRM:
-            self._confirm(delivery_id, bool(data))
-        elif kind == protocol.EXIT:
-            self._exiting = True
-        else:
-            log.warning("ignoring unexpected %s record", protocol.KIND_NAMES[kind])
+    def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+        self._waiting.append((delivery_id, attempts, raw))  # started by _pump, in order
+
+    def exit_asked(self) -> None:
+        self._exiting = True
 
     def _request_pump(self) -> None:
         """One pump per loop iteration, however many tasks ended in it (one ring write)."""
@@ -185,8 +156,7 @@ class _AsyncRunner:
             self._title.set_busy(True)
         if (self._exiting and not self._waiting and not self._tasks and not self._held
                 and self._flushing is None):
-            log.info("handler process exiting")
-            _exit(0)
+            self._exit_done()
 
     # -- one delivery --------------------------------------------------------------------
 
@@ -208,7 +178,7 @@ class _AsyncRunner:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("handler process task failed", exc_info=task.exception())
-            _exit(CHILD_BROKEN)
+            exit_process(CHILD_BROKEN)
         self._request_pump()
 
     def _expire(self, delivery_id: int) -> None:
@@ -225,7 +195,7 @@ class _AsyncRunner:
         error: BaseException | None = None
         try:
             message = Message.from_raw(raw, delivery_id, attempts)
-            await call(self._hooks.call, message)
+            await call(self._handler.call, message)
         except asyncio.CancelledError as cancelled:  # ours (the timeout) or the handler's
             error = cancelled
         except Exception as raised:
@@ -239,31 +209,24 @@ class _AsyncRunner:
             self._late.discard(delivery_id)
             error = TimeoutError(f"handler timeout after {self._timeout}s")
         if error is not None:
-            await self._fail(delivery_id, message, error, _describe(error))
-        elif self._hooks.flush is None:
+            await self._fail(delivery_id, message, error, describe(error))
+        elif self._handler.flush is None:
             self._succeed(delivery_id, message)  # type: ignore[arg-type]
         else:
             self._held.append((delivery_id, message))  # type: ignore[arg-type]
             self._outcomes.append(protocol.encode_held(delivery_id))
 
-    def _succeed(self, delivery_id: int, message: Message) -> None:
-        self._outcomes.append(protocol.encode_done(delivery_id))
-        if self._hooks.on_success is not None:
-            self._unconfirmed[delivery_id] = message
-
     async def _fail(
         self, delivery_id: int, message: Message | None, error: BaseException, text: str
     ) -> None:
-        self._outcomes.append(protocol.encode_failed(delivery_id, text))
+        self._failed(delivery_id, message, error, text)
         self.send(self._outcomes)  # settled without waiting for on_error()
-        job = message.pid if message is not None else "?"
-        log.warning("delivery %d (job %s) failed: %s%s", delivery_id, job, text, _origin(error))
-        if self._hooks.on_error is None or message is None:
+        if self._handler.on_error is None or message is None:
             return
         try:
-            await call(self._hooks.on_error, message, error)
+            await call(self._handler.on_error, message, error)
         except Exception as hook_error:
-            log.error("on_error() failed: %s%s", _describe(hook_error), _origin(hook_error))
+            self._on_error_failed(hook_error)
 
     # -- the durability barrier ----------------------------------------------------------
 
@@ -279,9 +242,9 @@ class _AsyncRunner:
 
     async def _flush(self, held: list[tuple[int, Message]]) -> None:
         try:
-            await call(self._hooks.flush)  # type: ignore[arg-type]
+            await call(self._handler.flush)  # type: ignore[arg-type]
         except Exception as error:
-            text = f"flush() failed: {_describe(error)}"
+            text = f"flush() failed: {describe(error)}"
             for delivery_id, message in held:
                 await self._fail(delivery_id, message, error, text)
             return
@@ -293,25 +256,18 @@ class _AsyncRunner:
         if task.cancelled() or task.exception() is not None:
             log.error("flush bookkeeping failed", exc_info=None if task.cancelled()
                       else task.exception())
-            _exit(CHILD_BROKEN)
+            exit_process(CHILD_BROKEN)
         self._request_pump()
 
     # -- after settlement ----------------------------------------------------------------
 
-    def _confirm(self, delivery_id: int, committed: bool) -> None:
-        message = self._unconfirmed.pop(delivery_id, None)
-        if committed and message is not None and self._hooks.on_success is not None:
+    def confirm(self, delivery_id: int, committed: bool) -> None:
+        message = self._confirmed(delivery_id, committed)
+        if message is not None:
             self._track(self._on_success(delivery_id, message))
 
     async def _on_success(self, delivery_id: int, message: Message) -> None:
         try:
-            await call(self._hooks.on_success, message)  # type: ignore[arg-type]
+            await call(self._handler.on_success, message)  # type: ignore[arg-type]
         except Exception as error:
-            log.error("on_success() failed for delivery %d: %s%s",
-                      delivery_id, _describe(error), _origin(error))
-
-    def send(self, outcomes: list[bytes]) -> None:
-        """Put every outcome on the ring, waiting for room if needed; empties the list."""
-        if outcomes:
-            _put_all(self._outbox, outcomes, self._parent)
-            outcomes.clear()
+            self._on_success_failed(delivery_id, error)

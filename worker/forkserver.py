@@ -28,7 +28,7 @@ from typing import Literal, NoReturn
 
 import setproctitle
 
-from worker.process import CHILD_BROKEN, reset_signals, set_parent_death_signal
+from worker.process import CHILD_BROKEN, CHILD_ORPHANED, reset_signals, set_parent_death_signal
 
 #: Slot of the "exited" event that reports the death of the server itself.
 SERVER_SLOT = -1
@@ -181,7 +181,7 @@ def _run_server(
         _PARENT_ENDS.clear()
         set_parent_death_signal()
         if os.getppid() != parent:  # the supervisor died before we asked to follow it
-            os._exit(1)
+            os._exit(CHILD_ORPHANED)
         # A process group of our own (the handlers inherit it): a signal sent to the
         # supervisor's group (`timeout`, a shell, Ctrl-C, some container runtimes) reaches
         # the supervisor alone, which then stops its handlers itself.
@@ -289,7 +289,7 @@ def _run_child(
             os.close(fd)
         set_parent_death_signal()
         if os.getppid() != server:  # the server died before we asked to follow it
-            os._exit(1)
+            os._exit(CHILD_ORPHANED)
         code = _exit_code(target(slot))
     except SystemExit as exit_request:
         code = _exit_code(exit_request.code)

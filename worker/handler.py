@@ -20,8 +20,13 @@ class HandlerError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class Handler:
-    """The handler function and the module-level hooks its module defines (or None)."""
+    """The handler function and the module-level hooks its module defines (or None).
 
+    Loaded once, by the configuration check in the supervisor (before the fork server
+    starts): the arbiter reads it, and every handler process inherits it through fork.
+    """
+
+    spec: str  # the path it was loaded from, as configured (for log lines)
     module: ModuleType
     call: Callable[[Any], object]
     init: Callable[[], object] | None
@@ -30,6 +35,11 @@ class Handler:
     on_error: Callable[[Any, BaseException], object] | None
     #: ``async def handle``: the process runs an event loop with several deliveries at once.
     is_async: bool = False
+
+    @property
+    def wants_confirm(self) -> bool:
+        """The supervisor tells the process how each success settled (for ``on_success``)."""
+        return self.on_success is not None
 
 
 def is_async(function: object) -> bool:
@@ -69,8 +79,8 @@ def split(spec: str) -> tuple[str, str]:
 
 
 def resolve(spec: str) -> Callable[..., Any]:
-    """Import the module a handler spec names and return its callable; raises HandlerError.
-    The configuration check and the handler process both call this (one rule for both)."""
+    """Import the module a handler spec names and return its callable (``load``'s first
+    step); raises HandlerError."""
     module_name, attribute = split(spec)
     try:
         target: Any = importlib.import_module(module_name)
@@ -94,9 +104,9 @@ def load(spec: str) -> Handler:
     module = importlib.import_module(split(spec)[0])
     problem = async_hooks_problem(call, module)
     if problem:
-        raise HandlerError(problem)
+        raise HandlerError(f'handler "{spec}": {problem}')
     return Handler(
-        module, call, _hook(module, "init"), _hook(module, "flush"),
+        spec, module, call, _hook(module, "init"), _hook(module, "flush"),
         _hook(module, "on_success"), _hook(module, "on_error"), is_async(call),
     )
 

@@ -7,7 +7,7 @@ import signal
 import sys
 
 #: Exit codes of a handler process, read by the supervisor when it reaps one.
-CHILD_ORPHANED = 1  # it found its parent gone
+CHILD_ORPHANED = 1  # it found its parent gone (the fork server exits so too)
 CHILD_INIT_FAILED = 3  # its handler failed to load or init() raised: every process would
 CHILD_BROKEN = 70  # our own code raised in it (not the handler): a lost worker
 

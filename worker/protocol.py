@@ -8,11 +8,11 @@ parent -> child: DELIVER (u8 attempts known, i64 attempts, then the raw envelope
 them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` field is only a
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
-child -> parent: READY (1 byte: wants CONFIRM, i.e. the module has ``on_success``),
-STARTED, DONE, FAILED (UTF-8 error text), SKIPPED, INIT_FAILED (UTF-8 error text), and
-HELD from a process running several deliveries at once (an ``async def`` handler): the
-handler returned and the delivery waits for ``flush()``, so it is not a suspect when the
-process dies.
+child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
+from the handler it loaded, the one the process inherited), STARTED, DONE, FAILED (UTF-8
+error text), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD from a process running
+several deliveries at once (an ``async def`` handler): the handler returned and the delivery
+waits for ``flush()``, so it is not a suspect when the process dies.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), atte
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
 _TEXT_KINDS = (FAILED, INIT_FAILED)
 #: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
-_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD))
+_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
 
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
@@ -80,8 +80,8 @@ def encode_exit() -> bytes:
     return _HEAD.pack(EXIT, 0)
 
 
-def encode_ready(wants_confirm: bool = True) -> bytes:
-    return _HEAD.pack(READY, 0) + (b"\x01" if wants_confirm else b"\x00")
+def encode_ready() -> bytes:
+    return _HEAD.pack(READY, 0)
 
 
 def encode_started(delivery_id: int) -> bytes:
@@ -111,8 +111,8 @@ def encode_init_failed(error: str) -> bytes:
 def decode(record: bytes) -> Decoded:
     """``(kind, delivery_id, data)``; ``data`` depends on the kind.
 
-    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); READY: wants CONFIRM
-    (bool); FAILED and INIT_FAILED: the error text (str); every other kind: None.
+    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); FAILED and
+    INIT_FAILED: the error text (str); every other kind: None.
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
@@ -124,7 +124,7 @@ def decode(record: bytes) -> Decoded:
         return kind, delivery_id, (attempts if known else None, raw)
     if kind in _TEXT_KINDS:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
-    if kind in (CONFIRM, READY):
+    if kind == CONFIRM:
         return kind, delivery_id, record[_HEAD.size :] == b"\x01"
     if kind not in KIND_NAMES:
         raise ValueError(f"unknown record kind {kind}")

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from examples.usage import NoTotals, Usage
+from examples.usage.store import NoTotals, Usage
 
 TABLE = "usage"
 COLUMNS = ("project", "metric", "period", "value", "pid")

@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 
 import examples
-from examples.usage import NoTotals, wire
+from examples.usage import wire
+from examples.usage.store import NoTotals
 
 #: Seconds one request may take, starting a writer included (importing the engine alone
 #: takes ~1.5 s, more on a busy host).

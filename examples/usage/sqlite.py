@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from examples.usage import NoTotals, Usage
+from examples.usage.store import NoTotals, Usage
 
 #: Seconds a writer waits for another handler process's transaction before failing.
 BUSY_TIMEOUT = 30.0

@@ -1,0 +1,224 @@
+"""What every handler process does, whichever loop runs its handler.
+
+``worker.sync`` runs a plain ``def`` handler one delivery at a time, ``worker.aio`` an
+``async def`` one on an event loop; both build on ``Runner`` here: the set-up after fork,
+the records on the rings (dispatch of what the supervisor sends, the outcomes sent back),
+the success and confirmation bookkeeping and the ways out of the process. This module
+imports neither of them.
+
+No network I/O happens in a handler process; the supervisor owns the broker. Outcomes are
+never dropped: when the outcome ring is full the process waits for the supervisor to drain it.
+
+Durability barrier: when the handler module defines ``flush()``, successes are held and
+reported DONE only after a ``flush()`` that began after they returned has returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from typing import NoReturn
+
+import setproctitle
+
+from worker import protocol
+from worker.handler import Handler
+from worker.message import Message
+from worker.process import CHILD_INIT_FAILED, CHILD_ORPHANED, set_parent_death_signal
+from worker.ring import Ring
+
+# One logger name for every handler process line, whichever loop runs it: operators filter
+# the logs on it.
+log = logging.getLogger("worker.runner")
+
+#: Records taken from the ring per read (one release of room per batch).
+BATCH = 256
+
+_ROOM_DELAYS = (0.0001, 0.0005, 0.002, 0.01)  # back-off while the outcome ring is full
+
+
+def prepare_process(slot: int) -> int:
+    """Set up a freshly forked handler process; returns the parent's pid, to watch."""
+    parent = os.getppid()
+    # Ctrl-C reaches the whole process group: the supervisor decides what happens.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM ends us at once; the running delivery stays owned and is recovered.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    set_parent_death_signal()
+    _configure_logging(slot)
+    return parent
+
+
+class Runner:
+    """The part of a handler process's loop that does not depend on how the handler runs.
+
+    A subclass implements ``run`` (init, ready, serve until told to exit) and what each
+    record the supervisor sends means for it: ``deliver``, ``confirm``, ``exit_asked``.
+    """
+
+    def __init__(
+        self, slot: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
+        queue: str, flush_every: int,
+    ) -> None:
+        self._slot = slot
+        self._inbox = inbox
+        self._outbox = outbox
+        self._handler = handler
+        self._parent = parent
+        self._title = Title(queue, slot)
+        self._flush_every = max(1, flush_every)
+        self._outcomes: list[bytes] = []  # encoded, not yet on the ring
+        self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
+        self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
+
+    def run(self) -> NoReturn:
+        raise NotImplementedError
+
+    def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+        raise NotImplementedError
+
+    def confirm(self, delivery_id: int, committed: bool) -> None:
+        raise NotImplementedError
+
+    def exit_asked(self) -> None:
+        raise NotImplementedError
+
+    # -- records in --------------------------------------------------------------------------
+
+    def dispatch(self, record: bytes) -> None:
+        kind, delivery_id, data = protocol.decode(record)
+        if kind == protocol.DELIVER:
+            attempts, raw = protocol.deliver_data(data)
+            self.deliver(delivery_id, attempts, raw)
+        elif kind == protocol.CONFIRM:
+            self.confirm(delivery_id, bool(data))
+        elif kind == protocol.EXIT:
+            self.exit_asked()
+        else:
+            log.warning("ignoring unexpected %s record", protocol.KIND_NAMES[kind])
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def send(self, outcomes: list[bytes]) -> None:
+        """Put every outcome on the ring, waiting for room if needed; empties the list."""
+        if outcomes:
+            put_all(self._outbox, outcomes, self._parent)
+            outcomes.clear()
+
+    def _ready(self, detail: str) -> None:
+        self.send([protocol.encode_ready()])
+        log.info("handler process %d ready (%s)", self._slot, detail)
+
+    def _succeed(self, delivery_id: int, message: Message) -> None:
+        self._outcomes.append(protocol.encode_done(delivery_id))
+        if self._handler.on_success is not None:
+            self._unconfirmed[delivery_id] = message
+
+    def _failed(
+        self, delivery_id: int, message: Message | None, error: BaseException, text: str
+    ) -> None:
+        """FAILED goes out with the next send; the caller then runs ``on_error`` its way."""
+        self._outcomes.append(protocol.encode_failed(delivery_id, text))
+        job = message.pid if message is not None else "?"
+        log.warning("delivery %d (job %s) failed: %s%s", delivery_id, job, text, origin(error))
+
+    def _on_error_failed(self, error: Exception) -> None:
+        log.error("on_error() failed: %s%s", describe(error), origin(error))
+
+    def _confirmed(self, delivery_id: int, committed: bool) -> Message | None:
+        """The message whose ``on_success()`` is due now that its settlement is known."""
+        message = self._unconfirmed.pop(delivery_id, None)
+        if not committed or self._handler.on_success is None:
+            return None
+        return message
+
+    def _on_success_failed(self, delivery_id: int, error: Exception) -> None:
+        log.error("on_success() failed for delivery %d: %s%s",
+                  delivery_id, describe(error), origin(error))
+
+    # -- ways out ----------------------------------------------------------------------------
+
+    def _init_failed(self, error: Exception) -> NoReturn:
+        """Tell the supervisor why this process cannot start (it halts: every process would
+        fail the same way), then exit 3."""
+        text = f"init() failed: {describe(error)}"
+        log.error("%s%s", text, origin(error))
+        put_all(self._outbox, [protocol.encode_init_failed(text)], self._parent)
+        exit_process(CHILD_INIT_FAILED)
+
+    def _exit_done(self) -> NoReturn:
+        """EXIT was the last record and everything before it is reported: exit 0."""
+        self.send(self._outcomes)
+        log.info("handler process exiting")
+        exit_process(0)
+
+
+def put_all(ring: Ring, records: list[bytes], parent: int) -> None:
+    """Put every record, in order, waiting for the reader to make room."""
+    sent = ring.put_many(records)
+    attempt = 0
+    while sent < len(records):
+        time.sleep(_ROOM_DELAYS[min(attempt, len(_ROOM_DELAYS) - 1)])
+        attempt += 1
+        exit_if_orphaned(parent)
+        sent += ring.put_many(records[sent:])
+
+
+def exit_if_orphaned(parent: int) -> None:
+    if os.getppid() != parent:
+        log.error("parent process %d is gone; exiting", parent)
+        exit_process(CHILD_ORPHANED)
+
+
+def exit_process(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not stop the exit
+            stream.flush()
+    os._exit(code)
+
+
+class Title:
+    """The process title, changed only when the busy/idle state changes."""
+
+    def __init__(self, queue: str, slot: int) -> None:
+        self._prefix = f"queue-supervisor: {queue} handler {slot}"
+        self._busy: bool | None = None
+        self.set_busy(False)
+
+    def set_busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            self._busy = busy
+            setproctitle.setproctitle(f"{self._prefix} {'busy' if busy else 'idle'}")
+
+
+def _configure_logging(slot: int) -> None:
+    """Log to stderr, one line per event, unless the supervisor configured logging."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter(
+        f"%(asctime)s handler {slot} [%(process)d] %(levelname)s %(name)s: %(message)s"
+    ))
+    root.addHandler(stream)
+    root.setLevel(logging.INFO)
+
+
+def describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def origin(error: BaseException | None) -> str:
+    """Where the error was raised (the innermost frame), for a one-line log."""
+    traceback = error.__traceback__ if error is not None else None
+    if traceback is None:
+        return ""
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return f" (at {traceback.tb_frame.f_code.co_filename}:{traceback.tb_lineno})"

@@ -1,0 +1,111 @@
+"""The handler process of a plain ``def`` handler: one delivery at a time.
+
+Its timeout is the supervisor's kill. With ``flush()``, held successes are flushed when
+nothing else waits in the ring, when ``flush_every`` of them are held, and before exit;
+no timers.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from worker import protocol
+from worker.base import BATCH, Runner, describe, exit_if_orphaned
+from worker.message import Message
+
+_IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)
+_PARENT_CHECK = 1.0  # seconds between checks that the parent is still there
+
+
+class SyncRunner(Runner):
+    """The delivery loop of one handler process running a plain ``def`` handler."""
+
+    def run(self) -> NoReturn:
+        try:
+            if self._handler.init is not None:
+                self._handler.init()
+        except Exception as error:
+            self._init_failed(error)
+        self._ready(self._handler.spec)
+        self.serve()
+
+    def serve(self) -> NoReturn:
+        inbox = self._inbox
+        while True:
+            records = inbox.get_many(BATCH)
+            if records:
+                self._title.set_busy(True)
+                for record in records:
+                    self.dispatch(record)
+                self.send(self._outcomes)
+                continue
+            if self._held:  # nothing else is waiting: make the held successes durable
+                self._flush_held()
+                self.send(self._outcomes)
+            self._sleep()
+
+    def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+        if self._inbox.flag:  # stopping: leave it for the supervisor to release
+            self._outcomes.append(protocol.encode_skipped(delivery_id))
+            return
+        # The supervisor must know a delivery started before any of its side effects,
+        # or it might release it (attempts unchanged) after a crash.
+        self._outcomes.append(protocol.encode_started(delivery_id))
+        self.send(self._outcomes)
+        message = None
+        try:
+            message = Message.from_raw(raw, delivery_id, attempts)
+            self._handler.call(message)
+        except Exception as error:
+            self._fail(delivery_id, message, error, describe(error))
+            return
+        if self._handler.flush is None:
+            self._succeed(delivery_id, message)
+            return
+        self._held.append((delivery_id, message))
+        if len(self._held) >= self._flush_every:
+            self._flush_held()
+
+    def confirm(self, delivery_id: int, committed: bool) -> None:
+        message = self._confirmed(delivery_id, committed)
+        if message is None:
+            return
+        try:
+            self._handler.on_success(message)  # type: ignore[misc]
+        except Exception as error:
+            self._on_success_failed(delivery_id, error)
+
+    def exit_asked(self) -> NoReturn:
+        if self._held:
+            self._flush_held()
+        self._exit_done()
+
+    def _fail(
+        self, delivery_id: int, message: Message | None, error: Exception, text: str
+    ) -> None:
+        self._failed(delivery_id, message, error, text)
+        if self._handler.on_error is None or message is None:
+            return
+        try:
+            self._handler.on_error(message, error)
+        except Exception as hook_error:
+            self._on_error_failed(hook_error)
+
+    def _flush_held(self) -> None:
+        held, self._held = self._held, []
+        try:
+            self._handler.flush()  # type: ignore[misc]
+        except Exception as error:
+            text = f"flush() failed: {describe(error)}"
+            for delivery_id, message in held:
+                self._fail(delivery_id, message, error, text)
+            return
+        for delivery_id, message in held:
+            self._succeed(delivery_id, message)
+
+    def _sleep(self) -> None:
+        if self._inbox.wait(_IDLE_AFTER):
+            return
+        self._title.set_busy(False)
+        while not self._inbox.wait(_PARENT_CHECK):
+            exit_if_orphaned(self._parent)
