@@ -231,7 +231,12 @@ async def test_a_registration_taken_back_can_strand_a_payload(
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)  # registered on the master only, BLMOVE waiting there
+    await wait_until(registered)  # registered on the master only
+
+    async def blocking() -> bool:  # and its BLMOVE waits there: the failover interrupts it
+        return master.client.info("clients")["blocked_clients"] >= 1
+
+    await wait_until(blocking)
     [key] = await client.zrange(KEYS.reservations, 0, -1)
     take_back(replicated_cluster, master, replica)
     assert await client.zcard(KEYS.reservations) == 0  # the registration is gone...
