@@ -64,8 +64,10 @@ async def broker(redis_cluster: PrivateCluster):
 
 @pytest.fixture
 async def pair(redis_cluster: PrivateCluster):
-    """Two consumers of the queue, ``a`` and ``b``, each with a 1 s lease."""
-    consumers = [await new_broker(redis_cluster, consumer_id=name, lease=1.0)
+    """Two consumers of the queue, ``a`` and ``b``, each with a 3 s lease (deadlines are
+    whole seconds: with 1 s, a claim just after a second boundary finds its reservation
+    expired)."""
+    consumers = [await new_broker(redis_cluster, consumer_id=name, lease=3.0)
                  for name in ("a", "b")]
     yield consumers
     for consumer in consumers:
