@@ -132,13 +132,13 @@ KEYS = QueueKeys(NS, QUEUE)
 URL = "https://example.com/a/b"  # in every payload: both sides write "/" as "\/"
 STATS = ("total", "processing", "success", "failed")
 
-LEASE = 3  # our lease and PHP's claim TTL, seconds
+LEASE = 5  # our lease and PHP's claim TTL, seconds (the guards leave a slow step 3 s)
 MAX_ATTEMPTS = 3
 RECOVERY_AGE = 90_000
 OLD = 100_000  # an old envelope is this many seconds older than now: past RECOVERY_AGE
 RENEW_AFTER = 0.5  # a live actor renews its claims once one is this old
-CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose (lapses at 3)
-RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline (it lapses after 2)
+CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose (lapses at 5)
+RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline (it lapses after 4)
 
 MAX_ITEMS = 30  # messages published per example
 MAX_OURS = 6  # our consumers started per example (at most three acting at once)
