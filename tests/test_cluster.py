@@ -474,7 +474,8 @@ def test_e2e_prefetch_100_with_one_handler(tmp_path, sync_client, start):
 def test_e2e_the_queue_slot_moves_while_a_supervisor_runs(
     tmp_path, redis_cluster, sync_client, start
 ):
-    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.004} for n in range(800)], NS)
+    # 0.02 s each: ~7 s of work outlasts the migration, which must happen mid-run.
+    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.02} for n in range(800)], NS)
     supervisor = start(job={"coroutines": 2, "prefetch": 50})
     wait_for(lambda: len(handled(tmp_path)) >= 100, 30, "the first messages")
     source = redis_cluster.owner(SLOT)

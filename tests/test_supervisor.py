@@ -187,7 +187,8 @@ def test_a_hostile_pid_leaves_short_safe_log_lines(tmp_path, redis_url, client, 
 
 
 def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
-    pids = publish(client, [{"n": n, "sleep": 0.002} for n in range(400)])
+    # 0.02 s each: ~3 s of work is left after "some progress", so the kill finds some held.
+    pids = publish(client, [{"n": n, "sleep": 0.02} for n in range(400)])
     config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.record:handle",
                           job={"prefetch": 50, "coroutines": 2})
     first = start(config)
