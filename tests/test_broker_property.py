@@ -660,7 +660,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         self._add(item)
 
         async def wait_and_publish() -> Reservation:
-            waiting = asyncio.ensure_future(broker.reserve(2, 1.0))
+            waiting = asyncio.ensure_future(broker.reserve(2, 3.0))  # 3 s for the push
             await asyncio.sleep(0.03)
             self.redis.lpush(KEYS.ready, raw)
             return await waiting
@@ -668,7 +668,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         started = time.monotonic()
         reservation = self.run(wait_and_publish())
         assert reservation.payloads == [raw]
-        self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 1)
+        self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 3)
 
     @precondition(lambda self: self._room() and not self._in(READY))
     @rule(c=pick, recovered_by=st.sampled_from(["ours", "php", "nobody"]))
@@ -793,11 +793,11 @@ class BrokerProtocol(RuleBasedStateMachine):
         started = time.monotonic()
         producer.start()
         try:
-            reservation = actor.php.receive_reserve_only(2, timeout=1)
+            reservation = actor.php.receive_reserve_only(2, timeout=3)  # 3 s for the push
         finally:
             producer.join()
         assert reservation.batch == [raw]
-        self._reserved(actor, reservation, reservation.key, reservation.batch, started, 1)
+        self._reserved(actor, reservation, reservation.key, reservation.batch, started, 3)
         self._claim_php(actor, reservation)
 
     @precondition(lambda self: any(a.pending for a in self._acting(ours=False)))

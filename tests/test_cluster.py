@@ -165,7 +165,7 @@ async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
 ):
     monkeypatch.setattr("broker.redis.broker.BLOCK_MARGIN", 1.0)
     a, b = pair
-    blocked = asyncio.create_task(a.reserve(10, 1.0))
+    blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
 
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1

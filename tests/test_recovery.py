@@ -446,7 +446,7 @@ async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, red
 
 async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     a, b = brokers
-    blocked = asyncio.create_task(a.reserve(10, 1.0))
+    blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
     while not await redis_client.zcard(KEYS.reservations):  # registered before the move
         await asyncio.sleep(0.01)
     [pid] = await b.publish_many(KEYS.queue, [{"late": True}])
