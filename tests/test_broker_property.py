@@ -132,13 +132,13 @@ KEYS = QueueKeys(NS, QUEUE)
 URL = "https://example.com/a/b"  # in every payload: both sides write "/" as "\/"
 STATS = ("total", "processing", "success", "failed")
 
-LEASE = 3  # our lease and PHP's claim TTL, seconds
+LEASE = 5  # our lease and PHP's claim TTL, seconds (the guards leave a slow step 3 s)
 MAX_ATTEMPTS = 3
 RECOVERY_AGE = 90_000
 OLD = 100_000  # an old envelope is this many seconds older than now: past RECOVERY_AGE
 RENEW_AFTER = 0.5  # a live actor renews its claims once one is this old
-CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose (lapses at 3)
-RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline (it lapses after 2)
+CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose (lapses at 5)
+RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline (it lapses after 4)
 
 MAX_ITEMS = 30  # messages published per example
 MAX_OURS = 6  # our consumers started per example (at most three acting at once)
@@ -660,7 +660,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         self._add(item)
 
         async def wait_and_publish() -> Reservation:
-            waiting = asyncio.ensure_future(broker.reserve(2, 1.0))
+            waiting = asyncio.ensure_future(broker.reserve(2, 3.0))  # 3 s for the push
             await asyncio.sleep(0.03)
             self.redis.lpush(KEYS.ready, raw)
             return await waiting
@@ -668,7 +668,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         started = time.monotonic()
         reservation = self.run(wait_and_publish())
         assert reservation.payloads == [raw]
-        self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 1)
+        self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 3)
 
     @precondition(lambda self: self._room() and not self._in(READY))
     @rule(c=pick, recovered_by=st.sampled_from(["ours", "php", "nobody"]))
@@ -793,11 +793,11 @@ class BrokerProtocol(RuleBasedStateMachine):
         started = time.monotonic()
         producer.start()
         try:
-            reservation = actor.php.receive_reserve_only(2, timeout=1)
+            reservation = actor.php.receive_reserve_only(2, timeout=3)  # 3 s for the push
         finally:
             producer.join()
         assert reservation.batch == [raw]
-        self._reserved(actor, reservation, reservation.key, reservation.batch, started, 1)
+        self._reserved(actor, reservation, reservation.key, reservation.batch, started, 3)
         self._claim_php(actor, reservation)
 
     @precondition(lambda self: any(a.pending for a in self._acting(ours=False)))

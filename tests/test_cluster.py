@@ -64,8 +64,10 @@ async def broker(redis_cluster: PrivateCluster):
 
 @pytest.fixture
 async def pair(redis_cluster: PrivateCluster):
-    """Two consumers of the queue, ``a`` and ``b``, each with a 1 s lease."""
-    consumers = [await new_broker(redis_cluster, consumer_id=name, lease=1.0)
+    """Two consumers of the queue, ``a`` and ``b``, each with a 3 s lease (deadlines are
+    whole seconds: with 1 s, a claim just after a second boundary finds its reservation
+    expired)."""
+    consumers = [await new_broker(redis_cluster, consumer_id=name, lease=3.0)
                  for name in ("a", "b")]
     yield consumers
     for consumer in consumers:
@@ -163,7 +165,7 @@ async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
 ):
     monkeypatch.setattr("broker.redis.broker.BLOCK_MARGIN", 1.0)
     a, b = pair
-    blocked = asyncio.create_task(a.reserve(10, 1.0))
+    blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
 
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
@@ -472,7 +474,8 @@ def test_e2e_prefetch_100_with_one_handler(tmp_path, sync_client, start):
 def test_e2e_the_queue_slot_moves_while_a_supervisor_runs(
     tmp_path, redis_cluster, sync_client, start
 ):
-    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.004} for n in range(800)], NS)
+    # 0.02 s each: ~7 s of work outlasts the migration, which must happen mid-run.
+    pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.02} for n in range(800)], NS)
     supervisor = start(job={"coroutines": 2, "prefetch": 50})
     wait_for(lambda: len(handled(tmp_path)) >= 100, 30, "the first messages")
     source = redis_cluster.owner(SLOT)

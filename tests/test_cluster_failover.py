@@ -55,7 +55,10 @@ CUT_WAIT = Replication(1, 0.2)
 
 
 async def new_broker(cluster: PrivateCluster, **options: Any) -> RedisBroker:
-    options = {"namespace": NS, "cluster": True, "consumer_id": "tester", "lease": 1.0,
+    # Reservation deadlines are whole seconds (now + lease): with a 1 s lease a claim made
+    # even a few ms after its reserve expires whenever a second boundary falls between them
+    # (a replicated claim waits up to CUT_WAIT first). 5 s leaves 4 s for a loaded machine.
+    options = {"namespace": NS, "cluster": True, "consumer_id": "tester", "lease": 5.0,
                **options}
     broker = RedisBroker(cluster.seed_url, QUEUE, **options)
     await broker.connect()
@@ -183,7 +186,7 @@ async def test_with_wait_replicas_a_claim_no_replica_has_is_counted(
 async def test_a_commit_taken_back_is_recovered_and_run_again(
     replicated_cluster, brokers, client, synced
 ):
-    first, second = await brokers(), await brokers()
+    first, second = await brokers(lease=3), await brokers()  # first's claims lapse in 3 s
     pids = await first.publish_many(QUEUE, [{"n": n} for n in range(3)])
     taken = (await first.receive(10, 0)).deliveries
     await synced()  # the claims are on the replica
@@ -228,7 +231,12 @@ async def test_a_registration_taken_back_can_strand_a_payload(
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)  # registered on the master only, BLMOVE waiting there
+    await wait_until(registered)  # registered on the master only
+
+    async def blocking() -> bool:  # and its BLMOVE waits there: the failover interrupts it
+        return master.client.info("clients")["blocked_clients"] >= 1
+
+    await wait_until(blocking)
     [key] = await client.zrange(KEYS.reservations, 0, -1)
     take_back(replicated_cluster, master, replica)
     assert await client.zcard(KEYS.reservations) == 0  # the registration is gone...

@@ -37,7 +37,9 @@ def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
 ):
     queue = f"drain-{uuid.uuid4().hex[:8]}"  # other tests' supervisors must not match
     keys = QueueKeys(NAMESPACE, queue)
-    built = [envelope.build(queue, {"n": n, "sleep": 0.01}) for n in range(300)]
+    # 0.05 s each: ~7 s of work is left when the drain starts, so it stops midway even on a
+    # loaded box (at 0.01 s the last ~1.4 s could finish before the drain command was up).
+    built = [envelope.build(queue, {"n": n, "sleep": 0.05}) for n in range(300)]
     client.lpush(keys.ready, *(raw for _, raw in built))
     config = write_config(tmp_path, redis_url, job={"queue": queue, "coroutines": 2,
                                                    "prefetch": 40})
@@ -76,7 +78,9 @@ def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client)
 
     queue = f"rollback-{uuid.uuid4().hex[:8]}"
     keys = QueueKeys(NAMESPACE, queue)
-    built = [envelope.build(queue, {"n": n, "sleep": 0.01}) for n in range(300)]
+    # 0.05 s each: ~7 s of work is left when the drain starts, so it stops midway even on a
+    # loaded box (at 0.01 s the last ~1.4 s could finish before the drain command was up).
+    built = [envelope.build(queue, {"n": n, "sleep": 0.05}) for n in range(300)]
     client.lpush(keys.ready, *(raw for _, raw in built))
     config = write_config(tmp_path, redis_url, job={"queue": queue, "coroutines": 2,
                                                    "prefetch": 40})

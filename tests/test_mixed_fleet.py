@@ -186,7 +186,7 @@ async def test_both_sides_consume_one_queue_and_each_pid_runs_exactly_once(clien
 async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, ours):
     q = "ours-dies"
     k = QueueKeys(NS, q)
-    broker = await ours(q, lease=1)  # claims and reservations lapse within ~1 s
+    broker = await ours(q, lease=3)  # claims and reservations lapse within ~3 s
     await broker.publish_many(q, [{"n": n} for n in range(50)])
     claimed = (await broker.receive(20, 0)).deliveries
     assert [d.payload["n"] for d in claimed] == list(range(20))
@@ -229,8 +229,8 @@ async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, o
 async def test_php_killed_mid_batch_ours_recovers_and_runs_everything(client, ours):
     q = "php-dies"
     k = QueueKeys(NS, q)
-    # claim_ttl=1: the dead worker's claims and reservation lapse within ~1 s (production 90).
-    model = php(client, q, claim_ttl=1)
+    # claim_ttl=3: the dead worker's claims and reservation lapse within ~3 s (production 90).
+    model = php(client, q, claim_ttl=3)
     pids = [model.publish({"n": n}) for n in range(40)]
     claimed = model.receive(10)  # n 0..9
     assert [m.pid for m in claimed] == pids[:10]
@@ -280,10 +280,10 @@ def publish_old(model: Queue5Consumer, n: int, age: int = 100_000) -> str:
 async def test_a_renewed_claim_is_never_taken_in_either_direction(client, ours):
     q = "live"
     k = QueueKeys(NS, q)
-    # PHP with 2 s claims and reap_after=0: it would take anything whose claim is gone.
-    model = php(client, q, claim_ttl=2, reap_after=0)
+    # PHP with 6 s claims and reap_after=0: it would take anything whose claim is gone.
+    model = php(client, q, claim_ttl=6, reap_after=0)
     other = php(client, q)  # a second PHP worker (90 s claims): D
-    broker = await ours(q, lease=2, maintenance_interval=60)
+    broker = await ours(q, lease=6, maintenance_interval=60)
     for n in range(6):
         publish_old(model, n)
     a = model.receive(2)  # PHP, renewed
@@ -292,12 +292,12 @@ async def test_a_renewed_claim_is_never_taken_in_either_direction(client, ours):
     d = other.receive(1)  # PHP, its claim lapses later: ours takes it
     assert len(a) == len(b) == 2 and len(c) == len(d) == 1
 
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(3)  # half the lease: 3 s of slack on either side of the renewal
     model.extend(*a)
     assert await broker.extend(b) == [True, True]
-    # c was claimed after a and b with the same 2 s lease: once its claim is gone, theirs
+    # c was claimed after a and b with the same 6 s lease: once its claim is gone, theirs
     # would be gone too had they not been renewed.
-    await until(lambda: not client.exists(k.claim(c[0].pid)), 5, "c's claim to lapse")
+    await until(lambda: not client.exists(k.claim(c[0].pid)), 10, "c's claim to lapse")
     renewed = [k.claim(m.pid) for m in a] + [k.claim(x.pid) for x in b]
     assert client.exists(*renewed) == 4, "the machine is too slow for this test's leases"
 
@@ -341,12 +341,12 @@ async def test_a_blocked_receive_keeps_its_reservation_through_the_other_sides_s
     or the payload the blocking move brings would land in a list no registry names."""
     q = "blocked"
     k = QueueKeys(NS, q)
-    broker = await ours(q, lease=2)
+    broker = await ours(q, lease=6)  # a receive frozen for lease/2 gives up its reservation
     # PHP blocks in BRPOPLPUSH (its own connection, in a thread); ours sweeps.
     blocking = redis.Redis.from_url(redis_url)
     model = php(blocking, q)
     got: list[Any] = []
-    thread = threading.Thread(target=lambda: got.extend(model.receive(5, timeout=3)))
+    thread = threading.Thread(target=lambda: got.extend(model.receive(5, timeout=10)))
     thread.start()
     try:
         await until(lambda: client.zcard(k.reservations) == 1, 5, "PHP's registration")
@@ -361,7 +361,7 @@ async def test_a_blocked_receive_keeps_its_reservation_through_the_other_sides_s
 
     # Ours blocks (BLMOVE); PHP sweeps (reap_after=0).
     sweeper = php(client, q, reap_after=0)
-    receiving = asyncio.create_task(broker.receive(5, 2.0))
+    receiving = asyncio.create_task(broker.receive(5, 10.0))  # ends when the publish comes
     await until(lambda: client.zcard(k.reservations) == 1, 5, "our registration")
     client.delete(k.reap_lock)
     assert sweeper.maintain() == 0
@@ -633,8 +633,8 @@ def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, clien
     origin: dict[str, int] = {}  # pid -> n, for every pid a supervisor can see
 
     # A PHP worker holds claimed deliveries (5 of them ran) and a reservation, and dies.
-    # claim_ttl=2: its claims and reservation lapse in 2 s (production: 90 s).
-    dying = php(client, E2E_QUEUE, claim_ttl=2)
+    # claim_ttl=3: its claims and reservation lapse in 3 s (production: 90 s).
+    dying = php(client, E2E_QUEUE, claim_ttl=3)
     for n in range(30):
         origin[dying.publish({"n": n})] = n
     claimed = dying.receive(10)  # n 0..9

@@ -152,7 +152,8 @@ async def test_shared_consumption_runs_each_message_once(
 async def test_php_worker_killed_with_deliveries_in_flight_the_supervisor_runs_them(
     tmp_path, nats_server, supervisors
 ):
-    php = await Queue5NatsWorker(nats_server.url, QUEUE, ack_wait=2).connect()
+    # ack_wait 3: the supervisor renews every lease/3 = 1 s, 2 s before it runs out.
+    php = await Queue5NatsWorker(nats_server.url, QUEUE, ack_wait=3).connect()
     pids = await php_publish(nats_server, [{"n": n} for n in range(40)])
     held = await php.receive(20, 2)
     assert len(held) == 20
@@ -170,7 +171,7 @@ async def test_supervisor_killed_with_deliveries_in_flight_php_workers_run_them(
     tmp_path, nats_server, supervisors, fleet
 ):
     config = write_config(tmp_path, nats_server.url, job={"prefetch": 30},
-                          nats={"ack_wait": 2}, supervisor={"lease": 3})
+                          nats={"ack_wait": 3}, supervisor={"lease": 3})  # renewals: 2 s slack
     supervisor = supervisors(config, E2E_HANG_ALWAYS="1")  # it creates the queue
     await until(lambda: queue_exists(nats_server), 20, "the queue")
     pids = await php_publish(nats_server, [{"n": n} for n in range(60)])

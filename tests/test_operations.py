@@ -204,7 +204,9 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
 
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
     [pid] = await push(redis_client, {"n": 1})
-    dying = await brokers(consumer_id="dying", lease=1)  # claims expire after 1 s
+    # Claims expire after 3 s; with 1 s the claim could miss its reservation's whole-second
+    # deadline (now + lease) and nothing would be delivered.
+    dying = await brokers(consumer_id="dying", lease=3)
     [delivery] = (await dying.receive(1, block_timeout=0)).deliveries
 
     code, out = await run("check", conf)

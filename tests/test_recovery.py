@@ -406,12 +406,13 @@ async def test_maintain_survives_the_loss_of_the_script_cache(redis_client, redi
 
 @pytest.fixture
 async def brokers(redis_url):
-    """Two consumers of one queue, ``a`` and ``b``, each with a 2 s lease."""
+    """Two consumers of one queue, ``a`` and ``b``, each with a 3 s lease (deadlines are
+    whole seconds: a 2 s one can leave a claim or a sweep barely 1 s)."""
     from broker.redis import RedisBroker
 
     pair = [
         RedisBroker(redis_url, KEYS.queue, namespace=KEYS.namespace, consumer_id=name,
-                    lease=2.0)
+                    lease=3.0)
         for name in ("a", "b")
     ]
     for broker in pair:
@@ -452,7 +453,7 @@ async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, red
 
 async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     a, b = brokers
-    blocked = asyncio.create_task(a.reserve(10, 1.0))
+    blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
     while not await redis_client.zcard(KEYS.reservations):  # registered before the move
         await asyncio.sleep(0.01)
     [pid] = await b.publish_many(KEYS.queue, [{"late": True}])

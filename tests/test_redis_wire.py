@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis
 import redis.exceptions
 import uvloop
 
@@ -44,12 +45,19 @@ async def test_database_and_password_of_the_url(own_redis_server):
         await refused.call("PING")
 
 
+def _blocked_clients(url: str) -> int:
+    with redis.Redis.from_url(url) as client:
+        return int(client.info("clients")["blocked_clients"])
+
+
 async def test_a_lost_connection_fails_what_is_in_flight_and_is_replaced(own_redis_server):
     wire = _wire(own_redis_server.url)
     try:
         assert await wire.call("PING") == b"PONG"
         blocked = asyncio.ensure_future(wire.call("BLPOP", "nothing", 10))
-        await asyncio.sleep(0.2)
+        async with asyncio.timeout(10):  # in flight: the server has it blocked
+            while not _blocked_clients(own_redis_server.url):
+                await asyncio.sleep(0.01)
         own_redis_server.restart()
         with pytest.raises(redis.exceptions.ConnectionError):
             await blocked  # never sent again: its effect, if any, is unknown

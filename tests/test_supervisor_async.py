@@ -108,11 +108,12 @@ def test_the_timeout_cancels_a_yielding_task_and_the_process_lives_on(
 def test_a_task_blocking_the_loop_is_killed_after_the_grace_and_a_later_one_is_spared(
     tmp_path, redis_url, client, start
 ):
-    # handler_timeout 3 s. The blocker starts at 0 and blocks the loop from 2.5 s, so it
-    # cannot be cancelled; the bystander starts at ~1 s and waits on a gate. The kill
-    # comes at 3 + 2 (grace) s, when only the blocker is past its time.
-    [blocker] = publish(client, [{"wait_then_block": [2.5, 60]}])
-    supervisor = start(config_for(tmp_path, redis_url, tasks_per_process=4, handler_timeout=3.0,
+    # handler_timeout 6 s. The blocker starts at 0 and blocks the loop from 5.5 s, so it
+    # cannot be cancelled (its timer is due before the timeout's); the bystander starts at
+    # ~1 s (it has until 5.5 s to get going) and waits on a gate. The kill comes at
+    # 6 + 2 (grace) s, when only the blocker is past its time.
+    [blocker] = publish(client, [{"wait_then_block": [5.5, 60]}])
+    supervisor = start(config_for(tmp_path, redis_url, tasks_per_process=4, handler_timeout=6.0,
                                   max_attempts=1))
     wait_for(lambda: started(tmp_path), 20, "the blocker to start")
     time.sleep(1.0)
@@ -123,7 +124,7 @@ def test_a_task_blocking_the_loop_is_killed_after_the_grace_and_a_later_one_is_s
     (tmp_path / "gate").touch()
     wait_for(lambda: bystander in handled(tmp_path), 20, "the bystander, run again")
     assert attempts_of(tmp_path)[bystander] == [0, 0]  # no attempt counted against it
-    assert "handler timeout after 3.0s (not cancelled within 2s)" in supervisor.output()
+    assert "handler timeout after 6.0s (not cancelled within 2s)" in supervisor.output()
 
 
 def test_graceful_stop_finishes_running_tasks_and_releases_the_rest(

@@ -26,12 +26,13 @@ NAMES = QueueNames.of(QUEUE)
 
 
 def nats_config(directory: Path, server: NatsServer, **sections) -> Path:
-    sections.setdefault("nats", {}).setdefault("ack_wait", 2.0)
+    # 3 s: renewals every lease/3 = 1 s land 2 s before it runs out (2 s left 1 s).
+    sections.setdefault("nats", {}).setdefault("ack_wait", 3.0)
     return write_config(directory, server.url, **sections)
 
 
 def publish(
-    server: NatsServer, payloads: list[dict], ack_wait: float = 2.0, max_attempts: int = 3
+    server: NatsServer, payloads: list[dict], ack_wait: float = 3.0, max_attempts: int = 3
 ) -> list[str]:
     """Publish through a broker set up as the job will be (it creates the stream/consumer,
     and with it the attempt budget every worker of the queue adopts)."""
@@ -81,9 +82,9 @@ def started(tmp_path: Path) -> list[list[str]]:
 
 
 def test_buffered_messages_are_renewed_and_each_delivered_once(tmp_path, nats_server, start):
-    # 40 messages of 0.1 s each through one handler: the last waits ~4 s in the buffer,
-    # twice the 2 s ack_wait. Renewal (every lease/3 = 1 s) must keep every one of them.
-    pids = publish(nats_server, [{"n": n, "sleep": 0.1} for n in range(40)])
+    # 60 messages of 0.1 s each through one handler: the last waits ~6 s in the buffer,
+    # twice the 3 s ack_wait. Renewal (every lease/3 = 1 s) must keep every one of them.
+    pids = publish(nats_server, [{"n": n, "sleep": 0.1} for n in range(60)])
     config = nats_config(tmp_path, nats_server, job={"prefetch": 100},
                          supervisor={"lease": 3})
     supervisor = start(config)
