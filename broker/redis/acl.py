@@ -60,6 +60,9 @@ WHY = {
     "lmove": "a stop abandons an idle wait: what it took goes back to the ready list",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
     "lindex": "the progress line: age of the next ready message",
+    "hmget": "a sweep: which owner tokens are our supervisors' (the token registry)",
+    "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
+    "hdel": "a sweep forgets long-gone supervisors (the token registry)",
 }
 
 
@@ -90,6 +93,8 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-lock.{q}": _fixed("reap_lock"),
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
+    "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
+    "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
 
@@ -109,10 +114,11 @@ class Role:
 _SWEEP_KEYS = (
     "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
     "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
-    "reap-cursor.{q}",
+    "reap-cursor.{q}", "supervisor-tokens.{q}", "supervisors.{q}.*", "consumers.{q}.*",
 )
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
+    "hmget", "hrandfield", "hdel",
     # expired.lua, recover.lua, reclaim.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
     "expire", "lpush", "lrem",
@@ -124,17 +130,17 @@ ROLES: tuple[Role, ...] = (
         "job", "the supervisor (python -m supervisor JOB)",
         (
             "evalsha", "script|load", "blmove", "zrem", "set", "llen", "lrange", "get", "mget",
-            "time", "lmove", "lindex",
+            "time", "lmove", "lindex", "hmget", "hrandfield", "hdel",
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
-            "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore",
+            "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
         ),
         "~",
         (
             "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}",
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
-            "supervisors.{q}.*",
+            "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
         ),
         ("reserve", "claim", "settle", "extend", *_SWEEP_SCRIPTS),
     ),
@@ -158,7 +164,7 @@ ROLES: tuple[Role, ...] = (
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl"), "~",
-         (*_SWEEP_KEYS, "supervisors.{q}.*"), _SWEEP_SCRIPTS),
+         _SWEEP_KEYS, _SWEEP_SCRIPTS),
     Role("check", "python -m supervisor check", ("zcard", "zrange", "scan", "llen", "time"),
          "%R~", ("reservations.{q}", "reservations.{q}.*")),
 )
