@@ -177,13 +177,14 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
     [pid] = await push(redis_client, {"n": 1})
     dying = await brokers(consumer_id="dying", lease=1)  # claims expire after 1 s
+    await dying.extend([])  # a supervisor's first renewal: its record and token registration
     [delivery] = (await dying.receive(1, block_timeout=0)).deliveries
 
     code, out = await run("check", conf)
     assert code == 1 and "1 owner records" in out and keys().owner(pid) in out
 
-    async with asyncio.timeout(10):
-        while await redis_client.exists(keys().claim(pid)):
+    async with asyncio.timeout(10):  # it died: its claims and its record lapse
+        while await redis_client.exists(keys().claim(pid), keys().supervisor("dying")):
             await asyncio.sleep(0.01)
     code, out = await run("recover", conf)
     assert code == 0 and "1 whose claim lapsed" in out
