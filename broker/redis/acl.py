@@ -63,6 +63,7 @@ WHY = {
     "hmget": "a sweep: which owner tokens are our supervisors' (the token registry)",
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
+    "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
 }
 
 
@@ -163,10 +164,12 @@ ROLES: tuple[Role, ...] = (
     ),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
-         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl"), "~",
+         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
          _SWEEP_KEYS, _SWEEP_SCRIPTS),
-    Role("check", "python -m supervisor check", ("zcard", "zrange", "scan", "llen", "time"),
-         "%R~", ("reservations.{q}", "reservations.{q}.*")),
+    Role("check", "python -m supervisor check",
+         ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget"),
+         "%R~", ("reservations.{q}", "reservations.{q}.*", "owners.{q}.*",
+                 "supervisor-tokens.{q}")),
 )
 BY_NAME = {role.name: role for role in ROLES}
 

@@ -207,9 +207,13 @@ def describe_status(state: dict[str, Any]) -> list[str]:
 
 
 def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
+    theirs = ([f"  (other consumers, such as queue-5 workers, hold {left.others.count} "
+               "reservations and owner records: theirs to settle, not counted)"]
+              if left.others.count else [])
     if left.empty:
-        return [f"ok: no reservation and no owner record of {queue} remains"]
-    lines = [f"not empty: {queue} still has"]
+        return [f"ok: no reservation and no owner record of {queue} remains of this "
+                "project's supervisors", *theirs]
+    lines = [f"not empty: {queue} still has, of this project's supervisors"]
     for label, found in (
         ("registered reservations", left.registered),
         ("reservation lists", left.lists),
@@ -222,7 +226,7 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
             lines += [f"    {logs.clean(name)}" for name in found.names[:LIST_AT_MOST]]
             if found.count > LIST_AT_MOST:
                 lines.append(f"    ... and {found.count - LIST_AT_MOST} more")
-    return lines
+    return lines + theirs
 
 
 def _expiry(ms: int) -> str:
