@@ -607,7 +607,7 @@ class Arbiter:
         """Stop receiving, release what never started, let running handlers finish, settle.
 
         Handlers still running get SIGTERM ``TERM_GRACE`` before the deadline and SIGKILL at
-        it; what they held stays owned and is recovered later (at once, via ``abandon``).
+        it; what they held ``abandon`` requeues (attempts + 1), as recovery would.
         """
         deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
         self.notifier.stopping()
@@ -640,10 +640,11 @@ class Arbiter:
         await asyncio.wait([*self.tasks, *self.settling], timeout=2)
         owned = self.buffer.outstanding
         if owned:
-            log.warning("%d deliveries still owned at exit: handing them to recovery", owned)
+            log.warning("%d deliveries still owned at exit (their handlers were killed): "
+                        "requeuing them, attempts + 1", owned)
         with contextlib.suppress(BrokerError, OSError):
-            # Their claims go now, so recovery need not wait out the lease; the record too,
-            # which tells `status` that this supervisor is gone.
+            # Requeued now (a queue-5 worker would wait out its reapAfter for them); the
+            # record goes too, which tells `status` and recovery that this supervisor is gone.
             await self.broker.abandon([entry.delivery for entry in self.buffer])
             await self.broker.close()
         log.info("stopped after %.1fs: %s; %d handed to recovery",

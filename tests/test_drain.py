@@ -178,7 +178,7 @@ def test_rollback_leaves_nothing_owned_by_a_retired_supervisor(tmp_path, redis_u
     workerman = Queue5Consumer(client, queue, namespace=NAMESPACE, claim_ttl=1,
                                adapter="workerman")  # reapAfter 90,000 s, never renews
     try:
-        for supervisor, name in ((killed, "killed"), (hung, "hung")):
+        for name in ("killed", "hung"):
             wait_for(lambda n=name: lines(tmp_path / n / "started"), 20, f"{name}'s handler")
         [long_running] = workerman.receive(1)
         wait_for(lambda: not client.exists(keys.claim(long_running.pid)), 10,

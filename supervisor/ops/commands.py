@@ -161,9 +161,10 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
 async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspect.Leftovers]:
     """Recover until no reservation or owner record is left, or the deadline passed.
 
-    Owner records of a consumer that stopped without handing its work over are only
-    recoverable once their claims expired (up to one lease): hence the retries. The sweeps
-    do not wait for the fleet's reap lock (see ``supervisor.ops.recover``).
+    Owner records of a supervisor of ours that was killed instead of stopped are only
+    recoverable once its claims and its record expired (up to one lease): hence the
+    retries. Other consumers' (PHP workers') records are theirs and not waited for. The
+    sweeps do not wait for the fleet's reap lock (see ``supervisor.ops.recover``).
     """
     recovered = 0
     while True:
