@@ -26,6 +26,7 @@ import collections
 import contextlib
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -710,3 +711,69 @@ def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, clien
     # total: 40 (phase 1) + 60 claims of the new work + one more per delivery PHP reclaimed.
     assert counter(client, "total") == 100 + len(reclaimed)
     assert_settled(client, E2E_QUEUE, total=100 + len(reclaimed), success=90)
+
+
+def test_a_worker_that_never_renews_keeps_its_deliveries_beside_supervisor_sweeps(
+    tmp_path, redis_url, client
+):
+    """Issue 23.1, with processes. A queue-5 Workerman worker (never renews; claims of 1 s
+    here, 90 s in production) runs handlers far longer than its claims, beside two
+    supervisors sweeping every second at the default ``recovery_age``: its deliveries are
+    never taken, none runs twice, its commits succeed. Meanwhile one supervisor is SIGKILLed
+    holding work: the other's next sweep after its lease ran out takes that work at once
+    (a supervisor of ours, its record gone), and a living supervisor's is never touched."""
+    from support.supervision import Supervisor
+
+    k = keys()
+    workerman = php(client, E2E_QUEUE, claim_ttl=1, adapter="workerman")  # reapAfter 90,000
+    origin = {workerman.publish({"n": n}): n for n in range(30)}
+    long_running = workerman.receive(3)
+    php_pids = {m.pid for m in long_running}
+    runs: dict[str, Supervisor] = {}
+    for name, env in (("killed", {"E2E_HANG_ALWAYS": "1"}), ("living", {})):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        config = write_config(workdir, redis_url, job={"prefetch": 5},
+                              supervisor={"lease": 3, "maintenance_interval": 1})
+        runs[name] = Supervisor(config, workdir, redis_url, **env)
+    try:
+        wait_for(lambda: lines(tmp_path / "killed" / "started"), 20, "the hanging handler")
+        lapsed_at = server_s(client)
+        wait_for(lambda: not client.exists(*(k.claim(pid) for pid in php_pids)), 10,
+                 "the Workerman worker's claims to lapse")
+        # Sweeps by the supervisors for three more seconds: the lock is taken every second.
+        wait_for(lambda: int(client.get(k.reap_lock) or 0) >= lapsed_at + 3, 15,
+                 "three seconds of sweeps")
+        # What the doomed supervisor holds: owner tokens with its registered prefix.
+        [consumer] = [key.decode().rpartition(".")[2]
+                      for key in client.scan_iter(match=k.supervisor("") + "*")
+                      if client.get(key) == f"{socket.gethostname()} {runs['killed'].pid}"
+                      .encode()]
+        [prefix] = [field.decode() for field, value
+                    in client.hgetall(k.supervisor_tokens).items()
+                    if value.decode().endswith(f" {consumer}")]
+        held_by_killed = [pid.decode() for pid in client.lrange(k.processing, 0, -1)
+                          if (client.get(k.owner(pid.decode())) or b"").decode()
+                          .startswith(prefix)]
+        for process in runs["killed"].family():
+            process.kill()
+        runs["killed"].process.wait(10)
+        wait_for(lambda: set(lines(tmp_path / "living" / "handled")) >= set(origin) - php_pids,
+                 30, "the living supervisor to run the rest, the dead one's work too")
+        for message in long_running:  # the handlers end: still the Workerman worker's
+            assert client.get(k.owner(message.pid)) == message.receipt.encode()
+            workerman.commit(message)
+    finally:
+        for supervisor in runs.values():
+            supervisor.stop()
+    started = [line.split() for name in ("killed", "living")
+               for line in lines(tmp_path / name / "started")]
+    assert not php_pids & {pid for pid, *_ in started}  # never run by a supervisor
+    living = collections.Counter(pid for pid in lines(tmp_path / "living" / "handled"))
+    assert set(living) == set(origin) - php_pids and set(living.values()) == {1}
+    assert held_by_killed
+    attempts = {pid: int(n) for pid, n, *_ in
+                (line.split() for line in lines(tmp_path / "living" / "started"))}
+    assert {attempts[pid] for pid in held_by_killed} == {1}  # the killed run counted
+    assert client.llen(k.processing) == 0
+    assert counter(client, "success") == 30
