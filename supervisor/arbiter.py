@@ -84,6 +84,9 @@ class Arbiter:
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
         self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
+        # Set after the first renewal was tried: on Redis it registers this supervisor's
+        # owner-token prefix, so no delivery of ours exists that recovery cannot tell for ours.
+        self.first_renewal = asyncio.Event()
         self.closed = False  # the background loops end (even if a client swallows a cancel)
         self.stop_requested = asyncio.Event()
         self.room = asyncio.Event()  # set when receiving may be due again (see receive_due)
@@ -225,6 +228,7 @@ class Arbiter:
 
     async def receive_loop(self) -> None:
         failures = 0
+        await self.first_renewal.wait()
         while not self.stopping:
             if not self.receive_due():
                 self.room.clear()
@@ -418,6 +422,7 @@ class Arbiter:
                 for entry, still_ours in zip(entries, owned, strict=True):
                     if not still_ours:
                         self.drop_lost(entry)
+            self.first_renewal.set()
             await asyncio.sleep(period)
 
     def drop_lost(self, entry: Entry) -> None:
