@@ -1049,8 +1049,10 @@ class BrokerProtocol(RuleBasedStateMachine):
             with pytest.raises(NotOwned):
                 settle(message)
             return
-        settle(message)
         item = self._item(message)
+        if not item.claim:
+            event("a PHP worker settles after its claim lapsed (its handler outlasted it)")
+        settle(message)
         self._unhold(item)
         if op == "commit":
             item.place = DONE
@@ -1206,6 +1208,12 @@ class BrokerProtocol(RuleBasedStateMachine):
         if not force:
             self.redis.delete(KEYS.reap_lock)
         expired, candidates = self._expired(), self._recoverable("ours", LIMIT)
+        for item in self._in(PROCESSING):
+            holder = self.actors.get(item.holder or "")
+            if not item.claim and holder is not None and not holder.dead \
+                    and holder.holds_live(item):
+                who = "consumer of ours" if holder.ours else "PHP worker"
+                event(f"our sweep keeps a living {who}'s delivery whose claim lapsed")
         report = await actor.broker.maintain(force=force)
         expected = (
             sum(len(r.uids) for r in expired),
