@@ -23,10 +23,19 @@
 -- Returns an array of n integers: 1 still owned, 0 stale (recovered or settled meanwhile).
 
 local n = (#KEYS - 2) / 2
-local lease = tonumber(ARGV[1])
-if n ~= math.floor(n) or n > 1000 or #ARGV ~= 4 + n or not lease or lease < 0
+-- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
+-- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
+-- write: Lua does not undo the writes made before a command that fails.
+local function whole(value, low, high)
+  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
+  if number and number >= low and number <= high then return number end
+end
+
+local lease = whole(ARGV[1], 0, 2147483647)
+if n ~= math.floor(n) or n > 1000 or #ARGV ~= 4 + n or not lease
     or not string.match(ARGV[3], '^%x+$') then
-  return redis.error_reply('QSARG extend needs a claims key, an owners key and a token each')
+  return redis.error_reply('QSARG extend needs a lease in whole s, a token prefix, a claims '
+    .. 'key, an owners key and a token each')
 end
 local kind = redis.call('TYPE', KEYS[2])['ok']
 if kind ~= 'hash' and kind ~= 'none' then
