@@ -10,7 +10,9 @@ lists are both arrays, big integers become floats), the coercive typed propertie
 ``Message`` (so ``"pid": 7`` is the pid ``"7"``), ``(int)`` casts, and ``json_encode``
 with default flags (``\\/``, ``\\uXXXX``, ``[]`` for an empty array). A PHP worker that
 dies is modelled by dropping this object at any point; ``receive_reserve_only`` stops
-between the reservation and the claim.
+between the reservation and the claim. ``adapter`` picks the worker's renewal: Swoole renews
+its claims, Workerman and KubernetesJob never do (``extend`` is a no-op), so their claims
+lapse while a long handler runs; ``reap_after`` defaults to queue 5's 90,000 s.
 """
 
 from __future__ import annotations
