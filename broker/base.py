@@ -201,6 +201,8 @@ class Broker(Publisher, Protocol):
         """Recover work that dead consumers left behind (bounded work per call)."""
 
     async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
-        """Declare this consumer gone (at every exit) so ``deliveries``, still owned, are
-        recovered now instead of after the lease. Does not settle anything."""
+        """Declare this consumer gone (at every exit) so ``deliveries``, still owned (their
+        handlers were killed), come back now instead of after the lease: Redis requeues them
+        as recovery would (attempts + 1), so that nothing this consumer owns outlives it;
+        NATS redelivers them. Commits and rejects nothing."""
 

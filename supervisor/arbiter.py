@@ -83,6 +83,9 @@ class Arbiter:
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
         self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
+        # Set after the first renewal was tried: on Redis it registers this supervisor's
+        # owner-token prefix, so no delivery of ours exists that recovery cannot tell for ours.
+        self.first_renewal = asyncio.Event()
         self.closed = False  # the background loops end (even if a client swallows a cancel)
         self.stop_requested = asyncio.Event()
         self.room = asyncio.Event()  # set when receiving may be due again (see receive_due)
@@ -224,6 +227,7 @@ class Arbiter:
 
     async def receive_loop(self) -> None:
         failures = 0
+        await self.first_renewal.wait()
         while not self.stopping:
             if not self.receive_due():
                 self.room.clear()
@@ -417,6 +421,7 @@ class Arbiter:
                 for entry, still_ours in zip(entries, owned, strict=True):
                     if not still_ours:
                         self.drop_lost(entry)
+            self.first_renewal.set()
             await asyncio.sleep(period)
 
     def drop_lost(self, entry: Entry) -> None:
@@ -606,7 +611,7 @@ class Arbiter:
         """Stop receiving, release what never started, let running handlers finish, settle.
 
         Handlers still running get SIGTERM ``TERM_GRACE`` before the deadline and SIGKILL at
-        it; what they held stays owned and is recovered later (at once, via ``abandon``).
+        it; what they held ``abandon`` requeues (attempts + 1), as recovery would.
         """
         deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
         self.notifier.stopping()
@@ -639,10 +644,11 @@ class Arbiter:
         await asyncio.wait([*self.tasks, *self.settling], timeout=2)
         owned = self.buffer.outstanding
         if owned:
-            log.warning("%d deliveries still owned at exit: handing them to recovery", owned)
+            log.warning("%d deliveries still owned at exit (their handlers were killed): "
+                        "requeuing them, attempts + 1", owned)
         with contextlib.suppress(BrokerError, OSError):
-            # Their claims go now, so recovery need not wait out the lease; the record too,
-            # which tells `status` that this supervisor is gone.
+            # Requeued now (a queue-5 worker would wait out its reapAfter for them); the
+            # record goes too, which tells `status` and recovery that this supervisor is gone.
             await self.broker.abandon([entry.delivery for entry in self.buffer])
             await self.broker.close()
         log.info("stopped after %.1fs: %s; %d handed to recovery",

@@ -367,8 +367,9 @@ class SupervisorConfig:
     )
     recovery_age: int = setting(
         90000,
-        "publish age (s) after which owner-less processing entries (legacy consumers) "
-        "are recovered",
+        "publish age (s) after which a delivery whose claim lapsed is recovered unless its "
+        "owner is one of our supervisors (queue 5's reapAfter: a queue-5 worker that never "
+        "renews may still run it)",
         at_least(1),
     )
     ring_slot_size: int = setting(

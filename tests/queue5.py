@@ -10,7 +10,9 @@ lists are both arrays, big integers become floats), the coercive typed propertie
 ``Message`` (so ``"pid": 7`` is the pid ``"7"``), ``(int)`` casts, and ``json_encode``
 with default flags (``\\/``, ``\\uXXXX``, ``[]`` for an empty array). A PHP worker that
 dies is modelled by dropping this object at any point; ``receive_reserve_only`` stops
-between the reservation and the claim.
+between the reservation and the claim. ``adapter`` picks the worker's renewal: Swoole renews
+its claims, Workerman and KubernetesJob never do (``extend`` is a no-op), so their claims
+lapse while a long handler runs; ``reap_after`` defaults to queue 5's 90,000 s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from typing import Any
 import redis
 
 LIMIT = 1000  # REAP_LIMIT: batch bound, reap limit, Lua chunk size
+#: ``Broker\Redis``'s constructor default ``$reapAfter``: "Minimum publish age for recovery
+#: without a live heartbeat. Keep conservative until all workers and adapters heartbeat."
+REAP_AFTER = 90_000
+#: Adapters that inherit ``Adapter::withAckExtension()``, which only runs the handler: they
+#: never call ``extend()``, so their claim keys lapse while a long handler still runs.
+NON_RENEWING = ("workerman", "kubernetes-job")
 POP_TIMEOUT = 2  # retry()'s BRPOP timeout, seconds
 
 
@@ -416,10 +424,15 @@ class Queue5Consumer:
 
     def __init__(
         self, client: redis.Redis, queue: str, namespace: str = "utopia-queue",
-        claim_ttl: int = 90, reap_interval: int = 60, reap_after: int = 90000,
+        claim_ttl: int = 90, reap_interval: int = 60, reap_after: int = REAP_AFTER,
         job_ttl: int = 0, max_attempts: int | None = None, newer_than: int | None = None,
+        adapter: str = "swoole",
     ) -> None:
+        """``adapter``: ``swoole`` renews its claims (a coroutine calls ``extend()``); one of
+        NON_RENEWING never does (``extend`` is then a no-op, as in PHP)."""
         self.client, self.queue, self.namespace = client, queue, namespace
+        self.adapter = adapter
+        self.renews = adapter not in NON_RENEWING
         self.claim_ttl, self.reap_interval, self.reap_after = claim_ttl, reap_interval, reap_after
         self.job_ttl, self.max_attempts, self.newer_than = job_ttl, max_attempts, newer_than
         self.pop_timeout: float = POP_TIMEOUT
@@ -542,6 +555,8 @@ class Queue5Consumer:
             raise NotOwned("Queue delivery is no longer owned by this consumer")
 
     def extend(self, *msgs: Message) -> None:
+        if not self.renews:
+            return  # Workerman / KubernetesJob: withAckExtension() only runs the handler
         for start in range(0, len(msgs), LIMIT):
             chunk = msgs[start:start + LIMIT]
             keys = [k for m in chunk
@@ -601,7 +616,7 @@ class Queue5Consumer:
             envelope["key"] = key
         return php_json_encode(envelope)
 
-    def reap(self, older_than: int = 90000, limit: int | None = None,
+    def reap(self, older_than: int = REAP_AFTER, limit: int | None = None,
              max_attempts: int | None = None, newer_than: int | None = None,
              scan: int | None = None) -> int:
         processing = self.key("processing")

@@ -3,10 +3,13 @@ mixed fleet: this project's consumers and PHP queue-5 workers on one queue.
 
 A hypothesis state machine interleaves, on one private redis-server, the operations of
 ``RedisBroker`` consumers (three acting at a time, a 3 s lease) and of PHP queue-5 workers
-(``tests.queue5.Queue5Consumer``, two acting at first, the same 3 s claim TTL and
-``reap_after`` 0 so that their sweeps do recover; every other one reaps as queue 5 B, which
-requeues whatever it reaps, the others as C with ``reapMaxAttempts``), with the faults the
-protocol must survive:
+(``tests.queue5.Queue5Consumer``, two acting at first, the same 3 s claim TTL; in turn a
+Swoole worker that renews and sweeps with ``reap_after`` 0 (so that its sweeps do recover),
+a Workerman worker that never renews (its handlers outlast the claim: it settles long after
+its claims lapsed) and sweeps with queue 5's default ``reapAfter`` (90,000 s), a Swoole one
+at the default, a KubernetesJob one (never renews) at 0; every other one reaps as queue 5 B,
+which requeues whatever it reaps, the others as C with ``reapMaxAttempts``), with the faults
+the protocol must survive:
 
 - publish: ``publish_many``, PHP's ``publish``, crafted envelopes (an old timestamp, attempts
   already made) and malformed bytes pushed with LPUSH, as a broken producer would; PHP's
@@ -22,9 +25,12 @@ protocol must survive:
   ``max_attempts``; PHP's: failed), release; several in one call, the same delivery twice;
   a PHP worker releasing all it holds;
 - extend (also done automatically, as the renewal loops would, for every actor that is not
-  stalled), a claim key deleted (its owner stalled past the lease; it may come back later),
-  abandon (ours, at exit), death (with its leases run out, or not yet), an owner key deleted
-  (the entry looks like a utopia-php/queue 1.x consumer's), SCRIPT FLUSH;
+  stalled and renews; ours also renews its record and token registration with it), a claim
+  key deleted (its owner stalled past the lease; it may come back later), a record of ours
+  deleted once not renewed for 1.5 s (it would lapse at 3 s), the requeue at exit (ours:
+  ``abandon`` requeues what it still owns itself), death (with its leases and record run out,
+  or not yet), an owner key deleted (the entry looks like a utopia-php/queue 1.x
+  consumer's), SCRIPT FLUSH;
 - maintenance by either side: ours with the reap lock deleted first (the interval passed),
   held by someone else (then skipped, changing nothing), or forced; PHP's ``maintain()``;
   ours while an owner (ours or PHP) renews or commits, another full sweep (ours or PHP's)
@@ -63,10 +69,16 @@ from PHP) and change nothing; any other one applies, whether its claim key still
 not. A claim of an expired or unregistered reservation claims nothing (ours puts what the
 list holds back at the consumer end, first taken rightmost; PHP's fails and leaves it to
 recovery). Recovery returns expired reservations to the consumer end in taken order and
-requeues at the producer end: ours takes an owned entry once its claim is gone, an owner-less
-one only past ``recovery_age``, requeues the same pid with ``attempts + 1`` or dead-letters it
-once that reaches ``max_attempts``; PHP's takes any entry without a claim and requeues a new
-pid with ``attempts + 1`` (C: dead once ``attempts >= reapMaxAttempts``). Reports and return
+requeues at the producer end: ours takes an entry whose claim is gone when its owner token
+carries the registered prefix of one of our consumers whose record is gone, and otherwise
+(any other owner, or none) only past ``recovery_age`` (queue 5's rule), never from one of
+ours whose record exists; it requeues the same pid with ``attempts + 1`` or dead-letters it
+once that reaches ``max_attempts``; PHP's takes an entry without a claim when its
+``reap_after`` is 0 or the envelope is past it, and requeues a new pid with ``attempts + 1``
+(C: dead once ``attempts >= reapMaxAttempts``). Besides the predicted counts, every recovery
+by a sweep of ours checks that the holder is dead or no longer holds it live: a living PHP
+worker's young delivery (renewing or not) and a delivery of one of ours whose record exists
+are never taken. Reports and return
 values must count exactly what was recovered. Reserve takes from the consumer end (right); a
 release goes back to that end in order, a retry to the producer end. A zero-argument rule,
 ``advance``, walks the plain path (reserve, claim, settle) on both sides so that most examples
@@ -83,12 +95,14 @@ until nothing is ready, reserved or processing. Every message must then be done,
 dead or poison exactly once, no key stranded, ``stats.processing`` 0 and the other counters
 as the model predicts.
 
-Size: ``QS_PROPERTY_EXAMPLES`` (default 60) examples of up to ``QS_PROPERTY_STEPS`` (default
-80) steps, under ten seconds; a longer hunt is e.g. ``QS_PROPERTY_EXAMPLES=500
-QS_PROPERTY_STEPS=120`` (about two minutes). ``QS_PROPERTY_SEED`` fixes hypothesis's seed (a
-failure names the seed it ran with, and prints the shrunk sequence of steps with what each
-one did). Wall-clock time only enters through the renewals and deadlines above, so a seed
-replays the same steps unless a step is slower than about half a second.
+Size: ``QS_PROPERTY_SHARDS`` (default 3) runs of ``QS_PROPERTY_EXAMPLES`` (default 60)
+examples of up to ``QS_PROPERTY_STEPS`` (default 80) steps: about 3,700 rule steps per shard
+(measured), over 11,000 in all, about 25 s per shard on a loaded 2-core box (xdist runs the
+shards side by side); a longer hunt is e.g. ``QS_PROPERTY_EXAMPLES=500
+QS_PROPERTY_STEPS=120``. ``QS_PROPERTY_SEED`` fixes hypothesis's seed (a failure names the
+seed it ran with, and prints the shrunk sequence of steps with what each one did).
+Wall-clock time only enters through the renewals and deadlines above, so a seed replays the
+same steps unless a step is slower than about half a second.
 """
 
 from __future__ import annotations
@@ -121,7 +135,7 @@ from broker import envelope
 from broker.base import Action, Outcome, Result, Settlement
 from broker.redis import RedisBroker, Reservation, recovery
 from broker.redis.keys import QueueKeys
-from tests.queue5 import LIMIT, NotOwned, Queue5Consumer
+from tests.queue5 import LIMIT, REAP_AFTER, NotOwned, Queue5Consumer
 
 #: A passing run takes seconds; a failing one also shrinks its example, which can take minutes.
 pytestmark = pytest.mark.timeout(300)
@@ -146,6 +160,7 @@ MAX_PHP = 4  # PHP workers started per example (at most two acting at once)
 
 EXAMPLES = int(os.environ.get("QS_PROPERTY_EXAMPLES", "60"))
 STEPS = int(os.environ.get("QS_PROPERTY_STEPS", "80"))
+SHARDS = int(os.environ.get("QS_PROPERTY_SHARDS", "3"))
 SEED = int(os.environ.get("QS_PROPERTY_SEED") or random.randrange(2**32))
 
 #: Malformed payloads that both sides poison (``%d`` keeps each one unique).
@@ -219,12 +234,32 @@ class Actor:
     php: Queue5Consumer | None = None
     dead: bool = False
     stalled: bool = False  # stopped renewing (a claim of it lapsed) until it extends again
+    # Ours: its token prefix is in the registry (from its first extend on), and its record
+    # exists (written by every extend, deleted at exit or, on purpose, once not renewed for
+    # CLAIM_GUARD: it would lapse by itself after the lease).
+    registered: bool = False
+    record: bool = False
+    record_renewed: float = 0.0
     held: list[Any] = field(default_factory=list)  # Delivery / Message: claimed, not settled
     pending: list[Any] = field(default_factory=list)  # its reservations, not claimed
 
     @property
     def ours(self) -> bool:
         return self.broker is not None
+
+    def holds_live(self, item: Item) -> bool:
+        """True while no sweep of ours may take ``item`` from this (living) holder: ours,
+        while its record exists, if the token is its own (registered); any other, while the
+        envelope is younger than RECOVERY_AGE (queue 5's rule: it may never renew)."""
+        if self.broker is not None and item.owner is not None \
+                and item.owner.startswith(self.broker.token_prefix):
+            return self.record or (not self.registered and not item.old)
+        return not item.old
+
+    @property
+    def renews(self) -> bool:
+        """False for a PHP worker of an adapter that never calls extend() (Workerman)."""
+        return self.php is None or self.php.renews
 
 
 pick = st.integers(0, 5)
@@ -281,14 +316,23 @@ class BrokerProtocol(RuleBasedStateMachine):
         actor = self.actors[name] = Actor(name, broker=broker)
         return actor
 
-    def _spawn_php(self, max_attempts: int | str | None = "alternate") -> Actor:
+    def _spawn_php(
+        self, max_attempts: int | str | None = "alternate", reap_after: int | None = None,
+    ) -> Actor:
+        """PHP workers in turn: Swoole (renews) reaping at 0, Workerman (never renews, its
+        handlers outlast the claim) at queue 5's default ``reapAfter``, Swoole at the
+        default, KubernetesJob (never renews) at 0."""
         number = self.spawned["php"]
         self.spawned["php"] += 1
         if max_attempts == "alternate":  # queue 5 B requeues whatever it reaps; C has a limit
             max_attempts = None if number % 2 == 0 else MAX_ATTEMPTS
+        adapter = ("swoole", "workerman", "swoole", "kubernetes-job")[number % 4]
+        if reap_after is None:
+            reap_after = (0, REAP_AFTER, REAP_AFTER, 0)[number % 4]
         worker = Queue5Consumer(
-            redis.Redis.from_url(self.url), QUEUE, namespace=NS, claim_ttl=LEASE, reap_after=0,
-            max_attempts=max_attempts,  # type: ignore[arg-type]
+            redis.Redis.from_url(self.url), QUEUE, namespace=NS, claim_ttl=LEASE,
+            reap_after=reap_after, max_attempts=max_attempts,  # type: ignore[arg-type]
+            adapter=adapter,
         )
         name = f"php{number}"
         actor = self.actors[name] = Actor(name, php=worker)
@@ -324,16 +368,31 @@ class BrokerProtocol(RuleBasedStateMachine):
     def _expired(self) -> list[Res]:
         return [r for r in self.res.values() if r.registered and r.expired]
 
-    def _recoverable(self, side: str, scan: int | None = None) -> list[Item]:
-        """Processing entries a sweep takes: ours, once the claim is gone and there is an
-        owner (or the envelope is past RECOVERY_AGE); PHP's (reap_after 0), without a claim.
-        With ``scan``: only those the sweep looks at (see ``_looked_at``)."""
+    def _recoverable(
+        self, side: str, scan: int | None = None, reap_after: int = 0,
+    ) -> list[Item]:
+        """Processing entries a sweep takes, once the claim is gone: ours, when the owner is
+        one of our consumers that is gone (registered, its record gone), or, for any owner
+        not one of ours alive, when the envelope is past RECOVERY_AGE (queue 5's rule);
+        PHP's, when ``reap_after`` is 0 or the envelope is past it. With ``scan``: only those
+        the sweep looks at (see ``_looked_at``)."""
         looked_at = None if scan is None else self._looked_at(side, scan)
         return [
             item for item in self._in(PROCESSING)
-            if not item.claim and (side == "php" or item.owner is not None or item.old)
-            and (looked_at is None or item.pid in looked_at)
+            if not item.claim and (looked_at is None or item.pid in looked_at) and (
+                (item.old or reap_after == 0) if side == "php"
+                else self._holder_state(item) != "live"
+                and (item.old or self._holder_state(item) == "gone"))
         ]
+
+    def _holder_state(self, item: Item) -> str:
+        """What the token registry says of an item's owner: 'live' or 'gone' for one of our
+        consumers that registered its token prefix, '' for any other owner (or none)."""
+        for actor in self.actors.values():
+            if actor.broker is not None and actor.registered and item.owner is not None \
+                    and item.owner.startswith(actor.broker.token_prefix):
+                return "live" if actor.record else "gone"
+        return ""
 
     def _looked_at(self, side: str, scan: int) -> set[str]:
         """The processing pids one sweep looks at: queue 5's cursor window (``scan`` entries
@@ -392,12 +451,16 @@ class BrokerProtocol(RuleBasedStateMachine):
         now = time.monotonic()
         for actor in self._acting():
             owned = [self._item(d) for d in self._owned(actor)]
-            if not actor.stalled and any(
+            if not actor.stalled and actor.renews and (any(
                 not item.claim or now - item.renewed > RENEW_AFTER for item in owned
-            ):
+            ) or (actor.registered and now - actor.record_renewed > RENEW_AFTER)):
                 note(f"(renewal loop of {actor.name})")
                 self._renew(actor)
         now = time.monotonic()
+        for actor in self.actors.values():
+            if actor.record and now - actor.record_renewed > CLAIM_GUARD:
+                note(f"(the record of {actor.name} lapses)")
+                self._lapse_record(actor)
         for item in self._in(PROCESSING):
             if item.claim and now - item.renewed > CLAIM_GUARD:
                 note(f"(the claim of {item.uid} lapses)")
@@ -411,6 +474,10 @@ class BrokerProtocol(RuleBasedStateMachine):
         assert item.pid is not None
         self.redis.delete(KEYS.claim(item.pid))
         item.claim = False
+
+    def _lapse_record(self, actor: Actor) -> None:
+        self.redis.delete(KEYS.supervisor(actor.name))
+        actor.record = False
 
     def _expire(self, res: Res) -> None:
         self.forced += 1
@@ -442,10 +509,16 @@ class BrokerProtocol(RuleBasedStateMachine):
         started = time.monotonic()
         if actor.held:
             actor.php.extend(*actor.held)
+        if not actor.renews:
+            event("a PHP worker that never renews (Workerman) is asked to extend: no-op")
+            return
         self._renewed(actor, started)
 
     def _renewed(self, actor: Actor, started: float) -> None:
         actor.stalled = False
+        if actor.ours:
+            actor.registered = actor.record = True
+            actor.record_renewed = started
         for delivery in self._owned(actor):
             item = self._item(delivery)
             item.claim, item.renewed = True, started
@@ -484,11 +557,17 @@ class BrokerProtocol(RuleBasedStateMachine):
             item.place, item.reservation = READY, None
         return res.uids
 
-    def _recovered_ours(self, items: list[Item]) -> list[str]:
-        """Our recovery: the same pid requeued with attempts + 1, or dead at the limit.
-        Returns the uids requeued."""
+    def _recovered_ours(self, items: list[Item], by_owner: bool = False) -> list[str]:
+        """Our recovery (``by_owner``: the owner's own requeue at exit): the same pid
+        requeued with attempts + 1, or dead at the limit. Returns the uids requeued. A
+        sweep never takes a delivery from a living holder (see ``Actor.holds_live``)."""
         requeued = []
         for item in items:
+            holder = self.actors.get(item.holder or "")
+            if not by_owner and holder is not None and not holder.dead \
+                    and holder.holds_live(item):
+                raise AssertionError(
+                    f"our recovery took {item.uid} from {holder.name}, alive and holding it")
             self._unhold(item)
             if item.attempts + 1 >= MAX_ATTEMPTS:
                 event("our recovery dead-letters at max_attempts")
@@ -730,6 +809,9 @@ class BrokerProtocol(RuleBasedStateMachine):
         received = await actor.broker.claim(reservation)
         if res is None or not res.registered or res.expired:
             event("our claim of an expired or recovered reservation")
+            if any(item.valid for item in items):  # it checked ownership with extend,
+                actor.registered = actor.record = True  # which writes the record
+                actor.record_renewed = started
             assert not received.deliveries and not received.poisoned, (
                 f"{actor.name} claimed from expired {reservation.key}: {received}"
             )
@@ -967,8 +1049,10 @@ class BrokerProtocol(RuleBasedStateMachine):
             with pytest.raises(NotOwned):
                 settle(message)
             return
-        settle(message)
         item = self._item(message)
+        if not item.claim:
+            event("a PHP worker settles after its claim lapsed (its handler outlasted it)")
+        settle(message)
         self._unhold(item)
         if op == "commit":
             item.place = DONE
@@ -1036,6 +1120,8 @@ class BrokerProtocol(RuleBasedStateMachine):
     def _die(self, actor: Actor, lapsed: bool) -> None:
         """The actor stops for good. ``lapsed``: and its leases have run out already."""
         if lapsed:
+            if actor.record:
+                self._lapse_record(actor)
             for delivery in self._owned(actor):
                 if self._item(delivery).claim:
                     self._lapse(self._item(delivery))
@@ -1059,13 +1145,16 @@ class BrokerProtocol(RuleBasedStateMachine):
         self._tick()
         actor = self._pick(c, self._acting(ours=True))
         assert actor.broker is not None
-        if abandon and actor.held:
+        if abandon:
+            # At exit its record goes and what it still owns it requeues itself, as
+            # recovery would (the killed runs count); the registry entry stays.
             chosen = actor.held[:abandon]
-            owned = [d for d in chosen if self._owns(d)]
+            owned = [self._item(d) for d in chosen if self._owns(d)]
             self.run(actor.broker.abandon(chosen))
-            for delivery in owned:
-                self._item(delivery).claim = False
-            event("a consumer abandons its deliveries at exit")
+            actor.record = False
+            self._check_ends(self._recovered_ours(owned, by_owner=True), [])
+            if owned:
+                event("a consumer requeues what it still owns at exit")
         self._die(actor, lapsed)
         if self.spawned["ours"] < MAX_OURS:
             note(f"{self._spawn_ours().name} replaces {actor.name}")
@@ -1119,6 +1208,12 @@ class BrokerProtocol(RuleBasedStateMachine):
         if not force:
             self.redis.delete(KEYS.reap_lock)
         expired, candidates = self._expired(), self._recoverable("ours", LIMIT)
+        for item in self._in(PROCESSING):
+            holder = self.actors.get(item.holder or "")
+            if not item.claim and holder is not None and not holder.dead \
+                    and holder.holds_live(item):
+                who = "consumer of ours" if holder.ours else "PHP worker"
+                event(f"our sweep keeps a living {who}'s delivery whose claim lapsed")
         report = await actor.broker.maintain(force=force)
         expected = (
             sum(len(r.uids) for r in expired),
@@ -1154,7 +1249,8 @@ class BrokerProtocol(RuleBasedStateMachine):
     def _php_maintain(self, actor: Actor) -> None:
         assert actor.php is not None
         self.redis.delete(KEYS.reap_lock)
-        expired, candidates = self._expired(), self._recoverable("php", 2 * LIMIT)
+        expired = self._expired()
+        candidates = self._recoverable("php", 2 * LIMIT, actor.php.reap_after)
         requeued = actor.php.maintain()
         tail = [self._returned(r) for r in expired]
         head = self._recovered_php(candidates, actor.php.max_attempts)
@@ -1162,6 +1258,8 @@ class BrokerProtocol(RuleBasedStateMachine):
         self._check_ends(head, tail)
         if candidates:
             event("PHP's sweep recovers entries without a claim")
+        if actor.php.reap_after and any(not i.claim and not i.old for i in self._in(PROCESSING)):
+            event("PHP's sweep at the default reapAfter keeps young entries without a claim")
 
     @precondition(lambda self: any(self._owned(a) for a in self._acting()))
     @rule(
@@ -1188,6 +1286,8 @@ class BrokerProtocol(RuleBasedStateMachine):
         for delivery in self._owned(other):  # it stalled: its work looks abandoned
             if self._item(delivery).claim:
                 self._lapse(self._item(delivery))
+        if other.record:  # ours: its record lapses with its claims
+            self._lapse_record(other)
         other.stalled = True
         phps = self._acting(ours=False)
         if meanwhile == "php_maintain" and not phps:
@@ -1282,19 +1382,22 @@ class BrokerProtocol(RuleBasedStateMachine):
         # PHP's sweeps (reap_after 0) also take young owner-less entries, which ours leave:
         # taking turns with ours on the cursor they need not reach those.
         target = "php" if sides == ["php"] else "ours"
+        reap_after = php.php.reap_after if php is not None and php.php is not None else 0
         bound = len(sides) * (2 * math.ceil(len(self._in(PROCESSING)) / scan) + 3)
         for passes in range(bound):
-            if not self._recoverable(target) and (sides == ["php"] or not self._expired()):
+            if not self._recoverable(target, reap_after=reap_after) and (
+                    sides == ["php"] or not self._expired()):
                 if passes > len(sides):
                     event("a sweep took several passes")
                 return
             self._sweep_pass(sides[passes % len(sides)], ours, php, scan)
-        left = [item.uid for item in self._recoverable(target)]
+        left = [item.uid for item in self._recoverable(target, reap_after=reap_after)]
         raise AssertionError(f"{bound} passes of scan {scan} by {sides} left {left}")
 
     def _sweep_pass(self, side: str, ours: Actor, php: Actor | None, scan: int) -> None:
         """One sweep with a tiny scan: it takes exactly the recoverable entries it looks at."""
-        candidates = self._recoverable(side, scan)
+        reap_after = php.php.reap_after if php is not None and php.php is not None else 0
+        candidates = self._recoverable(side, scan, reap_after)
         if side == "ours":
             assert ours.broker is not None
             broker = ours.broker
@@ -1483,7 +1586,7 @@ class BrokerProtocol(RuleBasedStateMachine):
                 self._settle_php(actor, message, "commit")
             actor.held = []
         self.every_message_is_in_exactly_one_place()
-        ours, php = self._spawn_ours(), self._spawn_php(max_attempts=MAX_ATTEMPTS)
+        ours, php = self._spawn_ours(), self._spawn_php(max_attempts=MAX_ATTEMPTS, reap_after=0)
         assert ours.broker is not None
         for _ in range(5):
             for res in self.res.values():
@@ -1529,15 +1632,18 @@ def _settlements(chosen: list[tuple[Any, Action]]) -> list[Settlement]:
     ]
 
 
-def test_redis_broker_protocol(redis_url: str) -> None:
-    """Every message stays in exactly one place through any interleaving of the rules."""
-    machine = seed(SEED)(type("RedisBrokerProtocol", (BrokerProtocol,), {"url": redis_url}))
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_redis_broker_protocol(redis_url: str, shard: int) -> None:
+    """Every message stays in exactly one place through any interleaving of the rules
+    (``SHARDS`` runs with seeds ``SEED + shard``: xdist spreads them over its workers)."""
+    machine = seed(SEED + shard)(
+        type("RedisBrokerProtocol", (BrokerProtocol,), {"url": redis_url}))
     try:
         run_state_machine_as_test(machine, settings=settings(
             max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
             suppress_health_check=list(HealthCheck), print_blob=True,
         ))
     except BaseException as error:
-        error.add_note(f"reproduce with QS_PROPERTY_SEED={SEED}")
+        error.add_note(f"reproduce with QS_PROPERTY_SEED={SEED + shard} QS_PROPERTY_SHARDS=1")
         raise
 

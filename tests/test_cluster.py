@@ -191,11 +191,16 @@ async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
 
 async def test_a_dead_consumers_deliveries_go_to_the_living(pair, client):
     a, b = pair
+    await a.extend([])  # its first renewal: its record and its token-registry entry
     pids = await a.publish_many(QUEUE, [{"i": i} for i in range(4)])
     taken = (await a.receive(10, 0)).deliveries
     assert (await b.maintain(force=True)).total == 0  # a is alive
+    await client.delete(*(KEYS.claim(d.pid) for d in taken))
+    assert (await b.maintain(force=True)).total == 0  # claims gone, but its record is there
 
-    await a.abandon(taken)  # a's claims are gone, as after its lease ran out
+    # a's claims and record are gone, as after its lease ran out: ours and dead (the
+    # registry, the records and the owners share the namespace's slot).
+    await a._renew(taken, 0)
     assert (await b.maintain(force=True)).dead_consumers == 4
     assert await a.extend(taken) == [False] * 4
     assert [r.outcome for r in await a.commit(taken)] == [Outcome.STALE] * 4
@@ -236,6 +241,7 @@ async def test_stale_owner_changes_nothing(redis_cluster, broker, client):
     assert await broker.extend([delivery]) == [False]
     after = snapshot(redis_cluster)
     after.pop(KEYS.supervisor("tester").encode())  # the renewal wrote the record
+    after.pop(KEYS.supervisor_tokens.encode())  # and registered its token prefix
     assert after == before
 
 

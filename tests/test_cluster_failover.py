@@ -187,16 +187,17 @@ async def test_a_commit_taken_back_is_recovered_and_run_again(
     replicated_cluster, brokers, client, synced
 ):
     first, second = await brokers(lease=3), await brokers()  # first's claims lapse in 3 s
+    await first.extend([])  # its first renewal, at start: recovery knows its tokens for ours
     pids = await first.publish_many(QUEUE, [{"n": n} for n in range(3)])
     taken = (await first.receive(10, 0)).deliveries
-    await synced()  # the claims are on the replica
+    await synced()  # the claims (and its record and registration) are on the replica
     master, replica = cut(replicated_cluster)
     assert [r.outcome for r in await first.commit(taken)] == [Outcome.OK] * 3
     take_back(replicated_cluster, master, replica)
 
     assert sorted(await client.lrange(KEYS.processing, 0, -1)) == sorted(
         pid.encode() for pid in pids
-    )  # still owned by first, which forgot them: its lease runs out
+    )  # still owned by first, which forgot them: its lease (claims and record) runs out
 
     async def recovered() -> bool:
         return (await second.maintain(force=True)).total == 3

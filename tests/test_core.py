@@ -444,3 +444,32 @@ def test_any_order_of_outcomes_deaths_faults_and_a_stop_keeps_the_accounting(
 ):
     """Plain handlers (one delivery at a time) and async ones (several, reporting HELD)."""
     asyncio.run(play(steps, work_at_stop, handler))
+
+
+def test_the_first_renewal_comes_before_the_first_receive():
+    """On Redis the first renewal registers the supervisor's owner-token prefix: a delivery
+    claimed before it would not be known for ours, and a kill right then would leave it to
+    queue 5's rule (recovery_age, 25 h by default) instead of the next sweep."""
+
+    class Ordered(MemoryBroker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.order: list[str] = []
+
+        async def extend(self, deliveries):
+            self.order.append("extend")
+            await asyncio.sleep(0.05)  # a slow first renewal must still come first
+            return await super().extend(deliveries)
+
+        async def receive(self, max_messages, block_timeout):
+            self.order.append("receive")
+            return await super().receive(max_messages, block_timeout)
+
+    async def scenario():
+        broker = Ordered()
+        core, _, _ = await running_core(3, 3, 1, broker)
+        await core.wait_for(lambda: "receive" in broker.order)
+        assert broker.order[0] == "extend"
+        assert await core.stop() == exits.OK
+
+    run(scenario())

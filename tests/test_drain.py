@@ -152,3 +152,79 @@ def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url
             if supervisor is not None:
                 supervisor.stop()
         other_server.close()
+
+
+def test_rollback_leaves_nothing_owned_by_a_retired_supervisor(tmp_path, redis_url, client):
+    """README "Rolling back to PHP workers" with the faults that stranded work for a day:
+    PHP queue-5 workers at queue 5's default ``reapAfter`` (25 h: they recover nothing of
+    ours by themselves) run throughout, one of them a Workerman worker that never renews
+    and holds a delivery past its claim; one supervisor is SIGKILLed holding deliveries (a
+    handler hangs, the rest wait in its buffer); another is drained while its handler hangs
+    past the shutdown deadline. ``drain`` stops the second (which requeues what its killed
+    handler held), recovers the dead one's deliveries once its lease ran out (the registry
+    names them ours, its record is gone), and never touches the Workerman worker's; ``check``
+    exits 0 with the PHP worker's delivery still in flight; the PHP workers finish the queue
+    without waiting out any reapAfter."""
+    from tests.queue5 import Queue5Consumer
+
+    queue = f"rollback-{uuid.uuid4().hex[:8]}"
+    keys = QueueKeys(NAMESPACE, queue)
+    built = [envelope.build(queue, {"n": n}) for n in range(30)]
+    client.lpush(keys.ready, *(raw for _, raw in built))
+    supervisors = []
+    for name, deadline in (("killed", 10), ("hung", 3)):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        config = write_config(workdir, redis_url, job={"queue": queue, "prefetch": 5},
+                              supervisor={"shutdown_deadline": deadline})
+        supervisors.append(Supervisor(config, workdir, redis_url, E2E_HANG_ALWAYS="1"))
+    killed, hung = supervisors
+    workerman = Queue5Consumer(client, queue, namespace=NAMESPACE, claim_ttl=1,
+                               adapter="workerman")  # reapAfter 90,000 s, never renews
+    try:
+        for name in ("killed", "hung"):
+            wait_for(lambda n=name: lines(tmp_path / n / "started"), 20, f"{name}'s handler")
+        [long_running] = workerman.receive(1)
+        wait_for(lambda: not client.exists(keys.claim(long_running.pid)), 10,
+                 "the Workerman worker's claim to lapse (its handler still runs)")
+        for process in killed.family():
+            process.kill()
+        killed.process.wait(10)
+        dead_held = [pid.decode() for pid in client.lrange(keys.processing, 0, -1)
+                     if client.get(keys.owner(pid.decode())) != long_running.receipt.encode()]
+        assert dead_held, "the supervisors hold nothing"
+
+        drained = command("drain", str(tmp_path / "hung" / "job.toml"), "--timeout", "40")
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        assert f"stopping 1 supervisors of {queue}: pids {hung.pid}" in drained.stdout
+        assert "ok: no reservation and no owner record" in drained.stdout
+        assert hung.process.poll() == 0, hung.output()
+        checked = command("check", str(tmp_path / "hung" / "job.toml"))
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert "hold 1 reservations and owner records" in checked.stdout  # the PHP worker's
+
+        # Nothing of the supervisors is left owned: the PHP worker's delivery is still its.
+        assert client.lrange(keys.processing, 0, -1) == [long_running.pid.encode()]
+        workerman.commit(long_running)
+    finally:
+        for supervisor in supervisors:
+            supervisor.stop()
+    php = Queue5Consumer(client, queue, namespace=NAMESPACE)  # Swoole, reapAfter 90,000 s
+    ran = [long_running.pid]
+    attempts = {}
+    while messages := php.receive(10, 0):
+        for message in messages:
+            ran.append(message.pid)
+            attempts[message.pid] = message.attempts
+            php.commit(message)
+    assert php.maintain() == 0  # nothing stranded for queue 5's sweep to find
+    assert sorted(ran) == sorted(pid for pid, _ in built)  # each once, by PHP
+    killed_runs = {line.split()[0] for line in lines(tmp_path / "killed" / "started")}
+    hung_runs = {line.split()[0] for line in lines(tmp_path / "hung" / "started")}
+    assert {attempts[pid] for pid in killed_runs | hung_runs} == {1}  # the hung runs counted
+    assert client.llen(keys.processing) == client.llen(keys.ready) == 0
+    assert client.zcard(keys.reservations) == 0
+    for kind in ("reservations", "owners", "claims", "jobs"):
+        assert not list(client.scan_iter(match=f"{NAMESPACE}.{kind}.{queue}.*")), kind
+    assert int(client.get(keys.stat("processing"))) == 0
+    assert int(client.get(keys.stat("success"))) == 30

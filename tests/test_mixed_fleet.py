@@ -7,9 +7,12 @@ settled, released or abandoned) or, end to end, by SIGKILL.
 
 Where PHP has to recover our work, the model is built with a small ``reap_after``:
 production PHP keeps ``reapAfter = 90000`` s and only takes a lapsed delivery once its
-envelope is 25 h old. A model built with a small ``claim_ttl`` stands for a PHP worker whose
-90 s claims ran out. Deleting a claim key stands for its expiry, deleting ``reap-lock``
-for the sweep interval passing.
+envelope is 25 h old. Where ours has to recover a PHP worker's, the same holds: ours keeps
+queue 5's rule for every owner it does not know for one of its own supervisors, so those
+tests give it a small ``recovery_age`` (production: 90000 s too) and wait for the age. A
+model built with a small ``claim_ttl`` stands for a PHP worker whose 90 s claims ran out.
+Deleting a claim key stands for its expiry, deleting ``reap-lock`` for the sweep interval
+passing.
 
 Every test ends by checking that nothing is stranded (ready, registry, reservation lists,
 processing, job/owner/claim keys: only what the scenario expects is left) and that the
@@ -23,6 +26,7 @@ import collections
 import contextlib
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -42,8 +46,8 @@ from tests.queue5 import Message, NotOwned, Queue5Consumer, php_json_encode
 NS = "utopia-queue"
 SEED = 20261130
 #: Keys that are no message's state: counters, the fleet's sweep lock and cursor, and this
-#: project's informational supervisor record (it expires with the lease).
-NOT_STATE = {"stats", "reap-lock", "reap-cursor", "supervisors"}
+#: project's supervisor record (it expires with the lease) and token registry.
+NOT_STATE = {"stats", "reap-lock", "reap-cursor", "supervisors", "supervisor-tokens"}
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -241,12 +245,16 @@ async def test_php_killed_mid_batch_ours_recovers_and_runs_everything(client, ou
     assert len(reserved.batch) == 10
     deadline = client.zscore(k.reservations, reserved.key)
 
-    broker = await ours(q)  # lease 30, max_attempts 3, maintenance_interval 5
+    # lease 30, max_attempts 3, maintenance_interval 5; recovery_age 1 (production 90000):
+    # a PHP owner whose claim lapsed may be a worker that never renews, still running.
+    broker = await ours(q, recovery_age=1)
     assert (await broker.maintain()).total == 0  # nothing lapsed yet
     client.delete(k.reap_lock)
     lapsed = [k.claim(m.pid) for m in claimed[3:]]
-    await until(lambda: server_s(client) >= deadline and not client.exists(*lapsed), 10,
-                "the dead worker's claims and reservation to lapse")
+    published = max(m.timestamp for m in claimed)
+    await until(lambda: server_s(client) >= deadline and not client.exists(*lapsed)
+                and server_s(client) > published + 1, 10,
+                "the dead worker's claims and reservation to lapse, and recovery_age")
 
     report = await broker.maintain()
     assert (report.expired_reservations, report.dead_consumers, report.legacy) == (10, 7, 0)
@@ -385,7 +393,9 @@ async def test_sweeps_share_the_cursor_and_the_lock(client, ours):
     q = "cursor"
     k = QueueKeys(NS, q)
     model = php(client, q, reap_after=0)  # reap_interval 60: its lock outlives the test
-    broker = await ours(q, maintenance_interval=60)
+    # recovery_age 1: ours takes a lapsed delivery it does not know for its own only by age.
+    broker = await ours(q, maintenance_interval=60, recovery_age=1)
+    published = server_s(client)
     await broker.publish_many(q, [{"n": n} for n in range(4012)])
     owned_by: dict[str, Any] = {}
     for side, size in (("php", 1000), ("ours", 1000), ("php", 1000), ("ours", 1000),
@@ -428,6 +438,7 @@ async def test_sweeps_share_the_cursor_and_the_lock(client, ours):
         assert str(int(retained)) == retained and str(int(remaining)) == remaining
         return text
 
+    await until(lambda: server_s(client) > published + 1, 10, "recovery_age to pass")
     lapse([150 + 333 * i for i in range(12)])  # 150, 483, ..., 3813 from the oldest end
     await php_sweep()  # window [0, 2000): 6 found
     assert (cursor(), still_lapsed()) == ("1994:2012", 6)
@@ -506,7 +517,7 @@ async def test_coalescing_markers_are_freed_and_kept_as_php_expects(client, ours
     # the successor frees it.
     assert model.coalesce({"v": 6}, "tenant-1")
     third = await one()
-    await broker.abandon([third])  # our exit path: the claim is given up, ownership kept
+    client.delete(k.claim(third.pid))  # ours was killed: its claim lapsed, ownership kept
     assert model.maintain() == 1
     successor = orjson.loads(client.lindex(k.ready, 0))
     assert successor["pid"] != third.pid and client.get(marker) == successor["pid"].encode()
@@ -642,8 +653,11 @@ def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, clien
     assert len(dying.receive_reserve_only(10).batch) == 10  # n 10..19; 20..29 stay ready
 
     # [supervisor] lease must be >= 3 (config); maintenance every second.
+    # recovery_age 1 (production 90000): the dead worker's claims lapse after 2 s, and only
+    # their age tells the supervisor that a PHP owner is gone.
     config = write_config(tmp_path, redis_url, job={"prefetch": 20, "max_attempts": 3},
-                          supervisor={"lease": 3, "maintenance_interval": 1})
+                          supervisor={"lease": 3, "maintenance_interval": 1,
+                                      "recovery_age": 1})
     supervisor = supervisors(config, redis_url=redis_url)
 
     def handled() -> list[str]:
@@ -697,3 +711,69 @@ def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, clien
     # total: 40 (phase 1) + 60 claims of the new work + one more per delivery PHP reclaimed.
     assert counter(client, "total") == 100 + len(reclaimed)
     assert_settled(client, E2E_QUEUE, total=100 + len(reclaimed), success=90)
+
+
+def test_a_worker_that_never_renews_keeps_its_deliveries_beside_supervisor_sweeps(
+    tmp_path, redis_url, client
+):
+    """Issue 23.1, with processes. A queue-5 Workerman worker (never renews; claims of 1 s
+    here, 90 s in production) runs handlers far longer than its claims, beside two
+    supervisors sweeping every second at the default ``recovery_age``: its deliveries are
+    never taken, none runs twice, its commits succeed. Meanwhile one supervisor is SIGKILLed
+    holding work: the other's next sweep after its lease ran out takes that work at once
+    (a supervisor of ours, its record gone), and a living supervisor's is never touched."""
+    from support.supervision import Supervisor
+
+    k = keys()
+    workerman = php(client, E2E_QUEUE, claim_ttl=1, adapter="workerman")  # reapAfter 90,000
+    origin = {workerman.publish({"n": n}): n for n in range(30)}
+    long_running = workerman.receive(3)
+    php_pids = {m.pid for m in long_running}
+    runs: dict[str, Supervisor] = {}
+    for name, env in (("killed", {"E2E_HANG_ALWAYS": "1"}), ("living", {})):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        config = write_config(workdir, redis_url, job={"prefetch": 5},
+                              supervisor={"lease": 3, "maintenance_interval": 1})
+        runs[name] = Supervisor(config, workdir, redis_url, **env)
+    try:
+        wait_for(lambda: lines(tmp_path / "killed" / "started"), 20, "the hanging handler")
+        lapsed_at = server_s(client)
+        wait_for(lambda: not client.exists(*(k.claim(pid) for pid in php_pids)), 10,
+                 "the Workerman worker's claims to lapse")
+        # Sweeps by the supervisors for three more seconds: the lock is taken every second.
+        wait_for(lambda: int(client.get(k.reap_lock) or 0) >= lapsed_at + 3, 15,
+                 "three seconds of sweeps")
+        # What the doomed supervisor holds: owner tokens with its registered prefix.
+        [consumer] = [key.decode().rpartition(".")[2]
+                      for key in client.scan_iter(match=k.supervisor("") + "*")
+                      if client.get(key) == f"{socket.gethostname()} {runs['killed'].pid}"
+                      .encode()]
+        [prefix] = [field.decode() for field, value
+                    in client.hgetall(k.supervisor_tokens).items()
+                    if value.decode().endswith(f" {consumer}")]
+        held_by_killed = [pid.decode() for pid in client.lrange(k.processing, 0, -1)
+                          if (client.get(k.owner(pid.decode())) or b"").decode()
+                          .startswith(prefix)]
+        for process in runs["killed"].family():
+            process.kill()
+        runs["killed"].process.wait(10)
+        wait_for(lambda: set(lines(tmp_path / "living" / "handled")) >= set(origin) - php_pids,
+                 30, "the living supervisor to run the rest, the dead one's work too")
+        for message in long_running:  # the handlers end: still the Workerman worker's
+            assert client.get(k.owner(message.pid)) == message.receipt.encode()
+            workerman.commit(message)
+    finally:
+        for supervisor in runs.values():
+            supervisor.stop()
+    started = [line.split() for name in ("killed", "living")
+               for line in lines(tmp_path / name / "started")]
+    assert not php_pids & {pid for pid, *_ in started}  # never run by a supervisor
+    living = collections.Counter(pid for pid in lines(tmp_path / "living" / "handled"))
+    assert set(living) == set(origin) - php_pids and set(living.values()) == {1}
+    assert held_by_killed
+    attempts = {pid: int(n) for pid, n, *_ in
+                (line.split() for line in lines(tmp_path / "living" / "started"))}
+    assert {attempts[pid] for pid in held_by_killed} == {1}  # the killed run counted
+    assert client.llen(k.processing) == 0
+    assert counter(client, "success") == 30

@@ -163,6 +163,7 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
 ):
     pids = await push(redis_client, {"n": 1}, {"n": 2})
     dying = await brokers(lease=1)  # its reservation's deadline is about 1 s away
+    await dying.extend([])  # a supervisor's first renewal, at start: it registers its tokens
     reservation = await dying.reserve(2, block_timeout=0)
     assert len(reservation.payloads) == 2
 
@@ -188,6 +189,7 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
     """A running, idle consumer's empty reservation (its blocking receive) is not a
     leftover; the same registration past its deadline is."""
     waiting = await brokers(lease=3)
+    await waiting.extend([])
     blocked = asyncio.ensure_future(waiting.receive(1, block_timeout=10))
     async with asyncio.timeout(5):
         while not await redis_client.zcard(keys().reservations):
@@ -202,18 +204,45 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
     await blocked
 
 
+async def test_check_counts_only_what_our_supervisors_hold(
+    conf, run, redis_client, redis_url, brokers
+):
+    """During a rollback PHP queue-5 workers run: what they hold is theirs to settle and
+    does not fail the check; what a supervisor of ours holds does."""
+    import redis as sync_redis
+
+    from tests.queue5 import Queue5Consumer
+
+    await push(redis_client, {"n": 1}, {"n": 2}, {"n": 3})
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        php = Queue5Consumer(client, keys().queue, namespace=keys().namespace)
+        assert len(php.receive(1)) == 1 and php.receive_reserve_only(1).batch
+        code, out = await run("check", conf)
+        assert code == 0 and out.startswith("ok:"), out
+        assert "hold 2 reservations and owner records" in out
+        ours = await brokers()
+        await ours.extend([])
+        [delivery] = (await ours.receive(1, block_timeout=0)).deliveries
+        code, out = await run("check", conf)
+        assert code == 1 and "1 owner records" in out and keys().owner(delivery.pid) in out
+    finally:
+        client.close()
+
+
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
     [pid] = await push(redis_client, {"n": 1})
     # Claims expire after 3 s; with 1 s the claim could miss its reservation's whole-second
     # deadline (now + lease) and nothing would be delivered.
     dying = await brokers(consumer_id="dying", lease=3)
+    await dying.extend([])  # a supervisor's first renewal: its record and token registration
     [delivery] = (await dying.receive(1, block_timeout=0)).deliveries
 
     code, out = await run("check", conf)
     assert code == 1 and "1 owner records" in out and keys().owner(pid) in out
 
-    async with asyncio.timeout(10):
-        while await redis_client.exists(keys().claim(pid)):
+    async with asyncio.timeout(10):  # it died: its claims and its record lapse
+        while await redis_client.exists(keys().claim(pid), keys().supervisor("dying")):
             await asyncio.sleep(0.01)
     code, out = await run("recover", conf)
     assert code == 0 and "1 whose claim lapsed" in out

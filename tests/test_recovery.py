@@ -22,7 +22,10 @@ from broker.redis.scripts import Scripts
 
 KEYS = QueueKeys("utopia-queue", "v1-stats-usage")
 AGE = 90_000
-TOKEN = "0123456789abcdef0123456789abcdef"  # a queue-5 owner token: 32 lowercase hex
+#: An owner token (32 lowercase hex, as queue 5's) of a supervisor of ours that is gone: its
+#: prefix is in the token registry (see ``run``), its record is not.
+GONE_PREFIX = "0123456789abcdef"
+TOKEN = GONE_PREFIX + "0123456789abcdef"
 
 
 class CountingScripts(Scripts):
@@ -38,9 +41,20 @@ class CountingScripts(Scripts):
         return await super().call(name, keys, args)
 
 
+async def register(client, prefix: str, consumer: str, *, alive: bool) -> None:
+    """A supervisor of ours in the token registry, as extend.lua writes it; ``alive``: its
+    record exists."""
+    until = (await server_s(client)) + 30
+    await client.hset(KEYS.supervisor_tokens, prefix, f"{until} {consumer}")
+    if alive:
+        await client.set(KEYS.supervisor(consumer), "host 1", ex=30)
+
+
 async def run(client, scripts: Scripts | None = None, **options):
-    """One sweep, as if the fleet's sweep interval had passed (the lock is never released)."""
+    """One sweep, as if the fleet's sweep interval had passed (the lock is never released);
+    TOKEN's supervisor is registered and gone."""
     await client.delete(KEYS.reap_lock)
+    await register(client, GONE_PREFIX, "gone-1", alive=False)
     options = {"lock_seconds": 60, "recovery_age": AGE, "max_attempts": 3, **options}
     return await maintain(client, scripts or Scripts(client), KEYS, **options)
 
@@ -359,6 +373,7 @@ async def test_recovery_work_per_script_call_is_bounded_in_a_long_list(redis_cli
 
 async def test_the_lock_is_queue_5s_and_schedules_the_fleet(redis_client):
     now = await server_s(redis_client)
+    await register(redis_client, GONE_PREFIX, "gone-1", alive=False)
     await deliver(redis_client, [f"p{i}" for i in range(50)], now)
     scripts = Scripts(redis_client)
     options = {"lock_seconds": 5, "recovery_age": AGE, "max_attempts": 3}
@@ -504,13 +519,15 @@ async def test_e2e_a_late_move_into_an_unregistered_reservation_goes_back(broker
 
 async def test_e2e_lapsed_deliveries_go_to_the_living(brokers, redis_client):
     a, b = brokers
+    await a.extend([])  # a supervisor's first renewal, at start: its record and registry entry
     pids = await a.publish_many(KEYS.queue, [{"i": i} for i in range(4)])
     taken = (await a.receive(10, 0)).deliveries
     assert [d.pid for d in taken] == pids
     assert (await sweep(b, redis_client)).total == 0  # a's claims are live
 
-    while await redis_client.exists(*(KEYS.claim(pid) for pid in pids)):
-        await asyncio.sleep(0.1)  # a stopped renewing: its lease runs out
+    # a stops renewing (killed, or frozen): its claims and its record run out together.
+    while await redis_client.exists(KEYS.supervisor("a"), *(KEYS.claim(pid) for pid in pids)):
+        await asyncio.sleep(0.1)
     report = await sweep(b, redis_client)
     assert report.dead_consumers == 4
     assert await redis_client.get(KEYS.stat("processing")) == b"0"
@@ -527,15 +544,40 @@ async def test_e2e_lapsed_deliveries_go_to_the_living(brokers, redis_client):
     assert await redis_client.get(KEYS.stat("processing")) == b"0"
 
 
-async def test_e2e_abandoned_deliveries_are_recovered_at_once(brokers, redis_client):
+async def test_e2e_abandoned_deliveries_are_requeued_by_their_owner_at_exit(
+    brokers, redis_client
+):
+    """What a supervisor still owns at exit (handlers killed at the deadline) it requeues
+    itself, as recovery would: nothing owned by it is left for queue-5 workers, which would
+    wait their ``reapAfter`` (25 h) before taking it."""
     a, b = brokers
+    await a.extend([])
     await a.publish_many(KEYS.queue, [{"i": i} for i in range(3)])
     taken = (await a.receive(10, 0)).deliveries
+    assert [r.ok for r in await a.commit(taken[2:])] == [True]
     await a.abandon(taken[:2])  # at exit, with two still running when killed
+    ready = [orjson.loads(raw) for raw in await redis_client.lrange(KEYS.ready, 0, -1)]
+    assert sorted(e["pid"] for e in ready) == sorted(d.pid for d in taken[:2])
+    assert all(e["attempts"] == 1 for e in ready)  # the killed run counts
+    assert await redis_client.llen(KEYS.processing) == 0
+    assert await redis_client.get(KEYS.stat("processing")) == b"0"
+    assert await redis_client.exists(KEYS.supervisor("a")) == 0
+    assert (await sweep(b, redis_client)).total == 0
+    assert await a.extend(taken[:2]) == [False, False]
+
+
+async def test_e2e_what_a_requeue_at_exit_missed_is_recovered_at_once(brokers, redis_client):
+    """If the requeue at exit cannot run (the connection broke after the claims went), the
+    registry still names the supervisor, now gone: the next sweep takes its deliveries at
+    once, young as they are."""
+    a, b = brokers
+    await a.extend([])
+    await a.publish_many(KEYS.queue, [{"i": i} for i in range(2)])
+    taken = (await a.receive(10, 0)).deliveries
+    await a._renew(taken, 0)  # the first step of abandon(), then the connection broke
     report = await sweep(b, redis_client)
     assert report.dead_consumers == 2
-    assert await redis_client.lrange(KEYS.processing, 0, -1) == [taken[2].pid.encode()]
-    assert await a.extend(taken) == [False, False, True]
+    assert await redis_client.llen(KEYS.processing) == 0
 
 
 async def test_e2e_deliveries_settled_by_their_owner_are_not_recovered(brokers, redis_client):
@@ -559,3 +601,76 @@ async def test_what_a_previous_format_supervisor_left_is_recovered(redis_client)
     assert sorted(orjson.loads(raw)["pid"] for raw in ready if raw != b"r") == ["old-1", "old-2"]
     assert await redis_client.llen(KEYS.processing) == 0
     assert await redis_client.zcard(KEYS.reservations) == 0
+
+
+# --- whose owner: queue 5's rule unless the registry knows the owner for one of ours ----
+
+
+async def test_a_queue5_owner_whose_claim_lapsed_is_kept_until_recovery_age(redis_client):
+    """Queue 5's rule (``Broker\\Redis::reap()``): an entry is kept while its claim exists
+    or it is younger than ``reapAfter``, owner or not. A Workerman or KubernetesJob worker
+    never renews: its claim lapses while its handler still runs."""
+    now = await server_s(redis_client)
+    php_token = "c" * 32  # not in the registry: not known to be ours
+    await deliver(redis_client, ["young"], now - AGE + 60, token=php_token)
+    await deliver(redis_client, ["old"], now - AGE - 10, token=php_token)
+    report = await run(redis_client)
+    assert (report.dead_consumers, report.legacy) == (1, 0)
+    assert pids_of(await redis_client.lrange(KEYS.ready, 0, -1)) == ["old"]
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"young"]
+    assert await redis_client.get(KEYS.owner("young")) == php_token.encode()
+
+
+async def test_a_live_supervisor_of_ours_is_never_touched(redis_client):
+    now = await server_s(redis_client)
+    await register(redis_client, "a" * 16, "alive-1", alive=True)
+    await deliver(redis_client, ["mine"], now - 2 * AGE, token="a" * 16 + "1" * 16)
+    assert (await run(redis_client)).total == 0
+    assert await redis_client.lrange(KEYS.processing, 0, -1) == [b"mine"]
+    await redis_client.delete(KEYS.supervisor("alive-1"))  # it died: its record expired
+    assert (await run(redis_client)).dead_consumers == 1
+
+
+async def test_the_registry_is_never_the_reason_to_take_what_queue5_keeps(redis_client):
+    """An entry without a consumer id, one of another format, or a registry that is not a
+    hash knows nothing: queue 5's rule applies."""
+    now = await server_s(redis_client)
+    await redis_client.hset(KEYS.supervisor_tokens, mapping={
+        "b" * 16: "not-a-time gone-2", "d" * 16: "123"})
+    await deliver(redis_client, ["b"], now, token="b" * 32)
+    await deliver(redis_client, ["d"], now, token="d" * 32)
+    await redis_client.delete(KEYS.reap_lock)
+    options = {"lock_seconds": 60, "recovery_age": AGE, "max_attempts": 3}
+    assert (await maintain(redis_client, Scripts(redis_client), KEYS, **options)).total == 0
+    await redis_client.delete(KEYS.supervisor_tokens, KEYS.reap_lock)
+    await redis_client.set(KEYS.supervisor_tokens, "not a hash")
+    await deliver(redis_client, ["e"], now, token=GONE_PREFIX + "e" * 16)
+    assert (await maintain(redis_client, Scripts(redis_client), KEYS, **options)).total == 0
+    assert await redis_client.llen(KEYS.processing) == 3
+
+
+async def test_the_registry_forgets_supervisors_gone_past_recovery_age(redis_client):
+    now = await server_s(redis_client)
+    await redis_client.hset(KEYS.supervisor_tokens, mapping={
+        "1" * 16: f"{now - AGE - 5} long-gone",  # queue 5's rule covers all it held
+        "2" * 16: f"{now - AGE + 60} recently-gone",  # its deliveries may be young
+        "3" * 16: f"{now - AGE - 5} frozen-but-back",  # its record is there again
+    })
+    await redis_client.set(KEYS.supervisor("frozen-but-back"), "host 1", ex=30)
+    await redis_client.delete(KEYS.reap_lock)
+    await maintain(redis_client, Scripts(redis_client), KEYS, lock_seconds=60,
+                   recovery_age=AGE, max_attempts=3)
+    assert sorted(await redis_client.hkeys(KEYS.supervisor_tokens)) == [b"2" * 16, b"3" * 16]
+
+
+async def test_extend_registers_the_token_prefix_and_the_record_expires_with_the_lease(
+    brokers, redis_client
+):
+    a, _ = brokers
+    await a.extend([])
+    until, consumer = (await redis_client.hget(KEYS.supervisor_tokens, a.token_prefix)).split()
+    assert consumer == b"a" and 0 < int(until) - await server_s(redis_client) <= 2
+    assert 0 < await redis_client.ttl(KEYS.supervisor("a")) <= 2
+    await a.publish_many(KEYS.queue, [{"i": 1}])
+    [delivery] = (await a.receive(10, 0)).deliveries
+    assert delivery.receipt.startswith(a.token_prefix) and len(delivery.receipt) == 32

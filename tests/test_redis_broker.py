@@ -96,7 +96,7 @@ def count_script_calls(broker: RedisBroker) -> list[tuple[str, int]]:
             "reserve": lambda: int(args[0]),
             "claim": lambda: int(args[2]),
             "settle": lambda: int(args[1]),
-            "extend": lambda: (len(keys) - 1) // 2,
+            "extend": lambda: (len(keys) - 2) // 2,
         }.get(name, lambda: 0)()
         calls.append((name, size))
         return await original(name, keys, args)
@@ -125,6 +125,7 @@ def claim_key(pid: str) -> str:
 
 
 RECORD = f"{NS}.supervisors.{QUEUE}.tester".encode()  # informational; extend writes it
+TOKENS = f"{NS}.supervisor-tokens.{QUEUE}".encode()  # extend registers the token prefix
 
 
 # -- envelopes ----------------------------------------------------------------------------
@@ -284,6 +285,7 @@ async def test_expired_reservation_goes_back_instead_of_being_claimed(
     assert "2 payloads went back" in caplog.text
     after = await snapshot(redis_client)
     after.pop(RECORD, None)
+    after.pop(TOKENS, None)
     # Back in the ready list in their order; no list is left that no registry names.
     assert after == {f"{NS}.queue.{QUEUE}".encode(): (b"list", ready_before)}
 
@@ -409,14 +411,17 @@ async def test_stale_owner_changes_nothing(broker, redis_client):
     await redis_client.set(owner_key(delivery.pid), b"0123456789abcdef0123456789abcdef")
     before = await snapshot(redis_client)
     before.pop(RECORD, None)
+    before.pop(TOKENS, None)
     for settle in (broker.commit, broker.reject, broker.release):
         assert [r.outcome for r in await settle([delivery])] == [Outcome.STALE]
         after = await snapshot(redis_client)
         after.pop(RECORD, None)
+        after.pop(TOKENS, None)
         assert after == before
     assert await broker.extend([delivery]) == [False]
     after = await snapshot(redis_client)
     after.pop(RECORD, None)
+    after.pop(TOKENS, None)
     assert after == before
     # Owner key gone altogether (recovered and settled): still stale.
     await redis_client.delete(owner_key(delivery.pid))

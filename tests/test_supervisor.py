@@ -101,7 +101,7 @@ def test_graceful_stop_releases_unstarted_and_finishes_the_running_one(
     assert outstanding(client) == 0 and counter(client, "processing") == 0
 
 
-def test_bounded_stop_kills_a_hung_handler_and_its_delivery_is_recovered(
+def test_bounded_stop_kills_a_hung_handler_and_requeues_its_delivery(
     tmp_path, redis_url, client, start
 ):
     [pid] = publish(client, [{"n": 1}])
@@ -117,10 +117,14 @@ def test_bounded_stop_kills_a_hung_handler_and_its_delivery_is_recovered(
     assert time.monotonic() - began < deadline + 3
     _, alive = psutil.wait_procs(family, timeout=3)
     assert not alive, f"processes survived the stop: {alive}"
-    assert outstanding(client) == 1  # still owned: nobody released or committed it
-    # A second supervisor recovers and handles it.
+    # The stopping supervisor requeued it itself (the killed run counts), as recovery would:
+    # nothing it owned outlives it (a queue-5 worker would wait reapAfter, 25 h, for it).
+    assert outstanding(client) == 0 and counter(client, "processing") == 0
+    [requeued] = [orjson.loads(raw) for raw in client.lrange(keys().ready, 0, -1)]
+    assert (requeued["pid"], requeued["attempts"]) == (pid, 1)
+    # A second supervisor handles it.
     second = start(write_config(tmp_path, redis_url))
-    wait_for(lambda: handled(tmp_path) == [pid], 20, "recovery by a second supervisor")
+    wait_for(lambda: handled(tmp_path) == [pid], 20, "a second supervisor to handle it")
     second.signal(signal.SIGTERM)
     assert second.wait(15) == 0
 

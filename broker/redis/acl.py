@@ -63,6 +63,10 @@ WHY = {
     "client|id": "the blocking connection's id, named by CLIENT UNBLOCK at a stop",
     "client|unblock": "a stop ends its own idle wait (BLMOVE) at once, then unregisters it "
                       "(it can unblock any client of the server)",
+    "hmget": "a sweep: which owner tokens are our supervisors' (the token registry)",
+    "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
+    "hdel": "a sweep forgets long-gone supervisors (the token registry)",
+    "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
 }
 
 
@@ -93,6 +97,8 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-lock.{q}": _fixed("reap_lock"),
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
+    "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
+    "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
 
@@ -112,10 +118,11 @@ class Role:
 _SWEEP_KEYS = (
     "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
     "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
-    "reap-cursor.{q}",
+    "reap-cursor.{q}", "supervisor-tokens.{q}", "supervisors.{q}.*", "consumers.{q}.*",
 )
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
+    "hmget", "hrandfield", "hdel",
     # expired.lua, recover.lua, reclaim.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
     "expire", "lpush", "lrem",
@@ -127,18 +134,18 @@ ROLES: tuple[Role, ...] = (
         "job", "the supervisor (python -m supervisor JOB)",
         (
             "evalsha", "script|load", "blmove", "zrem", "set", "llen", "lrange", "get", "mget",
-            "time", "lindex",
+            "time", "lindex", "hmget", "hrandfield", "hdel",
             "client|id", "client|unblock",
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
-            "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore",
+            "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
         ),
         "~",
         (
             "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}",
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
-            "supervisors.{q}.*",
+            "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -161,10 +168,12 @@ ROLES: tuple[Role, ...] = (
     ),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
-         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl"), "~",
-         (*_SWEEP_KEYS, "supervisors.{q}.*"), _SWEEP_SCRIPTS),
-    Role("check", "python -m supervisor check", ("zcard", "zrange", "scan", "llen", "time"),
-         "%R~", ("reservations.{q}", "reservations.{q}.*")),
+         (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
+         _SWEEP_KEYS, _SWEEP_SCRIPTS),
+    Role("check", "python -m supervisor check",
+         ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget"),
+         "%R~", ("reservations.{q}", "reservations.{q}.*", "owners.{q}.*",
+                 "supervisor-tokens.{q}")),
 )
 BY_NAME = {role.name: role for role in ROLES}
 

@@ -53,7 +53,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
-from broker.redis import seeds
+from broker.redis import recovery, seeds
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
@@ -260,6 +260,11 @@ class RedisBroker:
         self._claim_prefix = self.keys.claim("")
         self._record = self.keys.supervisor(self.consumer_id)
         self._record_value = f"{socket.gethostname()} {os.getpid()}"
+        #: Every owner token of this supervisor starts with it; ``extend`` registers it in
+        #: ``supervisor-tokens`` with the record (the supervisor's first renewal runs at
+        #: start), so recovery can tell our deliveries, and whether we are alive, from a
+        #: queue-5 worker's. Until then, queue 5's rule covers them: slower, never unsafe.
+        self.token_prefix = secrets.token_hex(recovery.PREFIX_HEX // 2)
 
     def _new_client(self, socket_timeout: float | None) -> Any:
         options: dict[str, Any] = {
@@ -352,7 +357,7 @@ class RedisBroker:
         ``block_timeout`` seconds for one payload.
         """
         n = min(max(int(n), 1), MAX_BATCH)
-        token = secrets.token_hex(16)
+        token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
         key = self.keys.reservation(token)
         keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
@@ -743,20 +748,45 @@ class RedisBroker:
         return await self._renew(deliveries, self._lease)
 
     async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
-        """Delete the claims of deliveries still owned at exit (and this supervisor's record):
-        the next maintenance pass, ours or a PHP worker's, recovers them instead of waiting
-        for the lease to run out. Ownership stays: nothing is settled here."""
+        """At exit: requeue the deliveries still owned (their handlers were killed) as
+        recovery would (same pid, new timestamp, ``attempts + 1``, or dead at
+        ``max_attempts``), so that nothing this supervisor owns outlives it: a queue-5
+        worker would leave such a delivery alone for its ``reapAfter``. The claims and the
+        record go first; the registry entry stays, so whatever is still ours (a requeue
+        that failed, a claim whose reply was lost) is ours and gone: the next sweep of ours,
+        or ``recover``, takes it at once."""
         await self._renew(deliveries, 0)
+        if not deliveries:
+            return
+        async with _broker_errors("requeue at exit"):
+            now, _ = await recovery.server_time(self.client, self.keys.ready)
+            candidates = [self._own_candidate(delivery, now) for delivery in deliveries]
+            applied = await recovery.reclaim(self.scripts, self.keys, candidates,
+                                             job_ttl=self.job_ttl)
+        log.info("requeued %d of the %d deliveries still owned at exit (the others were "
+                 "settled or recovered meanwhile)", sum(applied), len(deliveries))
+
+    def _own_candidate(self, delivery: Delivery, now: int) -> recovery.Candidate:
+        """Recovery's verdict on one of our deliveries (requeue or dead), owner checked."""
+        decoded = delivery.envelope or envelope.decode(delivery.raw)
+        marker = self.keys.marker(decoded)
+        if RetryPolicy(self.max_attempts).exhausted(delivery.attempts):
+            return recovery.Candidate(recovery.DEAD, delivery.pid, delivery.receipt,
+                                      marker=marker)
+        requeued = envelope.requeued(decoded, delivery.attempts + 1, now)
+        return recovery.Candidate(recovery.REQUEUE, delivery.pid, delivery.receipt, requeued,
+                                  marker)
 
     async def _renew(self, deliveries: Sequence[Delivery], lease: int) -> list[bool]:
         owned: list[bool] = []
         async with _broker_errors("extend" if lease else "abandon"):
             for start in range(0, max(len(deliveries), 1), MAX_BATCH):
                 batch = deliveries[start:start + MAX_BATCH]
-                keys = [self._record]
+                keys = [self._record, self.keys.supervisor_tokens]
                 for delivery in batch:
                     keys += (self._claim_prefix + delivery.pid, self._owner_prefix + delivery.pid)
-                args: list[Any] = [lease, self._record_value]
+                args: list[Any] = [lease, self._record_value, self.token_prefix,
+                                   self.consumer_id]
                 args += [delivery.receipt for delivery in batch]
                 reply = await self.scripts.call("extend", keys, args)
                 owned += [flag == 1 for flag in reply]
@@ -776,8 +806,6 @@ class RedisBroker:
 
     async def maintain(self, *, force: bool = False) -> MaintenanceReport:
         """One bounded recovery sweep when the fleet's reap lock allows (``force``: now)."""
-        from broker.redis import recovery
-
         async with _broker_errors("maintain"):
             return await recovery.maintain(
                 self.client, self.scripts, self.keys, lock_seconds=self.maintenance_interval,

@@ -22,6 +22,11 @@ State of one message (each pid is in exactly one place at any moment):
 A keyed (coalesced) message also holds ``pending.{q}.{hex key}`` = its pid until it is
 committed or rejected. ``supervisors.{q}.{consumer id}`` is this project's own,
 informational record of a running supervisor (queue 5 never reads it; nothing depends on it).
+``supervisor-tokens.{q}`` is this project's own hash of the owner-token prefixes its
+supervisors use (16 hex, one per supervisor run) -> ``"<last renewal, unix s> <consumer id>"``:
+an owner token starting with a registered prefix is known to be ours, and it is ours *and
+dead* once that supervisor's record has expired (``broker.redis.recovery``). Queue 5 never
+reads either key; where they are missing, queue 5's recovery rule applies.
 ``consumers.{q}.{consumer id}`` was the previous format's heartbeat: only ``check`` reads it.
 """
 
@@ -105,6 +110,11 @@ class QueueKeys:
     def supervisor(self, consumer_id: str) -> str:
         return f"{self._key('supervisors')}.{consumer_id}"
 
+    @property
+    def supervisor_tokens(self) -> str:
+        """Hash: owner-token prefix of each supervisor -> its last renewal and consumer id."""
+        return self._key("supervisor-tokens")
+
     def legacy_consumer(self, consumer_id: str) -> str:
         """The previous format's consumer heartbeat (read by ``check`` only)."""
         return f"{self._key('consumers')}.{consumer_id}"
@@ -125,7 +135,7 @@ class QueueKeys:
         """Every key of the queue that does not depend on a pid, token or consumer."""
         return [
             self.ready, self.processing, self.failed, self.dead, self.poison,
-            self.reservations, self.reap_lock, self.reap_cursor,
+            self.reservations, self.reap_lock, self.reap_cursor, self.supervisor_tokens,
             *(self.stat(name) for name in ("total", "processing", "success", "failed")),
         ]
 

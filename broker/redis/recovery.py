@@ -20,16 +20,27 @@ One ``maintain()`` call does a bounded amount of work, in three steps:
    leave the cursor alone). For each pid:
 
    - a live claim key (renewed by its owner, PHP or Python) keeps it;
-   - an owner key without a claim: the owner stopped renewing (died, or exited and gave its
-     claims up): recovered now;
-   - no owner key (a utopia-php/queue 1.x consumer, which never renews): recovered only once
-     its envelope is older than ``recovery_age`` seconds;
+   - an owner known to be one of our supervisors (its token starts with a prefix in
+     ``supervisor-tokens``, or it is a previous-format ``<consumer>:<nonce>`` token) that is
+     still alive (its record exists) keeps it, whatever its age;
+   - an owner known to be one of ours and dead (its record expired or was deleted at exit):
+     recovered as soon as its claim is gone;
+   - any other owner, or none: queue 5's rule, recovered only once the claim is gone *and*
+     the envelope is older than ``recovery_age`` (queue 5's ``reapAfter``). Queue-5 workers
+     of adapters that never renew (Workerman, KubernetesJob; a Swoole worker whose renewal
+     coroutine is starved) write an owner key and a claim that lapses while their handler
+     still runs: only the age tells that they are gone. A missing or unreadable registry
+     entry is never a reason to take anything: it falls back to this rule;
    - no job record and no owner: a dangling pid, removed.
 
    Recovery (``reclaim.lua``, which re-checks owner, claim, record and presence) requeues the
    same pid with a new timestamp and ``attempts + 1`` at the producer end, or moves it to
    ``dead`` once that would reach ``max_attempts``. Deleting the owner key makes any late
    settle or renewal by the old owner stale.
+
+4. **The registry** forgets supervisors that are gone and could not have claimed anything
+   younger than ``recovery_age`` (queue 5's rule covers all they held), a bounded sample per
+   sweep.
 
 The clock: candidates are chosen with the server's TIME (of the node holding the queue on a
 Cluster); the scripts decide with their own.
@@ -41,7 +52,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -72,6 +83,13 @@ LREM_BUDGET = 50_000
 RECLAIM_ITEMS = 250
 
 REQUEUE, DEAD, DANGLING = "q", "d", "x"
+#: What the registry says of an owner token: one of our supervisors, alive or gone.
+LIVE, GONE = "live", "gone"
+#: Registry entries looked at per sweep for forgetting.
+REGISTRY_SAMPLE = 100
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+#: The owner-token prefix a supervisor registers (the rest of a token is per reservation).
+PREFIX_HEX = 16
 _LEADING_INT = re.compile(r"[ \t\n\r\v\f]*[+-]?\d+")
 _UNIQID = re.compile(r"[0-9a-f]{13}")
 
@@ -129,6 +147,7 @@ async def maintain(
             scripts, keys, grace=0 if force else RESERVATION_GRACE)
         await reap(client, scripts, keys, report, recovery_age=recovery_age,
                    max_attempts=max_attempts, job_ttl=job_ttl, scan=scan)
+        await forget_gone(client, keys, recovery_age=recovery_age)
     except ResponseError as error:
         if "WRONGTYPE" in str(error):
             raise WrongTypeError(f"maintenance of queue {keys.queue!r}: {error}") from error
@@ -199,12 +218,14 @@ async def reap(
 
 
 def judge(
-    pid: str, record: bytes | None, owner: bytes | None, claim: bytes | None, *,
+    pid: str, record: bytes | None, owner: bytes | None, holder: str = "", *,
     keys: QueueKeys, now: int, recovery_age: int, max_attempts: int,
 ) -> Candidate | None:
-    """What to do with one processing entry, from what was read of it (None: keep it)."""
-    if claim is not None:
-        return None  # live: its owner renews it
+    """What to do with one processing entry whose claim key was gone, from what was read of
+    it (None: keep it). ``holder``: LIVE or GONE if the owner is known to be one of our
+    supervisors, '' if not (queue 5's rule: kept while younger than ``recovery_age``)."""
+    if holder == LIVE:
+        return None  # ours and alive: it renews, or settles, what it holds
     owner_text = _text(owner) if owner is not None else ""
     if record is None:
         if owner is not None:
@@ -216,13 +237,76 @@ def judge(
         decoded: dict[str, Any] | None = envelope.decode(record)
     except envelope.MalformedEnvelope:
         decoded = None  # kept as it is in dead: no handler could run it
-    if owner is None and now - _published(pid, decoded) <= recovery_age:
-        return None  # a 1.x consumer (no owner, no renewals) may still be running it
+    if holder != GONE and now - _published(pid, decoded) <= recovery_age:
+        return None  # a queue-5 worker that never renews (or a 1.x one) may still run it
     marker = keys.marker(decoded) if decoded is not None else None
     if decoded is None or RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
         return Candidate(DEAD, pid, owner_text, marker=marker)
     requeued = envelope.requeued(decoded, decoded["attempts"] + 1, now)
     return Candidate(REQUEUE, pid, owner_text, requeued, marker)
+
+
+async def holders(client: Any, keys: QueueKeys, owners: Iterable[bytes]) -> dict[bytes, str]:
+    """The owner tokens known to be our supervisors', each LIVE or GONE; the others are left
+    out (queue 5's rule applies to them). A token is ours if it starts with a prefix in the
+    registry (or is a previous-format ``<consumer>:<nonce>``, which PHP never writes); it is
+    GONE once that supervisor's record (the previous format's heartbeat) has expired. An
+    unreadable registry or entry knows nothing."""
+    by_prefix: dict[str, list[bytes]] = {}
+    by_legacy: dict[str, list[bytes]] = {}
+    for token in set(owners):
+        text = _text(token)
+        if _TOKEN.fullmatch(text):
+            by_prefix.setdefault(text[:PREFIX_HEX], []).append(token)
+        elif ":" in text:
+            by_legacy.setdefault(text.rpartition(":")[0], []).append(token)
+    consumers: dict[str, list[bytes]] = {}  # record key -> tokens
+    if by_prefix:
+        try:
+            entries = await client.hmget(keys.supervisor_tokens, list(by_prefix))
+        except ResponseError:  # not a hash: nothing is known to be ours
+            entries = [None] * len(by_prefix)
+        for prefix, entry in zip(by_prefix, entries, strict=True):
+            consumer = _registered_consumer(entry)
+            if consumer is not None:
+                consumers.setdefault(keys.supervisor(consumer), []).extend(by_prefix[prefix])
+    for consumer, tokens in by_legacy.items():
+        consumers.setdefault(keys.legacy_consumer(consumer), []).extend(tokens)
+    if not consumers:
+        return {}
+    alive = await client.mget(list(consumers))
+    return {token: LIVE if record is not None else GONE
+            for (_, tokens), record in zip(consumers.items(), alive, strict=True)
+            for token in tokens}
+
+
+def _registered_consumer(entry: bytes | None) -> str | None:
+    """The consumer id of a registry entry ``"<until> <consumer id>"`` (None: unreadable)."""
+    until, _, consumer = _text(entry or b"").partition(" ")
+    return consumer if until.isdigit() and consumer else None
+
+
+async def forget_gone(client: Any, keys: QueueKeys, *, recovery_age: int) -> int:
+    """Remove registry entries of supervisors that are gone and could not have claimed
+    anything in the last ``recovery_age`` seconds: queue 5's rule already covers whatever
+    they held. Looks at a random sample; returns how many went."""
+    try:
+        sample = await client.hrandfield(keys.supervisor_tokens, REGISTRY_SAMPLE, withvalues=True)
+    except ResponseError:  # not a hash, or a server without HRANDFIELD: nothing to forget
+        return 0
+    if not sample:
+        return 0
+    now, _ = await server_time(client, keys.ready)
+    old = {}
+    for prefix, entry in zip(sample[::2], sample[1::2], strict=True):
+        until, _, consumer = _text(entry).partition(" ")
+        if until.isdigit() and int(until) < now - recovery_age and consumer:
+            old[prefix] = keys.supervisor(consumer)
+    if not old:
+        return 0
+    records = await client.mget(list(old.values()))
+    gone = [prefix for prefix, record in zip(old, records, strict=True) if record is None]
+    return int(await client.hdel(keys.supervisor_tokens, *gone)) if gone else 0
 
 
 async def reclaim(
@@ -291,11 +375,12 @@ def parse_cursor(stored: bytes | str | None) -> tuple[int, int]:
 
 async def _read_state(
     client: Any, keys: QueueKeys, pids: Sequence[str], *, now: int, recovery_age: int,
-) -> dict[str, tuple[bytes | None, bytes | None, bytes | None]]:
-    """Job record, owner and claim of each pid that may need recovery; pids left out are
-    kept. A live claim keeps a pid; so does an owner-less pid whose ``uniqid`` time is
-    younger than ``recovery_age`` (its record is not read: a long young history costs no
-    record reads). Plain MGETs: a cluster client refuses MGET in a pipeline."""
+) -> dict[str, tuple[bytes | None, bytes | None, str]]:
+    """Job record, owner and holder (see ``judge``) of each pid that may need recovery; pids
+    left out are kept. A live claim keeps a pid; so does an owner that is one of our live
+    supervisors, and an owner-less pid whose ``uniqid`` time is younger than
+    ``recovery_age`` (its record is not read: a long young history of a 1.x consumer costs
+    no record reads). Plain MGETs: a cluster client refuses MGET in a pipeline."""
     if not pids:
         return {}
     claims = await client.mget([keys.claim(pid) for pid in pids])
@@ -303,8 +388,11 @@ async def _read_state(
     if not idle:
         return {}
     owners = dict(zip(idle, await client.mget([keys.owner(pid) for pid in idle]), strict=True))
-    wanted = [pid for pid in idle
-              if owners[pid] is not None or not _young_by_pid(pid, now, recovery_age)]
+    known = await holders(client, keys, [owner for owner in owners.values() if owner])
+    held = {pid: known.get(owner, "") if owner is not None else ""
+            for pid, owner in owners.items()}
+    wanted = [pid for pid in idle if held[pid] != LIVE and (
+        owners[pid] is not None or not _young_by_pid(pid, now, recovery_age))]
     if not wanted:
         return {}
     records = dict(zip(wanted, await client.mget([keys.job(pid) for pid in wanted]),
@@ -314,7 +402,7 @@ async def _read_state(
         for pid, owner in zip(settled, await client.mget([keys.owner(p) for p in settled]),
                               strict=True):
             owners[pid] = owner
-    return {pid: (records[pid], owners[pid], None) for pid in wanted
+    return {pid: (records[pid], owners[pid], held[pid]) for pid in wanted
             if not (records[pid] is None and pid in settled and owners[pid] is None)}
 
 

@@ -165,9 +165,10 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
 async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspect.Leftovers]:
     """Recover until no reservation or owner record is left, or the deadline passed.
 
-    Owner records of a consumer that stopped without handing its work over are only
-    recoverable once their claims expired (up to one lease): hence the retries. The sweeps
-    do not wait for the fleet's reap lock (see ``supervisor.ops.recover``).
+    Owner records of a supervisor of ours that was killed instead of stopped are only
+    recoverable once its claims and its record expired (up to one lease): hence the
+    retries. Other consumers' (PHP workers') records are theirs and not waited for. The
+    sweeps do not wait for the fleet's reap lock (see ``supervisor.ops.recover``).
     """
     recovered = 0
     while True:
@@ -228,9 +229,13 @@ def json_for_terminal(state: dict[str, Any]) -> str:
 
 
 def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
+    theirs = ([f"  (other consumers, such as queue-5 workers, hold {left.others.count} "
+               "reservations and owner records: theirs to settle, not counted)"]
+              if left.others.count else [])
     if left.empty:
-        return [f"ok: no reservation and no owner record of {queue} remains"]
-    lines = [f"not empty: {queue} still has"]
+        return [f"ok: no reservation and no owner record of {queue} remains of this "
+                "project's supervisors", *theirs]
+    lines = [f"not empty: {queue} still has, of this project's supervisors"]
     for label, found in (
         ("registered reservations", left.registered),
         ("reservation lists", left.lists),
@@ -243,7 +248,7 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
             lines += [f"    {logs.clean(name)}" for name in found.names[:LIST_AT_MOST]]
             if found.count > LIST_AT_MOST:
                 lines.append(f"    ... and {found.count - LIST_AT_MOST} more")
-    return lines
+    return lines + theirs
 
 
 def _expiry(ms: int) -> str:

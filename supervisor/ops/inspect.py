@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from broker.redis.keys import QueueKeys, glob_escape
+from broker.redis.recovery import PREFIX_HEX
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -29,15 +30,20 @@ class Found:
 
 @dataclass(slots=True)
 class Leftovers:
-    """What a stopped consumer may leave behind: the rollback check reads these."""
+    """What a stopped supervisor may leave behind: the rollback check reads these. Only
+    what is this project's supervisors' counts (its token starts with a prefix in the token
+    registry, or is a previous-format ``<consumer>:<nonce>``): what other consumers (PHP
+    queue-5 workers, running during a rollback) hold is theirs, counted in ``others``."""
 
-    registered: Found  # registered reservations, expired or holding payloads
-    lists: Found  # reservation list keys (registered or not)
-    owners: Found  # owner records of deliveries
+    registered: Found  # registered reservations of ours, expired or holding payloads
+    lists: Found  # reservation list keys of ours (registered or not)
+    owners: Found  # owner records of deliveries of ours
     #: Live heartbeats of the previous format's supervisors (``consumers.{q}.*``): they must
     #: be stopped before this version runs, since their recovery takes every delivery whose
     #: owner token has no consumer id in it (this version's and PHP workers').
     previous: Found = field(default_factory=Found)
+    #: Reservation lists and owner records of other consumers (information only).
+    others: Found = field(default_factory=Found)
 
     @property
     def empty(self) -> bool:
@@ -60,11 +66,65 @@ async def scan_prefix(client: Any, prefix: str, show: int = SHOW) -> Found:
 
 
 async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers:
-    registered = await stale_registrations(client, keys, show)
-    lists = await scan_prefix(client, keys.reservations + ".", show)
-    owners = await scan_prefix(client, keys.owner(""), show)
+    ours = await our_prefixes(client, keys)
+    others = Found()
+    reservation = keys.reservation("")
+    registered = _split(await stale_registrations(client, keys, SHOW_ALL), reservation, ours,
+                        Found(), show)  # others' lists are counted once, below
+    lists = _split(await scan_prefix(client, reservation, SHOW_ALL), reservation, ours, others,
+                   show)
+    owners = await owner_records(client, keys, ours, others, show)
     previous = await scan_prefix(client, keys.legacy_consumer(""), show)
-    return Leftovers(registered, lists, owners, previous)
+    others.names.sort()
+    return Leftovers(registered, lists, owners, previous, others)
+
+
+#: Names kept while sorting leftovers into ours and others' (all of them).
+SHOW_ALL = 10**9
+
+
+async def our_prefixes(client: Any, keys: QueueKeys) -> set[str]:
+    """The owner-token prefixes registered by this project's supervisors."""
+    prefixes: set[str] = set()
+    async for prefix, _ in client.hscan_iter(keys.supervisor_tokens, count=SCAN_COUNT):
+        prefixes.add(_text(prefix))
+    return prefixes
+
+
+def is_ours(token: str, prefixes: set[str]) -> bool:
+    """A token of one of our supervisors: a registered prefix, or the previous format's
+    ``<consumer>:<nonce>`` (PHP writes 32 hex only)."""
+    return token[:PREFIX_HEX] in prefixes or ":" in token
+
+
+def _split(found: Found, prefix: str, ours: set[str], others: Found, show: int) -> Found:
+    """The keys of ``found`` whose token (after ``prefix``) is ours; the rest go to
+    ``others``."""
+    mine = Found()
+    for name in found.names:
+        target = mine if is_ours(name[len(prefix):], ours) else others
+        target.count += 1
+        if len(target.names) < show:
+            target.names.append(name)
+    return mine
+
+
+async def owner_records(
+    client: Any, keys: QueueKeys, ours: set[str], others: Found, show: int,
+) -> Found:
+    """Owner records whose token is ours (the others' counted in ``others``)."""
+    names = (await scan_prefix(client, keys.owner(""), SHOW_ALL)).names
+    mine = Found()
+    for start in range(0, len(names), SCAN_COUNT):
+        chunk = names[start:start + SCAN_COUNT]
+        for name, token in zip(chunk, await client.mget(chunk), strict=True):
+            if token is None:
+                continue  # settled meanwhile
+            target = mine if is_ours(_text(token), ours) else others
+            target.count += 1
+            if len(target.names) < show:
+                target.names.append(name)
+    return mine
 
 
 async def stale_registrations(client: Any, keys: QueueKeys, show: int = SHOW) -> Found:

@@ -4,7 +4,10 @@ One maintenance call does bounded work: it looks at the newest 1,000 processing 
 and one 1,000-entry window of the older ones. So "nothing recovered" only counts once
 enough empty sweeps in a row have covered the whole processing list. The sweeps run without
 waiting for the fleet's reap lock: every change is re-checked inside a script, so a sweep
-beside a supervisor's or a PHP worker's recovers nothing twice.
+beside a supervisor's or a PHP worker's recovers nothing twice. What it takes is what the
+supervisors' sweeps take (``broker.redis.recovery``): a supervisor of ours that is gone has
+its deliveries recovered as soon as their claims lapsed, any other owner's only past
+``recovery_age``.
 """
 
 from __future__ import annotations
