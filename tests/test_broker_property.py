@@ -101,8 +101,9 @@ examples of up to ``QS_PROPERTY_STEPS`` (default 80) steps: about 3,700 rule ste
 shards side by side); a longer hunt is e.g. ``QS_PROPERTY_EXAMPLES=500
 QS_PROPERTY_STEPS=120``. ``QS_PROPERTY_SEED`` fixes hypothesis's seed (a failure names the
 seed it ran with, and prints the shrunk sequence of steps with what each one did).
-Wall-clock time only enters through the renewals and deadlines above, so a seed replays the
-same steps unless a step is slower than about half a second.
+Renewals, lapses and deadlines follow the model's own clock (``TICK`` per step), never the
+wall clock, and the real lease is long enough that nothing lapses by itself in an example:
+a seed replays the same steps however slow the machine is.
 """
 
 from __future__ import annotations
@@ -146,13 +147,17 @@ KEYS = QueueKeys(NS, QUEUE)
 URL = "https://example.com/a/b"  # in every payload: both sides write "/" as "\/"
 STATS = ("total", "processing", "success", "failed")
 
-LEASE = 5  # our lease and PHP's claim TTL, seconds (the guards leave a slow step 3 s)
+LEASE = 60  # our lease and PHP's claim TTL, seconds: nothing lapses by itself in an example
+#: The model's own clock, advanced by TICK at every step: which claims are renewed, lapse or
+#: expire depends on the steps taken, never on how fast this machine ran them (a wall clock
+#: made hypothesis replay an example differently under load: FlakyStrategyDefinition).
+TICK = 0.25
 MAX_ATTEMPTS = 3
 RECOVERY_AGE = 90_000
 OLD = 100_000  # an old envelope is this many seconds older than now: past RECOVERY_AGE
-RENEW_AFTER = 0.5  # a live actor renews its claims once one is this old
-CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose (lapses at 5)
-RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline (it lapses after 4)
+RENEW_AFTER = 0.5  # a live actor renews its claims once one is this old (model seconds)
+CLAIM_GUARD = 1.5  # a claim nobody renewed for this long is deleted on purpose
+RESERVATION_GUARD = 1.0  # a reservation this old gets a past deadline
 
 MAX_ITEMS = 30  # messages published per example
 MAX_OURS = 6  # our consumers started per example (at most three acting at once)
@@ -206,7 +211,7 @@ class Item:
     owner: str | None = None  # the owner token while PROCESSING (None: made legacy)
     holder: str | None = None  # the actor that claimed it, while PROCESSING
     claim: bool = False  # its claims key exists (PROCESSING)
-    renewed: float = 0.0  # monotonic time before the claims key was last written
+    renewed: float = 0.0  # model time (see TICK) the claims key was last written
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -219,7 +224,7 @@ class Res:
 
     key: str
     uids: list[str]  # in the order taken
-    started: float  # monotonic time before the reserve call
+    started: float  # model time (see TICK) of the reserve call
     wait: int = 0  # the blocking timeout it was registered with (seconds)
     expired: bool = False  # its deadline was moved into the past
     registered: bool = True  # the reservations zset names it
@@ -281,6 +286,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         self.spawned = {"ours": 0, "php": 0}
         self.serial = 0
         self.forced = 0  # deadlines moved into the past so far
+        self.clock = 0.0  # model seconds (see TICK)
         self.claims = self.commits = self.fails = 0
         self.advances = 0
         for _ in range(3):
@@ -448,7 +454,8 @@ class BrokerProtocol(RuleBasedStateMachine):
         """Live actors renew their claims, as the renewal loops do; a claim nobody renews is
         deleted, and a reservation getting close to its deadline gets one in the past, before
         either could lapse by itself."""
-        now = time.monotonic()
+        self.clock += TICK
+        now = self.clock
         for actor in self._acting():
             owned = [self._item(d) for d in self._owned(actor)]
             if not actor.stalled and actor.renews and (any(
@@ -456,7 +463,7 @@ class BrokerProtocol(RuleBasedStateMachine):
             ) or (actor.registered and now - actor.record_renewed > RENEW_AFTER)):
                 note(f"(renewal loop of {actor.name})")
                 self._renew(actor)
-        now = time.monotonic()
+        now = self.clock
         for actor in self.actors.values():
             if actor.record and now - actor.record_renewed > CLAIM_GUARD:
                 note(f"(the record of {actor.name} lapses)")
@@ -494,7 +501,7 @@ class BrokerProtocol(RuleBasedStateMachine):
     async def _extend_ours(self, actor: Actor) -> None:
         assert actor.broker is not None
         expected = [self._owns(d) for d in actor.held]
-        started = time.monotonic()
+        started = self.clock
         owned = await actor.broker.extend(actor.held)
         assert owned == expected, (
             f"extend by {actor.name} of {[d.pid for d in actor.held]}: {owned}, "
@@ -506,7 +513,7 @@ class BrokerProtocol(RuleBasedStateMachine):
 
     def _extend_php(self, actor: Actor) -> None:
         assert actor.php is not None
-        started = time.monotonic()
+        started = self.clock
         if actor.held:
             actor.php.extend(*actor.held)
         if not actor.renews:
@@ -717,7 +724,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         assert actor.broker is not None
         ready = self.redis.lrange(KEYS.ready, 0, -1)
         registry = self.redis.zcard(KEYS.reservations)
-        started = time.monotonic()
+        started = self.clock
         reservation = await actor.broker.reserve(n, 0)
         assert reservation.payloads == ready[::-1][:n], "reserve must take from the right"
         if not reservation.payloads:
@@ -744,7 +751,7 @@ class BrokerProtocol(RuleBasedStateMachine):
             self.redis.lpush(KEYS.ready, raw)
             return await waiting
 
-        started = time.monotonic()
+        started = self.clock
         reservation = self.run(wait_and_publish())
         assert reservation.payloads == [raw]
         self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 3)
@@ -763,7 +770,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         assert actor.broker is not None
         token = secrets.token_hex(16)
         key = KEYS.reservation(token)
-        started = time.monotonic()
+        started = self.clock
         moved = self.run(actor.broker.scripts.call(
             "reserve", [KEYS.ready, KEYS.reservations, key], [2, LEASE, 1]
         ))
@@ -805,7 +812,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         actor.pending.remove(reservation)
         items = [self._identify(raw)[0] for raw in reservation.payloads]
         res = self.res.get(reservation.key)
-        started = time.monotonic()
+        started = self.clock
         received = await actor.broker.claim(reservation)
         if res is None or not res.registered or res.expired:
             event("our claim of an expired or recovered reservation")
@@ -853,7 +860,7 @@ class BrokerProtocol(RuleBasedStateMachine):
     def _php_reserve(self, actor: Actor, n: int, then_claim: bool) -> None:
         assert actor.php is not None
         ready = self.redis.lrange(KEYS.ready, 0, -1)
-        started = time.monotonic()
+        started = self.clock
         reservation = actor.php.receive_reserve_only(n)
         assert reservation.batch == ready[::-1][:n], "PHP reserves from the right"
         if reservation.batch:
@@ -872,7 +879,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         item.pid, raw = envelope.build(QUEUE, item.payload)
         self._add(item)
         producer = threading.Timer(0.03, self.redis.lpush, (KEYS.ready, raw))
-        started = time.monotonic()
+        started = self.clock
         producer.start()
         try:
             reservation = actor.php.receive_reserve_only(2, timeout=3)  # 3 s for the push
@@ -894,7 +901,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         actor.pending.remove(reservation)
         items = [self._identify(raw)[0] for raw in reservation.batch]
         res = self.res.get(reservation.key)
-        started = time.monotonic()
+        started = self.clock
         if res is None or not res.registered or res.expired:
             event("a PHP claim of an expired reservation fails (recovery returns it)")
             with pytest.raises(redis.ResponseError, match="Queue reservation expired"):
