@@ -102,7 +102,18 @@ def build(queue: str, payload: dict[str, Any], pid: str | None = None) -> tuple[
     )
 
 
-def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, Any]:
+def decode_nats(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, Any]:
+    """``decode`` as queue 5's ``Broker\\Nats::pull()`` reads a message: the same checks, but
+    no ``(int)`` cast of the timestamp before ``new Message()``, so the timestamp must be
+    what an ``int`` property takes in PHP's weak mode (``"abc"``, ``""``, ``[]``, ``{}``
+    and ``"12abc"`` throw there, so they are poison here; ``"12"``, ``1.5`` and ``true``
+    convert). ``tests/data/php_nats_decode.json`` is PHP's truth table for it."""
+    return decode(raw, max_bytes, cast_timestamp=False)
+
+
+def decode(
+    raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES, *, cast_timestamp: bool = True
+) -> dict[str, Any]:
     """Decode one envelope as a PHP queue-5 worker would; raises MalformedEnvelope (only)
     with the reason where PHP would poison it (or where the project rule above does).
 
@@ -112,6 +123,7 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
     ``attempts`` (int, ``attempts`` 0 when missing or null) and ``payload``: a dict, or a
     list for a non-empty JSON array; ``{}`` when empty, missing or null (PHP has one
     empty array for both ``{}`` and ``[]``, and writes it as ``[]``).
+    ``cast_timestamp``: ``Broker\\Redis::claim()``'s ``(int)`` cast first (NATS has none).
     """
     if not raw:
         raise MalformedEnvelope("empty message")
@@ -135,7 +147,10 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
     for name in ("pid", "queue", "timestamp"):  # PHP: isset(), so null is missing too
         if envelope.get(name) is None:
             raise MalformedEnvelope(f"{name} is {'null' if name in envelope else 'missing'}")
-    envelope["timestamp"] = _int_cast(envelope["timestamp"], "timestamp" in wide)
+    if cast_timestamp:
+        envelope["timestamp"] = _int_cast(envelope["timestamp"], "timestamp" in wide)
+    else:
+        envelope["timestamp"] = _int(envelope["timestamp"], "timestamp", "timestamp" in wide)
     envelope["pid"] = _string(envelope["pid"], "pid")
     envelope["queue"] = _string(envelope["queue"], "queue")
     envelope["payload"] = _payload(envelope.get("payload"))

@@ -2452,3 +2452,56 @@ def test_an_infinite_number_is_accepted_but_cannot_be_written_back():
     assert decoded["payload"]["a"] == math.inf  # PHP reads it as INF, and runs the job
     with pytest.raises(envelope.Unencodable, match="Inf and NaN"):
         envelope.requeued(decoded, 1)
+
+
+# --- NATS: queue 5's Broker\Nats::pull() has no (int) cast of the timestamp ------------------
+# tests/data/php_nats_decode.json: raw message bodies and what PHP 8.2 made of them going
+# through pull()'s steps (see php_nats_decode.php beside it). Two rows differ on purpose: a
+# timestamp PHP saturates to fit 64 bits is poison here too (the project rule above).
+
+PHP_NATS = json.loads((Path(__file__).parent / "data" / "php_nats_decode.json").read_text())
+NATS_ROWS = PHP_NATS["rows"]
+PHP_SATURATES = {'"timestamp":-9223372036854775809,', '"timestamp":"-9223372036854775809",'}
+
+
+@pytest.mark.parametrize("row", NATS_ROWS, ids=[r["in"][:70] for r in NATS_ROWS])
+def test_nats_decode_agrees_with_php(row):
+    raw = row["in"].encode()
+    if row["php"] is None or any(s in row["in"] for s in PHP_SATURATES):
+        with pytest.raises(MalformedEnvelope):
+            envelope.decode_nats(raw)
+        return
+    decoded = envelope.decode_nats(raw)
+    pid, queue, timestamp, payload, attempts = row["php"]
+    got = (decoded["pid"], decoded["queue"], decoded["timestamp"], decoded["payload"] or [],
+           decoded["attempts"])
+    assert same(got, (pid, queue, timestamp, payload, attempts)), (got, row["php"])
+
+
+@pytest.mark.parametrize("timestamp", ['"abc"', '""', "[]", "{}", '"12abc"', '" "', '"0x1A"'])
+def test_what_redis_casts_nats_refuses(timestamp):
+    raw = with_fields(timestamp=timestamp)
+    assert envelope.decode(raw)["timestamp"] in (0, 12)  # Redis: (int) first, as PHP does
+    with pytest.raises(MalformedEnvelope, match="timestamp is"):
+        envelope.decode_nats(raw)
+
+
+def test_the_nats_table_covers_the_issue():
+    inputs = [row["in"] for row in NATS_ROWS]
+    for timestamp in ('"abc"', '""', "[]", "{}"):
+        assert f'"timestamp":{timestamp},' in " ".join(inputs)
+    assert PHP_NATS["produced_by"].startswith("PHP 8.2")
+
+
+@pytest.mark.parametrize("row", NATS_ROWS, ids=[r["in"][:70] for r in NATS_ROWS])
+def test_the_queue5_nats_model_decodes_as_php(row):
+    from tests.queue5_nats import constructs_message
+
+    try:
+        data = json.loads(row["in"])
+    except ValueError:
+        data = None
+    runs = (isinstance(data, dict) and all(data.get(k) is not None
+                                           for k in ("pid", "queue", "timestamp"))
+            and constructs_message(data))
+    assert runs is (row["php"] is not None)

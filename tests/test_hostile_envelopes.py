@@ -215,3 +215,50 @@ async def test_the_operators_retry_never_steps_attempts_out_of_range(redis_clien
 def test_infinity_really_is_what_php_reads():
     decoded = envelope.decode(raw_envelope("inf", INF_PAYLOAD))
     assert decoded["payload"]["a"] == math.inf
+
+
+# --- NATS: queue 5's acceptance (no timestamp cast), deep nesting, extreme numbers --------
+
+
+async def test_nats_parks_what_php_would_throw_on_and_runs_the_rest(nats_server):
+    import nats as nats_client
+
+    from broker.nats import NatsBroker
+    from broker.nats.setup import QueueNames
+
+    broker = NatsBroker(nats_server.url, QUEUE, request_timeout=2.0, max_attempts=2)
+    await broker.connect()
+    client = await nats_client.connect(nats_server.url)
+    refused = ['"abc"', '""', "[]", "{}", '"12abc"']
+    accepted = {"cast": raw_envelope("cast").replace(b'"timestamp":1', b'"timestamp":"12"'),
+                "deep": raw_envelope("deep", deep_payload(510)),
+                "low": raw_envelope("low", timestamp=INT64_MIN, attempts=INT64_MIN),
+                "high": raw_envelope("high", timestamp=INT64_MAX, attempts=INT64_MAX)}
+    try:
+        js = client.jetstream()
+        subject = QueueNames.of(QUEUE).subject
+        for timestamp in refused:
+            await js.publish(subject, b'{"pid":"p","queue":"q","timestamp":%s}' % (
+                timestamp.encode()))
+        for raw in accepted.values():
+            await js.publish(subject, raw)
+        deliveries, poisoned = [], []
+        for _ in range(20):  # each receive waits up to 2 s for the first message
+            if len(deliveries) + len(poisoned) == len(refused) + len(accepted):
+                break
+            received = await broker.receive(100, 2)
+            deliveries += received.deliveries
+            poisoned += received.poisoned
+        assert sorted(d.pid for d in deliveries) == sorted(accepted)
+        assert all("timestamp is" in p.reason for p in poisoned), poisoned
+        # Every accepted one settles: the deep one is released (its bytes go back as they
+        # are) and the others fail until their budget ends, whatever their attempts say.
+        for delivery in deliveries:
+            assert delivery.raw == accepted[delivery.pid]
+        results = await broker.settle([
+            Settlement(Action.RELEASE if d.pid == "deep" else Action.REJECT, d, "boom")
+            for d in deliveries])
+        assert all(r.ok for r in results), results
+    finally:
+        await client.close()
+        await broker.close()
