@@ -2505,3 +2505,23 @@ def test_the_queue5_nats_model_decodes_as_php(row):
                                            for k in ("pid", "queue", "timestamp"))
             and constructs_message(data))
     assert runs is (row["php"] is not None)
+
+
+@pytest.mark.parametrize("row", ENCODE_ROWS, ids=[r["in"][48:110] for r in ENCODE_ROWS])
+def test_the_queue5_model_reads_and_writes_as_php(row):
+    from tests import queue5
+
+    php = row["php"]
+    try:
+        decoded = queue5.php_json_decode(row["in"].encode())
+    except ValueError:
+        assert "decode" in php
+        return
+    retry = {"pid": decoded["pid"], "queue": decoded["queue"], "timestamp": 1700000000,
+             "payload": decoded.get("payload") or [],
+             "attempts": (decoded.get("attempts") or 0) + 1}
+    if decoded.get("key") is not None:
+        retry["key"] = decoded["key"]
+    if isinstance(php["requeue"], dict):  # INF
+        return
+    assert queue5.php_json_encode(retry) == php["requeue"]
