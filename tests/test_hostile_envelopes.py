@@ -262,3 +262,18 @@ async def test_nats_parks_what_php_would_throw_on_and_runs_the_rest(nats_server)
     finally:
         await client.close()
         await broker.close()
+
+
+def test_the_soak_workload_carries_hostile_envelopes():
+    from bench.chaos.workload import FLAKY, generate
+
+    flaky = [m for m in generate(QUEUE, 2000, 7) if m.kind == FLAKY]
+    hostile = [envelope.decode(m.raw) for m in flaky if b'"deep"' in m.raw]
+    assert len(hostile) >= 5
+    for decoded in hostile:
+        assert decoded["attempts"] in (INT64_MIN, -1)
+        assert decoded["timestamp"] in (INT64_MIN, INT64_MAX)
+        depth, value = 2, decoded["payload"]["deep"]
+        while isinstance(value, list):
+            depth, value = depth + 1, value[0]
+        assert 250 <= depth <= 511
