@@ -2371,7 +2371,8 @@ json_leaves = (
     st.none() | st.booleans() | st.integers(INT64_MIN, INT64_MAX)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.sampled_from([0.0, -0.0, 1e16, 1e17, 1e-4, 1e-5, 1e22, 5e-324, 1.5, 100.0])
-    | st.text() | st.sampled_from(["a/b", "\x7f", "\u2028", "😀", "é", '"\\', "{}", '{"0":'])
+    | st.text() | st.sampled_from(["a/b", "\x7f", "\u2028", "😀", "é", '"\\', "{}", '{"0":',
+                                   "a:1.5", "x,e", "[1e5", "null", "{ }", '{"":'])
 )
 php_values = st.recursive(
     json_leaves,
