@@ -277,3 +277,13 @@ def test_the_soak_workload_carries_hostile_envelopes():
         while isinstance(value, list):
             depth, value = depth + 1, value[0]
         assert 250 <= depth <= 511
+
+
+def test_the_publish_command_refuses_a_payload_php_could_not_write():
+    from supervisor.ops.publish import InputError, read_payloads
+
+    writable = b'{"deep":' + b"[" * 509 + b"]" * 509 + b"}"  # 511 levels in the envelope
+    assert read_payloads([writable])
+    too_deep = b'{"deep":' + b"[" * 600 + b"]" * 600 + b"}"
+    with pytest.raises(InputError, match=r"<stdin>:2: PHP's json_encode refuses it too"):
+        read_payloads([writable, too_deep])
