@@ -194,14 +194,14 @@ def php_json(value: Any) -> bytes:
         out = orjson.dumps(value)
     except TypeError:  # nested too deep for orjson, or a type it does not know
         return _encode_like_php(value)
-    # One pass makes a short view of the bytes; a regex or a walk of the value would cost
-    # far more on every publish.
+    # One pass makes a short view of the bytes for the checks below; a regex over the
+    # bytes or a walk of the value costs more, on every publish.
     view = out.translate(_VIEW, _UNVIEWED)
     if b'{"":' in view and b'{"0":' in out:  # maybe an object PHP holds as a list
         return _encode_like_php(value)
     if b"null" in view:  # orjson writes INF and NAN as null; json_encode throws
         _check_finite(value)
-    if b":." in view or b":e" in view or b"{}" in view or view[:1] in b".e":
+    if b":." in view or b":e" in view or b"{}" in view or type(value) is float:
         out = _TOKEN.sub(_php_token, out)  # maybe a float or an empty object
     out = out.replace(b"/", b"\\/")  # "/" only occurs inside strings
     if not out.isascii():  # nor does anything non-ASCII
@@ -209,12 +209,12 @@ def php_json(value: Any) -> bytes:
     return out
 
 
-# The view keeps the bytes that matter, the ones before a value (":", ",", "[") made ":":
-# a float (it always has a "." or an exponent; digits and signs are dropped) shows as ":."
-# or ":e" (or starts the view), an empty object as "{}", {"0": as {"":, null as null.
+# The view keeps the bytes that matter, with those before a value (":", ",", "[") made ":"
+# and digits and signs dropped: a float (it always has a "." or an exponent) shows as ":."
+# or ":e", an empty object as "{}", {"0": as {"": (and {"pid": as {"p":), null as itself.
 # Strings can look the same: the exact pass then changes nothing.
 _VIEW = bytes(0x3A if byte in b":,[" else byte for byte in range(256))
-_UNVIEWED = bytes(byte for byte in range(256) if byte not in b':,[.e{}"nul')
+_UNVIEWED = bytes(byte for byte in range(256) if byte not in b':,[.e{}"nulp')
 _TOKEN = re.compile(
     rb'"[^"\\]*(?:\\.[^"\\]*)*"|\{\}|-?[0-9]+(?:\.[0-9]+(?:e[-+]?[0-9]+)?|e[-+]?[0-9]+)'
 )
