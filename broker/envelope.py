@@ -202,7 +202,7 @@ def php_json(value: Any) -> bytes:
     if b"null" in view:  # orjson writes INF and NAN as null; json_encode throws
         _check_finite(value)
     if b":." in view or b":e" in view or b"{}" in view or type(value) is float:
-        out = _TOKEN.sub(_php_token, out)  # maybe a float or an empty object
+        out = orjson.dumps(_as_php_writes(value))  # maybe a float or an empty object
     out = out.replace(b"/", b"\\/")  # "/" only occurs inside strings
     if not out.isascii():  # nor does anything non-ASCII
         out = out.decode().encode("ascii", _ESCAPE)
@@ -215,18 +215,20 @@ def php_json(value: Any) -> bytes:
 # Strings can look the same: the exact pass then changes nothing.
 _VIEW = bytes(0x3A if byte in b":,[" else byte for byte in range(256))
 _UNVIEWED = bytes(byte for byte in range(256) if byte not in b':,[.e{}"nulp')
-_TOKEN = re.compile(
-    rb'"[^"\\]*(?:\\.[^"\\]*)*"|\{\}|-?[0-9]+(?:\.[0-9]+(?:e[-+]?[0-9]+)?|e[-+]?[0-9]+)'
-)
+_EMPTY = orjson.Fragment(b"[]")
 
 
-def _php_token(match: re.Match[bytes]) -> bytes:
-    token = match.group()
-    if token[0] == 0x22:  # a string: unchanged
-        return token
-    if token == b"{}":
-        return b"[]"
-    return php_json_float(float(token)).encode()
+def _as_php_writes(value: Any) -> Any:
+    """``value`` with each float and empty object replaced by the bytes json_encode writes
+    for it (orjson copies a Fragment as it is). Only for what orjson could write: at most
+    255 levels, so recursion is safe."""
+    if isinstance(value, dict):
+        return {key: _as_php_writes(item) for key, item in value.items()} if value else _EMPTY
+    if isinstance(value, list | tuple):
+        return [_as_php_writes(item) for item in value]
+    if isinstance(value, float):
+        return orjson.Fragment(php_json_float(value).encode())
+    return value
 
 
 def php_json_float(value: float) -> str:
