@@ -1,7 +1,12 @@
 """The job envelope, byte-compatible with what `utopia-php/queue` writes and reads.
 
-PHP's ``json_encode`` escapes ``/`` as ``\\/`` and writes an empty payload as ``[]``;
-we do the same when we write.
+When we write (publish, retry, recovery), the bytes are what PHP's ``json_encode`` with its
+default flags writes for the same value (``php_json``): ``/`` as ``\\/``, non-ASCII as
+``\\uXXXX`` (astral characters as surrogate pairs), floats as ``serialize_precision = -1``
+formats them (``1`` for ``1.0``, ``1.0e+25``, ``-0``), an empty object as ``[]`` (PHP decodes
+``{}`` and ``[]`` to one empty array), an object keyed ``"0"``..``"n-1"`` in order as a list
+(PHP's array is a list then), up to 512 nested levels, and no INF/NAN.
+``tests/data/php_json_encode.json`` is PHP's truth table for it.
 
 When we read, ``decode`` accepts exactly what a queue-5 PHP worker accepts
 (``Broker\\Redis::claim()``): ``json_decode($raw, true, 512, JSON_THROW_ON_ERROR)``, an
@@ -18,12 +23,15 @@ Anything malformed is reported with a reason and never handed on.
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
 import math
 import os
 import random
 import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -60,6 +68,11 @@ class MalformedEnvelope(ValueError):
     """The bytes are not a valid job envelope; ``str(error)`` is the reason."""
 
 
+class Unencodable(ValueError):
+    """A value PHP's ``json_encode`` refuses too (INF or NAN, more than 512 nested levels);
+    ``str(error)`` is the reason."""
+
+
 def new_pid(at: float | None = None) -> str:
     """A 23-character pid in the shape of PHP's ``uniqid('', true)``, made now (or ``at``).
 
@@ -73,11 +86,10 @@ def new_pid(at: float | None = None) -> str:
 
 
 def encode(envelope: dict[str, Any]) -> bytes:
-    """Serialise an envelope as PHP's ``json_encode`` would (``\\/``, ``[]`` for empty)."""
+    """Serialise an envelope as PHP's ``json_encode`` would (``[]`` for an empty payload)."""
     if not envelope.get("payload"):
         envelope = {**envelope, "payload": []}
-    # "/" can only occur inside JSON strings, so escaping every one is safe.
-    return orjson.dumps(envelope).replace(b"/", b"\\/")
+    return php_json(envelope)
 
 
 def build(queue: str, payload: dict[str, Any], pid: str | None = None) -> tuple[str, bytes]:
@@ -90,7 +102,18 @@ def build(queue: str, payload: dict[str, Any], pid: str | None = None) -> tuple[
     )
 
 
-def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, Any]:
+def decode_nats(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, Any]:
+    """``decode`` as queue 5's ``Broker\\Nats::pull()`` reads a message: the same checks, but
+    no ``(int)`` cast of the timestamp before ``new Message()``, so the timestamp must be
+    what an ``int`` property takes in PHP's weak mode (``"abc"``, ``""``, ``[]``, ``{}``
+    and ``"12abc"`` throw there, so they are poison here; ``"12"``, ``1.5`` and ``true``
+    convert). ``tests/data/php_nats_decode.json`` is PHP's truth table for it."""
+    return decode(raw, max_bytes, cast_timestamp=False)
+
+
+def decode(
+    raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES, *, cast_timestamp: bool = True
+) -> dict[str, Any]:
     """Decode one envelope as a PHP queue-5 worker would; raises MalformedEnvelope (only)
     with the reason where PHP would poison it (or where the project rule above does).
 
@@ -100,6 +123,7 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
     ``attempts`` (int, ``attempts`` 0 when missing or null) and ``payload``: a dict, or a
     list for a non-empty JSON array; ``{}`` when empty, missing or null (PHP has one
     empty array for both ``{}`` and ``[]``, and writes it as ``[]``).
+    ``cast_timestamp``: ``Broker\\Redis::claim()``'s ``(int)`` cast first (NATS has none).
     """
     if not raw:
         raise MalformedEnvelope("empty message")
@@ -123,7 +147,10 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
     for name in ("pid", "queue", "timestamp"):  # PHP: isset(), so null is missing too
         if envelope.get(name) is None:
             raise MalformedEnvelope(f"{name} is {'null' if name in envelope else 'missing'}")
-    envelope["timestamp"] = _int_cast(envelope["timestamp"], "timestamp" in wide)
+    if cast_timestamp:
+        envelope["timestamp"] = _int_cast(envelope["timestamp"], "timestamp" in wide)
+    else:
+        envelope["timestamp"] = _int(envelope["timestamp"], "timestamp", "timestamp" in wide)
     envelope["pid"] = _string(envelope["pid"], "pid")
     envelope["queue"] = _string(envelope["queue"], "queue")
     envelope["payload"] = _payload(envelope.get("payload"))
@@ -136,10 +163,199 @@ def decode(raw: bytes, max_bytes: int | None = MAX_ENVELOPE_BYTES) -> dict[str, 
 
 
 def requeued(envelope: dict[str, Any], attempts: int, timestamp: int | None = None) -> bytes:
-    """The envelope a retry or a recovery pushes back: the same pid and payload, a new
-    timestamp (now, unless given) and the new attempts count."""
-    now = int(time.time()) if timestamp is None else timestamp
-    return encode({**envelope, "timestamp": now, "attempts": attempts})
+    """The envelope a retry or a recovery pushes back, in the fields and order of queue 5's
+    ``retryPayload()``: the same pid, queue and payload, a new timestamp (now, unless
+    given), the new attempts count, then ``key`` when the message has one. Other fields
+    are dropped, as PHP drops them. Raises Unencodable where ``json_encode`` would throw."""
+    fields = {
+        "pid": envelope["pid"], "queue": envelope["queue"],
+        "timestamp": int(time.time()) if timestamp is None else timestamp,
+        "payload": envelope.get("payload") or [], "attempts": attempts,
+    }
+    if envelope.get("key") is not None:  # PHP: isset()
+        fields["key"] = envelope["key"]
+    return php_json(fields)
+
+
+# --- JSON, as PHP's json_encode($value) writes it -------------------------------------------
+
+#: json_encode's default depth: 512 nested arrays are written, 513 are an error.
+MAX_ENCODE_NESTING = 512
+
+
+def php_json(value: Any) -> bytes:
+    """``json_encode($value)`` (default flags) of the PHP value ``value`` decodes to.
+
+    orjson writes it and a few byte-level passes turn its output into PHP's; values it
+    cannot take (more than 255 levels, which orjson refuses) and objects keyed ``"0"``..
+    (rare) go through ``_encode_like_php``, the reference writer.
+    """
+    try:
+        out = orjson.dumps(value)
+    except TypeError:  # nested too deep for orjson, or a type it does not know
+        return _encode_like_php(value)
+    # One pass makes a short view of the bytes for the checks below; a regex over the
+    # bytes or a walk of the value costs more, on every publish.
+    view = out.translate(_VIEW, _UNVIEWED)
+    if b'{"":' in view and b'{"0":' in out:  # maybe an object PHP holds as a list
+        return _encode_like_php(value)
+    if b"null" in view:  # orjson writes INF and NAN as null; json_encode throws
+        _check_finite(value)
+    if b":." in view or b":e" in view or b"{}" in view or type(value) is float:
+        out = orjson.dumps(_as_php_writes(value))  # maybe a float or an empty object
+    out = out.replace(b"/", b"\\/")  # "/" only occurs inside strings
+    if not out.isascii():  # nor does anything non-ASCII
+        out = out.decode().encode("ascii", _ESCAPE)
+    return out
+
+
+# The view keeps the bytes that matter, with those before a value (":", ",", "[") made ":"
+# and digits and signs dropped: a float (it always has a "." or an exponent) shows as ":."
+# or ":e", an empty object as "{}", {"0": as {"": (and {"pid": as {"p":), null as itself.
+# Strings can look the same: the exact pass then changes nothing.
+_VIEW = bytes(0x3A if byte in b":,[" else byte for byte in range(256))
+_UNVIEWED = bytes(byte for byte in range(256) if byte not in b':,[.e{}"nulp')
+_EMPTY = orjson.Fragment(b"[]")
+
+
+def _as_php_writes(value: Any) -> Any:
+    """``value`` with each float and empty object replaced by the bytes json_encode writes
+    for it (orjson copies a Fragment as it is). Only for what orjson could write: at most
+    255 levels, so recursion is safe."""
+    if isinstance(value, dict):
+        return {key: _as_php_writes(item) for key, item in value.items()} if value else _EMPTY
+    if isinstance(value, list | tuple):
+        return [_as_php_writes(item) for item in value]
+    if isinstance(value, float):
+        return orjson.Fragment(php_json_float(value).encode())
+    return value
+
+
+def php_json_float(value: float) -> str:
+    """A float as json_encode writes it (``smart_str_append_double``, serialize_precision
+    -1): the shortest digits that read back the same, exponent form below 1e-4 or from
+    1e17 (``1.0e+25``, ``1.5e-7``), no ``.0`` on a whole number."""
+    if not math.isfinite(value):
+        raise Unencodable("Inf and NaN cannot be JSON encoded")
+    if value == 0:
+        return "-0" if math.copysign(1.0, value) < 0 else "0"
+    text = repr(value)  # the shortest round-trip digits, as zend_gcvt's mode 0
+    sign = "-" if text[0] == "-" else ""
+    mantissa, _, exponent = text.lstrip("-").partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = whole + fraction
+    point = len(whole) + int(exponent or 0)  # decpt: digits before the decimal point
+    significant = digits.lstrip("0")
+    point -= len(digits) - len(significant)
+    digits = significant.rstrip("0")
+    if point < -3 or point > 17:
+        exp = point - 1
+        return f"{sign}{digits[0]}.{digits[1:] or '0'}e{'-' if exp < 0 else '+'}{abs(exp)}"
+    if point <= 0:
+        return f"{sign}0.{'0' * -point}{digits}"
+    fraction = digits[point:]
+    return sign + digits[:point].ljust(point, "0") + (f".{fraction}" if fraction else "")
+
+
+def _check_finite(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is float and not math.isfinite(item):
+            raise Unencodable("Inf and NaN cannot be JSON encoded")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def _escape_non_ascii(error: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: what json_encode writes for characters outside ASCII."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    units = error.object[error.start:error.end].encode("utf-16-be")
+    return "".join(
+        f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2)
+    ), error.end
+
+
+_ESCAPE = "php-json-escape"
+codecs.register_error(_ESCAPE, _escape_non_ascii)
+
+
+def _encode_like_php(value: Any) -> bytes:
+    """The reference writer: PHP's json_encode rules, in Python, without recursion (512
+    levels would take more frames than Python allows)."""
+    parts: list[str] = []
+    # Open containers: their (key or None, item) pairs still to write and closing bracket.
+    frames: list[tuple[Iterator[tuple[str | None, Any]], str]] = [(iter([(None, value)]), "")]
+    while frames:
+        items, closer = frames[-1]
+        entry = next(items, None)
+        if entry is None:  # every item written, each followed by ","
+            frames.pop()
+            if closer:
+                parts[-1] = closer
+                parts.append(",")
+            continue
+        key, item = entry
+        if key is not None:
+            parts += (_php_string(key), ":")
+        if isinstance(item, dict | list | tuple):
+            if len(frames) > MAX_ENCODE_NESTING:  # an empty one counts too
+                raise Unencodable(f"more than {MAX_ENCODE_NESTING} nested levels")
+            if item:
+                frames.append(_open(item, parts))
+            else:
+                parts += ("[]", ",")  # PHP has one empty array for {} and []
+        else:
+            parts += (_scalar(item), ",")
+    return "".join(parts[:-1]).encode("ascii")
+
+
+def _open(
+    value: dict[str, Any] | list[Any] | tuple[Any, ...], parts: list[str]
+) -> tuple[Iterator[tuple[str | None, Any]], str]:
+    if isinstance(value, dict):
+        if not all(type(key) is str for key in value):
+            raise TypeError("Dict key must be str")
+        if not _php_list(value):
+            parts.append("{")
+            return iter(value.items()), "}"
+        value = list(value.values())
+    parts.append("[")
+    return zip(itertools.repeat(None), value), "]"
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, str):
+        return _php_string(value)
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "true" if value else "false"
+    if isinstance(value, int):
+        if not _INT64_MIN <= value < 2**64:  # as orjson: PHP has no wider integer
+            raise TypeError("Integer exceeds 64-bit range")
+        return str(int(value))
+    if isinstance(value, float):
+        return php_json_float(value)
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def _php_list(value: dict[str, Any]) -> bool:
+    """PHP turned this object into a list: its keys are "0".."n-1" in order."""
+    return all(key == str(index) for index, key in enumerate(value))
+
+
+def _php_string(text: str) -> str:
+    # Python escapes DEL (0x7f) as \u007f; PHP writes it as it is.
+    if "\x7f" in text:
+        quoted = '"' + "\x7f".join(_ascii_json(part)[1:-1] for part in text.split("\x7f")) + '"'
+    else:
+        quoted = _ascii_json(text)
+    return quoted.replace("/", "\\/")
+
+
+_ascii_json = json.encoder.encode_basestring_ascii
 
 
 def _plain(envelope: dict[str, Any]) -> bool:

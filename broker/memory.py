@@ -160,7 +160,7 @@ class MemoryBroker:
         elif self.retry.exhausted(message.attempts):
             self.dead.append(message.pid)
         else:
-            message.attempts += 1
+            message.attempts = RetryPolicy.next_attempts(message.attempts)
             self.ready.append(message)
         if faults.uncertain_applied:
             faults.uncertain_applied -= 1

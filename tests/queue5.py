@@ -22,6 +22,7 @@ import math
 import random
 import re
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -258,6 +259,10 @@ def php_float(value: float, exp: str = "e") -> str:
     return prefix + whole + ("." + frac if frac else "")
 
 
+# json_encode writes 512 nested levels; php_json_encode recurses through two frames a level.
+sys.setrecursionlimit(max(sys.getrecursionlimit(), 4000))
+
+
 def php_json_encode(value: Any) -> str:
     """``json_encode($value)`` with default flags, for what ``json_decode`` produced."""
     if value is None or isinstance(value, bool):
@@ -266,8 +271,9 @@ def php_json_encode(value: Any) -> str:
         return str(value)
     if isinstance(value, float):
         return php_float(value)
-    if isinstance(value, str):
-        return json.dumps(value).replace("/", "\\/")
+    if isinstance(value, str):  # json_encode leaves DEL (0x7f) as it is; Python escapes it
+        text = "\x7f".join(json.dumps(part)[1:-1] for part in value.split("\x7f"))
+        return '"' + text.replace("/", "\\/") + '"'
     if isinstance(value, dict) and [str(k) for k in value] != [str(i) for i in range(len(value))]:
         items = (f"{php_json_encode(str(k))}:{php_json_encode(v)}" for k, v in value.items())
         return "{" + ",".join(items) + "}"
@@ -295,7 +301,7 @@ def php_json_decode(raw: bytes) -> Any:
         if isinstance(item, str):
             item.encode("utf-8")
         elif isinstance(item, dict | list):
-            if depth >= 512:
+            if depth >= 511:  # 512 nested containers in all are refused
                 raise ValueError("Maximum stack depth exceeded")
             children = list(item.items()) if isinstance(item, dict) else [(None, v) for v in item]
             stack += [(k, depth) for k, _ in children if k is not None]

@@ -20,6 +20,8 @@ What it does, per the facts (versions N1-N3):
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,7 @@ class Queue5NatsWorker:
         self.spare: int | None = None
         self.bounded = False
         self.parked: list[str] = []  # reasons, for the tests
+        self.thrown: list[dict[str, Any]] = []  # envelopes new Message() threw on
 
     async def connect(self, mode: str = "ensure") -> Queue5NatsWorker:
         self.nc = await nats.connect(self.url)
@@ -126,6 +129,12 @@ class Queue5NatsWorker:
                     data.get(k) is None for k in ("pid", "queue", "timestamp")):
                 await self._park(msg, "payload could not be decoded")
                 continue
+            if not constructs_message(data):
+                # new Message() throws out of pull(): this delivery and the rest of the
+                # batch are left unacknowledged (redelivered after ack_wait, dead-lettered
+                # by the max-deliveries advisory at the end), none of them runs.
+                self.thrown.append(data)
+                return []
             jobs.append(Job(data["pid"], max(0, delivered - 1), data.get("payload"), msg))
         return jobs
 
@@ -189,3 +198,33 @@ class Queue5NatsWorker:
             await msg.ack_sync()
             moved += 1
         return moved
+
+
+# PHP's numeric strings: whitespace, sign, digits with an optional fraction, exponent.
+_NUMERIC = re.compile(r"[ \t\n\r\v\f]*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?"
+                      r"[ \t\n\r\v\f]*")
+_INTEGER = re.compile(r"[ \t\n\r\v\f]*[+-]?[0-9]+[ \t\n\r\v\f]*")
+
+
+def _takes_int(value: Any) -> bool:
+    """An ``int`` property in PHP's weak mode (Message.php has no strict_types) takes it."""
+    if isinstance(value, str):
+        if _INTEGER.fullmatch(value) and -(2**63) <= int(value) < 2**63:
+            return True
+        return bool(_NUMERIC.fullmatch(value)) and _takes_int(float(value))
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, int):  # JSON integers past 64 bits are doubles in PHP
+        return -(2**63) <= value < 2**63 or _takes_int(float(value))
+    return isinstance(value, float) and math.isfinite(value) and -(2.0**63) <= value < 2.0**63
+
+
+def constructs_message(data: dict[str, Any]) -> bool:
+    """``new Message($data)`` returns (pull() casts nothing first): pid and queue scalars,
+    timestamp, attempts and sequence what an int property takes, payload an array."""
+    scalar = (str, int, float, bool)
+    return (isinstance(data["pid"], scalar) and isinstance(data["queue"], scalar)
+            and _takes_int(data["timestamp"])
+            and isinstance(data.get("payload") or [], dict | list)
+            and (data.get("attempts") is None or _takes_int(data["attempts"]))
+            and (data.get("sequence") is None or _takes_int(data["sequence"])))

@@ -178,7 +178,19 @@ MALFORMED = (
     b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":"text"}',
     b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":{},"attempts":"-1x"}',
     b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":{},"attempts":1e30}',
+    # hostile: one level deeper than json_decode's 512 allows (the envelope is one)
+    b'{"pid":"m%d","queue":"stats-usage","timestamp":1,"payload":' + b"[" * 511 + b"]" * 511
+    + b"}",
 )
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Hostile attempts PHP accepts (each side's retry accounting must still end) and extreme
+#: timestamps (the oldest stands for an old envelope, the newest for a young one).
+EXTREME_ATTEMPTS = (INT64_MIN, -1, INT64_MAX - 100)
+
+
+def ran_before(attempts: int) -> int:
+    """Earlier runs by our retry accounting: a negative attempts counts as none."""
+    return max(attempts, 0)
 
 #: What the ``advance`` rule does with deliveries, in turn.
 ADVANCE_ACTIONS = (Action.COMMIT, Action.REJECT, Action.COMMIT, Action.RELEASE)
@@ -212,10 +224,16 @@ class Item:
     holder: str | None = None  # the actor that claimed it, while PROCESSING
     claim: bool = False  # its claims key exists (PROCESSING)
     renewed: float = 0.0  # model time (see TICK) the claims key was last written
+    depth: int = 0  # hostile: the payload holds arrays nested this deep (envelope: 2 more)
 
     @property
     def payload(self) -> dict[str, Any]:
-        return {"uid": self.uid, "url": URL}
+        if not self.depth:
+            return {"uid": self.uid, "url": URL}
+        deep: Any = [1]
+        for _ in range(self.depth - 1):
+            deep = [deep]
+        return {"uid": self.uid, "url": URL, "deep": deep}
 
 
 @dataclass(eq=False)
@@ -389,6 +407,7 @@ class BrokerProtocol(RuleBasedStateMachine):
                 (item.old or reap_after == 0) if side == "php"
                 else self._holder_state(item) != "live"
                 and (item.old or self._holder_state(item) == "gone"))
+            and not (side == "php" and self._published_later(item))
         ]
 
     def _holder_state(self, item: Item) -> str:
@@ -399,6 +418,20 @@ class BrokerProtocol(RuleBasedStateMachine):
                     and item.owner.startswith(actor.broker.token_prefix):
                 return "live" if actor.record else "gone"
         return ""
+
+    def _stranded_by_its_timestamp(self, item: Item) -> bool:
+        """Hostile, and left alone as queue 5 leaves it: a processing entry whose timestamp
+        is in the future is young to every age gate, so no sweep takes it from an owner not
+        known to be ours (nor from none)."""
+        if item.place == PROCESSING and self._published_later(item):
+            event("a processing entry published in the future stays (as in queue 5)")
+            return True
+        return False
+
+    def _published_later(self, item: Item) -> bool:
+        """Hostile: its timestamp is in the future, so every age gate keeps it (PHP's too)."""
+        raw = self.redis.get(KEYS.job(item.pid)) if item.pid else None
+        return raw is not None and envelope.decode(raw)["timestamp"] > time.time()
 
     def _looked_at(self, side: str, scan: int) -> set[str]:
         """The processing pids one sweep looks at: queue 5's cursor window (``scan`` entries
@@ -576,11 +609,11 @@ class BrokerProtocol(RuleBasedStateMachine):
                 raise AssertionError(
                     f"our recovery took {item.uid} from {holder.name}, alive and holding it")
             self._unhold(item)
-            if item.attempts + 1 >= MAX_ATTEMPTS:
+            if ran_before(item.attempts) + 1 >= MAX_ATTEMPTS:
                 event("our recovery dead-letters at max_attempts")
                 item.place = DEAD
             else:
-                item.place, item.attempts, item.old = READY, item.attempts + 1, False
+                item.place, item.attempts, item.old = READY, ran_before(item.attempts) + 1, False
                 requeued.append(item.uid)
         return requeued
 
@@ -633,19 +666,26 @@ class BrokerProtocol(RuleBasedStateMachine):
     @precondition(lambda self: self._room())
     @rule(
         who=st.sampled_from(["ours", "php", "crafted"]), count=st.integers(1, 3),
-        old=st.booleans(), attempts=st.integers(0, MAX_ATTEMPTS - 1), keyed=st.booleans(),
+        old=st.booleans(), keyed=st.booleans(), extreme=st.booleans(),
+        attempts=st.integers(0, MAX_ATTEMPTS - 1) | st.sampled_from(EXTREME_ATTEMPTS),
+        depth=st.just(0) | st.integers(248, 509),
     )
-    def publish(self, who: str, count: int, old: bool, attempts: int, keyed: bool) -> None:
+    def publish(self, who: str, count: int, old: bool, attempts: int, keyed: bool,
+                extreme: bool, depth: int) -> None:
         """Fresh messages through ``publish_many`` or PHP's ``publish``; old ones, or ones with
         attempts already made, as another producer (or a retry) wrote them, with LPUSH
-        (``keyed``: with a fresh coalescing key, its marker set as PHP's coalesce does)."""
+        (``keyed``: with a fresh coalescing key, its marker set as PHP's coalesce does).
+        Hostile ones PHP accepts too: ``depth`` (250 to 511 levels in all), attempts from
+        -2**63 up, ``extreme`` timestamps (-2**63 when old, 2**63 - 1 when young)."""
         self._tick()
         uids = [self._new_uid() for _ in range(count)]
         phps = self._acting(ours=False)
-        if who == "crafted" or old or attempts or (who == "php" and not phps):
+        if who == "crafted" or old or attempts or extreme or (who == "php" and not phps):
             timestamp = int(time.time()) - (OLD if old else 0)
+            if extreme:
+                timestamp = INT64_MIN if old else INT64_MAX
             for uid in uids:
-                item = Item(uid, True, pid=f"p{uid}", attempts=attempts, old=old)
+                item = Item(uid, True, pid=f"p{uid}", attempts=attempts, old=old, depth=depth)
                 fields: dict[str, Any] = {}
                 if keyed:
                     item.key = fields["key"] = f"k{uid}"
@@ -656,7 +696,7 @@ class BrokerProtocol(RuleBasedStateMachine):
                 }))
                 self._add(item)
             return
-        items = [Item(uid, True) for uid in uids]
+        items = [Item(uid, True, depth=depth) for uid in uids]
         if who == "ours":
             broker = self._acting(ours=True)[0].broker
             assert broker is not None
@@ -1018,11 +1058,12 @@ class BrokerProtocol(RuleBasedStateMachine):
                 released.append(item.uid)
             else:
                 self.fails += 1
-                if delivery.attempts + 1 >= MAX_ATTEMPTS:
+                if ran_before(delivery.attempts) + 1 >= MAX_ATTEMPTS:
                     event("reject at max_attempts: failed")
                     item.place = FAILED  # the record kept as it was
                 else:
-                    item.place, item.attempts, item.old = READY, delivery.attempts + 1, False
+                    item.place, item.attempts = READY, ran_before(delivery.attempts) + 1
+                    item.old = False
                     retried.append(item.uid)
         for delivery, _ in chosen:
             if delivery in actor.held:
@@ -1390,14 +1431,19 @@ class BrokerProtocol(RuleBasedStateMachine):
         # taking turns with ours on the cursor they need not reach those.
         target = "php" if sides == ["php"] else "ours"
         reap_after = php.php.reap_after if php is not None and php.php is not None else 0
-        bound = len(sides) * (2 * math.ceil(len(self._in(PROCESSING)) / scan) + 3)
+        # Strictly alternating, the shared cursor can livelock: each PHP pass leaves it where
+        # our next pass looks at the newest end only, so an old entry only our sweep takes (a
+        # dead supervisor of ours) is never in our window. Real sweeps take the lock in no
+        # fixed order; two of ours in a row reach it.
+        turns = ["ours", "php", "ours"] if len(sides) == 2 else sides
+        bound = len(turns) * (2 * math.ceil(len(self._in(PROCESSING)) / scan) + 3)
         for passes in range(bound):
             if not self._recoverable(target, reap_after=reap_after) and (
                     sides == ["php"] or not self._expired()):
                 if passes > len(sides):
                     event("a sweep took several passes")
                 return
-            self._sweep_pass(sides[passes % len(sides)], ours, php, scan)
+            self._sweep_pass(turns[passes % len(turns)], ours, php, scan)
         left = [item.uid for item in self._recoverable(target, reap_after=reap_after)]
         raise AssertionError(f"{bound} passes of scan {scan} by {sides} left {left}")
 
@@ -1613,8 +1659,9 @@ class BrokerProtocol(RuleBasedStateMachine):
             self.every_message_is_in_exactly_one_place()
             if not any(self._in(place) for place in (READY, RESERVED, PROCESSING)):
                 break
+        future = [i for i in self.items.values() if self._stranded_by_its_timestamp(i)]
         left = {i.uid: i.place for i in self.items.values() if i.place not in (
-            DONE, FAILED, DEAD, POISON)}
+            DONE, FAILED, DEAD, POISON) and i not in future}
         assert not left, f"drain left {left}"
         pipe = self.redis.pipeline(transaction=False)
         pipe.llen(KEYS.ready)
@@ -1623,10 +1670,13 @@ class BrokerProtocol(RuleBasedStateMachine):
         pipe.get(KEYS.stat("processing"))
         pipe.keys(f"{NS}.*")
         ready, processing, registry, in_process, keys = pipe.execute()
-        assert (ready, processing, registry, int(in_process or 0)) == (0, 0, 0, 0)
+        assert (ready, processing, registry, int(in_process or 0)) == (
+            0, len(future), 0, len(future))
+        kept = {f".{i.pid}".encode() for i in future}
         stranded = [
             k for k in keys
             if re.match(rb".*\.(reservations|owners|claims)\." + QUEUE.encode() + rb"\.", k)
+            and not any(k.endswith(pid) for pid in kept)
         ]
         assert not stranded, f"keys left after the drain: {stranded}"
         assert self.commits == len(self._in(DONE))

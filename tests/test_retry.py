@@ -24,3 +24,12 @@ def test_delays_double_per_run_or_follow_a_consumers_list():
 def test_a_budget_below_one_run_is_refused():
     with pytest.raises(ValueError):
         RetryPolicy(0)
+
+
+@pytest.mark.parametrize(("attempts", "after"), [
+    (-(2**63), 1), (-1, 1), (0, 1), (4, 5), (2**63 - 2, 2**63 - 1), (2**63 - 1, 2**63 - 1),
+])
+def test_a_negative_count_is_no_earlier_run_and_the_count_stays_in_64_bits(attempts, after):
+    assert RetryPolicy.next_attempts(attempts) == after
+    assert RetryPolicy(3).exhausted(attempts) is (max(attempts, 0) >= 2)
+    assert not RetryPolicy(2).exhausted(-(2**63))  # it still gets its budget's runs

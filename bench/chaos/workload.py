@@ -12,6 +12,11 @@ Kinds:
   list): it fails every attempt and must end in failed/dead, never in the totals;
 - ``malformed``: bytes that are not a valid envelope: poison (Redis) / dead (NATS).
 
+A share of the flaky messages is hostile in ways PHP accepts (issue 28): a payload nested
+250 to 511 levels deep, which every retry must write back, and a negative ``attempts``
+(-2**63 or -1) with a timestamp of -2**63 or 2**63 - 1 in the envelope; the retry
+accounting must still end within ``max_attempts`` runs.
+
 Good and flaky messages must all be counted exactly once, except a flaky one whose every
 attempt failed (probability ``p ** max_attempts``): it ends in failed/dead and is then
 accounted for separately.
@@ -34,6 +39,8 @@ INVALID_SHARE = 0.002
 MALFORMED_SHARE = 0.002
 SLOW_SHARE = 0.002
 SLOW_SECONDS = 2.5
+HOSTILE_SHARE_OF_FLAKY = 0.2
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 GOOD, FLAKY, SLOW, INVALID, MALFORMED = "good", "flaky", "slow", "invalid", "malformed"
 
@@ -81,8 +88,21 @@ def _message(queue: str, n: int, kind: str, rng: random.Random) -> Message:
     if kind == INVALID:
         payload = {"project": {"$id": project}, "metrics": f"not a list ({n})"}
         metrics = {}
+    hostile = kind == FLAKY and rng.random() < HOSTILE_SHARE_OF_FLAKY
+    if hostile:
+        payload["deep"] = _nested(rng.randrange(248, 510))  # 250..511 levels in all
     pid, raw = envelope.build(queue, payload)
+    if hostile:
+        raw = envelope.encode({**envelope.decode(raw), "attempts": rng.choice((INT64_MIN, -1)),
+                               "timestamp": rng.choice((INT64_MIN, INT64_MAX))})
     return Message(kind, raw, pid, project, metrics)
+
+
+def _nested(levels: int) -> list[Any]:
+    value: list[Any] = [levels]
+    for _ in range(levels - 1):
+        value = [value]
+    return value
 
 
 def _malformed(queue: str, n: int, rng: random.Random) -> bytes:

@@ -318,7 +318,7 @@ class NatsBroker:
                     self._poison(msg, receipt, reason, malformed=False)))
                 continue
             try:
-                decoded = envelope.decode(msg.data, self._max_bytes)
+                decoded = envelope.decode_nats(msg.data, self._max_bytes)
             except envelope.MalformedEnvelope as error:
                 poison.append(asyncio.ensure_future(
                     self._poison(msg, receipt, f"malformed: {error}")))
@@ -433,7 +433,7 @@ class NatsBroker:
         if receipt is None:
             return
         try:
-            decoded = envelope.decode(msg.data, self._max_bytes)
+            decoded = envelope.decode_nats(msg.data, self._max_bytes)
         except envelope.MalformedEnvelope:
             await self._respond(receipt, NAK)  # dead-lettered at its next delivery
             return

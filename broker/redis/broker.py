@@ -725,7 +725,13 @@ class RedisBroker:
         if RetryPolicy(self.max_attempts).exhausted(delivery.attempts):
             return "f", b""  # queue 5's reject: the failed list, the record kept
         decoded = delivery.envelope or envelope.decode(delivery.raw)
-        return "r", envelope.requeued(decoded, delivery.attempts + 1)
+        try:
+            return "r", envelope.requeued(decoded, RetryPolicy.next_attempts(delivery.attempts))
+        except envelope.Unencodable as error:
+            # This delivery alone: the batch it settles with must still go through.
+            log.error("job %s failed, and its retry cannot be written as PHP would (%s): it "
+                      "goes to the failed list instead", delivery.pid, error)
+            return "f", b""
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])

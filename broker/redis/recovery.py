@@ -242,7 +242,12 @@ def judge(
     marker = keys.marker(decoded) if decoded is not None else None
     if decoded is None or RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
         return Candidate(DEAD, pid, owner_text, marker=marker)
-    requeued = envelope.requeued(decoded, decoded["attempts"] + 1, now)
+    try:
+        requeued = envelope.requeued(decoded, RetryPolicy.next_attempts(decoded["attempts"]), now)
+    except envelope.Unencodable as error:  # this entry alone: the sweep goes on
+        log.error("queue %s: job %s cannot be requeued as PHP would write it (%s): moved to "
+                  "dead", keys.queue, pid, error)
+        return Candidate(DEAD, pid, owner_text, marker=marker)
     return Candidate(REQUEUE, pid, owner_text, requeued, marker)
 
 

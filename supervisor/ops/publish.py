@@ -44,6 +44,11 @@ def read_payloads(
         if not isinstance(payload, dict):
             kind = type(payload).__name__
             raise InputError(f"{name}:{number}: a payload must be a JSON object, not {kind}")
+        try:
+            envelope.php_json(payload)
+        except envelope.Unencodable as error:  # over 512 levels in all, say
+            raise InputError(f"{name}:{number}: PHP's json_encode refuses it too ({error}); "
+                             "nothing was published") from None
         if limit is not None:
             _check_size(payload, limit, f"{name}:{number}")
         payloads.append(payload)

@@ -20,6 +20,7 @@ from broker import envelope
 from broker.base import MAX_BATCH
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
+from broker.retry import RetryPolicy
 
 SOURCES = ("failed", "dead")
 
@@ -28,7 +29,7 @@ SOURCES = ("failed", "dead")
 class RetryReport:
     moved: int = 0  # back in the ready list
     expired: int = 0  # pids without a job record, removed from the source list
-    malformed: int = 0  # records that are not an envelope: left where they are
+    malformed: int = 0  # records that are not an envelope, or cannot be written back: left
     skipped: int = 0  # changed or moved by someone else meanwhile
 
     def as_dict(self) -> dict[str, int]:
@@ -73,11 +74,10 @@ def _plan(
             continue
         try:
             decoded = envelope.decode(record)
-        except envelope.MalformedEnvelope:
+            attempts = 0 if reset else RetryPolicy.next_attempts(decoded["attempts"])
+            items.append((pid, record, envelope.requeued(decoded, attempts)))
+        except (envelope.MalformedEnvelope, envelope.Unencodable):  # no handler could run it
             kept += 1
-            continue
-        attempts = 0 if reset else decoded["attempts"] + 1
-        items.append((pid, record, envelope.requeued(decoded, attempts)))
     return items, kept
 
 
