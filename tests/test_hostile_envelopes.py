@@ -288,3 +288,29 @@ def test_the_publish_command_refuses_a_payload_php_could_not_write():
     too_deep = b'{"deep":' + b"[" * 600 + b"]" * 600 + b"}"
     with pytest.raises(InputError, match=r"<stdin>:2: PHP's json_encode refuses it too"):
         read_payloads([writable, too_deep])
+
+
+# --- the requeue at exit: the same rule as recovery's ----------------------------------
+
+
+async def test_the_requeue_at_exit_counts_negative_attempts_as_none_and_parks_the_unwritable(
+    redis_url, redis_client, caplog
+):
+    """A supervisor requeues what its killed handlers held at exit with recovery's own rule:
+    a negative count is no earlier run (it once came back as -2**63 + 1, retried forever),
+    and an envelope PHP cannot write goes to dead alone instead of failing the stop."""
+    raws = [raw_envelope("negative", attempts=-(2**63)), raw_envelope("inf", INF_PAYLOAD),
+            raw_envelope("plain", attempts=1)]
+    for raw in raws:
+        await redis_client.lpush(KEYS.ready, raw)
+    broker = await new_broker(redis_url, max_attempts=3)
+    try:
+        deliveries = await receive_all(broker, len(raws))
+        await broker.abandon(deliveries)
+    finally:
+        await broker.close()
+    ready = {envelope.decode(raw)["pid"]: envelope.decode(raw)["attempts"]
+             for raw in await redis_client.lrange(KEYS.ready, 0, -1)}
+    assert ready == {"negative": 1, "plain": 2}
+    assert await redis_client.lrange(KEYS.dead, 0, -1) == [b"inf"]
+    assert await redis_client.llen(KEYS.processing) == 0

@@ -775,13 +775,8 @@ class RedisBroker:
     def _own_candidate(self, delivery: Delivery, now: int) -> recovery.Candidate:
         """Recovery's verdict on one of our deliveries (requeue or dead), owner checked."""
         decoded = delivery.envelope or envelope.decode(delivery.raw)
-        marker = self.keys.marker(decoded)
-        if RetryPolicy(self.max_attempts).exhausted(delivery.attempts):
-            return recovery.Candidate(recovery.DEAD, delivery.pid, delivery.receipt,
-                                      marker=marker)
-        requeued = envelope.requeued(decoded, delivery.attempts + 1, now)
-        return recovery.Candidate(recovery.REQUEUE, delivery.pid, delivery.receipt, requeued,
-                                  marker)
+        return recovery.verdict(delivery.pid, decoded, delivery.receipt, keys=self.keys,
+                                now=now, max_attempts=self.max_attempts)
 
     async def _renew(self, deliveries: Sequence[Delivery], lease: int) -> list[bool]:
         owned: list[bool] = []

@@ -239,16 +239,25 @@ def judge(
         decoded = None  # kept as it is in dead: no handler could run it
     if holder != GONE and now - _published(pid, decoded) <= recovery_age:
         return None  # a queue-5 worker that never renews (or a 1.x one) may still run it
+    return verdict(pid, decoded, owner_text, keys=keys, now=now, max_attempts=max_attempts)
+
+
+def verdict(
+    pid: str, decoded: dict[str, Any] | None, owner: str, *,
+    keys: QueueKeys, now: int, max_attempts: int,
+) -> Candidate:
+    """Requeue (same pid, timestamp ``now``, one more attempt) or dead: the one rule for a
+    sweep's candidates and for what a supervisor still owns at exit."""
     marker = keys.marker(decoded) if decoded is not None else None
     if decoded is None or RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
-        return Candidate(DEAD, pid, owner_text, marker=marker)
+        return Candidate(DEAD, pid, owner, marker=marker)
     try:
         requeued = envelope.requeued(decoded, RetryPolicy.next_attempts(decoded["attempts"]), now)
     except envelope.Unencodable as error:  # this entry alone: the sweep goes on
         log.error("queue %s: job %s cannot be requeued as PHP would write it (%s): moved to "
                   "dead", keys.queue, pid, error)
-        return Candidate(DEAD, pid, owner_text, marker=marker)
-    return Candidate(REQUEUE, pid, owner_text, requeued, marker)
+        return Candidate(DEAD, pid, owner, marker=marker)
+    return Candidate(REQUEUE, pid, owner, requeued, marker)
 
 
 async def holders(client: Any, keys: QueueKeys, owners: Iterable[bytes]) -> dict[bytes, str]:
