@@ -23,13 +23,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from broker.redis.keys import MAX_TTL, hash_tag
 from broker.redis.replication import Replication
-from broker.redis.seeds import problem as seed_problem
 from broker.tls import TlsFileError, TlsSettings, check_files
-from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact, split_servers
+from broker.urls import broker_kind, redact, split_servers, url_problem
 from worker import handler as handler_paths
 from worker.handler import Handler
 from worker.protocol import DELIVER_OVERHEAD
@@ -107,84 +106,6 @@ NOT_EMPTY = Rule("not empty", lambda value: None if value.strip() else "must not
 NO_SPACES = Rule(
     "no spaces", lambda value: "must not contain spaces" if re.search(r"\s", value) else None
 )
-
-
-def url_problem(url: str) -> str | None:
-    """Why ``url`` is not usable, or None: one URL, or a comma-separated list (the servers
-    of a NATS cluster, or the seed nodes of a Redis Cluster), each checked as a URL of its
-    own, all with one scheme (TLS for all, or for none)."""
-    servers = split_servers(url)
-    if len(servers) == 1:
-        return _one_url_problem(url)
-    for number, server in enumerate(servers, 1):
-        where = f"server {number} of {len(servers)}"
-        if not server:
-            return f"has an empty {where} (a stray comma?)"
-        problem = _one_url_problem(server)
-        if problem:
-            return f"{where} ({redact(server)}) {problem}"
-    schemes = sorted({urlsplit(server).scheme for server in servers})
-    if len(schemes) > 1:
-        shown = ", ".join(f"{scheme}://" for scheme in schemes)
-        return f"mixes schemes {shown}; every server of a list uses the same one"
-    return seed_problem(url) if schemes[0] in REDIS_SCHEMES else None
-
-
-def _one_url_problem(url: str) -> str | None:
-    if "://" not in url:
-        return "is not a URL (expected e.g. redis://127.0.0.1:6379/0)"
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 -- parsing the port is what raises on a bad one
-    except ValueError as error:
-        # Never urllib's message: it quotes the "port", often a piece of the password.
-        return f"is not a valid URL ({_parse_failure(error)}; {_ENCODE_SECRETS})"
-    if _userinfo_cut_short(url, parts.netloc):
-        return ("has an @ after its host: the password or token before it holds an unencoded "
-                f"/ ? or #, which ends it early ({_ENCODE_SECRETS})")
-    if parts.scheme not in REDIS_SCHEMES + NATS_SCHEMES:
-        return f'has scheme "{parts.scheme}"; expected one of redis, rediss, nats, tls'
-    if not parts.hostname:
-        return "names no host"
-    database = parts.path.strip("/")
-    if parts.scheme in REDIS_SCHEMES and database and not database.isdigit():
-        return f'names database "{database}"; a Redis database is a number'
-    if parts.scheme in REDIS_SCHEMES:
-        # redis-py lets URL parameters override its arguments: an ssl_cert_reqs=none there
-        # would silently turn off what the tls_* keys (and their defaults) ask for.
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        tls_params = [name for name, _ in query if name.startswith("ssl")]
-        if tls_params:
-            return (f"sets {tls_params[0]} in its query; TLS is set with the [broker] "
-                    "tls_* keys (a URL parameter would override them)")
-    return None
-
-
-#: A password or token with one of these unencoded ends the userinfo early (the parser
-#: reads the rest as port, path, query or fragment): the one fix, said in every such error.
-_ENCODE_SECRETS = ("a password or token containing / ? # or @ must be percent-encoded: "
-                   "%2F %3F %23 %40")
-
-
-def _parse_failure(error: ValueError) -> str:
-    """What urllib found wrong, in words that quote no part of the URL."""
-    message = str(error)
-    if message.startswith("Port could not be cast"):
-        return "the port after the host is not a number"
-    if message.startswith("Port out of range"):
-        return "the port is not in 0-65535"
-    if "IPv6" in message:
-        return "unbalanced [ ] around the host (an IPv6 address is written [::1])"
-    return "it cannot be parsed"
-
-
-def _userinfo_cut_short(url: str, netloc: str) -> bool:
-    """An ``@`` after the host the parser found: the userinfo was cut at an unencoded
-    ``/``, ``?`` or ``#`` (``redis://u:12#secret@h``, ``nats://tok/en@h``), so the host
-    is a piece of it. An ``@`` inside a query value (``?password=p@ss``) is no sign."""
-    after_host = url[url.index("://") + 3 + len(netloc):]
-    at = after_host.find("@")
-    return "@" not in netloc and at >= 0 and "=" not in after_host[:at]
 
 
 BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)
