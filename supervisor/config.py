@@ -22,17 +22,19 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from broker.redis.keys import MAX_TTL, hash_tag
-from broker.redis.replication import Replication
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import broker_kind, redact, split_servers, url_problem
 from worker import handler as handler_paths
 from worker.handler import Handler
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
+
+if TYPE_CHECKING:
+    from broker.redis.replication import Replication
 
 #: When set and not empty, overrides ``[broker] url`` (so that secrets stay out of files).
 ENV_BROKER_URL = "QUEUE_BROKER_URL"
@@ -203,6 +205,9 @@ class BrokerConfig:
 
     @property
     def replication(self) -> Replication:
+        # Here, not at the top: it loads redis-py, which a NATS job never needs.
+        from broker.redis.replication import Replication
+
         return Replication(self.wait_replicas, self.wait_timeout)
 
     @property

@@ -7,6 +7,7 @@ the file from the message alone.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -609,3 +610,31 @@ def test_bad_wait_settings_are_errors(tmp_path, line, expected):
 def test_wait_replicas_needs_redis(tmp_path):
     message = error_of(tmp_path, with_job('url = "nats://h:4222"\nwait_replicas = 1\n', "broker"))
     assert "[broker] wait_replicas = 1 works on Redis only" in message
+
+
+# --- what loading a job's configuration imports ----------------------------------------------
+
+
+def modules_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running ``code``."""
+    listing = "import sys; print(' '.join({name.split('.')[0] for name in sys.modules}))"
+    script = f"{code}\n{listing}"
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=True)
+    return set(done.stdout.split())
+
+
+def test_importing_the_config_loads_no_broker_client():
+    loaded = modules_after("import supervisor.config")
+    assert "redis" not in loaded and "nats" not in loaded
+
+
+@pytest.mark.parametrize(("url", "kind", "other_client"), [
+    ("nats://127.0.0.1:4222", "nats", "redis"),
+    ("redis://127.0.0.1:6379/0", "redis", "nats"),
+])
+def test_loading_a_job_loads_no_client_of_the_other_broker(tmp_path, url, kind, other_client):
+    path = write(tmp_path, with_job(f'url = "{url}"\n', "broker"))
+    code = (f"from supervisor.config import load\n"
+            f"assert load({str(path)!r}, environ={{}}).broker.kind == {kind!r}")
+    assert other_client not in modules_after(code)
