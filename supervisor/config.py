@@ -1,9 +1,11 @@
 """The job configuration: one TOML file per job, read into frozen dataclasses.
 
-Every key is declared once, as a field of its section's dataclass: the annotation is its
-type, the field holds its default, its rules and one line of documentation. The loader, its
-error messages and ``describe()`` (the key table of the README) all read that declaration,
-so a key cannot be documented one way and validated another.
+This module declares the keys (a field of its section's dataclass per key: type, default,
+rules, one line of documentation), the rules that involve several keys, and ``load``.
+How a declaration is read, checked and documented is ``supervisor.schema``; whether a broker
+URL is usable, ``broker.urls``. The loader, its error messages and ``describe()`` (the key
+table of the README) all read the declarations, so a key cannot be documented one way and
+validated another.
 
 Every problem is a ``ConfigError`` whose message is one line naming the file and the key:
 the CLI prints it and exits with code 2 before anything is consumed.
@@ -11,29 +13,47 @@ the CLI prints it and exits with code 2 before anything is consumed.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
 import os
-import re
-import tomllib
-import typing
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, urlsplit
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from broker.redis.keys import MAX_TTL, hash_tag
-from broker.redis.replication import Replication
-from broker.redis.seeds import problem as seed_problem
 from broker.tls import TlsFileError, TlsSettings, check_files
-from broker.urls import NATS_SCHEMES, REDIS_SCHEMES, broker_kind, redact, split_servers
+from broker.urls import broker_kind, redact, split_servers, url_problem
+from supervisor.schema import (
+    NO_SPACES,
+    NOT_EMPTY,
+    REQUIRED,
+    CrossCheck,
+    Key,
+    Rule,
+    Values,
+    above,
+    at_least,
+    at_most,
+    fill_same_as,
+    key_table,
+    keys_of,
+    multiple_of,
+    one_of,
+    parse_toml,
+    read_text,
+    setting,
+    show,
+)
+from supervisor.schema import ConfigError as ConfigError  # what callers of load() catch
 from worker import handler as handler_paths
 from worker.handler import Handler
 from worker.protocol import DELIVER_OVERHEAD
 from worker.ring import Ring
+
+if TYPE_CHECKING:
+    from broker.redis.replication import Replication
+
 
 #: When set and not empty, overrides ``[broker] url`` (so that secrets stay out of files).
 ENV_BROKER_URL = "QUEUE_BROKER_URL"
@@ -49,144 +69,19 @@ RETIRED_KEYS = {
         "delivery); a consumer the supervisor creates gets MaxDeliver = [job] max_attempts + 1"
     ),
 }
-REQUIRED = MISSING
 #: The most one handler ring may take (ring_slot_size * ring_slots): half a ring is the
 #: largest envelope it carries, and no broker keeps a message above 512 MiB (Redis's string
 #: limit; NATS's max_payload is at most 64 MiB), so a larger ring only holds memory.
 MAX_RING_BYTES = 2**30
 
 
-class ConfigError(Exception):
-    """The configuration cannot be used; the message is one line naming the file and key."""
-
-
-HandlerError = handler_paths.HandlerError  # a spec that names no importable callable
-
-
-# --- rules: each says in a few words what it allows, and why a value is refused ------------
-
-
-class Rule(NamedTuple):
-    text: str  # what is allowed, for describe()
-    check: Callable[[Any], str | None]  # the reason a value is refused, or None
-
-
-def at_least(low: float) -> Rule:
-    return Rule(f">= {low}", lambda value: None if value >= low else f"must be >= {low}")
-
-
-def above(low: float) -> Rule:
-    return Rule(f"> {low}", lambda value: None if value > low else f"must be > {low}")
-
-
-def at_most(high: float) -> Rule:
-    return Rule(f"<= {high}", lambda value: None if value <= high else f"must be <= {high}")
-
-
-def multiple_of(step: int) -> Rule:
-    return Rule(
-        f"multiple of {step}",
-        lambda value: None if value % step == 0 else f"must be a multiple of {step}",
-    )
-
-
-def one_of(choices: tuple[str, ...]) -> Rule:
-    def check(value: str) -> str | None:
-        if value in choices:
-            return None
-        return f"must be one of {', '.join(choices)}{_did_you_mean(value, choices)}"
-
-    return Rule(", ".join(choices), check)
+# --- rules of single keys ------------------------------------------------------------------
 
 
 ZERO_OR_AT_LEAST_1024 = Rule(
     "0 or >= 1024",
     lambda value: None if value == 0 or value >= 1024 else "must be 0 (no limit) or >= 1024",
 )
-NOT_EMPTY = Rule("not empty", lambda value: None if value.strip() else "must not be empty")
-NO_SPACES = Rule(
-    "no spaces", lambda value: "must not contain spaces" if re.search(r"\s", value) else None
-)
-
-
-def url_problem(url: str) -> str | None:
-    """Why ``url`` is not usable, or None: one URL, or a comma-separated list (the servers
-    of a NATS cluster, or the seed nodes of a Redis Cluster), each checked as a URL of its
-    own, all with one scheme (TLS for all, or for none)."""
-    servers = split_servers(url)
-    if len(servers) == 1:
-        return _one_url_problem(url)
-    for number, server in enumerate(servers, 1):
-        where = f"server {number} of {len(servers)}"
-        if not server:
-            return f"has an empty {where} (a stray comma?)"
-        problem = _one_url_problem(server)
-        if problem:
-            return f"{where} ({redact(server)}) {problem}"
-    schemes = sorted({urlsplit(server).scheme for server in servers})
-    if len(schemes) > 1:
-        shown = ", ".join(f"{scheme}://" for scheme in schemes)
-        return f"mixes schemes {shown}; every server of a list uses the same one"
-    return seed_problem(url) if schemes[0] in REDIS_SCHEMES else None
-
-
-def _one_url_problem(url: str) -> str | None:
-    if "://" not in url:
-        return "is not a URL (expected e.g. redis://127.0.0.1:6379/0)"
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 -- parsing the port is what raises on a bad one
-    except ValueError as error:
-        # Never urllib's message: it quotes the "port", often a piece of the password.
-        return f"is not a valid URL ({_parse_failure(error)}; {_ENCODE_SECRETS})"
-    if _userinfo_cut_short(url, parts.netloc):
-        return ("has an @ after its host: the password or token before it holds an unencoded "
-                f"/ ? or #, which ends it early ({_ENCODE_SECRETS})")
-    if parts.scheme not in REDIS_SCHEMES + NATS_SCHEMES:
-        return f'has scheme "{parts.scheme}"; expected one of redis, rediss, nats, tls'
-    if not parts.hostname:
-        return "names no host"
-    database = parts.path.strip("/")
-    if parts.scheme in REDIS_SCHEMES and database and not database.isdigit():
-        return f'names database "{database}"; a Redis database is a number'
-    if parts.scheme in REDIS_SCHEMES:
-        # redis-py lets URL parameters override its arguments: an ssl_cert_reqs=none there
-        # would silently turn off what the tls_* keys (and their defaults) ask for.
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        tls_params = [name for name, _ in query if name.startswith("ssl")]
-        if tls_params:
-            return (f"sets {tls_params[0]} in its query; TLS is set with the [broker] "
-                    "tls_* keys (a URL parameter would override them)")
-    return None
-
-
-#: A password or token with one of these unencoded ends the userinfo early (the parser
-#: reads the rest as port, path, query or fragment): the one fix, said in every such error.
-_ENCODE_SECRETS = ("a password or token containing / ? # or @ must be percent-encoded: "
-                   "%2F %3F %23 %40")
-
-
-def _parse_failure(error: ValueError) -> str:
-    """What urllib found wrong, in words that quote no part of the URL."""
-    message = str(error)
-    if message.startswith("Port could not be cast"):
-        return "the port after the host is not a number"
-    if message.startswith("Port out of range"):
-        return "the port is not in 0-65535"
-    if "IPv6" in message:
-        return "unbalanced [ ] around the host (an IPv6 address is written [::1])"
-    return "it cannot be parsed"
-
-
-def _userinfo_cut_short(url: str, netloc: str) -> bool:
-    """An ``@`` after the host the parser found: the userinfo was cut at an unencoded
-    ``/``, ``?`` or ``#`` (``redis://u:12#secret@h``, ``nats://tok/en@h``), so the host
-    is a piece of it. An ``@`` inside a query value (``?password=p@ss``) is no sign."""
-    after_host = url[url.index("://") + 3 + len(netloc):]
-    at = after_host.find("@")
-    return "@" not in netloc and at >= 0 and "=" not in after_host[:at]
-
-
 BROKER_URL = Rule("redis:// rediss:// nats:// tls://", url_problem)
 # Where the file is and what it holds is checked once the job file's folder is known
 # (relative paths are relative to it): see _tls_files_usable.
@@ -196,24 +91,13 @@ PEM_FILE = Rule("a file path, relative to the job file's folder; empty: none",
 
 def handler_problem(spec: str) -> str | None:
     try:
-        split_handler(spec)
-    except HandlerError as error:
+        handler_paths.split(spec)
+    except handler_paths.HandlerError as error:
         return str(error)
     return None
 
 
 HANDLER_SPEC = Rule('"pkg.mod:func" or "pkg.mod.func"', handler_problem)
-
-
-def setting(default: Any, doc: str, *rules: Rule, same_as: str | None = None) -> Any:
-    """Declare one key: default (REQUIRED, or None with ``same_as``), doc and rules.
-
-    ``same_as`` names the key whose value is the default: ``"coroutines"`` in the same
-    section, ``"job.max_attempts"`` in another one, or a product of keys of the same section
-    (``"coroutines * tasks_per_process"``).
-    """
-    metadata = {"doc": doc, "rules": rules, "same_as": same_as}
-    return field(default=None if same_as else default, metadata=metadata)
 
 
 #: An async handler's call is cancelled at handler_timeout; one still running this much later
@@ -282,6 +166,9 @@ class BrokerConfig:
 
     @property
     def replication(self) -> Replication:
+        # Here, not at the top: it loads redis-py, which a NATS job never needs.
+        from broker.redis.replication import Replication
+
         return Replication(self.wait_replicas, self.wait_timeout)
 
     @property
@@ -345,7 +232,7 @@ class JobConfig:
     )
 
     def __post_init__(self) -> None:
-        _fill_same_as(self, lambda name: getattr(self, name))
+        fill_same_as(self, lambda name: getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,80 +328,15 @@ class Config:
             return getattr(getattr(self, section), name)
 
         for section in SECTIONS:
-            filled = _fill_same_as(getattr(self, section), lookup, copy=True)
+            filled = fill_same_as(getattr(self, section), lookup, copy=True)
             object.__setattr__(self, section, filled)
-
-
-def _fill_same_as(section: Any, lookup: Callable[[str], Any], copy: bool = False) -> Any:
-    """Give keys declared ``same_as`` another key, and left unset, that key's value.
-
-    In place for keys of the same section (from ``__post_init__``); as a copy for keys of
-    another section (from ``Config``, which sees all sections).
-    """
-    changes = {}
-    for spec in dataclasses.fields(section):
-        same_as = spec.metadata.get("same_as")
-        if same_as and ("." in same_as) == copy and getattr(section, spec.name) is None:
-            changes[spec.name] = math.prod(lookup(name) for name in same_as.split(" * "))
-    if copy:
-        return dataclasses.replace(section, **changes) if changes else section
-    for name, value in changes.items():
-        object.__setattr__(section, name, value)
-    return section
 
 
 # --- the key table ---------------------------------------------------------------------------
 
 
-class Key(NamedTuple):
-    section: str
-    name: str
-    kind: type  # int, float (seconds: int or float accepted), bool or str
-    default: Any  # REQUIRED, or None when same_as names the default
-    same_as: str | None
-    rules: tuple[Rule, ...]
-    doc: str
-
-    @property
-    def label(self) -> str:
-        return f"[{self.section}] {self.name}"
-
-
-def _keys_of(section: str, cls: type) -> list[Key]:
-    hints = typing.get_type_hints(cls)
-    return [
-        Key(
-            section,
-            spec.name,
-            hints[spec.name],
-            spec.default,
-            spec.metadata["same_as"],
-            spec.metadata["rules"],
-            spec.metadata["doc"],
-        )
-        for spec in dataclasses.fields(cls)
-    ]
-
-
 #: Every key, in file order: the one table that validation and documentation share.
-KEYS: tuple[Key, ...] = tuple(
-    key for section, cls in SECTIONS.items() for key in _keys_of(section, cls)
-)
-
-
-def _key(dotted: str) -> Key:
-    return next(key for key in KEYS if f"{key.section}.{key.name}" == dotted)
-
-
-def _qualified(key: Key) -> list[str]:
-    """The ``section.name`` of each key whose product ``key`` defaults to."""
-    assert key.same_as
-    return [name if "." in name else f"{key.section}.{name}" for name in key.same_as.split(" * ")]
-
-
-class CrossCheck(NamedTuple):
-    doc: str
-    check: Callable[[_Values], str | None]
+KEYS: tuple[Key, ...] = keys_of(SECTIONS)
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -526,16 +348,8 @@ def load(
     import_handler: bool = True,
 ) -> Config:
     """Read, validate and return the job configuration in ``path``; raises ConfigError."""
-    name = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise ConfigError(f"{name}: cannot read the file: {error.strerror or error}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{name}: not UTF-8 text (byte {error.start})") from None
-    return loads(text, name, environ, import_handler, directory=Path(path).parent)
+    text = read_text(path)
+    return loads(text, str(path), environ, import_handler, directory=Path(path).parent)
 
 
 def loads(
@@ -547,76 +361,35 @@ def loads(
 ) -> Config:
     """Like ``load`` for TOML text already read; ``path`` names it in messages, relative
     file paths (the TLS keys) are relative to ``directory`` (``load``: the file's folder)."""
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: invalid TOML: {error}") from None
-    values = _Values(path)
-    values.read(document)
+    values = _JobFile(path)
+    values.read(parse_toml(text, path))
     values.resolve_files(Path(directory))
     values.override_url(environ)
-    values.cross_check()
+    values.cross_check(CROSS_CHECKS)
     handler = values.import_handler() if import_handler else None
     for message in values.warnings:  # only for a file that loads: an error comes first
         warnings.warn(message, DeprecationWarning, stacklevel=2)
     return values.build(handler)
 
 
-class _Values:
-    """The values read so far, by section, and how to name each key in a message."""
+class _JobFile(Values):
+    """The values of one job file: its keys, the names it still reads, and what it asks
+    for beyond its values (files, the environment, the handler)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-        self.labels: dict[tuple[str, str], str] = {}  # keys read under another name
-        self.warnings: list[str] = []
+        super().__init__(path, KEYS)
 
-    def fail(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{self.path}: {message}")
+    def adapt(self, section: str, table: dict[str, Any]) -> None:
+        if section == "job":
+            self.map_legacy(table)
+        for (retired_section, name), reason in RETIRED_KEYS.items():
+            if retired_section == section and table.pop(name, None) is not None:
+                self.warnings.append(
+                    f"{self.path}: [{section}] {name} is no longer used and is ignored: "
+                    f"{reason}; remove it")
 
-    def label(self, section: str, name: str) -> str:
-        return self.labels.get((section, name), f"[{section}] {name}")
-
-    def __getitem__(self, dotted: str) -> Any:
-        section, _, name = dotted.partition(".")
-        return self.by_section[section][name]
-
-    def read(self, document: dict[str, Any]) -> None:
-        for section, table in document.items():
-            if section not in SECTIONS:
-                self.fail(_misplaced(section, table))
-            if not isinstance(table, dict):
-                self.fail(f"{section} = {_show(table)} is not a section; write [{section}]")
-        for section in SECTIONS:
-            table = dict(document.get(section, {}))
-            if section == "job":
-                self.map_legacy(table)
-            for (retired_section, name), reason in RETIRED_KEYS.items():
-                if retired_section == section and table.pop(name, None) is not None:
-                    self.warnings.append(
-                        f"{self.path}: [{section}] {name} is no longer used and is ignored: "
-                        f"{reason}; remove it")
-            self.read_section(section, table)
-        self.fill_defaults()
-
-    def read_section(self, section: str, table: dict[str, Any]) -> None:
-        known = {key.name: key for key in KEYS if key.section == section}
-        for name, value in table.items():
-            key = known.get(name)
-            if key is None:
-                self.fail(_unknown_key(section, name))
-            self.by_section[section][name] = self.validated(key, value, self.label(section, name))
-        for key in known.values():
-            if key.default is REQUIRED and key.name not in table:
-                self.fail(f"missing required key {key.label}")
-
-    def validated(self, key: Key, value: Any, label: str) -> Any:
-        problem = _type_problem(value, key.kind)
-        for rule in key.rules:
-            problem = problem or rule.check(value)
-        if problem:
-            self.fail(f"{label} = {_show(value)} {problem}")
-        return float(value) if key.kind is float else value
+    def old_names(self, section: str) -> list[str]:
+        return list(LEGACY_KEYS) if section == "job" else []
 
     def map_legacy(self, table: dict[str, Any]) -> None:
         """Read ``maxCoroutines`` as coroutines, ``batch`` as prefetch = max(batch, coroutines)."""
@@ -631,21 +404,12 @@ class _Values:
             self.deprecate("maxCoroutines", f"coroutines = {table['coroutines']}")
         if "batch" in table:
             coroutines = table.get("coroutines", 1)
-            self.validated(_key("job.coroutines"), coroutines, self.label("job", "coroutines"))
+            self.validated(self.key("job.coroutines"), coroutines, self.label("job", "coroutines"))
             table["prefetch"] = max(table.pop("batch"), coroutines)
             self.deprecate("batch", f"prefetch = {table['prefetch']} (max of batch and coroutines)")
 
     def deprecate(self, old: str, replacement: str) -> None:
         self.warnings.append(f"{self.path}: [job] {old} is deprecated; write {replacement}")
-
-    def fill_defaults(self) -> None:
-        for key in KEYS:
-            values = self.by_section[key.section]
-            if key.name not in values and key.default is not REQUIRED:
-                values[key.name] = (
-                    math.prod(self[name] for name in _qualified(key)) if key.same_as
-                    else key.default
-                )
 
     def resolve_files(self, directory: Path) -> None:
         """Make file paths absolute, relative ones from ``directory``: the supervisor and
@@ -661,21 +425,15 @@ class _Values:
             return
         problem = url_problem(url)
         if problem:
-            self.fail(f"{ENV_BROKER_URL} = {_show(url)} (overrides [broker] url) {problem}")
+            self.fail(f"{ENV_BROKER_URL} = {show(url)} (overrides [broker] url) {problem}")
         self.by_section["broker"]["url"] = url
         self.labels[("broker", "url")] = ENV_BROKER_URL
-
-    def cross_check(self) -> None:
-        for rule in CROSS_CHECKS:
-            problem = rule.check(self)
-            if problem:
-                self.fail(problem)
 
     def import_handler(self) -> Handler:
         spec = self["job.handler"]
         try:
             handler = handler_paths.load(spec)
-        except HandlerError as error:
+        except handler_paths.HandlerError as error:
             self.fail(f"[job] {error}")
         tasks = self["job.tasks_per_process"]
         if tasks > 1 and not handler.is_async:
@@ -696,7 +454,7 @@ _LEGACY_KEY = Key("job", "legacy", int, 1, None, (at_least(1),), "")
 # --- rules that involve several keys ---------------------------------------------------------
 
 
-def _prefetch_covers_coroutines(values: _Values) -> str | None:
+def _prefetch_covers_coroutines(values: Values) -> str | None:
     prefetch, coroutines = values["job.prefetch"], values["job.coroutines"]
     tasks = values["job.tasks_per_process"]
     if prefetch >= coroutines * tasks:
@@ -714,7 +472,7 @@ def _prefetch_covers_coroutines(values: _Values) -> str | None:
     )
 
 
-def _ring_holds_two_envelopes(values: _Values) -> str | None:
+def _ring_holds_two_envelopes(values: Values) -> str | None:
     size, slots = values["supervisor.ring_slot_size"], values["supervisor.ring_slots"]
     largest = values["supervisor.max_envelope_bytes"]
     if size * slots >= 2 * largest:  # 0: no limit of its own, the ring sets it
@@ -726,7 +484,7 @@ def _ring_holds_two_envelopes(values: _Values) -> str | None:
     )
 
 
-def _ring_is_at_most_a_gib(values: _Values) -> str | None:
+def _ring_is_at_most_a_gib(values: Values) -> str | None:
     size, slots = values["supervisor.ring_slot_size"], values["supervisor.ring_slots"]
     if size * slots <= MAX_RING_BYTES:
         return None
@@ -737,28 +495,28 @@ def _ring_is_at_most_a_gib(values: _Values) -> str | None:
     )
 
 
-def _cluster_is_redis(values: _Values) -> str | None:
+def _cluster_is_redis(values: Values) -> str | None:
     url = values["broker.url"]
     if not values["broker.cluster"] or broker_kind(url) == "redis":
         return None
     return (
         f"[broker] cluster = true means Redis Cluster, but {values.label('broker', 'url')} = "
-        f"{_show(url)} is a NATS URL"
+        f"{show(url)} is a NATS URL"
     )
 
 
-def _cluster_namespace_has_hash_tag(values: _Values) -> str | None:
+def _cluster_namespace_has_hash_tag(values: Values) -> str | None:
     namespace = values["broker.namespace"]
     if not values["broker.cluster"] or hash_tag(namespace):
         return None
     return (
-        f"[broker] cluster = true needs a hash tag in namespace = {_show(namespace)} so that "
+        f"[broker] cluster = true needs a hash tag in namespace = {show(namespace)} so that "
         f'all keys of a queue share one slot, e.g. namespace = "{{{namespace}}}" '
         "(a new namespace means new key names: move existing jobs first)"
     )
 
 
-def _seed_list_needs_cluster(values: _Values) -> str | None:
+def _seed_list_needs_cluster(values: Values) -> str | None:
     url = values["broker.url"]
     count = len(split_servers(url))
     if count == 1 or broker_kind(url) == "nats":
@@ -772,7 +530,7 @@ def _seed_list_needs_cluster(values: _Values) -> str | None:
     )
 
 
-def _wait_replicas_needs_redis(values: _Values) -> str | None:
+def _wait_replicas_needs_redis(values: Values) -> str | None:
     replicas = values["broker.wait_replicas"]
     if not replicas or broker_kind(values["broker.url"]) == "redis":
         return None
@@ -782,28 +540,28 @@ def _wait_replicas_needs_redis(values: _Values) -> str | None:
     )
 
 
-def _retry_backoff_needs_nats(values: _Values) -> str | None:
+def _retry_backoff_needs_nats(values: Values) -> str | None:
     backoff = values["job.retry_backoff"]
     if not backoff or broker_kind(values["broker.url"]) == "nats":
         return None
     return (
-        f"[job] retry_backoff = {_show(backoff)} works on NATS only: on Redis a failed job is "
+        f"[job] retry_backoff = {show(backoff)} works on NATS only: on Redis a failed job is "
         "requeued at once with attempts + 1, as queue 5 does (set it to 0, or remove it)"
     )
 
 
-def _ack_wait_covers_renewal(values: _Values) -> str | None:
+def _ack_wait_covers_renewal(values: Values) -> str | None:
     ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
     if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
         return None
     return (
-        f"[nats] ack_wait = {_show(ack_wait)} is below 2/3 of [supervisor] lease = "
-        f"{_show(lease)}; deliveries are renewed every lease/3, so ack_wait must span two "
+        f"[nats] ack_wait = {show(ack_wait)} is below 2/3 of [supervisor] lease = "
+        f"{show(lease)}; deliveries are renewed every lease/3, so ack_wait must span two "
         "renewals"
     )
 
 
-def _tls_keys_need_tls_url(values: _Values) -> str | None:
+def _tls_keys_need_tls_url(values: Values) -> str | None:
     url = values["broker.url"]
     if urlsplit(url).scheme != "redis":
         return None  # rediss:// is TLS; on NATS the keys make nats:// require TLS
@@ -811,14 +569,14 @@ def _tls_keys_need_tls_url(values: _Values) -> str | None:
     if not tls.configured:
         return None
     first = next(name for name in (*TLS_FILE_KEYS, "tls_verify_hostname")
-                 if values[f"broker.{name}"] != _key(f"broker.{name}").default)
+                 if values[f"broker.{name}"] != values.key(f"broker.{name}").default)
     return (
         f"[broker] {first} is a TLS setting but {values.label('broker', 'url')} = "
-        f"{_show(url)} is plain TCP; write rediss:// to connect with TLS"
+        f"{show(url)} is plain TCP; write rediss:// to connect with TLS"
     )
 
 
-def _tls_cert_with_key(values: _Values) -> str | None:
+def _tls_cert_with_key(values: Values) -> str | None:
     cert, key = values["broker.tls_cert"], values["broker.tls_key"]
     if bool(cert) == bool(key):
         return None
@@ -826,16 +584,16 @@ def _tls_cert_with_key(values: _Values) -> str | None:
     return f"[broker] {given} is set without {missing}: mutual TLS needs both"
 
 
-def _tls_files_usable(values: _Values) -> str | None:
+def _tls_files_usable(values: Values) -> str | None:
     try:
         check_files(_tls_of(values))
     except TlsFileError as error:
         name = f"tls_{error.field}"
-        return f"[broker] {name} = {_show(values[f'broker.{name}'])} {error.problem}"
+        return f"[broker] {name} = {show(values[f'broker.{name}'])} {error.problem}"
     return None
 
 
-def _tls_of(values: _Values) -> TlsSettings:
+def _tls_of(values: Values) -> TlsSettings:
     return TlsSettings(values["broker.tls_ca"], values["broker.tls_cert"],
                        values["broker.tls_key"], values["broker.tls_verify_hostname"])
 
@@ -872,99 +630,13 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
 )
 
 
-# --- handlers --------------------------------------------------------------------------------
-
-# One owner: the handler is loaded by worker.handler.load (see _Values.import_handler).
-split_handler = handler_paths.split
-
-
-# --- small helpers ---------------------------------------------------------------------------
-
-
-def _show(value: Any) -> str:
-    """A value as TOML would write it (URLs without their secrets)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + redact(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, dict):
-        return "{...}"
-    return repr(value)
-
-
-def _type_problem(value: Any, kind: type) -> str | None:
-    if isinstance(value, bool) != (kind is bool):
-        return f"is {_toml_type(value)}, expected {_KIND_NAMES[kind]}"
-    if kind is float and isinstance(value, int | float):
-        return None if math.isfinite(value) else "is not a finite number"
-    if not isinstance(value, kind):
-        return f"is {_toml_type(value)}, expected {_KIND_NAMES[kind]}"
-    return None
-
-
-_KIND_NAMES = {
-    int: "an integer",
-    float: "a number (seconds)",
-    bool: "true or false",
-    str: "a string",
-}
-
-
-def _toml_type(value: Any) -> str:
-    kinds = (
-        (bool, "a boolean"),
-        (int, "an integer"),
-        (float, "a float"),
-        (str, "a string"),
-        (list, "an array"),
-        (dict, "a table"),
-    )
-    return next((name for kind, name in kinds if isinstance(value, kind)), "a date/time")
-
-
-def _fold(name: str) -> str:
-    """Compare names regardless of case, ``_`` and ``-`` (jobTtl ~ job_ttl)."""
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
-def _did_you_mean(name: str, candidates: typing.Iterable[str], show: str = "{}") -> str:
-    folded = {_fold(candidate): candidate for candidate in candidates}
-    match = difflib.get_close_matches(_fold(name), folded, n=1, cutoff=0.6)
-    return f"; did you mean {show.format(folded[match[0]])}?" if match else ""
-
-
-def _unknown_key(section: str, name: str) -> str:
-    elsewhere = [key for key in KEYS if key.name == name]
-    if elsewhere:
-        return f"unknown key [{section}] {name}; it belongs in [{elsewhere[0].section}]"
-    names = [key.name for key in KEYS if key.section == section]
-    if section == "job":
-        names += list(LEGACY_KEYS)
-    return f"unknown key [{section}] {name}{_did_you_mean(name, names)}"
-
-
-def _misplaced(name: str, value: Any) -> str:
-    """The message for a top-level name that is not one of our sections."""
-    if not isinstance(value, dict):
-        owners = [key.label for key in KEYS if key.name == name]
-        hint = f"; did you mean {owners[0]}?" if owners else ""
-        return f"key {name} is outside any section{hint}"
-    return f"unknown section [{name}]{_did_you_mean(name, SECTIONS, show='[{}]')}"
-
-
 # --- documentation ---------------------------------------------------------------------------
 
 
 def describe() -> str:
     """Every key as a markdown table, then the rules that involve several keys."""
     lines = [
-        "| key | type | default | allowed | meaning |",
-        "|---|---|---|---|---|",
-        *(
-            f"| `{key.label}` | {_KIND_LABELS[key.kind]} | {_default_text(key)} "
-            f"| {_allowed_text(key)} | {key.doc} |"
-            for key in KEYS
-        ),
+        *key_table(KEYS),
         "",
         "Rules across keys: " + "; ".join(rule.doc for rule in CROSS_CHECKS) + ".",
         "",
@@ -976,20 +648,3 @@ def describe() -> str:
         f"`{ENV_BROKER_URL}`, when set and not empty, overrides `[broker] url`.",
     ]
     return "\n".join(lines) + "\n"
-
-
-_KIND_LABELS = {int: "integer", float: "seconds", bool: "boolean", str: "string"}
-
-
-def _allowed_text(key: Key) -> str:
-    if key.kind is bool:
-        return "true, false"
-    return "; ".join(rule.text for rule in key.rules) or "any"
-
-
-def _default_text(key: Key) -> str:
-    if key.default is REQUIRED:
-        return "required"
-    if key.same_as:
-        return f"= `{key.same_as.rpartition('.')[2]}`"
-    return f"`{_show(key.default)}`"

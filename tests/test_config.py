@@ -7,8 +7,12 @@ the file from the message alone.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import re
+import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -609,3 +613,82 @@ def test_bad_wait_settings_are_errors(tmp_path, line, expected):
 def test_wait_replicas_needs_redis(tmp_path):
     message = error_of(tmp_path, with_job('url = "nats://h:4222"\nwait_replicas = 1\n', "broker"))
     assert "[broker] wait_replicas = 1 works on Redis only" in message
+
+
+# --- what loading a job's configuration imports ----------------------------------------------
+
+
+def modules_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running ``code``."""
+    listing = "import sys; print(' '.join({name.split('.')[0] for name in sys.modules}))"
+    script = f"{code}\n{listing}"
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=True)
+    return set(done.stdout.split())
+
+
+def test_importing_the_config_loads_no_broker_client():
+    loaded = modules_after("import supervisor.config")
+    assert "redis" not in loaded and "nats" not in loaded
+
+
+@pytest.mark.parametrize(("url", "kind", "other_client"), [
+    ("nats://127.0.0.1:4222", "nats", "redis"),
+    ("redis://127.0.0.1:6379/0", "redis", "nats"),
+])
+def test_loading_a_job_loads_no_client_of_the_other_broker(tmp_path, url, kind, other_client):
+    path = write(tmp_path, with_job(f'url = "{url}"\n', "broker"))
+    code = (f"from supervisor.config import load\n"
+            f"assert load({str(path)!r}, environ={{}}).broker.kind == {kind!r}")
+    assert other_client not in modules_after(code)
+
+
+# --- the README's key table ------------------------------------------------------------------
+
+README = (REPO / "README.md").read_text()
+KIND_WORDS = {int: "integer", float: "seconds", bool: "boolean", str: "string"}
+
+
+def readme_key_rows() -> dict[str, list[str]]:
+    """The README's table of keys (section "Configuration"): label -> the other cells."""
+    start = README.index("\n## Configuration\n")
+    section = README[start:README.index("\n## ", start + 1)]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        if line.startswith("| `["):
+            label, *cells = line.removeprefix("| ").removesuffix(" |").split(" | ")
+            assert label.strip("`") not in rows, f"{label} is documented twice"
+            rows[label.strip("`")] = cells
+    return rows
+
+
+def test_the_readme_documents_every_declared_key_and_no_other():
+    assert list(readme_key_rows()) == [key.label for key in config.KEYS]
+
+
+@pytest.mark.parametrize("key", config.KEYS, ids=lambda key: key.label)
+def test_the_readme_row_of_a_key_shows_its_declaration(key):
+    kind, default, allowed, meaning = readme_key_rows()[key.label]
+    assert kind == KIND_WORDS[key.kind]
+    if key.default is config.REQUIRED:
+        assert default == "required"
+    elif key.same_as:
+        assert default == f"= `{key.same_as.rpartition('.')[2]}`"
+    else:
+        shown = tomllib.loads(f"value = {default.strip('`')}")["value"]
+        assert (type(shown), shown) == (type(key.default), key.default)
+    rules = "true, false" if key.kind is bool else "; ".join(rule.text for rule in key.rules)
+    assert allowed == (rules or "any")
+    assert meaning == key.doc
+
+
+def test_every_key_the_readme_names_is_declared():
+    declared = {(key.section, key.name) for key in config.KEYS}
+    named = set(re.findall(r"\[(broker|job|supervisor|nats)\] ([A-Za-z_*]+)", README))
+    for block in re.findall(r"```toml\n(.*?)```", README, re.S):
+        named |= {(section, name) for section, table in tomllib.loads(block).items()
+                  for name in table}
+    unknown = {(section, name) for section, name in named
+               if not any(fnmatch.fnmatchcase(f"{s}.{n}", f"{section}.{name}")
+                          for s, n in declared | set(config.RETIRED_KEYS))}
+    assert unknown == set()

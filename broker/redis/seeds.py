@@ -7,7 +7,8 @@ NATS clients take several server URLs, the URL may name several nodes:
     redis://10.0.0.11:6379/0,redis://10.0.0.12:6379/0,redis://10.0.0.13:6379/0
 
 Each part is a whole URL; credentials, TLS and database are read from the first (a cluster
-has one database and, here, one user for all nodes). Once connected the client learns every
+has one database and, here, one user for all nodes: ``broker.urls.url_problem`` refuses a
+list whose seeds differ in credentials). Once connected the client learns every
 node from the slot map, so the list only matters for starting and for a full reload.
 """
 
@@ -26,16 +27,6 @@ def settings(url: str) -> dict[str, Any]:
     """redis-py's settings of a URL or a seed list: the first seed's (credentials, database,
     TLS), which are the client's."""
     return parse_url(split_servers(url)[0])
-
-
-def problem(url: str) -> str | None:
-    """Why a list of seed URLs cannot be used together, or None (each part is checked as a
-    URL, and the list for one scheme, by the configuration's URL check)."""
-    parts = split_servers(url)
-    users = {(urlsplit(part).username, urlsplit(part).password) for part in parts}
-    if len(users) > 1:
-        return "gives different credentials per seed; a cluster has one user for all nodes"
-    return None
 
 
 def cluster_client(url: str, **options: Any) -> RedisCluster:
