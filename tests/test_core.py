@@ -9,9 +9,11 @@ holds and every delivery is in exactly one state, and at the end that nothing is
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
@@ -131,6 +133,46 @@ def test_check_finds_a_delivery_in_two_places():
     buffer._completed.append(entry(buffer, 1))  # the kind of bug check() is there for
     with pytest.raises(AccountingError, match="is waiting and completed"):
         buffer.check()
+
+
+#: What only the buffer may touch (its containers) and only a handler place may change (its
+#: counters), by the module that owns them.
+WALLS = {
+    "supervisor/buffer.py": {"entries", "waiting", "completed", "settling", "queued", "running"},
+    "supervisor/handlers.py": {"ready", "jobs", "early_deaths"},
+}
+
+
+def breaches(path: Path) -> list[str]:
+    """Lines of ``path`` that read the buffer's containers or assign a place's counters."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr.lstrip("_")
+        owner = node.value
+        on_buffer = (isinstance(owner, ast.Name) and owner.id == "buffer") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "buffer")
+        if on_buffer and name in WALLS["supervisor/buffer.py"]:
+            found.append(f"{path}:{node.lineno} reads buffer.{node.attr}")
+        of_self = isinstance(owner, ast.Name) and owner.id == "self"  # its own attribute
+        if isinstance(node.ctx, ast.Store) and not of_self and name in WALLS[
+            "supervisor/handlers.py"
+        ]:
+            found.append(f"{path}:{node.lineno} assigns .{node.attr}")
+    return found
+
+
+def test_only_the_buffer_moves_deliveries_and_only_a_place_counts_its_process():
+    root = Path(__file__).resolve().parent.parent
+    found = [
+        breach
+        for folder in ("supervisor", "worker", "broker")
+        for path in sorted((root / folder).rglob("*.py"))
+        if str(path.relative_to(root)) not in WALLS
+        for breach in breaches(path)
+    ]
+    assert not found
 
 
 # -- the settler -------------------------------------------------------------------------------

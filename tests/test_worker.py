@@ -42,8 +42,8 @@ class Child:
         # process inherits it.
         loaded = load(handler) if isinstance(handler, str) else handler
         self.server = ForkServer(
-            lambda slot: runner.run(
-                slot, self.to_child, self.to_parent, loaded, flush_every=flush_every,
+            lambda place: runner.run(
+                place, self.to_child, self.to_parent, loaded, flush_every=flush_every,
                 queue="tests", tasks=tasks, timeout=timeout,
             )
         )
