@@ -26,18 +26,18 @@ from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
 from supervisor import blame, exits, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
+from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.settlement import Settler
-from supervisor.slots import Slot
 from worker import protocol
-from worker.forkserver import SERVER_SLOT, ForkServer
+from worker.forkserver import SERVER_PLACE, Spawner
 from worker.handler import Handler
 from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
 
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
-#: A slot whose processes die this many times in a row before they are ready stops us (exit 4,
+#: A place whose processes die this many times in a row before they are ready stops us (exit 4,
 #: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
 MAX_EARLY_DEATHS, RESPAWN_DELAY = 5, 0.5
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
@@ -59,8 +59,8 @@ class Arbiter:
         self,
         config: Config,
         broker: Broker,
-        slots: list[Slot],
-        forkserver: ForkServer,
+        places: list[HandlerPlace],
+        forkserver: Spawner,
         handler: Handler,
         notifier: systemd.Notifier | None = None,
         metrics: Metrics | None = None,
@@ -71,13 +71,13 @@ class Arbiter:
         self.connected = False
         self.ready = asyncio.Event()
         self.broker = broker
-        self.slots = slots
+        self.places = places
         self.forkserver = forkserver
-        self.buffer = Buffer(config.job.prefetch, len(slots))
+        self.buffer = Buffer(config.job.prefetch, len(places))
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
-        self.capacity = len(slots) * (config.job.tasks_per_process if self.concurrent else 1)
+        self.capacity = len(places) * (config.job.tasks_per_process if self.concurrent else 1)
         self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
         self.exit_code = exits.OK
         self.stopping = False
@@ -107,10 +107,10 @@ class Arbiter:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
         loop.add_reader(self.forkserver.events_fd, self.guarded(self.handle_forkserver_events))
-        for slot in self.slots:
-            loop.add_reader(slot.to_parent.wake_fd, self.guarded(self.handle_outcomes), slot)
-            self.arm(slot)
-            self.forkserver.spawn(slot.index)
+        for place in self.places:
+            loop.add_reader(place.to_parent.wake_fd, self.guarded(self.handle_outcomes), place)
+            self.arm(place)
+            self.forkserver.spawn(place.index)
         try:
             await self.broker.connect()
         except (BrokerError, OSError) as error:
@@ -121,7 +121,7 @@ class Arbiter:
             return self.exit_code
         log.info(
             "consuming %s on %s with %d handler processes, prefetch %d",
-            self.config.job.queue, self.config.broker.safe_url, len(self.slots),
+            self.config.job.queue, self.config.broker.safe_url, len(self.places),
             self.buffer.prefetch,
         )
         self.connected = True
@@ -175,7 +175,7 @@ class Arbiter:
         """READY=1 once the broker is connected and every handler process is up."""
         if self.ready.is_set() or not self.connected or self.stopping:
             return
-        if all(slot.ready for slot in self.slots):
+        if all(place.ready for place in self.places):
             self.update_title()  # "running" before systemd (and a person) hears it
             self.ready.set()
             if self.notifier.ready():
@@ -273,23 +273,24 @@ class Arbiter:
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""
         buffer = self.buffer
-        ready = [slot for slot in self.slots if slot.accepting]
-        if not ready or not buffer.waiting or self.stopping:
+        ready = [place for place in self.places if place.accepting]
+        waiting = buffer.waiting_count
+        if not ready or not waiting or self.stopping:
             return
-        depth = -(-buffer.prefetch // len(self.slots))  # fair share per handler
-        share = {slot: buffer.load(slot.index) for slot in ready}
-        plan: dict[Slot, int] = {}
+        depth = -(-buffer.prefetch // len(self.places))  # fair share per handler
+        share = {place: buffer.load(place.index) for place in ready}
+        plan: dict[HandlerPlace, int] = {}
         if len(ready) == 1:  # one slice, not a choice per delivery
-            [slot] = ready
-            plan[slot] = max(0, min(depth - share[slot], len(buffer.waiting)))
+            [place] = ready
+            plan[place] = max(0, min(depth - share[place], waiting))
         else:  # each next delivery to the least loaded (the first on a tie), up to its share
-            for _ in range(len(buffer.waiting)):
-                slot = min(ready, key=share.__getitem__)
-                if share[slot] >= depth:
+            for _ in range(waiting):
+                place = min(ready, key=share.__getitem__)
+                if share[place] >= depth:
                     break
-                share[slot] += 1
-                plan[slot] = plan.get(slot, 0) + 1
-        for slot, count in plan.items():
+                share[place] += 1
+                plan[place] = plan.get(place, 0) + 1
+        for place, count in plan.items():
             if not count:
                 continue
             entries = buffer.next_waiting(count)
@@ -298,65 +299,65 @@ class Arbiter:
                 for e in entries
             ]
             # A full ring takes fewer: the rest waits for the next dispatch.
-            buffer.queue(slot.index, slot.to_child.put_many(records))
+            buffer.queue(place.index, place.to_child.put_many(records))
 
     # -- outcomes from handler processes ---------------------------------------------------
 
-    def handle_outcomes(self, slot: Slot) -> None:
-        ring = slot.to_parent
+    def handle_outcomes(self, place: HandlerPlace) -> None:
+        ring = place.to_parent
         ring.clear_wakeup()
         while True:
             records = ring.get_many(1024)
             for record in records:
-                self.handle_outcome(slot, record)
+                self.handle_outcome(place, record)
             if not records and ring.prepare_sleep():
                 break
-        if self.buffer.completed:
+        if self.buffer.completed_count:
             self.settle_wanted.set()
         self.progress.set()
         self.dispatch()
         if self.running_dry():
             self.room.set()
 
-    def read_outcomes(self, slot: Slot) -> None:
-        while records := slot.to_parent.get_many(1024):
+    def read_outcomes(self, place: HandlerPlace) -> None:
+        while records := place.to_parent.get_many(1024):
             for record in records:
-                self.handle_outcome(slot, record)
+                self.handle_outcome(place, record)
 
-    def arm(self, slot: Slot) -> None:
-        """Declare ourselves asleep on the slot's outcome ring, so its writer wakes us."""
-        if not slot.to_parent.prepare_sleep():
-            asyncio.get_running_loop().call_soon(self.handle_outcomes, slot)
+    def arm(self, place: HandlerPlace) -> None:
+        """Declare ourselves asleep on the place's outcome ring, so its writer wakes us."""
+        if not place.to_parent.prepare_sleep():
+            asyncio.get_running_loop().call_soon(self.handle_outcomes, place)
 
-    def handle_outcome(self, slot: Slot, record: bytes) -> None:
+    def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.STARTED:
-            self.buffer.started(slot.index, delivery_id)
+            self.buffer.started(place.index, delivery_id)
         elif kind == protocol.HELD:
-            self.buffer.held(slot.index, delivery_id)
+            self.buffer.held(place.index, delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
             error = protocol.text_data(data) if kind == protocol.FAILED else None
-            entry = self.buffer.finished(slot.index, delivery_id, error)
-            slot.jobs += 1
+            entry = self.buffer.finished(place.index, delivery_id, error)
+            jobs = place.job_finished()
             self.metrics.handler_done(time.monotonic() - entry.started_at)
-            if not slot.retiring and self.should_recycle(slot):
-                slot.retire()  # before the next dispatch, so it gets nothing more
+            if not place.retiring and self.should_recycle(place, jobs):
+                place.retire()  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:
-            self.buffer.skipped(slot.index, delivery_id)
+            self.buffer.skipped(place.index, delivery_id)
         elif kind == protocol.READY:
-            slot.ready, slot.early_deaths = True, 0
+            place.became_ready()
             self.notify_ready_once()
         elif kind == protocol.INIT_FAILED:
-            log.error("handler init() failed in process %s: %s", slot.pid, data)
+            log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
 
     def confirm(self, entry: Entry, committed: bool) -> None:
         """Tell the handler process its message is settled (it runs on_success if committed)."""
-        if not self.wants_confirm or entry.slot is None:
+        if not self.wants_confirm or entry.place is None:
             return
-        slot = self.slots[entry.slot]
-        if slot.alive and not slot.to_child.put(protocol.encode_confirm(entry.id, committed)):
-            log.warning("ring of handler %d full: on_success of %s skipped", slot.index,
+        place = self.places[entry.place]
+        if place.alive and not place.to_child.put(protocol.encode_confirm(entry.id, committed)):
+            log.warning("ring of handler %d full: on_success of %s skipped", place.index,
                         entry.delivery.pid)
 
     # -- settlement, renewal, maintenance ---------------------------------------------------
@@ -372,7 +373,7 @@ class Arbiter:
         while not self.closed:
             await self.settle_wanted.wait()
             self.settle_wanted.clear()
-            while self.buffer.completed:
+            while self.buffer.completed_count:
                 await calls.acquire()
                 batch = self.buffer.take_completed(MAX_BATCH)
                 if not batch:
@@ -387,8 +388,8 @@ class Arbiter:
         try:
             ok = await self.settler.settle(batch)
             self.opened()
-            for slot in self.slots:
-                self.retire_if_idle(slot)
+            for place in self.places:
+                self.retire_if_idle(place)
             if ok:
                 self.settle_failures = 0
             else:  # the broker is unhappy: back off before trying those again
@@ -396,7 +397,7 @@ class Arbiter:
                 await asyncio.sleep(min(0.05 * 2**self.settle_failures, 2.0))
         finally:
             calls.release()
-        if self.buffer.completed:
+        if self.buffer.completed_count:
             self.settle_wanted.set()
 
     def opened(self) -> None:
@@ -460,96 +461,96 @@ class Arbiter:
         now = time.monotonic()
         # A plain handler is killed at its timeout; an async one cancelled itself by then.
         limit = job.handler_timeout + (CANCEL_GRACE if self.concurrent else 0.0)
-        for slot in self.slots:
-            if not slot.alive:
+        for place in self.places:
+            if not place.alive:
                 continue
-            running = self.buffer.running[slot.index].values()
-            overdue = {
-                entry.id for entry in running if now - entry.started_at > limit
-            } if job.handler_timeout else set()
-            if overdue and not slot.kill_reason:
+            overdue = (
+                self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
+            )
+            if overdue and not place.kill_reason:
                 log.error("handler %d exceeded handler_timeout %ss: killing process %d",
-                          slot.index, job.handler_timeout, slot.pid)
+                          place.index, job.handler_timeout, place.pid)
                 reason = f"handler timeout after {job.handler_timeout}s" + (
                     f" (not cancelled within {CANCEL_GRACE:g}s)" if self.concurrent else "")
-                slot.kill(signal.SIGKILL, reason, overdue)
+                place.kill(signal.SIGKILL, reason, overdue)
                 continue
-            self.retire_if_idle(slot)
+            self.retire_if_idle(place)
 
-    def retire_if_idle(self, slot: Slot) -> None:
+    def retire_if_idle(self, place: HandlerPlace) -> None:
         """A recycled handler exits once nothing of it is queued, running or unconfirmed."""
-        if slot.retiring and slot.alive and not slot.exit_sent and self.idle(slot):
-            slot.request_exit()
+        if place.retiring and place.alive and not place.exit_sent and self.idle(place):
+            place.request_exit()
 
-    def should_recycle(self, slot: Slot) -> bool:
+    def should_recycle(self, place: HandlerPlace, jobs: int) -> bool:
+        """After its process finished its ``jobs``-th delivery."""
         job = self.config.job
-        if job.max_jobs_per_process and slot.jobs >= job.max_jobs_per_process:
-            log.info("recycling handler %d after %d jobs", slot.index, slot.jobs)
+        if job.max_jobs_per_process and jobs >= job.max_jobs_per_process:
+            log.info("recycling handler %d after %d jobs", place.index, jobs)
             return True
-        if job.max_rss_mb and slot.pid:
+        if job.max_rss_mb and place.pid:
             with contextlib.suppress(psutil.Error, OSError):
-                rss_mb = rss_bytes(slot.pid) / 2**20
+                rss_mb = rss_bytes(place.pid) / 2**20
                 if rss_mb > job.max_rss_mb:
-                    log.info("recycling handler %d at %.0f MiB RSS", slot.index, rss_mb)
+                    log.info("recycling handler %d at %.0f MiB RSS", place.index, rss_mb)
                     return True
         return False
 
-    def idle(self, slot: Slot) -> bool:
+    def idle(self, place: HandlerPlace) -> bool:
         """Nothing of this handler is queued, running or waiting for its confirmation."""
-        return self.buffer.load(slot.index) == 0 and not self.buffer.unsettled(slot.index)
+        return self.buffer.load(place.index) == 0 and not self.buffer.unsettled(place.index)
 
     def handle_forkserver_events(self) -> None:
         for event in self.forkserver.read_events():
-            if event.slot == SERVER_SLOT:  # the fork server itself died: no more handlers
+            if event.place == SERVER_PLACE:  # the fork server itself died: no more handlers
                 asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
                 log.error("fork server %d exited (%s): stopping", event.pid, event.status)
                 self.request_stop(exits.BROKEN)
                 self.lose_all_handlers()
                 continue
-            slot = self.slots[event.slot]
+            place = self.places[event.place]
             if event.kind == "started":
-                slot.started(event.pid)
+                place.started(event.pid)
             elif event.kind == "exited":
-                self.handle_child_exit(slot, event.pid, event.status)
+                self.handle_child_exit(place, event.pid, event.status)
 
     def lose_all_handlers(self) -> None:
         """The fork server is gone and its children with it (they follow it by PDEATHSIG;
         killed here too, to be sure): no exit event will come for them. What they held goes
         back unblamed (they did not fail), so the stop need not wait for them."""
-        for slot in self.slots:
-            if not slot.alive:
+        for place in self.places:
+            if not place.alive:
                 continue
-            slot.kill(signal.SIGKILL)
-            slot.gone()
-            self.buffer.handler_gone(slot.index)
+            place.kill(signal.SIGKILL)
+            place.gone()
+            self.buffer.handler_gone(place.index)
         self.release_waiting()
         self.progress.set()
 
-    def handle_child_exit(self, slot: Slot, pid: int, status: int | None) -> None:
+    def handle_child_exit(self, place: HandlerPlace, pid: int, status: int | None) -> None:
         # What it wrote before it died counts (a DONE or HELD not read yet would otherwise
         # make a finished delivery look running): the ring outlives the process.
         try:
-            self.read_outcomes(slot)
+            self.read_outcomes(place)
         except Exception as error:  # a bug; the accounting below must still run
             if self.stopping:  # already failing: one "stopping" line is enough
                 log.error("outcomes of handler process %d unreadable: %r", pid, error)
             else:
                 self.fail("reading a dead handler's outcomes failed", error)
-        expected, was_ready = slot.exit_sent, slot.ready
-        reason = slot.kill_reason or f"worker lost: handler process {pid} " + (
+        expected, was_ready = place.exit_sent, place.ready
+        reason = place.kill_reason or f"worker lost: handler process {pid} " + (
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
-        running = list(self.buffer.running[slot.index].values())
-        blamed = blame.split(running, concurrent=self.concurrent, overdue=slot.overdue)
-        slot.gone()
-        self.arm(slot)
+        running = self.buffer.running_in(place.index)
+        blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
+        place.gone()
+        self.arm(place)
         if self.abandoning:
             # Stopped at the deadline: what was running stays owned and is recovered later.
-            self.buffer.handler_gone(slot.index, abandon=True)
+            self.buffer.handler_gone(place.index, abandon=True)
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            self.buffer.handler_gone(slot.index, blamed, reason)
+            self.buffer.handler_gone(place.index, blamed, reason)
             if running:
                 pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
                 more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
@@ -563,46 +564,43 @@ class Arbiter:
             log.error("handler process %d failed to start (%s): halting", pid, reason)
             self.request_stop(exits.HANDLER_INIT)
         elif not was_ready:
-            self.respawn_later(slot, pid, reason)
+            self.respawn_later(place, pid, reason)
         else:
             if not expected:
                 self.metrics.child_restart()
-            self.forkserver.spawn(slot.index)
+            self.forkserver.spawn(place.index)
         self.settle_wanted.set()
         self.progress.set()
 
-    def respawn_later(self, slot: Slot, pid: int, reason: str) -> None:
+    def respawn_later(self, place: HandlerPlace, pid: int, reason: str) -> None:
         """Killed before it was ready (the OOM killer, a stray kill during a respawn): not
         a reason to halt for good. Replaced after a growing pause; if it keeps dying, stop
         with an exit code systemd restarts, so the whole service starts afresh."""
-        slot.early_deaths += 1
-        if slot.early_deaths >= MAX_EARLY_DEATHS:
+        deaths = place.died_early()
+        if deaths >= MAX_EARLY_DEATHS:
             log.error("handler process %d died before it was ready, %d times in a row (%s): "
-                      "stopping", pid, slot.early_deaths, reason)
+                      "stopping", pid, deaths, reason)
             self.request_stop(exits.BROKEN)
             return
-        delay = min(RESPAWN_DELAY * 2 ** (slot.early_deaths - 1), 10.0)
+        delay = min(RESPAWN_DELAY * 2 ** (deaths - 1), 10.0)
         log.error("handler process %d died before it was ready (%s): another in %.1fs",
                   pid, reason, delay)
         self.metrics.child_restart()
-        asyncio.get_running_loop().call_later(delay, self.guarded(self.respawn), slot)
+        asyncio.get_running_loop().call_later(delay, self.guarded(self.respawn), place)
 
-    def respawn(self, slot: Slot) -> None:
-        if not self.stopping and not slot.alive:
-            self.forkserver.spawn(slot.index)
+    def respawn(self, place: HandlerPlace) -> None:
+        if not self.stopping and not place.alive:
+            self.forkserver.spawn(place.index)
 
     def update_title(self) -> None:
-        busy = sum(1 for running in self.buffer.running if running)
+        busy, running = self.buffer.busy()
         self.metrics.buffer(self.buffer.outstanding, self.buffer.prefetch, busy)
         state = "stopping" if self.stopping else "running"
-        tasks = ""
-        if self.concurrent:
-            running = sum(len(running) for running in self.buffer.running)
-            tasks = f", {running} running"
+        tasks = f", {running} running" if self.concurrent else ""
         setproctitle.setproctitle(
             f"queue-supervisor: {self.config.job.queue} {state} "
             f"[buffer {self.buffer.outstanding}/{self.buffer.prefetch}, "
-            f"{busy}/{len(self.slots)} busy{tasks}]"
+            f"{busy}/{len(self.places)} busy{tasks}]"
         )
 
     # -- stopping ------------------------------------------------------------------------------
@@ -625,8 +623,8 @@ class Arbiter:
         settling = self.task("settle_loop")
         if settling is not None and settling.done():  # it died: what completed still settles
             self.tasks.append(self.start_task(self.settle_loop()))
-        for slot in self.slots:
-            slot.to_child.set_flag(1)  # start nothing more: report SKIPPED instead
+        for place in self.places:
+            place.request_stop()  # start nothing more: report SKIPPED instead
         self.release_waiting()
         grace = min(TERM_GRACE, self.config.supervisor.shutdown_deadline / 5)
         await self.wait_until(self.nothing_in_handlers, deadline - grace)
@@ -661,17 +659,17 @@ class Arbiter:
 
     def nothing_in_handlers(self) -> bool:
         return not self.killing and all(
-            not slot.alive or self.buffer.load(slot.index) == 0 for slot in self.slots
+            not place.alive or self.buffer.load(place.index) == 0 for place in self.places
         )
 
     def all_settled(self) -> bool:
-        return not self.buffer.completed and not self.buffer.settling
+        return self.buffer.nothing_to_settle()
 
     def signal_busy(self, sig: int) -> None:
         self.abandoning = True
-        for slot in self.slots:
-            if self.buffer.load(slot.index):
-                slot.kill(sig)
+        for place in self.places:
+            if self.buffer.load(place.index):
+                place.kill(sig)
 
     async def settle_remaining(self) -> None:
         """One last settlement round (bounded by SETTLE_ROUND) for everything completed."""
@@ -680,12 +678,12 @@ class Arbiter:
         await self.wait_until(self.all_settled, bound, interruptible=False)
 
     async def stop_children(self, deadline: float) -> None:
-        for slot in self.slots:
-            slot.request_exit()
-        await self.wait_until(lambda: not any(s.alive for s in self.slots), deadline)
-        for slot in self.slots:
-            slot.kill(signal.SIGKILL)
-        await self.wait_until(lambda: not any(s.alive for s in self.slots), time.monotonic() + 2)
+        for place in self.places:
+            place.request_exit()
+        await self.wait_until(lambda: not any(p.alive for p in self.places), deadline)
+        for place in self.places:
+            place.kill(signal.SIGKILL)
+        await self.wait_until(lambda: not any(p.alive for p in self.places), time.monotonic() + 2)
 
     async def wait_until(
         self, condition: Callable[[], bool], deadline: float, interruptible: bool = True

@@ -25,7 +25,7 @@ from __future__ import annotations
 from supervisor.buffer import Entry
 
 
-def split(running: list[Entry], *, concurrent: bool, overdue: set[int]) -> list[Entry]:
+def blamed(running: list[Entry], *, concurrent: bool, overdue: set[int]) -> list[Entry]:
     """The blamed ones of the deliveries running (in start order) in a dead process; the
     others run again. ``Entry.held``: the process reported that its handler returned."""
     if not concurrent:

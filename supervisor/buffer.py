@@ -4,7 +4,8 @@ Prefetch is accounting, not a queue size: a delivery counts from the moment it i
 until its settlement is confirmed by the broker (or the broker tells us it is no longer
 ours). Waiting + in a ring + running + completed-but-unconfirmed <= prefetch, always.
 
-Every change of a delivery's state is a method here, and each state has one place:
+Every change of a delivery's state is a method here, and each state has one place (the
+containers are private: the arbiter and the settler ask and tell through methods):
 
     WAITING   -> the waiting line            (received, or back from a dead handler)
     QUEUED    -> its handler's ring queue     (written to the ring, not started)
@@ -44,7 +45,7 @@ class Entry:
     id: int
     delivery: Delivery
     state: State = State.WAITING
-    slot: int | None = None  # the handler it was last given to (for on_success)
+    place: int | None = None  # the handler it was last given to (for on_success)
     started_at: float = 0.0
     error: str | None = None  # None: succeeded; text: failed (reject)
     release: bool = False  # completed as "never started": release, not commit/reject
@@ -52,49 +53,95 @@ class Entry:
     settle_failures: int = 0
 
     def __repr__(self) -> str:
-        return f"Entry({self.id}, {self.delivery.pid!r}, {self.state.value}, slot={self.slot})"
+        return f"Entry({self.id}, {self.delivery.pid!r}, {self.state.value}, place={self.place})"
 
 
-class BufferError(AssertionError):
+class AccountingError(AssertionError):
     """The buffer was asked for a change that its accounting forbids: a bug, never a
     condition to live with (the supervisor stops with exit 4 and is restarted)."""
 
 
 class Buffer:
+    """The ledger. Handlers are named by their place's index (``HandlerPlace.index``)."""
+
     def __init__(self, prefetch: int, handlers: int) -> None:
         self.prefetch = prefetch
-        self.entries: dict[int, Entry] = {}
-        self.waiting: deque[Entry] = deque()
-        self.completed: deque[Entry] = deque()
-        self.settling: dict[int, Entry] = {}
-        self.queued: list[deque[Entry]] = [deque() for _ in range(handlers)]
-        self.running: list[dict[int, Entry]] = [{} for _ in range(handlers)]
+        self._entries: dict[int, Entry] = {}
+        self._waiting: deque[Entry] = deque()
+        self._completed: deque[Entry] = deque()
+        self._settling: dict[int, Entry] = {}
+        self._queued: list[deque[Entry]] = [deque() for _ in range(handlers)]
+        self._running: list[dict[int, Entry]] = [{} for _ in range(handlers)]
         self._next_id = 1
 
-    # -- counts ------------------------------------------------------------------------
+    # -- counts and queries ------------------------------------------------------------
 
     @property
     def outstanding(self) -> int:
-        return len(self.entries)
+        return len(self._entries)
 
     @property
     def room(self) -> int:
-        return self.prefetch - len(self.entries)
+        return self.prefetch - len(self._entries)
 
-    def load(self, slot: int) -> int:
-        """Deliveries given to handler ``slot`` and not finished (queued or running)."""
-        return len(self.queued[slot]) + len(self.running[slot])
+    @property
+    def waiting_count(self) -> int:
+        """Deliveries waiting for a handler (not written to a ring)."""
+        return len(self._waiting)
+
+    @property
+    def completed_count(self) -> int:
+        """Deliveries whose outcome is known and that no settlement call holds now."""
+        return len(self._completed)
+
+    def nothing_to_settle(self) -> bool:
+        """Nothing completed waits for settlement, and no settlement call is under way."""
+        return not self._completed and not self._settling
+
+    def load(self, place: int) -> int:
+        """Deliveries given to handler ``place`` and not finished (queued or running)."""
+        return len(self._queued[place]) + len(self._running[place])
 
     def unstarted(self) -> int:
         """Deliveries waiting or queued in a ring, not started yet."""
-        return len(self.waiting) + sum(map(len, self.queued))
+        return len(self._waiting) + sum(map(len, self._queued))
 
-    def unsettled(self, slot: int) -> bool:
-        """Something given to handler ``slot`` still waits for its on_success confirmation."""
-        return any(entry.slot == slot for entry in self.entries.values())
+    def unsettled(self, place: int) -> bool:
+        """Something given to handler ``place`` still waits for its on_success confirmation."""
+        return any(entry.place == place for entry in self._entries.values())
+
+    def running_in(self, place: int) -> list[Entry]:
+        """What handler ``place`` is running, in the order it started them."""
+        return list(self._running[place].values())
+
+    def overdue(self, place: int, limit: float, now: float) -> set[int]:
+        """Ids of the deliveries handler ``place`` has been running longer than ``limit``."""
+        return {
+            entry.id for entry in self._running[place].values() if now - entry.started_at > limit
+        }
+
+    def busy(self) -> tuple[int, int]:
+        """(handlers running something, deliveries running in all)."""
+        counts = [len(running) for running in self._running]
+        return sum(1 for count in counts if count), sum(counts)
+
+    def in_state(self, state: State, place: int | None = None) -> list[Entry]:
+        """The deliveries in ``state`` in their place's order (QUEUED and RUNNING: of
+        handler ``place``); for tests and inspection."""
+        if state is State.WAITING:
+            return list(self._waiting)
+        if state is State.COMPLETED:
+            return list(self._completed)
+        if state is State.SETTLING:
+            return list(self._settling.values())
+        if state is State.QUEUED:
+            return list(self._queued[_required(place)])
+        if state is State.RUNNING:
+            return list(self._running[_required(place)].values())
+        return [entry for entry in self._entries.values() if entry.state is state]
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(self.entries.values())
+        return iter(self._entries.values())
 
     # -- received -> waiting -> queued ----------------------------------------------------
 
@@ -102,65 +149,65 @@ class Buffer:
         for delivery in deliveries:
             entry = Entry(self._next_id, delivery)
             self._next_id += 1
-            self.entries[entry.id] = entry
-            self.waiting.append(entry)
-        if len(self.entries) > self.prefetch:
-            raise BufferError(f"{len(self.entries)} deliveries outstanding > prefetch")
+            self._entries[entry.id] = entry
+            self._waiting.append(entry)
+        if len(self._entries) > self.prefetch:
+            raise AccountingError(f"{len(self._entries)} deliveries outstanding > prefetch")
 
     def next_waiting(self, count: int) -> list[Entry]:
         """The first ``count`` waiting deliveries, left waiting (see ``queue``)."""
-        return [self.waiting[index] for index in range(min(count, len(self.waiting)))]
+        return [self._waiting[index] for index in range(min(count, len(self._waiting)))]
 
-    def queue(self, slot: int, count: int) -> None:
-        """The first ``count`` waiting deliveries were written to handler ``slot``'s ring."""
+    def queue(self, place: int, count: int) -> None:
+        """The first ``count`` waiting deliveries were written to handler ``place``'s ring."""
         for _ in range(count):
-            entry = self.waiting.popleft()
-            entry.state, entry.slot = State.QUEUED, slot
-            self.queued[slot].append(entry)
+            entry = self._waiting.popleft()
+            entry.state, entry.place = State.QUEUED, place
+            self._queued[place].append(entry)
 
     def drop(self, entry: Entry) -> bool:
         """Another consumer recovered this delivery before it started: forget it. False when
         it is no longer waiting (then its result will be stale, and that is handled there)."""
-        if entry.state is not State.WAITING or entry.id not in self.entries:
+        if entry.state is not State.WAITING or entry.id not in self._entries:
             return False
-        self.waiting.remove(entry)
-        del self.entries[entry.id]
+        self._waiting.remove(entry)
+        del self._entries[entry.id]
         return True
 
     # -- what a handler reports ------------------------------------------------------------
 
-    def started(self, slot: int, entry_id: int) -> Entry:
-        entry = self._next_queued(slot, entry_id)
+    def started(self, place: int, entry_id: int) -> Entry:
+        entry = self._next_queued(place, entry_id)
         entry.state, entry.started_at = State.RUNNING, time.monotonic()
-        self.running[slot][entry_id] = entry
+        self._running[place][entry_id] = entry
         return entry
 
-    def held(self, slot: int, entry_id: int) -> None:
-        self._running(slot, entry_id).held = True
+    def held(self, place: int, entry_id: int) -> None:
+        self._running_entry(place, entry_id).held = True
 
-    def finished(self, slot: int, entry_id: int, error: str | None) -> Entry:
-        entry = self._running(slot, entry_id)
-        del self.running[slot][entry_id]
+    def finished(self, place: int, entry_id: int, error: str | None) -> Entry:
+        entry = self._running_entry(place, entry_id)
+        del self._running[place][entry_id]
         self._complete(entry, error=error)
         return entry
 
-    def skipped(self, slot: int, entry_id: int) -> Entry:
+    def skipped(self, place: int, entry_id: int) -> Entry:
         """Never started (the stop began first): released, attempts unchanged."""
-        entry = self._next_queued(slot, entry_id)
+        entry = self._next_queued(place, entry_id)
         self._complete(entry, release=True)
         return entry
 
     def handler_gone(
-        self, slot: int, blamed: Iterable[Entry] = (), reason: str = "", abandon: bool = False
+        self, place: int, blamed: Iterable[Entry] = (), reason: str = "", abandon: bool = False
     ) -> None:
-        """Handler ``slot``'s process is gone. ``blamed`` running deliveries fail with
+        """Handler ``place``'s process is gone. ``blamed`` running deliveries fail with
         ``reason``; with ``abandon`` the rest of the running ones stay owned for recovery
         (killed at the stop deadline); otherwise they wait to run again, ahead of the
         deliveries it never started, in their order."""
-        running = list(self.running[slot].values())
-        queued = list(self.queued[slot])
-        self.running[slot].clear()
-        self.queued[slot].clear()
+        running = list(self._running[place].values())
+        queued = list(self._queued[place])
+        self._running[place].clear()
+        self._queued[place].clear()
         failed = {entry.id for entry in blamed}
         for entry in running:
             if entry.id in failed:
@@ -172,19 +219,19 @@ class Buffer:
 
     def release_waiting(self) -> int:
         """Everything waiting completes as "never started" (a stop began)."""
-        count = len(self.waiting)
-        while self.waiting:
-            self._complete(self.waiting.popleft(), release=True)
+        count = len(self._waiting)
+        while self._waiting:
+            self._complete(self._waiting.popleft(), release=True)
         return count
 
     # -- completed -> settling -> settled ----------------------------------------------------
 
     def take_completed(self, limit: int) -> list[Entry]:
         batch: list[Entry] = []
-        while self.completed and len(batch) < limit:
-            entry = self.completed.popleft()
+        while self._completed and len(batch) < limit:
+            entry = self._completed.popleft()
             entry.state = State.SETTLING
-            self.settling[entry.id] = entry
+            self._settling[entry.id] = entry
             batch.append(entry)
         return batch
 
@@ -194,67 +241,77 @@ class Buffer:
             self._settled(entry)
             entry.state = State.COMPLETED
             entry.settle_failures += 1
-            self.completed.append(entry)
+            self._completed.append(entry)
 
     def forget(self, entry: Entry) -> None:
         """The broker confirmed a settlement (or the delivery is no longer ours)."""
         self._settled(entry)
-        del self.entries[entry.id]
+        del self._entries[entry.id]
 
     # -- the accounting, checked ------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise BufferError unless every entry is in exactly the place its state names."""
-        places: dict[int, State] = {}
+        """Raise AccountingError unless every entry is in exactly the place its state names."""
+        seen: dict[int, State] = {}
 
-        def place(entries: Iterable[Entry], state: State, slot: int | None = None) -> None:
+        def locate(entries: Iterable[Entry], state: State, handler: int | None = None) -> None:
             for entry in entries:
-                if entry.id in places:
-                    raise BufferError(f"{entry} is {places[entry.id].value} and {state.value}")
-                if entry.state is not state or self.entries.get(entry.id) is not entry:
-                    raise BufferError(f"{entry} found among the {state.value} ones")
-                if slot is not None and entry.slot != slot:
-                    raise BufferError(f"{entry} found in handler {slot}")
-                places[entry.id] = state
+                if entry.id in seen:
+                    raise AccountingError(f"{entry} is {seen[entry.id].value} and {state.value}")
+                if entry.state is not state or self._entries.get(entry.id) is not entry:
+                    raise AccountingError(f"{entry} found among the {state.value} ones")
+                if handler is not None and entry.place != handler:
+                    raise AccountingError(f"{entry} found in handler {handler}")
+                seen[entry.id] = state
 
-        place(self.waiting, State.WAITING)
-        place(self.completed, State.COMPLETED)
-        place(self.settling.values(), State.SETTLING)
-        for slot, queued in enumerate(self.queued):
-            place(queued, State.QUEUED, slot)
-            place(self.running[slot].values(), State.RUNNING, slot)
-        for entry in self.entries.values():
-            if entry.id not in places and entry.state is not State.ABANDONED:
-                raise BufferError(f"{entry} is in no place")
-        if len(self.entries) > self.prefetch:
-            raise BufferError(f"{len(self.entries)} deliveries outstanding > prefetch")
+        locate(self._waiting, State.WAITING)
+        locate(self._completed, State.COMPLETED)
+        locate(self._settling.values(), State.SETTLING)
+        for place, queued in enumerate(self._queued):
+            locate(queued, State.QUEUED, place)
+            locate(self._running[place].values(), State.RUNNING, place)
+        for entry in self._entries.values():
+            if entry.id not in seen and entry.state is not State.ABANDONED:
+                raise AccountingError(f"{entry} is in no place")
+        if len(self._entries) > self.prefetch:
+            raise AccountingError(f"{len(self._entries)} deliveries outstanding > prefetch")
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _next_queued(self, slot: int, entry_id: int) -> Entry:
+    def _next_queued(self, place: int, entry_id: int) -> Entry:
         """A handler starts (or skips) its ring's records in the order they were written."""
-        queued = self.queued[slot]
+        queued = self._queued[place]
         if not queued or queued[0].id != entry_id:
             head = queued[0].id if queued else None
-            raise BufferError(f"handler {slot} reported delivery {entry_id}, next queued {head}")
+            raise AccountingError(
+                f"handler {place} reported delivery {entry_id}, next queued {head}"
+            )
         return queued.popleft()
 
-    def _running(self, slot: int, entry_id: int) -> Entry:
-        entry = self.running[slot].get(entry_id)
+    def _running_entry(self, place: int, entry_id: int) -> Entry:
+        entry = self._running[place].get(entry_id)
         if entry is None:
-            raise BufferError(f"handler {slot} reported delivery {entry_id}, not running there")
+            raise AccountingError(
+                f"handler {place} reported delivery {entry_id}, not running there"
+            )
         return entry
 
     def _complete(self, entry: Entry, error: str | None = None, release: bool = False) -> None:
         entry.state, entry.error, entry.release = State.COMPLETED, error, release
-        self.completed.append(entry)
+        self._completed.append(entry)
 
     def _wait_again(self, entries: list[Entry]) -> None:
         """Back at the head of the waiting line, keeping their order."""
         for entry in reversed(entries):
-            entry.state, entry.slot, entry.held = State.WAITING, None, False
-            self.waiting.appendleft(entry)
+            entry.state, entry.place, entry.held = State.WAITING, None, False
+            self._waiting.appendleft(entry)
 
     def _settled(self, entry: Entry) -> None:
-        if self.settling.pop(entry.id, None) is not entry:
-            raise BufferError(f"{entry} settled but not in a settlement call")
+        if self._settling.pop(entry.id, None) is not entry:
+            raise AccountingError(f"{entry} settled but not in a settlement call")
+
+
+def _required(place: int | None) -> int:
+    if place is None:
+        raise ValueError("queued and running deliveries are per handler: name its place")
+    return place

@@ -65,7 +65,7 @@ def setup_logging(config: Config) -> None:
 def run(config: Config) -> int:
     from supervisor.arbiter import Arbiter
     from supervisor.brokers import make_broker
-    from supervisor.slots import RingMemoryError, make_slots
+    from supervisor.handlers import RingMemoryError, make_places
     from worker.forkserver import ForkServer
     from worker.runner import run as run_handler  # here: the fork server inherits it
 
@@ -73,16 +73,16 @@ def run(config: Config) -> int:
     assert handler is not None, "the job file was loaded without its handler"
     sup = config.supervisor
     try:
-        slots = make_slots(config.job.coroutines, sup.ring_slots, sup.ring_slot_size)
+        places = make_places(config.job.coroutines, sup.ring_slots, sup.ring_slot_size)
     except RingMemoryError as error:
         print(logs.error_line(f"{config.path}: {error}; lower [supervisor] ring_slots or "
                               "ring_slot_size, or [job] coroutines"), file=sys.stderr)
         return exits.CONFIG
 
     def handler_process(index: int) -> NoReturn:
-        slot = slots[index]
+        place = places[index]
         run_handler(
-            index, slot.to_child, slot.to_parent, handler,
+            index, place.to_child, place.to_parent, handler,
             flush_every=config.job.flush_every, queue=config.job.queue,
             tasks=config.job.tasks_per_process, timeout=config.job.handler_timeout,
         )
@@ -106,7 +106,7 @@ def run(config: Config) -> int:
         return exits.CONFIG
     try:
         broker = make_broker(config)
-        arbiter = Arbiter(config, broker, slots, forkserver, handler,
+        arbiter = Arbiter(config, broker, places, forkserver, handler,
                           notifier=notifier, metrics=recorder)
         return asyncio_run(arbiter.run())
     finally:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from broker.memory import MemoryBroker
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, loads
-from supervisor.slots import Slot, make_slots
+from supervisor.handlers import HandlerPlace, make_places
 from worker import protocol
-from worker.forkserver import Event
+from worker.forkserver import Event, Spawner
 
 FIRST_PID = 4_000_000_000  # above any real pid (pid_max is at most 2**22)
 
@@ -31,17 +31,17 @@ FIRST_PID = 4_000_000_000  # above any real pid (pid_max is at most 2**22)
 class PlayedProcess:
     """A handler process whose every step is the test's decision."""
 
-    def __init__(self, server: InProcessForkServer, slot: Slot, pid: int) -> None:
-        self.server, self.slot, self.pid = server, slot, pid
+    def __init__(self, server: InProcessForkServer, place: HandlerPlace, pid: int) -> None:
+        self.server, self.place, self.pid = server, place, pid
         self.inbox: deque[int] = deque()  # delivery ids read from the ring, not started
         self.running: list[int] = []  # started, in order
         self.confirmed: list[tuple[int, bool]] = []
         self.exit_asked = False
         self.alive = True
-        slot.to_parent.put(protocol.encode_ready())
+        place.to_parent.put(protocol.encode_ready())
 
     def read(self) -> None:
-        while records := self.slot.to_child.get_many(256):
+        while records := self.place.to_child.get_many(256):
             for record in records:
                 kind, delivery_id, data = protocol.decode(record)
                 if kind == protocol.DELIVER:
@@ -57,7 +57,7 @@ class PlayedProcess:
         if not self.alive or not self.inbox:
             return False
         delivery_id = self.inbox.popleft()
-        if self.slot.to_child.flag:
+        if self.place.to_child.stop_requested:
             self.post(protocol.encode_skipped(delivery_id))
         else:
             self.running.append(delivery_id)
@@ -84,7 +84,7 @@ class PlayedProcess:
     def exit_if_asked(self) -> bool:
         """Read the ring as the real loop does: skipped work first, then a requested exit."""
         self.read()
-        while self.slot.to_child.flag and self.start_next():
+        while self.place.to_child.stop_requested and self.start_next():
             pass
         if self.alive and self.exit_asked and not self.inbox and not self.running:
             self.die(0)
@@ -105,26 +105,27 @@ class PlayedProcess:
     def die(self, status: int) -> None:
         if self.alive:
             self.alive = False
-            self.server.post(Event("exited", self.slot.index, self.pid, status))
+            self.server.post(Event("exited", self.place.index, self.pid, status))
 
     def post(self, record: bytes) -> None:
-        if not self.slot.to_parent.put(record):
-            raise AssertionError(f"outcome ring of handler {self.slot.index} full")
+        if not self.place.to_parent.put(record):
+            raise AssertionError(f"outcome ring of handler {self.place.index} full")
 
 
 class InProcessForkServer:
-    """Stands where ``worker.forkserver.ForkServer`` does; its children are played."""
+    """Stands where ``worker.forkserver.ForkServer`` does (a ``Spawner``); its children are
+    played."""
 
-    def __init__(self, slots: list[Slot]) -> None:
-        self.slots = slots
+    def __init__(self, places: list[HandlerPlace]) -> None:
+        self.places = places
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         self._events: list[Event] = []
         self._next_pid = FIRST_PID
-        self.processes: dict[int, PlayedProcess] = {}  # slot index -> current process
+        self.processes: dict[int, PlayedProcess] = {}  # place index -> current process
         self.spawned = 0
-        for slot in slots:
-            slot.send_signal = self.signal
+        for place in places:
+            place.send_signal = self.signal
 
     @property
     def events_fd(self) -> int:
@@ -133,7 +134,7 @@ class InProcessForkServer:
     def spawn(self, index: int) -> None:
         self._next_pid += 1
         self.spawned += 1
-        process = PlayedProcess(self, self.slots[index], self._next_pid)
+        process = PlayedProcess(self, self.places[index], self._next_pid)
         self.processes[index] = process
         self.post(Event("started", index, process.pid))
 
@@ -198,15 +199,15 @@ class Core:
 
     def __init__(self, config: Config, broker: MemoryBroker) -> None:
         self.config, self.broker = config, broker
-        self.slots = make_slots(config.job.coroutines, config.supervisor.ring_slots,
-                                config.supervisor.ring_slot_size)
-        self.server = InProcessForkServer(self.slots)
+        self.places = make_places(config.job.coroutines, config.supervisor.ring_slots,
+                                  config.supervisor.ring_slot_size)
+        self.server = InProcessForkServer(self.places)
+        spawner: Spawner = self.server  # the arbiter's view of it, checked by mypy
         # The config's handler, as the supervisor's, without on_success: the played
         # processes answer no confirmations.
         assert config.handler is not None
         handler = dataclasses.replace(config.handler, on_success=None)
-        self.arbiter = Arbiter(config, broker, self.slots, self.server,  # type: ignore[arg-type]
-                               handler)
+        self.arbiter = Arbiter(config, broker, self.places, spawner, handler)
         self.run: asyncio.Task[int] | None = None
 
     async def start(self) -> None:

@@ -19,7 +19,7 @@ def split(running: list[Entry], *, concurrent: bool, returned: set[int], overdue
     """``(blamed, rerun)``, with the ``returned`` ones reported HELD by the process."""
     for entry in running:
         entry.held = entry.id in returned
-    blamed = blame.split(running, concurrent=concurrent, overdue=overdue)
+    blamed = blame.blamed(running, concurrent=concurrent, overdue=overdue)
     return blamed, [entry for entry in running if entry not in blamed]
 
 

@@ -9,8 +9,11 @@ holds and every delivery is in exactly one state, and at the end that nothing is
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
@@ -19,9 +22,10 @@ from hypothesis import strategies as st
 from broker.base import Delivery
 from broker.memory import MemoryBroker
 from supervisor import exits
-from supervisor.buffer import Buffer, BufferError, State
+from supervisor.buffer import AccountingError, Buffer, Entry, State
 from supervisor.settlement import Settler
-from tests.inprocess import Core, core_config
+from tests.inprocess import Core, InProcessForkServer, core_config
+from worker.forkserver import ForkServer, Spawner
 
 
 def deliveries(count: int, start: int = 1) -> list[Delivery]:
@@ -30,6 +34,14 @@ def deliveries(count: int, start: int = 1) -> list[Delivery]:
 
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+def ids(entries: list[Entry]) -> list[int]:
+    return [entry.id for entry in entries]
+
+
+def entry(buffer: Buffer, entry_id: int) -> Entry:
+    return next(entry for entry in buffer if entry.id == entry_id)
 
 
 # -- the buffer ------------------------------------------------------------------------------
@@ -41,35 +53,37 @@ def test_a_delivery_passes_through_every_state_in_its_one_place():
     buffer.check()
     assert [entry.state for entry in buffer] == [State.WAITING] * 3
     buffer.queue(1, 2)  # the ring of handler 1 took two
-    assert [entry.slot for entry in buffer.queued[1]] == [1, 1] and len(buffer.waiting) == 1
+    assert [entry.place for entry in buffer.in_state(State.QUEUED, 1)] == [1, 1]
+    assert buffer.waiting_count == 1
     first = buffer.started(1, 1)
     buffer.check()
     assert first.state is State.RUNNING and buffer.load(1) == 2
     buffer.finished(1, 1, error=None)
     buffer.skipped(1, 2)
     buffer.check()
-    assert [entry.id for entry in buffer.completed] == [1, 2] and buffer.completed[1].release
+    completed = buffer.in_state(State.COMPLETED)
+    assert ids(completed) == [1, 2] and completed[1].release
     batch = buffer.take_completed(10)
     buffer.check()
     buffer.forget(batch[0])
     buffer.retry_later(batch[1:])
     buffer.check()
-    assert buffer.outstanding == 2 and buffer.completed[0].settle_failures == 1
+    assert buffer.outstanding == 2 and buffer.in_state(State.COMPLETED)[0].settle_failures == 1
 
 
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
     buffer.queue(0, 2)
-    with pytest.raises(BufferError, match="reported delivery 2, next queued 1"):
+    with pytest.raises(AccountingError, match="reported delivery 2, next queued 1"):
         buffer.started(0, 2)
-    with pytest.raises(BufferError, match="not running there"):
+    with pytest.raises(AccountingError, match="not running there"):
         buffer.finished(0, 1, None)
 
 
 def test_more_than_prefetch_outstanding_is_a_bug():
     buffer = Buffer(prefetch=2, handlers=1)
-    with pytest.raises(BufferError, match="3 deliveries outstanding > prefetch"):
+    with pytest.raises(AccountingError, match="3 deliveries outstanding > prefetch"):
         buffer.add(deliveries(3))
 
 
@@ -80,13 +94,14 @@ def test_a_dead_handler_fails_the_blamed_and_its_others_wait_again_in_order():
     for entry_id in (1, 2, 3):
         buffer.started(0, entry_id)
     buffer.held(0, 1)
-    blamed = [buffer.running[0][3]]
+    assert ids(buffer.running_in(0)) == [1, 2, 3]
+    blamed = [entry(buffer, 3)]
     buffer.handler_gone(0, blamed, "worker lost")
     buffer.check()
-    assert [entry.id for entry in buffer.completed] == [3]
-    assert buffer.completed[0].error == "worker lost"
-    assert [entry.id for entry in buffer.waiting] == [1, 2, 4, 5]
-    assert not any(entry.held or entry.slot is not None for entry in buffer.waiting)
+    completed, waiting = buffer.in_state(State.COMPLETED), buffer.in_state(State.WAITING)
+    assert ids(completed) == [3] and completed[0].error == "worker lost"
+    assert ids(waiting) == [1, 2, 4, 5]
+    assert not any(entry.held or entry.place is not None for entry in waiting)
 
 
 def test_a_handler_killed_at_the_stop_deadline_leaves_its_running_ones_owned():
@@ -96,8 +111,8 @@ def test_a_handler_killed_at_the_stop_deadline_leaves_its_running_ones_owned():
     buffer.started(0, 1)
     buffer.handler_gone(0, abandon=True)
     buffer.check()
-    assert buffer.entries[1].state is State.ABANDONED and buffer.outstanding == 3
-    assert [entry.id for entry in buffer.waiting] == [2, 3]
+    assert ids(buffer.in_state(State.ABANDONED)) == [1] and buffer.outstanding == 3
+    assert ids(buffer.in_state(State.WAITING)) == [2, 3]
     assert buffer.release_waiting() == 2
 
 
@@ -105,7 +120,7 @@ def test_only_a_waiting_delivery_can_be_dropped():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
     buffer.queue(0, 1)
-    queued, waiting = buffer.entries[1], buffer.entries[2]
+    queued, waiting = entry(buffer, 1), entry(buffer, 2)
     assert not buffer.drop(queued) and buffer.drop(waiting)
     assert not buffer.drop(waiting)  # twice: already gone
     buffer.check()
@@ -115,9 +130,49 @@ def test_only_a_waiting_delivery_can_be_dropped():
 def test_check_finds_a_delivery_in_two_places():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(1))
-    buffer.completed.append(buffer.waiting[0])
-    with pytest.raises(BufferError, match="is waiting and completed"):
+    buffer._completed.append(entry(buffer, 1))  # the kind of bug check() is there for
+    with pytest.raises(AccountingError, match="is waiting and completed"):
         buffer.check()
+
+
+#: What only the buffer may touch (its containers) and only a handler place may change (its
+#: counters), by the module that owns them.
+WALLS = {
+    "supervisor/buffer.py": {"entries", "waiting", "completed", "settling", "queued", "running"},
+    "supervisor/handlers.py": {"ready", "jobs", "early_deaths"},
+}
+
+
+def breaches(path: Path) -> list[str]:
+    """Lines of ``path`` that read the buffer's containers or assign a place's counters."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr.lstrip("_")
+        owner = node.value
+        on_buffer = (isinstance(owner, ast.Name) and owner.id == "buffer") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "buffer")
+        if on_buffer and name in WALLS["supervisor/buffer.py"]:
+            found.append(f"{path}:{node.lineno} reads buffer.{node.attr}")
+        of_self = isinstance(owner, ast.Name) and owner.id == "self"  # its own attribute
+        if isinstance(node.ctx, ast.Store) and not of_self and name in WALLS[
+            "supervisor/handlers.py"
+        ]:
+            found.append(f"{path}:{node.lineno} assigns .{node.attr}")
+    return found
+
+
+def test_only_the_buffer_moves_deliveries_and_only_a_place_counts_its_process():
+    root = Path(__file__).resolve().parent.parent
+    found = [
+        breach
+        for folder in ("supervisor", "worker", "broker")
+        for path in sorted((root / folder).rglob("*.py"))
+        if str(path.relative_to(root)) not in WALLS
+        for breach in breaches(path)
+    ]
+    assert not found
 
 
 # -- the settler -------------------------------------------------------------------------------
@@ -136,9 +191,9 @@ async def settler_with(
     buffer = Buffer(prefetch=count, handlers=1)
     buffer.add(received.deliveries)
     buffer.queue(0, count)
-    for entry in list(buffer.queued[0]):
-        buffer.started(0, entry.id)
-        buffer.finished(0, entry.id, None)
+    for queued in buffer.in_state(State.QUEUED, 0):
+        buffer.started(0, queued.id)
+        buffer.finished(0, queued.id, None)
     confirmed: list = []
     settler = Settler(broker, buffer, lambda entry, ok: confirmed.append((entry.id, ok)))
     return settler, buffer, confirmed, broker
@@ -159,7 +214,7 @@ def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again():
         settler, buffer, confirmed, broker = await settler_with(3, settle_errors=1)
         assert not await settler.settle(buffer.take_completed(10))
         buffer.check()
-        assert len(buffer.completed) == 3 and not confirmed and not broker.committed
+        assert buffer.completed_count == 3 and not confirmed and not broker.committed
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and sum(broker.committed.values()) == 3
 
@@ -170,7 +225,7 @@ def test_one_unapplied_result_does_not_hold_back_the_others():
     async def scenario():
         settler, buffer, _, _ = await settler_with(3, unapplied=1)
         assert not await settler.settle(buffer.take_completed(10))
-        assert [entry.id for entry in buffer.completed] == [1] and buffer.outstanding == 1
+        assert ids(buffer.in_state(State.COMPLETED)) == [1] and buffer.outstanding == 1
 
     run(scenario())
 
@@ -202,7 +257,7 @@ def test_without_replay_a_lost_reply_is_left_to_the_broker():
 def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten():
     async def scenario():
         settler, buffer, confirmed, broker = await settler_with(2)
-        broker.recover(buffer.entries[1].delivery.pid)
+        broker.recover(entry(buffer, 1).delivery.pid)
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and sorted(confirmed) == [(1, False), (2, True)]
         assert len(broker.ready) == 1 and sum(broker.committed.values()) == 1
@@ -211,6 +266,18 @@ def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten():
 
 
 # -- the arbiter ---------------------------------------------------------------------------------
+
+
+def test_the_played_fork_server_and_the_real_one_are_both_spawners():
+    """The arbiter knows a fork server only as a ``Spawner``; the one these tests play must
+    stay one (mypy checks the signatures in tests/inprocess.py, this the members)."""
+    played = InProcessForkServer([])
+    try:
+        assert isinstance(played, Spawner)
+        assert isinstance(ForkServer(sys.exit), Spawner)  # never started
+    finally:
+        played.close()
+
 
 
 async def running_core(
@@ -294,8 +361,8 @@ def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
         first = core.process(0)
         first.start_next()
         first.start_next()  # plain handlers run one at a time: the first one had returned
-        await core.wait_for(lambda: len(core.arbiter.buffer.running[0]) == 2)
-        blamed_pid = core.arbiter.buffer.running[0][2].delivery.pid
+        await core.wait_for(lambda: len(core.arbiter.buffer.running_in(0)) == 2)
+        blamed_pid = core.arbiter.buffer.running_in(0)[-1].delivery.pid
         first.die(-signal.SIGKILL)
         await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
         await core.wait_for(lambda: core.arbiter.buffer.load(0) == 5)
@@ -345,7 +412,7 @@ def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recove
         await core.wait_for(lambda: core.arbiter.buffer.load(0) + core.arbiter.buffer.load(1) == 4)
         for process in core.server.living():
             process.start_next()  # and never return
-        await core.wait_for(lambda: sum(map(len, core.arbiter.buffer.running)) == 2)
+        await core.wait_for(lambda: core.arbiter.buffer.busy() == (2, 2))
         assert await core.stop(work=False) == exits.OK
         assert core.server.spawned == 2  # nobody replaced at a stop
         # The two started were handed to recovery (an attempt each); the two queued released.
@@ -370,15 +437,15 @@ def test_a_handler_answering_out_of_order_stops_the_supervisor_for_a_restart():
 
 # -- any order of events -------------------------------------------------------------------------
 
-SLOTS = 2
+HANDLERS = 2
 PREFETCH = 6
 
 actions = st.one_of(
     st.tuples(st.just("publish"), st.integers(1, 8)),
-    st.tuples(st.just("start"), st.integers(0, SLOTS - 1)),
-    st.tuples(st.just("finish"), st.integers(0, SLOTS - 1), st.booleans(), st.integers(0, 3)),
-    st.tuples(st.just("hold"), st.integers(0, SLOTS - 1), st.integers(0, 3)),
-    st.tuples(st.just("die"), st.integers(0, SLOTS - 1), st.sampled_from([-9, -15, 1, 0])),
+    st.tuples(st.just("start"), st.integers(0, HANDLERS - 1)),
+    st.tuples(st.just("finish"), st.integers(0, HANDLERS - 1), st.booleans(), st.integers(0, 3)),
+    st.tuples(st.just("hold"), st.integers(0, HANDLERS - 1), st.integers(0, 3)),
+    st.tuples(st.just("die"), st.integers(0, HANDLERS - 1), st.sampled_from([-9, -15, 1, 0])),
     st.tuples(st.just("settle_error"), st.integers(1, 2)),
     st.tuples(st.just("unapplied"), st.integers(1, 3)),
     st.tuples(st.just("uncertain_applied"), st.integers(1, 3)),
@@ -391,8 +458,8 @@ actions = st.one_of(
 
 async def play(steps: list[tuple], work_at_stop: bool, handler: str) -> None:
     broker = MemoryBroker(max_attempts=3)
-    tasks = PREFETCH // SLOTS if handler.endswith("aio:handle") else 1
-    config = core_config(PREFETCH, SLOTS, shutdown_deadline=0.3, handler=handler,
+    tasks = PREFETCH // HANDLERS if handler.endswith("aio:handle") else 1
+    config = core_config(PREFETCH, HANDLERS, shutdown_deadline=0.3, handler=handler,
                          tasks_per_process=tasks)
     core = Core(config, broker)
     published: list[str] = []

@@ -17,17 +17,17 @@ import psutil
 import pytest
 
 from tests.handlers.forkserver_owner import wait_forever
-from worker.forkserver import SERVER_SLOT, Event, ForkServer
+from worker.forkserver import SERVER_PLACE, Event, ForkServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def exit_with_slot_plus_ten(slot: int) -> NoReturn:
-    return slot + 10  # type: ignore[return-value]  # the server turns it into the exit code
+def exit_with_place_plus_ten(place: int) -> NoReturn:
+    return place + 10  # type: ignore[return-value]  # the server turns it into the exit code
 
 
-def raise_error(slot: int) -> NoReturn:
-    raise RuntimeError(f"target of slot {slot} failed")
+def raise_error(place: int) -> NoReturn:
+    raise RuntimeError(f"target of place {place} failed")
 
 
 def alive(pid: int) -> bool:
@@ -75,37 +75,37 @@ def make_server() -> Iterator[Callable[[Callable[[int], NoReturn]], ForkServer]]
 
 def test_children_start_exit_and_are_replaced(make_server) -> None:
     server = make_server(wait_forever)
-    for slot in range(3):
-        server.spawn(slot)
+    for place in range(3):
+        server.spawn(place)
     started = collect(server, 3)
-    assert sorted(event.slot for event in started) == [0, 1, 2]
+    assert sorted(event.place for event in started) == [0, 1, 2]
     assert {event.kind for event in started} == {"started"}
     assert all(psutil.Process(e.pid).ppid() == server.pid for e in started)
     assert "queue-supervisor: fork server" in " ".join(psutil.Process(server.pid).cmdline())
 
-    victim = next(event for event in started if event.slot == 1)
+    victim = next(event for event in started if event.place == 1)
     os.kill(victim.pid, signal.SIGKILL)
     assert collect(server, 1) == [Event("exited", 1, victim.pid, -signal.SIGKILL)]
 
     server.spawn(1)
     (replacement,) = collect(server, 1)
-    assert (replacement.kind, replacement.slot) == ("started", 1)
+    assert (replacement.kind, replacement.place) == ("started", 1)
     assert alive(replacement.pid)
 
-    children = [e.pid for e in started if e.slot != 1] + [replacement.pid]
+    children = [e.pid for e in started if e.place != 1] + [replacement.pid]
     server.stop()
     assert not alive(server.pid)
     assert not any(alive(pid) for pid in children)
     exits = server.read_events()
-    assert sorted(e.pid for e in exits if e.slot != SERVER_SLOT) == sorted(children)
-    assert exits[-1] == Event("exited", SERVER_SLOT, server.pid, 0)
+    assert sorted(e.pid for e in exits if e.place != SERVER_PLACE) == sorted(children)
+    assert exits[-1] == Event("exited", SERVER_PLACE, server.pid, 0)
 
 
 def test_exit_codes_of_returning_and_raising_targets(make_server) -> None:
-    returning = make_server(exit_with_slot_plus_ten)
+    returning = make_server(exit_with_place_plus_ten)
     returning.spawn(5)
     events = collect(returning, 2)
-    assert [(e.kind, e.slot, e.status) for e in events] == [
+    assert [(e.kind, e.place, e.status) for e in events] == [
         ("started", 5, None), ("exited", 5, 15),
     ]
     raising = make_server(raise_error)

@@ -90,14 +90,14 @@ def test_a_record_that_needs_the_whole_ring_fits_after_padding() -> None:
     assert ring.get() == whole
 
 
-def test_flag_and_reset() -> None:
+def test_stop_request_and_reset() -> None:
     ring = make_ring()
-    assert ring.flag == 0
-    ring.set_flag(1)
-    assert ring.flag == 1
+    assert not ring.stop_requested
+    ring.request_stop()
+    assert ring.stop_requested
     ring.put(b"left over")
     ring.reset()
-    assert ring.flag == 0
+    assert not ring.stop_requested
     assert ring.get() is None
 
 

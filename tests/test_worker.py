@@ -42,8 +42,8 @@ class Child:
         # process inherits it.
         loaded = load(handler) if isinstance(handler, str) else handler
         self.server = ForkServer(
-            lambda slot: runner.run(
-                slot, self.to_child, self.to_parent, loaded, flush_every=flush_every,
+            lambda place: runner.run(
+                place, self.to_child, self.to_parent, loaded, flush_every=flush_every,
                 queue="tests", tasks=tasks, timeout=timeout,
             )
         )
@@ -267,7 +267,7 @@ def test_stop_flag_skips_deliveries_that_did_not_start(start, tmp_path: Path) ->
     ((running, _),) = child.deliver({"gate": str(gate)})
     assert child.outcomes(1) == [("STARTED", running, None)]
     (b, _), (c, _) = child.deliver({}, {})
-    child.to_child.set_flag(1)
+    child.to_child.request_stop()
     gate.touch()
     assert child.outcomes(3) == [("DONE", running, None), ("SKIPPED", b, None),
                                  ("SKIPPED", c, None)]

@@ -149,7 +149,7 @@ def test_stop_flag_skips_what_waits_even_while_every_task_is_busy(start, tmp_pat
     sent = child.deliver(*({"gate": str(gate)} for _ in range(4)))
     ids = [delivery_id for delivery_id, _ in sent]
     assert child.outcomes(2) == [("STARTED", i, None) for i in ids[:2]]
-    child.to_child.set_flag(1)  # no wake-up comes with it: the process looks on its own
+    child.to_child.request_stop()  # no wake-up comes with it: the process looks on its own
     assert child.outcomes(2) == [("SKIPPED", i, None) for i in ids[2:]]
     gate.touch()
     assert sorted(child.outcomes(2)) == [("DONE", i, None) for i in ids[:2]]

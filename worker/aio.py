@@ -12,8 +12,9 @@ The ring protocol is ``worker.base``'s, per delivery:
 - ``timeout``: the task is cancelled and the delivery FAILED ("handler timeout"). A task that
   does not end (it blocks the loop, or swallows the cancellation) is the supervisor's to
   kill, with the process, after a grace.
-- The stop flag: nothing more starts; what waits here is SKIPPED. EXIT (the last record the
-  supervisor sends): what came before it runs, then a last ``flush()``, then exit 0.
+- The stop request (``Ring.stop_requested``): nothing more starts; what waits here is
+  SKIPPED. EXIT (the last record the supervisor sends): what came before it runs, then a
+  last ``flush()``, then exit 0.
 
 ``init``, ``flush``, ``on_success`` and ``on_error`` may each be ``async def`` or plain; a
 plain one runs on the loop (and blocks it while it runs). ``on_success`` and ``on_error``
@@ -35,7 +36,7 @@ from worker.message import Message
 from worker.process import CHILD_BROKEN
 from worker.ring import Ring
 
-TICK = 0.1  # seconds between looks at the stop flag (it comes without a wake-up)
+TICK = 0.1  # seconds between looks at the stop request (it comes without a wake-up)
 _PARENT_CHECK_TICKS = 10  # ticks between checks that the parent is still there
 
 
@@ -60,10 +61,10 @@ class AsyncRunner(Runner):
     ``tasks`` deliveries at once, each cancelled after ``timeout`` seconds (0: never)."""
 
     def __init__(
-        self, slot: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
+        self, place: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
         queue: str, flush_every: int, tasks: int, timeout: float,
     ) -> None:
-        super().__init__(slot, inbox, outbox, handler, parent=parent, queue=queue,
+        super().__init__(place, inbox, outbox, handler, parent=parent, queue=queue,
                          flush_every=flush_every)
         self._capacity = max(1, tasks)
         self._timeout = timeout
@@ -100,7 +101,7 @@ class AsyncRunner(Runner):
             ticks += 1
             if ticks % _PARENT_CHECK_TICKS == 0:
                 exit_if_orphaned(self._parent)
-            if self._inbox.flag and self._waiting:
+            if self._inbox.stop_requested and self._waiting:
                 self._request_pump()
             if not self._tasks:
                 self._title.set_busy(False)
@@ -144,7 +145,7 @@ class AsyncRunner(Runner):
     def _pump(self) -> None:
         """Start what may start, flush if due, send the outcomes; exit when asked and done."""
         self._pump_scheduled = False
-        if self._inbox.flag:
+        if self._inbox.stop_requested:
             while self._waiting:  # stopping: the supervisor releases these
                 self._outcomes.append(protocol.encode_skipped(self._waiting.popleft()[0]))
         while self._waiting and len(self._tasks) < self._capacity:
@@ -233,7 +234,7 @@ class AsyncRunner(Runner):
     def _maybe_flush(self) -> None:
         if not self._held or self._flushing is not None:
             return
-        more_to_start = self._waiting and not self._inbox.flag
+        more_to_start = self._waiting and not self._inbox.stop_requested
         if more_to_start and len(self._held) < self._flush_every:
             return  # gather more successes first, as the one-at-a-time process does
         held, self._held = self._held, []

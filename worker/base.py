@@ -41,7 +41,7 @@ BATCH = 256
 _ROOM_DELAYS = (0.0001, 0.0005, 0.002, 0.01)  # back-off while the outcome ring is full
 
 
-def prepare_process(slot: int) -> int:
+def prepare_process(place: int) -> int:
     """Set up a freshly forked handler process; returns the parent's pid, to watch."""
     parent = os.getppid()
     # Ctrl-C reaches the whole process group: the supervisor decides what happens.
@@ -50,7 +50,7 @@ def prepare_process(slot: int) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     set_parent_death_signal()
-    _configure_logging(slot)
+    _configure_logging(place)
     return parent
 
 
@@ -62,15 +62,15 @@ class Runner:
     """
 
     def __init__(
-        self, slot: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
+        self, place: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
         queue: str, flush_every: int,
     ) -> None:
-        self._slot = slot
+        self._place = place
         self._inbox = inbox
         self._outbox = outbox
         self._handler = handler
         self._parent = parent
-        self._title = Title(queue, slot)
+        self._title = Title(queue, place)
         self._flush_every = max(1, flush_every)
         self._outcomes: list[bytes] = []  # encoded, not yet on the ring
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
@@ -112,7 +112,7 @@ class Runner:
 
     def _ready(self, detail: str) -> None:
         self.send([protocol.encode_ready()])
-        log.info("handler process %d ready (%s)", self._slot, detail)
+        log.info("handler process %d ready (%s)", self._place, detail)
 
     def _succeed(self, delivery_id: int, message: Message) -> None:
         self._outcomes.append(protocol.encode_done(delivery_id))
@@ -185,8 +185,8 @@ def exit_process(code: int) -> NoReturn:
 class Title:
     """The process title, changed only when the busy/idle state changes."""
 
-    def __init__(self, queue: str, slot: int) -> None:
-        self._prefix = f"queue-supervisor: {queue} handler {slot}"
+    def __init__(self, queue: str, place: int) -> None:
+        self._prefix = f"queue-supervisor: {queue} handler {place}"
         self._busy: bool | None = None
         self.set_busy(False)
 
@@ -196,14 +196,14 @@ class Title:
             setproctitle.setproctitle(f"{self._prefix} {'busy' if busy else 'idle'}")
 
 
-def _configure_logging(slot: int) -> None:
+def _configure_logging(place: int) -> None:
     """Log to stderr, one line per event, unless the supervisor configured logging."""
     root = logging.getLogger()
     if root.handlers:
         return
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(logging.Formatter(
-        f"%(asctime)s handler {slot} [%(process)d] %(levelname)s %(name)s: %(message)s"
+        f"%(asctime)s handler {place} [%(process)d] %(levelname)s %(name)s: %(message)s"
     ))
     root.addHandler(stream)
     root.setLevel(logging.INFO)

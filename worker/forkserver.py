@@ -24,17 +24,17 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, Protocol, runtime_checkable
 
 import setproctitle
 
 from worker.process import CHILD_BROKEN, CHILD_ORPHANED, reset_signals, set_parent_death_signal
 
-#: Slot of the "exited" event that reports the death of the server itself.
-SERVER_SLOT = -1
+#: Place of the "exited" event that reports the death of the server itself.
+SERVER_PLACE = -1
 
-_REQUEST = struct.Struct("=i")  # slot
-_EVENT = struct.Struct("=Biii")  # kind, slot, pid, status
+_REQUEST = struct.Struct("=i")  # place
+_EVENT = struct.Struct("=Biii")  # kind, place, pid, status
 _STARTED, _EXITED = 0, 1
 
 # Parent-side pipe ends of every fork server of this process: a server forked later
@@ -44,12 +44,34 @@ _PARENT_ENDS: set[int] = set()
 
 @dataclass(slots=True, frozen=True)
 class Event:
-    """A child started, or exited with ``status`` (exit code, or -signal)."""
+    """A child started, or exited with ``status`` (exit code, or -signal), in handler place
+    ``place`` (the index its target was called with)."""
 
     kind: Literal["started", "exited"]
-    slot: int
+    place: int
     pid: int
     status: int | None = None
+
+
+@runtime_checkable
+class Spawner(Protocol):
+    """What the arbiter needs of a fork server: a process for a place on request, and news
+    of starts and exits. ``ForkServer`` is the real one; tests of the core play one
+    (tests/inprocess.py)."""
+
+    @property
+    def events_fd(self) -> int:
+        """Readable when events wait (for the event loop's reader)."""
+        ...
+
+    def spawn(self, place: int) -> None:
+        """Ask for a process in ``place``; a "started" event follows."""
+        ...
+
+    def read_events(self) -> list[Event]:
+        """The events that arrived since the last call (never blocks); ``SERVER_PLACE``
+        in an "exited" event: the server itself is gone."""
+        ...
 
 
 class ForkServer:
@@ -85,12 +107,12 @@ class ForkServer:
         self._server_gone = False
         _PARENT_ENDS.update((request_write, event_read))
 
-    def spawn(self, slot: int) -> None:
-        """Ask for a child running ``target(slot)``; a "started" event follows."""
+    def spawn(self, place: int) -> None:
+        """Ask for a child running ``target(place)``; a "started" event follows."""
         if self._requests < 0:
             raise RuntimeError("fork server is not running")
         try:
-            os.write(self._requests, _REQUEST.pack(slot))
+            os.write(self._requests, _REQUEST.pack(place))
         except BrokenPipeError:
             raise RuntimeError("fork server is gone") from None
 
@@ -98,7 +120,7 @@ class ForkServer:
         """The events that arrived since the last call (never blocks).
 
         If the server itself dies, the last event is ``exited`` with
-        ``slot == SERVER_SLOT`` and the server's pid; stop reading ``events_fd`` then
+        ``place == SERVER_PLACE`` and the server's pid; stop reading ``events_fd`` then
         (it stays readable at EOF until ``stop()``).
         """
         if not self._server_gone and self._events >= 0:
@@ -142,11 +164,11 @@ class ForkServer:
     def _parse(self, chunk: bytes) -> None:
         data = self._partial + chunk
         usable = len(data) - len(data) % _EVENT.size
-        for kind, slot, pid, status in _EVENT.iter_unpack(data[:usable]):
+        for kind, place, pid, status in _EVENT.iter_unpack(data[:usable]):
             if kind == _STARTED:
-                self._pending.append(Event("started", slot, pid))
+                self._pending.append(Event("started", place, pid))
             else:
-                self._pending.append(Event("exited", slot, pid, status))
+                self._pending.append(Event("exited", place, pid, status))
         self._partial = data[usable:]
 
     def _reap_server(self) -> None:
@@ -155,7 +177,7 @@ class ForkServer:
         _, status = os.waitpid(self.pid, 0)
         self._server_gone = True
         self._pending.append(
-            Event("exited", SERVER_SLOT, self.pid, os.waitstatus_to_exitcode(status))
+            Event("exited", SERVER_PLACE, self.pid, os.waitstatus_to_exitcode(status))
         )
         self._close_requests()
 
@@ -201,7 +223,7 @@ class _Server:
         self._target = target
         self._requests = requests
         self._events = events
-        self._children: dict[int, int] = {}  # pid -> slot
+        self._children: dict[int, int] = {}  # pid -> place
         self._partial = b""
         self._wake_read, self._wake_write = os.pipe()
 
@@ -234,12 +256,12 @@ class _Server:
             return False
         data = self._partial + chunk
         usable = len(data) - len(data) % _REQUEST.size
-        for (slot,) in _REQUEST.iter_unpack(data[:usable]):
-            self._spawn(slot)
+        for (place,) in _REQUEST.iter_unpack(data[:usable]):
+            self._spawn(place)
         self._partial = data[usable:]
         return True
 
-    def _spawn(self, slot: int) -> None:
+    def _spawn(self, place: int) -> None:
         server = os.getpid()
         # SIGTERM is ignored here; blocked across the fork, one sent to the new child before
         # it restored the default action stays pending (Linux queues blocked signals even
@@ -248,10 +270,10 @@ class _Server:
         pid = os.fork()
         if pid == 0:
             inherited = (self._requests, self._events, self._wake_read, self._wake_write)
-            _run_child(self._target, slot, server, inherited)
+            _run_child(self._target, place, server, inherited)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        self._children[pid] = slot
-        self._report(_STARTED, slot, pid, 0)
+        self._children[pid] = place
+        self._report(_STARTED, place, pid, 0)
 
     def _reap(self, options: int) -> None:
         """Report every child that exited (all of them, with ``options == 0``)."""
@@ -262,9 +284,9 @@ class _Server:
                 return
             if pid == 0:
                 return
-            slot = self._children.pop(pid, None)
-            if slot is not None:
-                self._report(_EXITED, slot, pid, os.waitstatus_to_exitcode(status))
+            place = self._children.pop(pid, None)
+            if place is not None:
+                self._report(_EXITED, place, pid, os.waitstatus_to_exitcode(status))
 
     def _kill_children(self) -> None:
         for pid in self._children:
@@ -272,16 +294,16 @@ class _Server:
                 os.kill(pid, signal.SIGKILL)
         self._reap(0)
 
-    def _report(self, kind: int, slot: int, pid: int, status: int) -> None:
+    def _report(self, kind: int, place: int, pid: int, status: int) -> None:
         # A broken pipe means the supervisor is gone; EOF on the requests follows.
         with contextlib.suppress(BrokenPipeError):
-            os.write(self._events, _EVENT.pack(kind, slot, pid, status))
+            os.write(self._events, _EVENT.pack(kind, place, pid, status))
 
 
 def _run_child(
-    target: Callable[[int], NoReturn], slot: int, server: int, inherited: tuple[int, ...]
+    target: Callable[[int], NoReturn], place: int, server: int, inherited: tuple[int, ...]
 ) -> NoReturn:
-    """A handler process: clean up what fork copied, then run ``target(slot)``."""
+    """A handler process: clean up what fork copied, then run ``target(place)``."""
     code = CHILD_BROKEN  # the target raised
     try:
         reset_signals()  # first: the server's wake-up fd is among those closed below
@@ -290,7 +312,7 @@ def _run_child(
         set_parent_death_signal()
         if os.getppid() != server:  # the server died before we asked to follow it
             os._exit(CHILD_ORPHANED)
-        code = _exit_code(target(slot))
+        code = _exit_code(target(place))
     except SystemExit as exit_request:
         code = _exit_code(exit_request.code)
     except BaseException:

@@ -9,7 +9,7 @@ Layout (all words native u64, each on its own 64-byte cache line)::
     [0]   write index   monotonic count of slots published by the writer
     [64]  read index    monotonic count of slots released by the reader
     [128] sleeping      1 while the reader is (about to be) blocked on the wake-up fd
-    [192] flag          a spare word the parent sets for the child (the stop signal)
+    [192] stop          non-zero once the parent asked the child to start nothing more
     [256] data          ``slots`` slots of ``slot_size`` bytes
 
 A record is a u32 length followed by its bytes and occupies as many consecutive slots as
@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterable
 
 _HEADER_BYTES = 256
-_WRITE, _READ, _SLEEPING, _FLAG = 0, 8, 16, 24  # u64 word indexes, 64 bytes apart
+_WRITE, _READ, _SLEEPING, _STOP = 0, 8, 16, 24  # u64 word indexes, 64 bytes apart
 _LENGTH = struct.Struct("=I")
 _PADDING = 0xFFFFFFFF  # a length no record has: "skip to slot 0"
 
@@ -204,16 +204,18 @@ class Ring:
     # -- shared state --------------------------------------------------------------
 
     @property
-    def flag(self) -> int:
-        """The parent's signal word (non-zero: the child must not start more work)."""
-        return self._words[_FLAG]
+    def stop_requested(self) -> bool:
+        """The parent asked the reader of this ring to start nothing more (it comes without
+        a wake-up: the reader looks at it between records)."""
+        return self._words[_STOP] != 0
 
-    def set_flag(self, value: int) -> None:
-        self._words[_FLAG] = value
+    def request_stop(self) -> None:
+        """Set by the parent, on the ring it writes to the child; cleared by ``reset``."""
+        self._words[_STOP] = 1
 
     def reset(self) -> None:
         """Empty the ring and clear its words (only while neither side is using it)."""
-        for word in (_WRITE, _READ, _SLEEPING, _FLAG):
+        for word in (_WRITE, _READ, _SLEEPING, _STOP):
             self._words[word] = 0
         _drain(self.wake_fd)
 

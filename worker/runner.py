@@ -18,7 +18,7 @@ from worker.sync import SyncRunner
 
 
 def run(
-    slot: int,
+    place: int,
     to_child: Ring,
     to_parent: Ring,
     handler: Handler,
@@ -31,12 +31,12 @@ def run(
     """Called in the forked child. An ``async def`` handler runs up to ``tasks`` deliveries
     at once, each cancelled after ``timeout`` seconds (0: never); a plain one runs one at
     a time, and its timeout is the supervisor's kill."""
-    parent = prepare_process(slot)
+    parent = prepare_process(place)
     runner: Runner
     if handler.is_async:
-        runner = AsyncRunner(slot, to_child, to_parent, handler, parent=parent, queue=queue,
+        runner = AsyncRunner(place, to_child, to_parent, handler, parent=parent, queue=queue,
                              flush_every=flush_every, tasks=tasks, timeout=timeout)
     else:
-        runner = SyncRunner(slot, to_child, to_parent, handler, parent=parent, queue=queue,
+        runner = SyncRunner(place, to_child, to_parent, handler, parent=parent, queue=queue,
                             flush_every=flush_every)
     runner.run()

@@ -45,7 +45,7 @@ class SyncRunner(Runner):
             self._sleep()
 
     def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
-        if self._inbox.flag:  # stopping: leave it for the supervisor to release
+        if self._inbox.stop_requested:  # stopping: leave it for the supervisor to release
             self._outcomes.append(protocol.encode_skipped(delivery_id))
             return
         # The supervisor must know a delivery started before any of its side effects,

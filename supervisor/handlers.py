@@ -1,7 +1,8 @@
-"""One object per handler process: its rings and the process now running in it.
+"""The handler places: one per handler process the job runs, each with its two rings and
+the process now running in it (replacements take the same place).
 
 The rings live in one anonymous shared mapping created before the fork server, so every
-child (including replacements) finds its slot's rings at the same place.
+child (including replacements) finds its place's rings at the same address.
 """
 
 from __future__ import annotations
@@ -17,38 +18,59 @@ from worker.ring import Ring
 
 
 @dataclass(slots=True, eq=False)
-class Slot:
-    """A handler process's place: its rings, and the process now in it (if any).
+class HandlerPlace:
+    """Handler process number ``index``: its rings, and the process now in it (if any).
 
-    The deliveries it holds are the buffer's (``Buffer.queued`` / ``Buffer.running``); the
-    slot owns only its process: signalling it, asking it to exit, retiring it.
+    The deliveries it holds are the buffer's (queued and running, by ``index``); the place
+    owns only its process: signalling it, asking it to exit, retiring it, counting its jobs
+    and the replacements that died before they were ready.
     """
 
     index: int
     to_child: Ring
     to_parent: Ring
     pid: int | None = None
-    ready: bool = False
     retiring: bool = False  # recycling: take no more work, exit once empty
     exit_sent: bool = False
-    jobs: int = 0  # deliveries finished by the current process
     kill_reason: str | None = None  # why we killed it (e.g. handler timeout), for the reject
-    early_deaths: int = 0  # processes of this slot in a row that died before they were ready
     overdue: set[int] = field(default_factory=set)  # running ids past the timeout we killed for
     #: How a signal reaches the process (tests of the core in one process replace it).
     send_signal: Callable[[int, int], None] = os.kill
+    _ready: bool = field(default=False, init=False)
+    _jobs: int = field(default=0, init=False)  # deliveries finished by the current process
+    #: Processes of this place in a row that died before they were ready.
+    _early_deaths: int = field(default=0, init=False)
 
     @property
     def alive(self) -> bool:
         return self.pid is not None
 
     @property
+    def ready(self) -> bool:
+        """The current process reported READY (its handler's init() returned)."""
+        return self._ready
+
+    @property
     def accepting(self) -> bool:
         """Ready for new work: started, not recycling, not asked to exit."""
-        return self.ready and not self.retiring and not self.exit_sent
+        return self._ready and not self.retiring and not self.exit_sent
 
     def started(self, pid: int) -> None:
         self.pid = pid
+
+    def became_ready(self) -> None:
+        """The process reported READY: the run of early deaths is over."""
+        self._ready, self._early_deaths = True, 0
+
+    def job_finished(self) -> int:
+        """The process finished a delivery; returns how many it finished so far."""
+        self._jobs += 1
+        return self._jobs
+
+    def died_early(self) -> int:
+        """A process died before it was ready; returns how many did in a row."""
+        self._early_deaths += 1
+        return self._early_deaths
 
     def kill(self, sig: int, reason: str | None = None, overdue: set[int] | None = None) -> None:
         """Signal the process (if there is one); ``reason`` fails what it was running."""
@@ -57,6 +79,10 @@ class Slot:
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
                 self.send_signal(self.pid, sig)
+
+    def request_stop(self) -> None:
+        """The job stops: the process starts nothing more (it reports SKIPPED instead)."""
+        self.to_child.request_stop()
 
     def request_exit(self) -> bool:
         """Ask the process to exit once it read everything before (sent once)."""
@@ -70,8 +96,8 @@ class Slot:
 
     def gone(self) -> None:
         """The process is gone: forget it and make the rings empty for a replacement."""
-        self.pid, self.kill_reason, self.jobs = None, None, 0
-        self.ready = self.retiring = self.exit_sent = False
+        self.pid, self.kill_reason, self._jobs = None, None, 0
+        self._ready = self.retiring = self.exit_sent = False
         self.overdue = set()
         self.to_child.reset()
         self.to_parent.reset()
@@ -81,11 +107,11 @@ class RingMemoryError(Exception):
     """The shared memory of the rings could not be allocated; the message says how much."""
 
 
-def make_slots(count: int, ring_slots: int, slot_size: int) -> list[Slot]:
+def make_places(count: int, ring_slots: int, slot_size: int) -> list[HandlerPlace]:
     """Shared memory and wake-up descriptors for ``count`` handler processes (before forking).
 
-    Raises RingMemoryError when the machine refuses the memory (ENOMEM, an address-space
-    limit)."""
+    ``ring_slots`` and ``slot_size`` are the rings' cells (``Ring``). Raises RingMemoryError
+    when the machine refuses the memory (ENOMEM, an address-space limit)."""
     ring_bytes = Ring.nbytes(ring_slots, slot_size)
     size = 2 * count * ring_bytes
     try:
@@ -97,12 +123,12 @@ def make_slots(count: int, ring_slots: int, slot_size: int) -> list[Slot]:
             f"handler processes x {ring_bytes:,} bytes), which could not be allocated ({reason})"
         ) from error
     view = memoryview(memory)
-    slots = []
+    places = []
     for index in range(count):
         base = 2 * index * ring_bytes
         rings = [
             Ring(view[at : at + ring_bytes], ring_slots, slot_size, os.eventfd(0, os.EFD_NONBLOCK))
             for at in (base, base + ring_bytes)
         ]
-        slots.append(Slot(index, rings[0], rings[1]))
-    return slots
+        places.append(HandlerPlace(index, rings[0], rings[1]))
+    return places
