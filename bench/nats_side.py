@@ -22,6 +22,7 @@ import psutil
 
 from bench.common import QUEUE, stats_usage_payload
 from broker import envelope
+from broker.nats import api
 from broker.nats.setup import QueueNames
 
 NAMES = QueueNames.of(QUEUE)
@@ -125,16 +126,16 @@ class Control:
 
     async def _prepare(self, messages: int) -> None:
         for name in (NAMES.stream, NAMES.dead_stream):
-            await _api(self.nc, f"$JS.API.STREAM.DELETE.{name}")
+            await _api(self.nc, api.stream_delete(name))
         for name, subject in ((NAMES.stream, NAMES.subject),
                               (NAMES.dead_stream, NAMES.dead_subject)):
-            created = await _api(self.nc, f"$JS.API.STREAM.CREATE.{name}", {
+            created = await _api(self.nc, api.stream_create(name), {
                 "name": name, "subjects": [subject], "retention": "workqueue",
                 "storage": "file",
             })
             if "error" in created:
                 raise RuntimeError(f"cannot create stream {name}: {created['error']}")
-        subject = f"$JS.API.CONSUMER.CREATE.{NAMES.stream}.{NAMES.consumer}"
+        subject = api.consumer_create(NAMES.stream, NAMES.consumer)
         created = await _api(self.nc, subject, {
             "stream_name": NAMES.stream, "action": "create", "config": {
                 "durable_name": NAMES.consumer, "ack_policy": "explicit",
@@ -153,7 +154,7 @@ class Control:
         self.run(self._resume())
 
     async def _resume(self) -> None:
-        subject = f"$JS.API.CONSUMER.PAUSE.{NAMES.stream}.{NAMES.consumer}"
+        subject = api.consumer_pause(NAMES.stream, NAMES.consumer)
         answer = await _api(self.nc, subject, {})
         if answer.get("paused"):
             raise RuntimeError(f"consumer still paused: {answer}")
