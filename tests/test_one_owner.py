@@ -1,17 +1,23 @@
 """Facts the project spells in one place only, so that two copies cannot drift apart.
 
 Each test here reads the source (``ast``) for a second spelling of a fact that has an
-owner: the JetStream API subjects (``broker.nats.api``).
+owner: the JetStream API subjects (``broker.nats.api``), how an exception reads in a log
+line (``broker.errors.describe``).
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from broker.errors import describe
 from broker.nats import api
 from broker.nats.setup import QueueNames
+from worker.handler import HandlerError, load
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("broker", "supervisor", "worker", "support", "bench", "examples")
@@ -33,9 +39,9 @@ def code_strings(path: Path) -> Iterator[tuple[int, str]]:
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 docstrings.add(id(body[0].value))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if id(node) not in docstrings:
-                yield node.lineno, node.value
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                id(node) not in docstrings):
+            yield node.lineno, node.value
 
 
 def test_jetstream_subjects_are_built_only_by_broker_nats_api():
@@ -60,3 +66,48 @@ def test_the_subjects_are_jetstreams_spelling():
     assert api.max_deliveries_advisory("S") == "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.*"
     names = QueueNames.of("stats-usage")
     assert names.next_subject == "$JS.API.CONSUMER.MSG.NEXT.Q_STATS-USAGE.worker"
+
+
+def _is_type_name(node: ast.expr) -> bool:
+    """``type(x).__name__``"""
+    return (isinstance(node, ast.Attribute) and node.attr == "__name__"
+            and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "type")
+
+
+def test_exceptions_are_described_only_by_broker_errors():
+    """``f"{type(error).__name__}: {error}"`` was written out in five modules; the copies
+    already differed on an empty message ("RuntimeError:" in one, "RuntimeError" in the
+    others)."""
+    owner = ROOT / "broker" / "errors.py"
+    elsewhere = []
+    for path in source_files():
+        if path == owner:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.JoinedStr):
+                continue
+            parts = node.values
+            for part, after in itertools.pairwise(parts):
+                if (isinstance(part, ast.FormattedValue) and _is_type_name(part.value)
+                        and isinstance(after, ast.Constant) and str(after.value).startswith(":")):
+                    elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert elsewhere == []
+
+
+@pytest.mark.parametrize(("error", "text"), [
+    (ValueError("bad pid"), "ValueError: bad pid"),
+    (TimeoutError(), "TimeoutError"),
+    (KeyError("k"), "KeyError: 'k'"),
+])
+def test_describe(error: BaseException, text: str):
+    assert describe(error) == text
+
+
+def test_a_handler_whose_import_raises_without_a_message_reads_as_the_others(
+        tmp_path, monkeypatch):
+    (tmp_path / "raises_bare.py").write_text("raise RuntimeError\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(HandlerError) as raised:
+        load("raises_bare:handle")
+    assert str(raised.value).endswith("cannot be imported: RuntimeError")
