@@ -5,6 +5,7 @@ A Redis script cannot import another, and each file stays self-contained so that
 (``whole``, ``wrong_type``, ``bad_counter``) are copies on purpose. This test finds every
 function defined in more than one script and fails until all its copies are the same text
 again: a fix made to one copy reaches the others, or the test says which scripts lag.
+The scripts' bounds are copies too, of Python's ``MAX_BATCH`` and ``MAX_TTL``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
+
+from broker.base import MAX_BATCH
+from broker.redis.keys import MAX_TTL
 
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
 
@@ -63,3 +67,42 @@ def test_a_drifted_copy_is_reported():
     original = helpers(script)["whole"]
     changed = helpers(script.replace("#value <= 10", "#value <= 11"))["whole"]
     assert changed != original and changed.startswith("local function whole(")
+
+
+# Bounds a script puts on its arguments: whole(x, low, HIGH), "n > HIGH" and "#KEYS - 2 >
+# HIGH" in the checks before the first write, and named ones ("local MAX_ITEMS = HIGH").
+_WHOLE_BOUND = re.compile(r"\bwhole\((?P<arg>[^,]+),\s*\d+,\s*(?P<high>\w+)\)")
+_COUNT_BOUND = re.compile(
+    r"^if .*?(?:\bn|#KEYS - 2) > (?P<high>\d+)|^local MAX_ITEMS = (?P<items>\d+)", re.MULTILINE)
+_TTL_NAME = re.compile(r"\blocal MAX_TTL = (?P<high>\d+)")
+#: recover.lua's grace is in seconds but compared with millisecond deadlines: bounded by the
+#: ten digits whole() reads, not by MAX_TTL (checked in tests/test_lua_args.py).
+OTHER_BOUNDS = {("recover.lua", "ARGV[2] or '0'"): 9999999999}
+
+
+def _code(text: str) -> str:
+    return "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+
+
+def test_the_scripts_bounds_are_pythons_max_batch_and_max_ttl():
+    """Every count a script takes is bounded by MAX_BATCH and every lease, TTL or offset by
+    MAX_TTL: Python sends groups of MAX_BATCH and validates TTLs against MAX_TTL, so a
+    script with another bound refuses (or lets through) what Python thinks it may send."""
+    wrong, counts = [], 0
+    for path in sorted(LUA_DIR.glob("*.lua")):
+        code = _code(path.read_text(encoding="utf-8"))
+        for match in _WHOLE_BOUND.finditer(code):
+            high = match["high"]
+            value = MAX_TTL if high == "MAX_TTL" else int(high)
+            allowed = {MAX_BATCH, MAX_TTL, OTHER_BOUNDS.get((path.name, match["arg"].strip()))}
+            if value not in allowed:
+                wrong.append(f"{path.name}: {match.group()}")
+        for match in _COUNT_BOUND.finditer(code):
+            counts += 1
+            if int(match["high"] or match["items"]) != MAX_BATCH:
+                wrong.append(f"{path.name}: {match.group()} (MAX_BATCH is {MAX_BATCH})")
+        for match in _TTL_NAME.finditer(code):
+            if int(match["high"]) != MAX_TTL:
+                wrong.append(f"{path.name}: {match.group()} (MAX_TTL is {MAX_TTL})")
+    assert wrong == []
+    assert counts >= 4  # extend, reclaim, recover, retry: the finder still finds them
