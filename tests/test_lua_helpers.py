@@ -5,7 +5,8 @@ A Redis script cannot import another, and each file stays self-contained so that
 (``whole``, ``wrong_type``, ``bad_counter``) are copies on purpose. This test finds every
 function defined in more than one script and fails until all its copies are the same text
 again: a fix made to one copy reaches the others, or the test says which scripts lag.
-The scripts' bounds are copies too, of Python's ``MAX_BATCH`` and ``MAX_TTL``.
+The scripts' bounds are copies too, of Python's ``MAX_BATCH`` and ``MAX_TTL``, and so is
+the score from which a reservation's deadline is in milliseconds.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from pathlib import Path
 
 from broker.base import MAX_BATCH
-from broker.redis.keys import MAX_TTL
+from broker.redis.keys import MAX_TTL, MS_DEADLINES_FROM
 
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
 
@@ -106,3 +107,14 @@ def test_the_scripts_bounds_are_pythons_max_batch_and_max_ttl():
                 wrong.append(f"{path.name}: {match.group()} (MAX_TTL is {MAX_TTL})")
     assert wrong == []
     assert counts >= 4  # extend, reclaim, recover, retry: the finder still finds them
+
+
+def test_the_scripts_read_millisecond_deadlines_from_where_python_does():
+    """expired.lua, recover.lua and ``check``/``inspect`` (Python) must agree on which
+    registry scores are milliseconds, or one would call a reservation expired that the
+    other holds live."""
+    found = {}
+    for name in ("expired.lua", "recover.lua"):
+        code = _code((LUA_DIR / name).read_text(encoding="utf-8"))
+        found[name] = {float(number) for number in re.findall(r"\b(\d+e\d+|\d{11,})\b", code)}
+    assert found == {"expired.lua": {MS_DEADLINES_FROM}, "recover.lua": {MS_DEADLINES_FROM}}
