@@ -23,7 +23,7 @@ import psutil
 from bench.common import QUEUE, stats_usage_payload
 from broker import envelope
 from broker.nats import api
-from broker.nats.setup import QueueNames
+from broker.nats.setup import SPARE_DELIVERY, QueueNames
 
 NAMES = QueueNames.of(QUEUE)
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"
@@ -140,7 +140,7 @@ class Control:
             "stream_name": NAMES.stream, "action": "create", "config": {
                 "durable_name": NAMES.consumer, "ack_policy": "explicit",
                 "ack_wait": ACK_WAIT_S * 1_000_000_000, "max_deliver": MAX_DELIVER,
-                "metadata": {"utopia_queue_spare_delivery": "1"},
+                "metadata": {SPARE_DELIVERY: "1"},
                 "filter_subject": NAMES.subject, "deliver_policy": "all",
                 "pause_until": PAUSED_UNTIL,
             },

@@ -72,6 +72,7 @@ from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
 from broker.nats.pull import Puller
 from broker.nats.setup import (
+    SPARE_DELIVERY,
     UNLIMITED,
     Adopted,
     QueueNames,
@@ -588,13 +589,13 @@ class NatsBroker:
                         "kills its worker, say) is delivered again without end, as under "
                         "queue 5; a MaxDeliver with the %s mark bounds it",
                         self._names.consumer, self._names.stream, policy.max_deliver,
-                        "utopia_queue_spare_delivery")
+                        SPARE_DELIVERY)
         elif policy.spare is None:
             log.warning("NATS consumer %r on %s keeps no spare delivery (MaxDeliver %d "
                         "without %s): a job whose last delivery dies unsettled is only "
                         "dead-lettered if a worker receives the server's advisory",
                         self._names.consumer, self._names.stream, policy.max_deliver,
-                        "utopia_queue_spare_delivery")
+                        SPARE_DELIVERY)
         if policy.replicas != self._wanted.replicas:
             log.warning("NATS stream %s has %d replicas; [nats] replicas = %d only applies to "
                         "a stream this supervisor creates (an existing one is adopted as it is)",
