@@ -25,6 +25,7 @@ from typing import Any
 
 from bench import machine, nats_side, redis_side, report, runs
 from bench.common import ROOT
+from broker.errors import describe
 
 METHOD = """\
 - Each configuration: the queue is filled first (Redis: LPUSH into a staging key; NATS:
@@ -171,7 +172,7 @@ def attempt(rows: list[dict[str, Any]], what: dict[str, Any], call) -> dict[str,
         tries = sorted((call() for _ in range(REPEAT)), key=lambda row: row["jobs_per_s"])
     except Exception as error:
         traceback.print_exc()
-        rows.append({**what, "error": f"{type(error).__name__}: {error}"})
+        rows.append({**what, "error": describe(error)})
         return None
     row = tries[len(tries) // 2]
     row["load_after"] = machine.load()[0]  # 1-minute load average once this configuration ran

@@ -143,7 +143,7 @@ def roles_of(cluster: NatsCluster, server: NatsServer) -> list[str]:
     roles = []
     if cluster.leader(NAMES.stream) is server:
         roles.append("stream leader")
-    if cluster.leader(NAMES.stream, "worker") is server:
+    if cluster.leader(NAMES.stream, NAMES.consumer) is server:
         roles.append("consumer leader")
     if server in cluster.serving(CLIENT_NAME):
         roles.append("supervisor's server")
@@ -154,7 +154,7 @@ def pick_victim(cluster: NatsCluster, scenario: str) -> NatsServer | None:
     if scenario in ("stream_leader", "stream_leader_sigterm"):
         return cluster.leader(NAMES.stream)
     if scenario == "consumer_leader":
-        return cluster.leader(NAMES.stream, "worker")
+        return cluster.leader(NAMES.stream, NAMES.consumer)
     if scenario == "connected_server":
         serving = cluster.serving(CLIENT_NAME)
         return serving[0] if serving else None

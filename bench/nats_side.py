@@ -22,7 +22,8 @@ import psutil
 
 from bench.common import QUEUE, stats_usage_payload
 from broker import envelope
-from broker.nats.setup import QueueNames
+from broker.nats import api
+from broker.nats.setup import SPARE_DELIVERY, QueueNames
 
 NAMES = QueueNames.of(QUEUE)
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"
@@ -125,21 +126,21 @@ class Control:
 
     async def _prepare(self, messages: int) -> None:
         for name in (NAMES.stream, NAMES.dead_stream):
-            await _api(self.nc, f"$JS.API.STREAM.DELETE.{name}")
+            await _api(self.nc, api.stream_delete(name))
         for name, subject in ((NAMES.stream, NAMES.subject),
                               (NAMES.dead_stream, NAMES.dead_subject)):
-            created = await _api(self.nc, f"$JS.API.STREAM.CREATE.{name}", {
+            created = await _api(self.nc, api.stream_create(name), {
                 "name": name, "subjects": [subject], "retention": "workqueue",
                 "storage": "file",
             })
             if "error" in created:
                 raise RuntimeError(f"cannot create stream {name}: {created['error']}")
-        subject = f"$JS.API.CONSUMER.CREATE.{NAMES.stream}.{NAMES.consumer}"
+        subject = api.consumer_create(NAMES.stream, NAMES.consumer)
         created = await _api(self.nc, subject, {
             "stream_name": NAMES.stream, "action": "create", "config": {
                 "durable_name": NAMES.consumer, "ack_policy": "explicit",
                 "ack_wait": ACK_WAIT_S * 1_000_000_000, "max_deliver": MAX_DELIVER,
-                "metadata": {"utopia_queue_spare_delivery": "1"},
+                "metadata": {SPARE_DELIVERY: "1"},
                 "filter_subject": NAMES.subject, "deliver_policy": "all",
                 "pause_until": PAUSED_UNTIL,
             },
@@ -153,7 +154,7 @@ class Control:
         self.run(self._resume())
 
     async def _resume(self) -> None:
-        subject = f"$JS.API.CONSUMER.PAUSE.{NAMES.stream}.{NAMES.consumer}"
+        subject = api.consumer_pause(NAMES.stream, NAMES.consumer)
         answer = await _api(self.nc, subject, {})
         if answer.get("paused"):
             raise RuntimeError(f"consumer still paused: {answer}")

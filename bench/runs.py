@@ -42,6 +42,7 @@ from bench.common import (
     wait_for_line,
     wait_until_title,
 )
+from broker.nats import api
 from broker.redis.keys import QueueKeys
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
@@ -308,7 +309,7 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
 
 
 async def _unpause(run: NatsTargetRun) -> None:
-    subject = f"$JS.API.CONSUMER.PAUSE.{nats_side.NAMES.stream}.{nats_side.NAMES.consumer}"
+    subject = api.consumer_pause(nats_side.NAMES.stream, nats_side.NAMES.consumer)
     await nats_side._api(run.control.nc, subject, {})
 
 

@@ -6,7 +6,8 @@ import pytest
 from redis.crc import key_slot
 
 from broker.base import BrokerError
-from broker.redis.keys import QueueKeys
+from broker.redis import has_hash_tag
+from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import PlacementError, check_placement, queue_key_samples, slots
 
 
@@ -56,3 +57,32 @@ def test_a_tag_in_the_queue_name_is_enough():
 def test_pids_with_braces_cannot_move_keys():
     keys = QueueKeys("{ns}", "q")
     assert key_slot(keys.job("{other}").encode()) == key_slot(keys.ready.encode())
+
+
+# Brace shapes where a looser rule ("has a brace") and Redis's would disagree.
+BRACE_SHAPES = ["plain", "", "{}", "{}x", "{a}{b}", "}{", "}{a}", "a}{b}", "{a", "a}", "a{b",
+                "x{tag}y", "{{a}}", "a{}b{c}", "{a}", "{ }"]
+
+
+@pytest.mark.parametrize("name", BRACE_SHAPES)
+def test_hash_tag_is_the_rule_redis_hashes_by(name: str):
+    tag = hash_tag(name)
+    assert key_slot((name if tag is None else tag).encode()) == key_slot(name.encode())
+    assert tag is None or tag != ""
+
+
+@pytest.mark.parametrize("namespace", BRACE_SHAPES)
+def test_placement_and_hash_tag_cannot_disagree(namespace: str):
+    """Placement refuses a namespace exactly when ``keys.hash_tag`` finds no tag in it, and
+    then says so (not "put the tag first" for a namespace that has none)."""
+    keys = QueueKeys(namespace, "q")
+    assert has_hash_tag(namespace) == (hash_tag(namespace) is not None)
+    if hash_tag(namespace) is not None:
+        check_placement(keys)
+        return
+    with pytest.raises(PlacementError) as raised:
+        check_placement(keys)
+    message = str(raised.value)
+    assert f"{namespace!r} has no hash tag" in message
+    suggested = message.split('namespace = "', 1)[1].split('"', 1)[0]
+    check_placement(QueueKeys(suggested, "q"))  # the namespace it suggests does work

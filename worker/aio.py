@@ -29,8 +29,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from broker.errors import describe
 from worker import protocol
-from worker.base import BATCH, Runner, describe, exit_if_orphaned, exit_process, log
+from worker.base import BATCH, Runner, exit_if_orphaned, exit_process, log
 from worker.handler import Handler
 from worker.message import Message
 from worker.process import CHILD_BROKEN

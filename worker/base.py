@@ -25,6 +25,7 @@ from typing import NoReturn
 
 import setproctitle
 
+from broker.errors import describe
 from worker import protocol
 from worker.handler import Handler
 from worker.message import Message
@@ -207,11 +208,6 @@ def _configure_logging(place: int) -> None:
     ))
     root.addHandler(stream)
     root.setLevel(logging.INFO)
-
-
-def describe(error: BaseException) -> str:
-    text = str(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def origin(error: BaseException | None) -> str:

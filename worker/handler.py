@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from broker.errors import describe
+
 #: The module-level hooks a handler module may define besides the handler function.
 HOOKS = ("init", "flush", "on_success", "on_error")
 
@@ -112,7 +114,7 @@ def load(spec: str) -> Handler:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
+    return " ".join(describe(error).split())  # the error is one line
 
 
 def _hook(module: ModuleType, name: str) -> Any:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+from broker.errors import describe
 from worker import protocol
-from worker.base import BATCH, Runner, describe, exit_if_orphaned
+from worker.base import BATCH, Runner, exit_if_orphaned
 from worker.message import Message
 
 _IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)

@@ -66,11 +66,13 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.nats import api
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
 from broker.nats.pull import Puller
 from broker.nats.setup import (
+    SPARE_DELIVERY,
     UNLIMITED,
     Adopted,
     QueueNames,
@@ -248,7 +250,7 @@ class NatsBroker:
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the oldest message still in the work stream was stored (it may be
         in flight: JetStream keeps it until acknowledged). None: the stream is empty."""
-        info = await self._api(f"$JS.API.STREAM.INFO.{self._names.stream}", {})
+        info = await self._api(api.stream_info(self._names.stream), {})
         state = info.get("state") or {}
         if not state.get("messages") or not state.get("first_ts"):
             return None
@@ -473,7 +475,7 @@ class NatsBroker:
     async def _bury_exhausted(self, seq: int) -> None:
         """Copy the stored message to the dead stream (confirmed), then delete it."""
         stream = self._names.stream
-        found = await self._api(f"$JS.API.STREAM.MSG.GET.{stream}", {"seq": seq})
+        found = await self._api(api.stream_msg_get(stream), {"seq": seq})
         if "error" in found:
             return  # acknowledged, deleted or buried by another worker since the advisory
         stored = found["message"]
@@ -482,7 +484,7 @@ class NatsBroker:
         receipt = NatsReceipt("", seq, 0, stored.get("subject", ""), content_type)
         await self._dead_letter(raw, receipt, "max deliveries exceeded (server advisory)",
                                 keep_content_type=True)
-        deleted = await self._api(f"$JS.API.STREAM.MSG.DELETE.{stream}", {"seq": seq})
+        deleted = await self._api(api.stream_msg_delete(stream), {"seq": seq})
         if "error" in deleted and deleted["error"].get("code") != 404:
             raise BrokerError(f"dead-lettered, but not deleted: {deleted['error']}")
         log.warning("stream seq %d ran out of deliveries while nobody held it: moved to %s",
@@ -587,13 +589,13 @@ class NatsBroker:
                         "kills its worker, say) is delivered again without end, as under "
                         "queue 5; a MaxDeliver with the %s mark bounds it",
                         self._names.consumer, self._names.stream, policy.max_deliver,
-                        "utopia_queue_spare_delivery")
+                        SPARE_DELIVERY)
         elif policy.spare is None:
             log.warning("NATS consumer %r on %s keeps no spare delivery (MaxDeliver %d "
                         "without %s): a job whose last delivery dies unsettled is only "
                         "dead-lettered if a worker receives the server's advisory",
                         self._names.consumer, self._names.stream, policy.max_deliver,
-                        "utopia_queue_spare_delivery")
+                        SPARE_DELIVERY)
         if policy.replicas != self._wanted.replicas:
             log.warning("NATS stream %s has %d replicas; [nats] replicas = %d only applies to "
                         "a stream this supervisor creates (an existing one is adopted as it is)",
@@ -689,7 +691,7 @@ class NatsBroker:
     async def _ask_consumer_gone(self) -> bool:
         names = self._names
         try:
-            info = await self._api(f"$JS.API.CONSUMER.INFO.{names.stream}.{names.consumer}", {})
+            info = await self._api(api.consumer_info(names.stream, names.consumer), {})
         except BrokerError:
             return False  # no answer (still electing): not known to be gone
         return (info.get("error") or {}).get("code") == 404

@@ -20,6 +20,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError
+from broker.errors import describe
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.urls import redact
 
@@ -89,7 +90,7 @@ class Link:
         except TimeoutError:
             last = self.last_error
             # The reason (a refused certificate, a closed socket) is what an operator needs.
-            reason = f" (last attempt: {_describe(last)})" if last else ""
+            reason = f" (last attempt: {describe(last)})" if last else ""
             raise Unavailable(
                 f"no NATS connection to {redact(self._url)} within {timeout}s{reason}",
                 last=last,
@@ -162,10 +163,6 @@ class Link:
         if not self._closing:
             log.warning("NATS connection %d closed; building a new one", self.generation)
             self._start_building()
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _consume_error(task: asyncio.Task[Connection]) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 
 from broker.base import BrokerError
+from broker.nats import api
 from broker.nats.conn import Connection
 from broker.nats.link import NotReady
 
@@ -98,12 +99,12 @@ class QueueNames:
     @property
     def next_subject(self) -> str:
         """Where pull requests for the consumer go."""
-        return f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}"
+        return api.consumer_next(self.stream, self.consumer)
 
     @property
     def advisory_subject(self) -> str:
         """Where the server announces deliveries that ran out of MaxDeliver."""
-        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.*"
+        return api.max_deliveries_advisory(self.stream)
 
 
 def token(queue: str) -> str:
@@ -158,8 +159,8 @@ async def adopt_queue(
     conn: Connection, names: QueueNames, wanted: Wanted, timeout: float
 ) -> Adopted:
     """Create what is missing; adopt what exists; raise BrokerError where sharing is unsafe."""
-    api = _Api(conn, timeout)
-    work = await api.stream(names.stream, {
+    jetstream = _Api(conn, timeout)
+    work = await jetstream.stream(names.stream, {
         "name": names.stream, "subjects": names.work_subjects, "retention": "workqueue",
         "storage": "file", "num_replicas": wanted.replicas,
         "duplicate_window": int(DUPLICATE_WINDOW * _NS),
@@ -173,8 +174,8 @@ async def adopt_queue(
     }
     if wanted.job_ttl > 0:
         dead["max_age"] = int(wanted.job_ttl * _NS)
-    _check_dead_stream(names, await api.stream(names.dead_stream, dead))
-    consumer = await api.consumer(names.stream, names.consumer, {
+    _check_dead_stream(names, await jetstream.stream(names.dead_stream, dead))
+    consumer = await jetstream.consumer(names.stream, names.consumer, {
         "durable_name": names.consumer, "ack_policy": "explicit", "deliver_policy": "all",
         "ack_wait": int(wanted.ack_wait * _NS), "max_deliver": wanted.max_attempts + 1,
         "filter_subjects": names.work_subjects, "metadata": {SPARE_DELIVERY: "1"},
@@ -194,15 +195,15 @@ async def check_renamed(
     old, new = QueueNames.legacy(queue), QueueNames.of(queue)
     if old is None:
         return
-    api = _Api(conn, timeout)
-    dead = await api.stream_info(old.dead_stream)
+    jetstream = _Api(conn, timeout)
+    dead = await jetstream.stream_info(old.dead_stream)
     if _ours(dead, wanted) and (dead.get("state") or {}).get("messages"):
         log.warning("NATS stream %s holds %d dead letters of queue %r under the name an "
                     "earlier release used; queue 5 and this release keep them in %s. Move "
                     "or read them there (nats stream view %s), then delete it.",
                     old.dead_stream, dead["state"]["messages"], queue, new.dead_stream,
                     old.dead_stream)
-    work = await api.stream_info(old.stream)
+    work = await jetstream.stream_info(old.stream)
     if not _ours(work, wanted):
         return
     messages = (work.get("state") or {}).get("messages", 0)
@@ -321,14 +322,14 @@ class _Api:
 
     async def stream(self, name: str, config: dict[str, Any]) -> dict[str, Any]:
         """The stream's config, creating it with ``config`` when it does not exist."""
-        found = await self._call(f"$JS.API.STREAM.INFO.{name}")
+        found = await self._call(api.stream_info(name))
         if _not_found(found):
-            created = await self._call(f"$JS.API.STREAM.CREATE.{name}", config)
+            created = await self._call(api.stream_create(name), config)
             if "error" not in created:
                 log.info("created NATS stream %s (%d replicas)", name,
                          config.get("num_replicas", 1))
                 return created["config"]
-            found = await self._call(f"$JS.API.STREAM.INFO.{name}")  # lost a creation race?
+            found = await self._call(api.stream_info(name))  # lost a creation race?
             if _not_found(found):  # no: the creation itself was refused, say why
                 return _config_or_raise(created, f"stream {name} not created")
         return _config_or_raise(found, f"stream {name}")
@@ -338,7 +339,7 @@ class _Api:
         found = await self.consumer_info(stream, name)
         if _not_found(found):
             body = {"stream_name": stream, "config": config, "action": "create"}
-            created = await self._call(f"$JS.API.CONSUMER.CREATE.{stream}.{name}", body)
+            created = await self._call(api.consumer_create(stream, name), body)
             if "error" not in created:
                 log.info("created NATS consumer %s on %s", name, stream)
                 return created["config"]
@@ -346,10 +347,10 @@ class _Api:
         return _config_or_raise(found, f"consumer {name} on {stream}")
 
     async def stream_info(self, name: str) -> dict[str, Any]:
-        return await self._call(f"$JS.API.STREAM.INFO.{name}")
+        return await self._call(api.stream_info(name))
 
     async def consumer_info(self, stream: str, name: str) -> dict[str, Any]:
-        return await self._call(f"$JS.API.CONSUMER.INFO.{stream}.{name}")
+        return await self._call(api.consumer_info(stream, name))
 
     async def _call(self, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = orjson.dumps(body) if body is not None else b""

@@ -41,6 +41,12 @@ from typing import Any
 #: would not undo the writes made before a refused EXPIRE), and 68 years.
 MAX_TTL = 2**31 - 1
 
+#: Reservation deadlines (scores of ``reservations.{q}``) from here up are milliseconds, this
+#: project's old format; below, whole seconds as queue 5 writes them (year 5138 in seconds,
+#: 1973 in ms: no real deadline is ambiguous). ``expired.lua`` and ``recover.lua`` hold
+#: copies (scripts cannot import; tests/test_lua_helpers.py compares them).
+MS_DEADLINES_FROM = 10**11
+
 
 def hash_tag(name: str) -> str | None:
     """The Redis Cluster hash tag of a key name: what the first ``{...}`` encloses, if any

@@ -21,6 +21,8 @@ from broker.base import BrokerError
 from broker.redis.keys import QueueKeys
 
 README_SECTION = 'README, "Running on a Redis Cluster"'
+BRACES = (' Its braces make none: Redis hashes by what the first "{" and the next "}" enclose, '
+          "and only when that is not empty.")
 
 # Samples for the variable parts of key names. Braces are included on purpose: a pid comes
 # from producers, and one with a "{" must not be able to move its keys to another slot.
@@ -65,17 +67,16 @@ def check_placement(keys: QueueKeys) -> None:
         f"(e.g. {keys_a[0]!r} in slot {slot_a}, {keys_b[0]!r} in slot {slot_b}), so no script "
         "could touch them together"
     )
-    if "{" not in keys.namespace:
-        raise PlacementError(
-            f"namespace {keys.namespace!r} has no hash tag: {spread}. Use the hash-tagged "
-            f"namespace = \"{{{keys.namespace}}}\" on Redis Cluster. That is a new set of key "
-            f"names: jobs already queued under {keys.namespace!r} are not moved for you; "
-            f"drain them or migrate their keys explicitly first ({README_SECTION})."
-        )
+    # Every key name starts with the namespace, so a namespace with a tag (keys.hash_tag,
+    # Redis's rule: not merely a brace, "{}x" and "}{" have none) never spreads: reaching
+    # here means it has none, and no second, looser test of "has a tag" is needed.
+    braces = set("{}") & set(keys.namespace)
     raise PlacementError(
-        f"namespace {keys.namespace!r} with queue {keys.queue!r}: {spread}. Put the hash tag "
-        f"first in the namespace, e.g. namespace = \"{{{_untagged(keys.namespace)}}}\", and "
-        f"keep braces out of the queue name ({README_SECTION})."
+        f"namespace {keys.namespace!r} has no hash tag: {spread}.{BRACES if braces else ''} "
+        f"Use the hash-tagged namespace = \"{{{_untagged(keys.namespace)}}}\" on Redis Cluster"
+        f"{', and keep braces out of the queue name' if braces else ''}. That is a new set of "
+        f"key names: jobs already queued under {keys.namespace!r} are not moved for you; drain "
+        f"them or migrate their keys explicitly first ({README_SECTION})."
     )
 
 

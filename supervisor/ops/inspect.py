@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from broker.redis.keys import QueueKeys, glob_escape
+from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
 from broker.redis.recovery import PREFIX_HEX
 
 #: Keys looked at per SCAN call.
@@ -217,7 +217,7 @@ async def supervisors(client: Any, keys: QueueKeys, show: int = SHOW) -> list[di
 
 def deadline_in_ms(score: float) -> int:
     """A registry score in ms: whole seconds (queue 5), or ms (this project's old format)."""
-    return int(score) if score >= 1e11 else int(score) * 1000
+    return int(score) if score >= MS_DEADLINES_FROM else int(score) * 1000
 
 
 async def server_ms(client: Any) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from nats.js.errors import NotFoundError
 
+from broker import errors
 from broker.base import BrokerError
 from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
@@ -113,9 +114,10 @@ async def _consumer(js: Any, names: QueueNames) -> Any:
 
 
 def _describe(error: BaseException) -> str:
+    """As everywhere (``broker.errors.describe``), but a connect timeout says how long."""
     if isinstance(error, TimeoutError):
         return f"no answer within {CONNECT_TIMEOUT:g}s"
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return errors.describe(error)
 
 
 def _consumer_settings(consumer: Any, max_attempts: int) -> dict[str, Any] | None:
