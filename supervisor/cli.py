@@ -20,11 +20,9 @@ import setproctitle
 
 from supervisor import exits, logs, metrics, systemd
 from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load
-from supervisor.ops import COMMANDS
+from supervisor.ops import COMMANDS, program_name
 
 log = logging.getLogger("supervisor")
-#: The console script (pyproject.toml [project.scripts]).
-SCRIPT = "queue-supervisor"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,12 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in config.warnings:
         log.warning("%s", logs.Explanation(warning))
     return run(config)
-
-
-def program_name() -> str:
-    """How this program was started, for usage lines: the console script, or the module."""
-    script = os.path.basename(sys.argv[0]) if sys.argv else ""
-    return SCRIPT if script == SCRIPT else "python -m supervisor"
 
 
 def setup_logging(config: Config) -> None:

@@ -28,7 +28,7 @@ from broker.redis.keys import QueueKeys
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
-from supervisor.ops import inspect
+from supervisor.ops import inspect, program_name
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
@@ -317,7 +317,6 @@ COMMANDS: dict[str, tuple[Command, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from supervisor.cli import program_name
 
     parser = argparse.ArgumentParser(prog=program_name(), description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
