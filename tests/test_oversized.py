@@ -155,3 +155,59 @@ def test_supervisor_runs_the_good_ones_and_never_holds_a_50_mb_envelope(
     print(f"supervisor peak RSS: {baseline} KiB before, {peak} KiB after a 50 MiB envelope "
           f"in a batch, {idle_peak} KiB after one taken by an idle receive")
     assert idle_peak - baseline < 20 * 1024, (baseline, peak, idle_peak)
+
+
+# --- job records a PHP worker claimed: no size limit there ------------------------------
+
+
+async def test_a_sweep_and_retry_never_read_an_oversized_job_record(redis_client, redis_url):
+    """PHP claims any size; recovery and the operator's retry read job records through
+    records.lua, which answers one over the limit with its length: the sweep recovers it
+    unread to dead once it is old by its pid (kept while its age cannot be known), and
+    retry leaves it where it is."""
+    from broker.redis import recovery
+    from broker.redis.scripts import Scripts
+    from supervisor.ops.retry import retry
+
+    keys = QueueKeys("utopia-queue", "oversized-records")
+    scripts = Scripts(redis_client)
+    big = b'{"pid":"%s","queue":"q","timestamp":1,"payload":{"x":"' + b"x" * 4096 + b'"}}'
+    old_uniqid = "5f5e100" + "0" * 6 + ".12345678"  # uniqid of 1e8 s: older than any age
+    for pid in (old_uniqid, "no-uniqid"):
+        await redis_client.set(keys.job(pid), big % pid.encode())
+        await redis_client.set(keys.owner(pid), "a" * 32)  # a PHP worker's token
+        await redis_client.lpush(keys.processing, pid)
+    before = (await redis_client.info("stats"))["total_net_output_bytes"]
+    report = await recovery.maintain(
+        redis_client, scripts, keys, lock_seconds=5, recovery_age=60, max_attempts=3,
+        force=True, max_record_bytes=1024)
+    sent = (await redis_client.info("stats"))["total_net_output_bytes"] - before
+    assert report.dead_consumers == 1
+    assert await redis_client.lrange(keys.dead, 0, -1) == [old_uniqid.encode()]
+    assert await redis_client.lrange(keys.processing, 0, -1) == [b"no-uniqid"]
+    assert sent < 4096, f"{sent} bytes sent: a record over the limit crossed the wire"
+
+    await redis_client.lpush(keys.failed, "no-uniqid")
+    moved = await retry(redis_client, scripts, keys, source="failed", max_record_bytes=1024)
+    assert (moved.moved, moved.malformed) == (0, 1)
+    assert await redis_client.lrange(keys.failed, 0, -1) == [b"no-uniqid"]
+
+
+async def test_status_shows_a_large_reservation_without_reading_its_payloads(redis_client):
+    """A reservation may hold payloads of any size (a PHP worker takes them all): status
+    measures the list first and reads its payloads only when it is small."""
+    from supervisor.ops import inspect
+
+    keys = QueueKeys("utopia-queue", "oversized-status")
+    small, large = keys.reservation("a" * 32), keys.reservation("b" * 32)
+    await redis_client.rpush(small, b'{"pid":"s"}')
+    await redis_client.rpush(large, b"x" * (inspect.PEEK_BYTES + 1))
+    await redis_client.zadd(keys.reservations, {small: 1, large: 2})
+    before = (await redis_client.info("stats"))["total_net_output_bytes"]
+    shown = await inspect.reservations(redis_client, keys)
+    sent = (await redis_client.info("stats"))["total_net_output_bytes"] - before
+    assert sent < inspect.PEEK_BYTES, f"{sent} bytes sent: the large payload was read"
+    lists = {item["key"]: item for item in shown["lists"]}
+    assert lists[small]["payloads"] == ['{"pid":"s"}']
+    [note] = lists[large]["payloads"]
+    assert note.endswith("bytes in all: not read)") and lists[large]["size"] == 1

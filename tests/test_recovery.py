@@ -288,8 +288,8 @@ async def test_changes_after_the_read_are_rechecked_by_the_script(redis_client):
 
     original = recovery._read_state
 
-    async def then_things_change(client, keys, pids, **options):
-        state = await original(client, keys, pids, **options)
+    async def then_things_change(client, scripts, keys, pids, **options):
+        state = await original(client, scripts, keys, pids, **options)
         await client.set(KEYS.claim("renewed"), TOKEN, ex=90)  # its owner renewed it
         await client.set(KEYS.owner("reowned"), "b" * 32)  # recovered and re-delivered
         await client.lrem(KEYS.processing, 1, "settled")  # settled by its owner

@@ -50,7 +50,7 @@ WHY = {
     "llen": "sizes of lists",
     "lrange": "read list windows (processing, failed, reservations)",
     "get": "the sweep cursor; counters and supervisor records (status)",
-    "mget": "claims, owners and job records of the pids a sweep or retry looks at",
+    "mget": "claims and owners of the pids a sweep looks at (job records go through records.lua)",
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
@@ -58,6 +58,9 @@ WHY = {
     "zrange": "list registered reservations and their deadlines",
     "pttl": "time left of a supervisor record",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
+    "memory|usage": "status: a reservation list's size, so that its payloads are read only "
+                    "when small",
+    "strlen": "a record's length, so that one over the envelope limit is never read",
     "lindex": "the progress line: age of the next ready message (oldest.lua: only its length "
               "when it is over the size limit)",
     "client|id": "the blocking connection's id, named by CLIENT UNBLOCK at a stop",
@@ -123,11 +126,11 @@ _SWEEP_KEYS = (
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
     "hmget", "hrandfield", "hdel",
-    # expired.lua, recover.lua, reclaim.lua
+    # expired.lua, recover.lua, reclaim.lua, records.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
-    "expire", "lpush", "lrem",
+    "expire", "lpush", "lrem", "strlen",
 )
-_SWEEP_SCRIPTS = ("expired", "recover", "reclaim")
+_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records")
 
 ROLES: tuple[Role, ...] = (
     Role(
@@ -139,6 +142,7 @@ ROLES: tuple[Role, ...] = (
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
+            "strlen",
         ),
         "~",
         (
@@ -152,7 +156,7 @@ ROLES: tuple[Role, ...] = (
     Role("publish", "python -m supervisor publish", ("lpush",), "%W~", ("queue.{q}",)),
     Role(
         "status", "python -m supervisor status",
-        ("llen", "get", "scan", "zcard", "zrange", "time", "pttl", "lrange"),
+        ("llen", "get", "scan", "zcard", "zrange", "time", "pttl", "lrange", "memory|usage"),
         "%R~",
         (
             "queue.{q}", "processing.{q}", "failed.{q}", "dead.{q}", "poison.{q}",
@@ -163,8 +167,8 @@ ROLES: tuple[Role, ...] = (
          _SWEEP_SCRIPTS),
     Role(
         "retry", "python -m supervisor retry",
-        ("evalsha", "script|load", "lrange", "mget", "type", "get", "lrem", "lpush", "del"),
-        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry",),
+        ("evalsha", "script|load", "lrange", "type", "get", "strlen", "lrem", "lpush", "del"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry", "records"),
     ),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",

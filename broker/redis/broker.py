@@ -812,6 +812,7 @@ class RedisBroker:
                 self.client, self.scripts, self.keys, lock_seconds=self.maintenance_interval,
                 recovery_age=self.recovery_age, max_attempts=self.max_attempts,
                 job_ttl=self.job_ttl, force=force,
+                max_record_bytes=self.max_envelope_bytes or recovery.RECORD_LIMIT,
             )
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:

@@ -83,6 +83,9 @@ LREM_BUDGET = 50_000
 RECLAIM_ITEMS = 250
 
 REQUEUE, DEAD, DANGLING = "q", "d", "x"
+#: The longest job record a sweep or an operator's retry reads when the job sets no envelope
+#: limit of its own (records.lua answers a longer one with its length).
+RECORD_LIMIT = 64 << 20
 #: What the registry says of an owner token: one of our supervisors, alive or gone.
 LIVE, GONE = "live", "gone"
 #: Registry entries looked at per sweep for forgetting.
@@ -130,6 +133,7 @@ async def maintain(
     job_ttl: int = 0,
     scan: int = MAX_BATCH,
     force: bool = False,
+    max_record_bytes: int = RECORD_LIMIT,
 ) -> MaintenanceReport:
     """One bounded sweep, if the fleet's reap lock is free (else ``skipped``).
 
@@ -146,7 +150,8 @@ async def maintain(
         report.expired_reservations = await recover_reservations(
             scripts, keys, grace=0 if force else RESERVATION_GRACE)
         await reap(client, scripts, keys, report, recovery_age=recovery_age,
-                   max_attempts=max_attempts, job_ttl=job_ttl, scan=scan)
+                   max_attempts=max_attempts, job_ttl=job_ttl, scan=scan,
+                   max_record_bytes=max_record_bytes)
         await forget_gone(client, keys, recovery_age=recovery_age)
     except ResponseError as error:
         if "WRONGTYPE" in str(error):
@@ -180,6 +185,7 @@ async def recover_reservations(
 async def reap(
     client: Any, scripts: Scripts, keys: QueueKeys, report: MaintenanceReport, *,
     recovery_age: int, max_attempts: int, job_ttl: int = 0, scan: int = MAX_BATCH,
+    max_record_bytes: int = RECORD_LIMIT,
 ) -> None:
     """Recover abandoned processing entries from the head and one cursor window."""
     scan = max(1, min(scan, MAX_BATCH))
@@ -193,7 +199,8 @@ async def reap(
     positions = {pid: oldest - offset for offset, pid in enumerate(sample.window)}
     for index, pid in enumerate(sample.head):
         positions.setdefault(pid, index)
-    state = await _read_state(client, keys, list(positions), now=now, recovery_age=recovery_age)
+    state = await _read_state(client, scripts, keys, list(positions), now=now,
+                              recovery_age=recovery_age, max_record_bytes=max_record_bytes)
     candidates: list[Candidate] = []
     for pid, index in positions.items():
         if pid not in state:
@@ -218,12 +225,13 @@ async def reap(
 
 
 def judge(
-    pid: str, record: bytes | None, owner: bytes | None, holder: str = "", *,
+    pid: str, record: bytes | int | None, owner: bytes | None, holder: str = "", *,
     keys: QueueKeys, now: int, recovery_age: int, max_attempts: int,
 ) -> Candidate | None:
     """What to do with one processing entry whose claim key was gone, from what was read of
     it (None: keep it). ``holder``: LIVE or GONE if the owner is known to be one of our
-    supervisors, '' if not (queue 5's rule: kept while younger than ``recovery_age``)."""
+    supervisors, '' if not (queue 5's rule: kept while younger than ``recovery_age``).
+    ``record`` is its length (an int) when it was longer than the sweep reads."""
     if holder == LIVE:
         return None  # ours and alive: it renews, or settles, what it holds
     owner_text = _text(owner) if owner is not None else ""
@@ -233,6 +241,9 @@ def judge(
                         "alone", keys.queue, pid)
             return None
         return Candidate(DANGLING, pid)
+    if isinstance(record, int):
+        return _oversized(pid, record, owner_text, holder, keys=keys, now=now,
+                          recovery_age=recovery_age)
     try:
         decoded: dict[str, Any] | None = envelope.decode(record)
     except envelope.MalformedEnvelope:
@@ -240,6 +251,22 @@ def judge(
     if holder != GONE and now - _published(pid, decoded) <= recovery_age:
         return None  # a queue-5 worker that never renews (or a 1.x one) may still run it
     return verdict(pid, decoded, owner_text, keys=keys, now=now, max_attempts=max_attempts)
+
+
+def _oversized(
+    pid: str, length: int, owner: str, holder: str, *,
+    keys: QueueKeys, now: int, recovery_age: int,
+) -> Candidate | None:
+    """A record too long to read (a PHP worker claimed it; none of our handlers could run
+    it): its age is only known from a ``uniqid`` pid. Recovered unread, to dead, once it is
+    ours and gone or old by its pid; kept while its age cannot be known (its own owner, or
+    a PHP sweep, which reads it, recovers it)."""
+    published = _uniqid_seconds(pid)
+    if holder != GONE and (published is None or now - published <= recovery_age):
+        return None
+    log.error("queue %s: job %s is %d bytes, more than a sweep reads: recovered unread, "
+              "moved to dead", keys.queue, pid, length)
+    return Candidate(DEAD, pid, owner)
 
 
 def verdict(
@@ -388,8 +415,9 @@ def parse_cursor(stored: bytes | str | None) -> tuple[int, int]:
 
 
 async def _read_state(
-    client: Any, keys: QueueKeys, pids: Sequence[str], *, now: int, recovery_age: int,
-) -> dict[str, tuple[bytes | None, bytes | None, str]]:
+    client: Any, scripts: Scripts, keys: QueueKeys, pids: Sequence[str], *, now: int,
+    recovery_age: int, max_record_bytes: int = RECORD_LIMIT,
+) -> dict[str, tuple[bytes | int | None, bytes | None, str]]:
     """Job record, owner and holder (see ``judge``) of each pid that may need recovery; pids
     left out are kept. A live claim keeps a pid; so does an owner that is one of our live
     supervisors, and an owner-less pid whose ``uniqid`` time is younger than
@@ -409,8 +437,12 @@ async def _read_state(
         owners[pid] is not None or not _young_by_pid(pid, now, recovery_age))]
     if not wanted:
         return {}
-    records = dict(zip(wanted, await client.mget([keys.job(pid) for pid in wanted]),
-                       strict=True))
+    # Through records.lua: a record over the limit is answered by its length, unread.
+    read: list[bytes | int | None] = []
+    for start in range(0, len(wanted), MAX_BATCH):
+        read += await scripts.call("records", [keys.job(pid) for pid in
+                                               wanted[start:start + MAX_BATCH]], [max_record_bytes])
+    records = dict(zip(wanted, read, strict=True))
     settled = [pid for pid in wanted if records[pid] is None and owners[pid] is not None]
     if settled:  # read after the owner: settled meanwhile, or really without a record?
         for pid, owner in zip(settled, await client.mget([keys.owner(p) for p in settled]),

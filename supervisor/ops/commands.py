@@ -88,6 +88,7 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
         report = await retry(
             broker.client, broker.scripts, broker.keys, source=args.source,
             limit=args.limit, reset_attempts=args.reset_attempts,
+            max_record_bytes=config.supervisor.envelope_limit(),
         )
     attempts = "reset to 0" if args.reset_attempts else "+ 1, as queue 5 retries"
     print(f"moved {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
@@ -95,7 +96,8 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
     if report.expired:
         print(f"dropped {report.expired} pids whose job record had expired (job_ttl)")
     if report.malformed:
-        print(f"left {report.malformed} undecodable job records where they are")
+        print(f"left {report.malformed} job records where they are: undecodable, not "
+              f"writable as PHP writes JSON, or over the job's envelope limit")
     if report.skipped:
         print(f"skipped {report.skipped} that changed meanwhile")
     return exits.OK

@@ -15,6 +15,9 @@ from broker.redis.recovery import PREFIX_HEX
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
+#: The largest reservation list (all of it, as MEMORY USAGE counts) whose payloads status
+#: reads to show them.
+PEEK_BYTES = 1 << 20
 #: Reservations, payloads, consumers and key names listed in full at most.
 SHOW = 1000
 STATS = ("total", "processing", "success", "failed")
@@ -181,11 +184,22 @@ async def reservations(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
     pipe = client.pipeline(transaction=False)
     for key, _ in registered:
         pipe.llen(key)
+        pipe.memory_usage(key, samples=0)
+    sizes = await pipe.execute()
+    # Payloads are read only from lists whose whole size is small: a reservation can hold
+    # payloads of any size (a PHP worker takes them all), and status must never pull one in.
+    pipe = client.pipeline(transaction=False)
+    readable = [key for index, (key, _) in enumerate(registered)
+                if (sizes[2 * index + 1] or 0) <= PEEK_BYTES]
+    for key in readable:
         pipe.lrange(key, 0, show - 1)
-    replies = await pipe.execute()
+    peeked = dict(zip(readable, await pipe.execute() if readable else [], strict=True))
     lists, total, expired, budget = [], 0, 0, show
     for index, (key, deadline) in enumerate(registered):
-        length, payloads = replies[2 * index], replies[2 * index + 1]
+        length = sizes[2 * index]
+        payloads = peeked.get(key, [])
+        if key not in peeked and length:
+            payloads = [f"({sizes[2 * index + 1]:,} bytes in all: not read)".encode()]
         total += length
         deadline_ms = deadline_in_ms(deadline)
         expired += deadline_ms <= now_ms

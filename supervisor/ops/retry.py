@@ -19,6 +19,7 @@ from typing import Any
 from broker import envelope
 from broker.base import MAX_BATCH
 from broker.redis.keys import QueueKeys
+from broker.redis.recovery import RECORD_LIMIT
 from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
 
@@ -29,7 +30,7 @@ SOURCES = ("failed", "dead")
 class RetryReport:
     moved: int = 0  # back in the ready list
     expired: int = 0  # pids without a job record, removed from the source list
-    malformed: int = 0  # records that are not an envelope, or cannot be written back: left
+    malformed: int = 0  # not an envelope, cannot be written back, or too long to read: left
     skipped: int = 0  # changed or moved by someone else meanwhile
 
     def as_dict(self) -> dict[str, int]:
@@ -39,7 +40,7 @@ class RetryReport:
 
 async def retry(
     client: Any, scripts: Scripts, keys: QueueKeys, *, source: str = "failed",
-    limit: int = MAX_BATCH, reset_attempts: bool = False,
+    limit: int = MAX_BATCH, reset_attempts: bool = False, max_record_bytes: int = RECORD_LIMIT,
 ) -> RetryReport:
     """Move up to ``limit`` jobs of ``source`` ("failed" or "dead") back to the ready list."""
     if source not in SOURCES:
@@ -52,7 +53,9 @@ async def retry(
         if not window:
             break
         pids = [_text(pid) for pid in reversed(window)]  # oldest first
-        records = await client.mget([keys.job(pid) for pid in pids])
+        # records.lua answers a record over the limit with its length: it is never read here
+        records = await scripts.call("records", [keys.job(pid) for pid in pids],
+                                     [max_record_bytes])
         items, kept = _plan(pids, records, reset_attempts)
         report.malformed += kept
         offset += kept
@@ -64,13 +67,16 @@ async def retry(
 
 
 def _plan(
-    pids: list[str], records: list[bytes | None], reset: bool
+    pids: list[str], records: list[bytes | int | None], reset: bool
 ) -> tuple[list[tuple[str, bytes, bytes]], int]:
     """(pid, record as read, envelope to push) per item, and how many stay in place."""
     items, kept = [], 0
     for pid, record in zip(pids, records, strict=True):
         if record is None:
             items.append((pid, b"", b""))
+            continue
+        if isinstance(record, int):  # longer than a supervisor of the job would take
+            kept += 1
             continue
         try:
             decoded = envelope.decode(record)
