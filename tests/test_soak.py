@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos.ledger import Ledger
 from support.servers import environ_without_broker
+from support.soak_ledger import Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 
