@@ -27,12 +27,12 @@ from broker.redis.placement import PlacementError
 from broker.redis.publish import Publisher
 from supervisor import cli
 from support import envelopes
+from support.brokers import count_script_calls
 from support.cluster import PrivateCluster
 from support.envelopes import publish as publish_e2e
 from support.supervision import Supervisor, counter, lines, outstanding, wait_for, write_config
 from support.supervision import keys as e2e_keys
 from support.waiting import until
-from tests.test_redis_broker import count_script_calls
 
 NS = "{utopia-queue}"
 QUEUE = "stats-usage"

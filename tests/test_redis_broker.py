@@ -19,6 +19,7 @@ from broker import envelope
 from broker.base import Action, BrokerError, Delivery, Outcome, Settlement, WrongTypeError
 from broker.redis import RedisBroker, has_hash_tag
 from support import envelopes
+from support.brokers import count_script_calls
 from support.waiting import until
 
 QUEUE = "stats-usage"
@@ -78,25 +79,6 @@ async def counters(client) -> dict[str, int]:
 async def lengths(client) -> dict[str, int]:
     kinds = ("queue", "processing", "failed", "poison")
     return {kind: await client.llen(f"{NS}.{kind}.{QUEUE}") for kind in kinds}
-
-
-def count_script_calls(broker: RedisBroker) -> list[tuple[str, int]]:
-    """Record (script, messages in the call) for every script call the broker makes."""
-    calls: list[tuple[str, int]] = []
-    original = broker.scripts.call
-
-    async def counting(name: str, keys, args=()):
-        size = {
-            "reserve": lambda: int(args[0]),
-            "claim": lambda: int(args[2]),
-            "settle": lambda: int(args[1]),
-            "extend": lambda: (len(keys) - 2) // 2,
-        }.get(name, lambda: 0)()
-        calls.append((name, size))
-        return await original(name, keys, args)
-
-    broker.scripts.call = counting  # type: ignore[method-assign]
-    return calls
 
 
 def owner_key(pid: str) -> str:
