@@ -20,6 +20,7 @@ from support.brokers import receive_all
 from support.faultproxy import FaultProxy
 from support.servers import NatsServer
 from support.waiting import until
+from tests.queue5_nats import php_queue
 
 QUEUE = "stats-usage"
 NAMES = QueueNames.of(QUEUE)
@@ -77,30 +78,6 @@ def test_names_are_sanitised_like_the_php_producer():
     assert names.subject == "q.v1-stats_usage_x.normal"
     assert names.dead_stream == "Q_V1-STATS_USAGE_X_DEAD"
     assert names.dead_subject == "q.v1-stats_usage_x.dead"
-
-
-async def php_queue(js, *, max_deliver: int, spare: bool, ack_wait: float = 30,
-                    keyed: bool = False, backoff: list[float] | None = None,
-                    stream: dict | None = None) -> None:
-    """The stream and consumer as a queue-5 worker provisions them (N1: MaxDeliver 5,
-    one subject; N2: spare delivery and key subjects; N3: spare delivery)."""
-    subjects = [NAMES.subject, NAMES.subject + ".*"] if keyed else [NAMES.subject]
-    await js.add_stream(StreamConfig(
-        name=NAMES.stream, subjects=subjects, retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE, duplicate_window=120,
-        metadata={"utopia_queue_identity": "12:utopia-queue:stats-usage"}, **(stream or {})))
-    await js.add_stream(StreamConfig(
-        name=NAMES.dead_stream, subjects=[NAMES.dead_subject],
-        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
-    config = ConsumerConfig(
-        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait,
-        max_deliver=max_deliver, backoff=backoff,
-        metadata={"utopia_queue_spare_delivery": "1"} if spare else None)
-    if keyed:
-        config.filter_subjects = subjects
-    else:
-        config.filter_subject = NAMES.subject
-    await js.add_consumer(NAMES.stream, config)
 
 
 @pytest.mark.parametrize(("layout", "budget", "spare"), [

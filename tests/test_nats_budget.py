@@ -22,8 +22,7 @@ from broker.nats import broker as nats_broker
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
 from support.servers import NatsServer
-from tests.queue5_nats import Queue5NatsWorker
-from tests.test_nats_broker import php_queue
+from tests.queue5_nats import Queue5NatsWorker, php_queue
 
 QUEUE = "stats-usage"
 NAMES = QueueNames.of(QUEUE)
