@@ -22,3 +22,11 @@ async def until(condition: Callable[[], Any], timeout: float = 10.0,
 
 async def _value(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 30.0) -> None:
+    """Block until ``condition()`` holds (a guard against hangs, polled every 5 ms)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.005)

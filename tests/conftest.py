@@ -180,3 +180,21 @@ def certs(tmp_path_factory):
     from tests.tls import Certificates
 
     return Certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def children():
+    """``children(handler, **options)``: a handler process on its own fork server
+    (support.handler_child.Child); every one is stopped afterwards."""
+    from support.handler_child import Child
+
+    started: list[Child] = []
+
+    def start_child(handler: Any, **options: Any) -> Child:
+        child = Child(handler, **options)
+        started.append(child)
+        return child
+
+    yield start_child
+    for child in started:
+        child.close()
