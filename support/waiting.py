@@ -1,5 +1,5 @@
-"""Waiting for a condition inside a running event loop (``support.supervision.wait_for``
-is the blocking twin, for tests without one)."""
+"""Waiting for a condition: ``until`` inside a running event loop, ``wait_until`` blocking
+(``support.supervision.wait_for``, blocking too, also returns the value that held)."""
 
 from __future__ import annotations
 
