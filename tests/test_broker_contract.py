@@ -251,6 +251,17 @@ async def test_the_oldest_ready_age_is_read_without_failing_on_what_waits(kit):
     assert age is not None and 0 <= age < 60
 
 
+async def test_a_settled_delivery_is_owned_no_more(kit):
+    broker = await kit.make()
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(2)])
+    done, kept = await receive_all(broker, 2)
+    assert await settle(broker, Action.COMMIT, [done]) == [Outcome.OK]
+    # (A second settle of ``done`` differs by design: STALE on Redis, OK on NATS, where
+    # acknowledging twice is harmless.)
+    assert await broker.extend([done, kept]) == [False, True]
+    assert await settle(broker, Action.COMMIT, [kept]) == [Outcome.OK]
+
+
 async def test_one_grouped_settle_gives_each_message_its_own_result(kit):
     broker = await kit.make(max_attempts=3)
     pids = await broker.publish_many(QUEUE, [{"i": i} for i in range(6)])
