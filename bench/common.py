@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,12 +33,6 @@ def stats_usage_payload(n: int, published: float | None = None) -> dict[str, Any
         "metrics": [{"key": "executions", "value": 1}, {"key": "network.requests", "value": n % 7}],
         "t": time.time() if published is None else published,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:

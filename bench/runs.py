@@ -33,7 +33,6 @@ from bench.common import (
     NATS_POLL,
     QUEUE,
     Family,
-    free_port,
     per_job,
     percentiles,
     start,
@@ -44,6 +43,7 @@ from bench.common import (
 )
 from broker.nats import api
 from broker.redis.keys import QueueKeys
+from support.servers import free_port
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 STAGING = f"{KEYS.ready}.staging"

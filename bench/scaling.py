@@ -31,9 +31,9 @@ import psutil
 import redis
 
 from bench import machine, redis_side
-from bench.common import NAMESPACE, QUEUE, Family, free_port, start, stop, wait_until_title
+from bench.common import NAMESPACE, QUEUE, Family, start, stop, wait_until_title
 from broker.redis.keys import QueueKeys
-from support.servers import RedisServer
+from support.servers import RedisServer, free_port
 
 KEYS = QueueKeys(NAMESPACE, QUEUE)
 STAGING = f"{KEYS.ready}.staging"

@@ -28,6 +28,7 @@ from broker.base import (
     Delivery,
     MaintenanceReport,
     Outcome,
+    Poisoned,
     Received,
     Result,
     ResultCallback,
@@ -69,6 +70,7 @@ class MemoryBroker:
     owned: dict[str, _Message] = field(default_factory=dict)  # pid -> message
     committed: Counter[str] = field(default_factory=Counter)  # pid -> commits applied
     dead: list[str] = field(default_factory=list)
+    poisoned: list[bytes] = field(default_factory=list)  # malformed, never handed out
     runs: Counter[str] = field(default_factory=Counter)  # pid -> deliveries handed out
     calls: Counter[str] = field(default_factory=Counter)
     stopped_waiting: bool = False
@@ -106,22 +108,40 @@ class MemoryBroker:
         if self.faults.receive_errors:
             self.faults.receive_errors -= 1
             raise BrokerError("receive failed (injected)")
-        if not self.ready and not self.stopped_waiting:
-            self._arrived.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), block_timeout)
+        await self._wait_for_work(block_timeout)
         received = Received()
         while self.ready and len(received.deliveries) < max_messages:
             message = self.ready.popleft()
+            try:
+                fields = envelope.decode(message.raw)
+            except envelope.MalformedEnvelope as error:
+                # Never handed out, and kept (a real broker keeps poison in a list/stream).
+                self.poisoned.append(message.raw)
+                received.poisoned.append(Poisoned(message.raw, str(error)))
+                continue
+            if not message.pid:  # stored raw: what the envelope says
+                message.pid, message.attempts = fields["pid"], fields["attempts"]
             message.owner = next(self._tokens)
             self.owned[message.pid] = message
             self.runs[message.pid] += 1
-            fields = envelope.decode(message.raw)
             received.deliveries.append(Delivery(
                 message.pid, self.queue, fields["timestamp"], message.attempts,
                 fields["payload"], message.raw, message.owner, fields,
             ))
         return received
+
+    async def _wait_for_work(self, block_timeout: float) -> None:
+        """Until something is ready, the timeout passed, or this consumer is stopping. The
+        wake-up is shared by every consumer of the queue, so a wake finding nothing ready
+        (another consumer took it, or stopped) waits on."""
+        deadline = time.monotonic() + block_timeout
+        while not self.ready and not self.stopped_waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), remaining)
 
     async def settle(
         self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
@@ -178,7 +198,10 @@ class MemoryBroker:
     async def oldest_ready_age(self) -> float | None:
         if not self.ready:
             return None
-        return max(0.0, time.time() - envelope.decode(self.ready[0].raw)["timestamp"])
+        try:
+            return max(0.0, time.time() - envelope.decode(self.ready[0].raw)["timestamp"])
+        except envelope.MalformedEnvelope:
+            return None  # as Redis: a malformed head has no age to read
 
     async def maintain(self) -> MaintenanceReport:
         self.calls["maintain"] += 1
@@ -192,6 +215,20 @@ class MemoryBroker:
                 self.recover(delivery.pid)
 
     # -- what other consumers and the tests do -------------------------------------------
+
+    def sharing_queue(self, **options: Any) -> MemoryBroker:
+        """Another consumer of this broker's queue (its own options, e.g. ``max_attempts``)."""
+        other = MemoryBroker(self.queue, ready=self.ready, owned=self.owned,
+                             committed=self.committed, dead=self.dead, runs=self.runs,
+                             poisoned=self.poisoned,
+                             **options)
+        other._tokens, other._arrived = self._tokens, self._arrived
+        return other
+
+    def push_raw(self, raw: bytes) -> None:
+        """Store bytes as a producer that does not check them would."""
+        self.ready.append(_Message("", raw))
+        self._arrived.set()
 
     def recover(self, pid: str) -> bool:
         """Another consumer's recovery took this delivery back (its lease lapsed)."""

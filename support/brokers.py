@@ -16,3 +16,22 @@ async def receive_all(broker: Any, count: int, timeout: float = 20.0) -> list[De
         assert time.monotonic() < deadline, f"received {len(got)} of {count}"
         got += (await broker.receive(count - len(got), 1.0)).deliveries
     return got
+
+
+def count_script_calls(broker: Any) -> list[tuple[str, int]]:
+    """Record (script, messages in the call) for every script call the broker makes."""
+    calls: list[tuple[str, int]] = []
+    original = broker.scripts.call
+
+    async def counting(name: str, keys, args=()):
+        size = {
+            "reserve": lambda: int(args[0]),
+            "claim": lambda: int(args[2]),
+            "settle": lambda: int(args[1]),
+            "extend": lambda: (len(keys) - 2) // 2,
+        }.get(name, lambda: 0)()
+        calls.append((name, size))
+        return await original(name, keys, args)
+
+    broker.scripts.call = counting  # type: ignore[method-assign]
+    return calls

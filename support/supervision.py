@@ -15,7 +15,6 @@ from typing import Any
 import psutil
 import redis
 
-from broker import envelope
 from broker.redis.keys import QueueKeys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +22,7 @@ QUEUE = "e2e"
 NAMESPACE = "utopia-queue"
 
 
-def write_config(directory: Path, url: str, handler: str = "tests.e2e_handlers.record:handle",
+def write_config(directory: Path, url: str, handler: str = "tests.handlers.e2e_record:handle",
                  **sections: dict[str, Any]) -> Path:
     """A job file for ``url``; ``sections`` override keys, e.g. job={"prefetch": 10}."""
     values: dict[str, dict[str, Any]] = {
@@ -109,15 +108,6 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str = "conditio
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def publish(client: redis.Redis, payloads: list[dict[str, Any]],
-            namespace: str = NAMESPACE) -> list[str]:
-    """LPUSH PHP-compatible envelopes (first payload is consumed first)."""
-    built = [envelope.build(QUEUE, payload) for payload in payloads]
-    for start in range(0, len(built), 1000):
-        client.lpush(keys(namespace).ready, *(raw for _, raw in built[start : start + 1000]))
-    return [pid for pid, _ in built]
 
 
 def keys(namespace: str = NAMESPACE) -> QueueKeys:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis.asyncio as aioredis
 
@@ -44,6 +46,63 @@ def nats_server():
     server = NatsServer().start()
     yield server
     server.close()
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer):
+    """A plain nats-py JetStream context on this test's NATS, for setting up and inspecting."""
+    import nats
+
+    client = await nats.connect(nats_server.url)
+    yield client.jetstream()
+    await client.close()
+
+
+@pytest.fixture
+async def redis_brokers(redis_url: str):
+    """``await redis_brokers(queue, url=None, **options)``: a connected RedisBroker (on this
+    test's Redis unless ``url`` is given); every one is closed afterwards."""
+    from broker.redis import RedisBroker
+
+    made: list[RedisBroker] = []
+
+    async def make(queue: str, url: str | None = None, **options: Any) -> RedisBroker:
+        broker = RedisBroker(url or redis_url, queue, **options)
+        await broker.connect()
+        made.append(broker)
+        return broker
+
+    yield make
+    for broker in made:
+        await broker.close()
+
+
+@pytest.fixture
+async def nats_brokers(nats_server: NatsServer):
+    """``await nats_brokers(queue, url=None, **options)``: a connected NatsBroker (on this
+    test's NATS unless ``url`` is given; a 2 s request timeout unless given); every one is
+    closed afterwards."""
+    from broker.nats import NatsBroker
+
+    made: list[NatsBroker] = []
+
+    async def make(queue: str, url: str | None = None, **options: Any) -> NatsBroker:
+        options.setdefault("request_timeout", 2.0)
+        broker = NatsBroker(url or nats_server.url, queue, **options)
+        made.append(broker)
+        await broker.connect()
+        return broker
+
+    yield make
+    for broker in made:
+        await broker.close()
+
+
+@pytest.fixture
+def no_url_override(monkeypatch):
+    """QUEUE_BROKER_URL from the shell that runs the tests would replace every config's
+    [broker] url; tests that load configs use this (``pytest.mark.usefixtures``)."""
+    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -121,3 +180,21 @@ def certs(tmp_path_factory):
     from tests.tls import Certificates
 
     return Certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def children():
+    """``children(handler, **options)``: a handler process on its own fork server
+    (support.handler_child.Child); every one is stopped afterwards."""
+    from support.handler_child import Child
+
+    started: list[Child] = []
+
+    def start_child(handler: Any, **options: Any) -> Child:
+        child = Child(handler, **options)
+        started.append(child)
+        return child
+
+    yield start_child
+    for child in started:
+        child.close()

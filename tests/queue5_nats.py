@@ -228,3 +228,29 @@ def constructs_message(data: dict[str, Any]) -> bool:
             and isinstance(data.get("payload") or [], dict | list)
             and (data.get("attempts") is None or _takes_int(data["attempts"]))
             and (data.get("sequence") is None or _takes_int(data["sequence"])))
+
+
+async def php_queue(js: Any, *, max_deliver: int, spare: bool, ack_wait: float = 30,
+                    keyed: bool = False, backoff: list[float] | None = None,
+                    stream: dict | None = None, queue: str = "stats-usage") -> None:
+    """The stream and consumer as a queue-5 worker provisions them (N1: MaxDeliver 5,
+    one subject; N2: spare delivery and key subjects; N3: spare delivery), set up ahead
+    of a test through the JetStream context ``js``."""
+    names = QueueNames.of(queue)
+    subjects = [names.subject, names.subject + ".*"] if keyed else [names.subject]
+    await js.add_stream(StreamConfig(
+        name=names.stream, subjects=subjects, retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE, duplicate_window=120,
+        metadata={"utopia_queue_identity": f"12:utopia-queue:{queue}"}, **(stream or {})))
+    await js.add_stream(StreamConfig(
+        name=names.dead_stream, subjects=[names.dead_subject],
+        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
+    config = ConsumerConfig(
+        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait,
+        max_deliver=max_deliver, backoff=backoff,
+        metadata={"utopia_queue_spare_delivery": "1"} if spare else None)
+    if keyed:
+        config.filter_subjects = subjects
+    else:
+        config.filter_subject = names.subject
+    await js.add_consumer(names.stream, config)

@@ -85,8 +85,8 @@ def test_select_only_for_a_database_other_than_0_and_cluster_commands_only_on_a_
     assert "cluster|slots" in acl.commands(role, cluster=True)
 
 
-def test_acl_command_prints_the_lines_for_the_job_file(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+@pytest.mark.usefixtures("no_url_override")
+def test_acl_command_prints_the_lines_for_the_job_file(tmp_path, capsys):
     conf = write_config(tmp_path, "redis://127.0.0.1:6379/3", handler="examples.noop:handle",
                         job={"queue": "mail"}, broker={"namespace": "{app}"})
     assert cli.main(["acl", str(conf), "--role", "publish", "--role", "check"]) == 0
@@ -115,8 +115,8 @@ def _block_after(marker: str, text: str) -> str:
     return match.group(1)
 
 
-def test_the_readme_shows_the_lines_and_the_table_these_lists_make(capsys, monkeypatch):
-    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+@pytest.mark.usefixtures("no_url_override")
+def test_the_readme_shows_the_lines_and_the_table_these_lists_make(capsys):
     assert cli.main(["acl", str(ROOT / "conf" / "stats-usage.toml")]) == 0
     printed = capsys.readouterr().out
     shown = _block_after("<!-- acl: python -m supervisor acl conf/stats-usage.toml -->", README)

@@ -26,11 +26,13 @@ from broker.redis.keys import QueueKeys
 from broker.redis.placement import PlacementError
 from broker.redis.publish import Publisher
 from supervisor import cli
+from support import envelopes
+from support.brokers import count_script_calls
 from support.cluster import PrivateCluster
+from support.envelopes import publish as publish_e2e
 from support.supervision import Supervisor, counter, lines, outstanding, wait_for, write_config
 from support.supervision import keys as e2e_keys
-from support.supervision import publish as publish_e2e
-from tests.test_redis_broker import count_script_calls, wait_until
+from support.waiting import until
 
 NS = "{utopia-queue}"
 QUEUE = "stats-usage"
@@ -95,14 +97,7 @@ def snapshot(cluster: PrivateCluster) -> dict[bytes, Any]:
 
 async def publish(client, count: int, **fields: Any) -> list[str]:
     """``count`` fresh envelopes pushed the way PHP producers do; returns their pids."""
-    pids = []
-    for index in range(count):
-        pid, raw = envelope.build(QUEUE, {"index": index})
-        if fields:
-            raw = envelope.encode({**orjson.loads(raw), **fields})
-        await client.lpush(KEYS.ready, raw)
-        pids.append(pid)
-    return pids
+    return await envelopes.lpush_each(client, KEYS.ready, envelopes.fresh(QUEUE, count, **fields))
 
 
 async def counters(client) -> dict[str, int]:
@@ -144,7 +139,7 @@ async def test_blocking_receive_gets_a_message_published_later(broker, client):
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)  # registered before it blocks in BLMOVE
+    await until(registered)  # registered before it blocks in BLMOVE
     [pid] = await publish(client, 1)
     received = await task
     assert [d.pid for d in received.deliveries] == [pid]
@@ -170,7 +165,7 @@ async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)
+    await until(registered)
     [pid] = await publish(client, 1)
     reservation = await blocked  # registered + moved; a dies before claiming
     assert len(reservation.payloads) == 1
@@ -326,9 +321,8 @@ async def test_publish_and_the_background_publisher(broker, client):
     assert taken == [first, *more, *late]
 
 
-async def test_operator_commands_on_the_cluster(tmp_path, redis_cluster, client, capsys,
-                                               monkeypatch):
-    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+@pytest.mark.usefixtures("no_url_override")
+async def test_operator_commands_on_the_cluster(tmp_path, redis_cluster, client, capsys):
     conf = str(write_config(tmp_path, redis_cluster.url, handler="examples.noop:handle",
                             broker={"cluster": True, "namespace": NS}))
     consumer = RedisBroker(redis_cluster.url, "e2e", namespace=NS, cluster=True, lease=30)
@@ -386,7 +380,7 @@ async def test_a_blocked_receive_follows_the_slot(moving, broker, client):
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)  # blocked in BLMOVE on the old owner
+    await until(registered)  # blocked in BLMOVE on the old owner
     moving.migrate_slot(SLOT, moving.other_than(moving.owner(SLOT)))
     [pid] = await publish(client, 1)
     received = await blocked
@@ -417,7 +411,7 @@ async def test_a_settle_during_the_migration_waits_for_it(moving, broker, client
     async def refused_once() -> bool:
         return bool(refused)
 
-    await wait_until(refused_once)
+    await until(refused_once)
     assert not settling.done()
     await asyncio.to_thread(migration.finish)
     assert [r.outcome for r in await settling] == [Outcome.OK] * 4

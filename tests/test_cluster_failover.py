@@ -41,10 +41,10 @@ from broker.redis import RedisBroker, seeds
 from broker.redis.keys import QueueKeys
 from broker.redis.replication import NotReplicated, Replication
 from support.cluster import ClusterNode, PrivateCluster
+from support.envelopes import publish as publish_e2e
 from support.supervision import Supervisor, lines, outstanding, wait_for, write_config
 from support.supervision import keys as e2e_keys
-from support.supervision import publish as publish_e2e
-from tests.test_redis_broker import wait_until
+from support.waiting import until
 
 NS = "{utopia-queue}"
 QUEUE = "stats-usage"
@@ -202,7 +202,7 @@ async def test_a_commit_taken_back_is_recovered_and_run_again(
     async def recovered() -> bool:
         return (await second.maintain(force=True)).total == 3
 
-    await wait_until(recovered, timeout=10)
+    await until(recovered, timeout=10)
     again = (await second.receive(10, 0)).deliveries
     assert sorted(d.pid for d in again) == sorted(pids)  # 3 duplicates, attempts + 1
     assert all(d.attempts == 1 for d in again)
@@ -232,12 +232,12 @@ async def test_a_registration_taken_back_can_strand_a_payload(
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)  # registered on the master only
+    await until(registered)  # registered on the master only
 
     async def blocking() -> bool:  # and its BLMOVE waits there: the failover interrupts it
         return master.client.info("clients")["blocked_clients"] >= 1
 
-    await wait_until(blocking)
+    await until(blocking)
     [key] = await client.zrange(KEYS.reservations, 0, -1)
     take_back(replicated_cluster, master, replica)
     assert await client.zcard(KEYS.reservations) == 0  # the registration is gone...
@@ -281,13 +281,13 @@ async def test_a_receive_blocked_during_a_manual_failover_returns_and_follows(
     async def registered() -> bool:
         return await client.zcard(KEYS.reservations) == 1
 
-    await wait_until(registered)
+    await until(registered)
     master = replicated_cluster.owner(SLOT)
 
     async def blocking() -> bool:  # its BLMOVE waits on the master itself
         return master.client.info("clients")["blocked_clients"] >= 1
 
-    await wait_until(blocking)
+    await until(blocking)
     replicated_cluster.failover(replicated_cluster.replica_of(master))
     assert (await blocked).deliveries == []
     [pid] = await receiver.publish_many(QUEUE, [{"n": 0}])

@@ -11,7 +11,6 @@ import fnmatch
 import re
 import subprocess
 import sys
-import textwrap
 import tomllib
 from pathlib import Path
 
@@ -19,43 +18,10 @@ import pytest
 
 from supervisor import config
 from supervisor.config import Config, ConfigError, load
+from support.configs import MINIMAL, error_of, load_text, with_job, write
 from worker.handler import resolve as resolve_handler
 
 REPO = Path(__file__).resolve().parent.parent
-MINIMAL = """
-[job]
-queue = "stats-usage"
-handler = "examples.noop:handle"
-"""
-
-
-def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
-def load_text(tmp_path: Path, text: str, **kwargs) -> Config:
-    kwargs.setdefault("environ", {})
-    return load(write(tmp_path, text), **kwargs)
-
-
-def error_of(tmp_path: Path, text: str, **kwargs) -> str:
-    with pytest.raises(ConfigError) as caught:
-        load_text(tmp_path, text, **kwargs)
-    message = str(caught.value)
-    assert message.startswith(str(tmp_path / "job.toml") + ": ")
-    assert "\n" not in message
-    return message
-
-
-def with_job(extra: str, section: str = "job") -> str:
-    """MINIMAL plus ``extra`` lines in ``section``."""
-    if section == "job":
-        return MINIMAL + textwrap.dedent(extra)
-    return MINIMAL + f"[{section}]\n" + textwrap.dedent(extra)
-
-
 # --- defaults and values ---------------------------------------------------------------------
 
 

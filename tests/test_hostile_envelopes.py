@@ -266,7 +266,7 @@ async def test_nats_parks_what_php_would_throw_on_and_runs_the_rest(nats_server)
 
 
 def test_the_soak_workload_carries_hostile_envelopes():
-    from bench.chaos.workload import FLAKY, generate
+    from support.soak_workload import FLAKY, generate
 
     flaky = [m for m in generate(QUEUE, 2000, 7) if m.kind == FLAKY]
     hostile = [envelope.decode(m.raw) for m in flaky if b'"deep"' in m.raw]

@@ -80,12 +80,8 @@ def raw(pid: str, attempts: int = 0) -> bytes:
 
 
 @pytest.fixture
-async def broker(redis_url):
-    broker = RedisBroker(redis_url, QUEUE, consumer_id="args", max_attempts=1,
-                         job_ttl=MAX_TTL)
-    await broker.connect()
-    yield broker
-    await broker.close()
+async def broker(redis_brokers):
+    return await redis_brokers(QUEUE, consumer_id="args", max_attempts=1, job_ttl=MAX_TTL)
 
 
 async def claimed(broker: RedisBroker, client, count: int = 3) -> Recorded:

@@ -18,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.base import Action
 from supervisor import metrics
+from support.envelopes import publish
 from support.servers import free_port
-from support.supervision import QUEUE, Supervisor, counter, publish, wait_for, write_config
+from support.supervision import QUEUE, Supervisor, counter, wait_for, write_config
 
 
 @pytest.fixture

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import random
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -37,10 +35,10 @@ import pytest
 import redis
 
 from broker.base import Delivery, Outcome
-from broker.redis import RedisBroker
 from broker.redis.keys import QueueKeys
 from support.supervision import QUEUE as E2E_QUEUE
 from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
+from support.waiting import until
 from tests.queue5 import Message, NotOwned, Queue5Consumer, php_json_encode
 
 NS = "utopia-queue"
@@ -51,30 +49,6 @@ NOT_STATE = {"stats", "reap-lock", "reap-cursor", "supervisors", "supervisor-tok
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def client(redis_url: str):
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
-
-
-@pytest.fixture
-async def ours(redis_url: str):
-    """``await ours(queue, **options)``: a connected RedisBroker, closed afterwards."""
-    made: list[RedisBroker] = []
-
-    async def make(queue: str, **options: Any) -> RedisBroker:
-        broker = RedisBroker(redis_url, queue, namespace=NS, **options)
-        await broker.connect()
-        made.append(broker)
-        return broker
-
-    yield make
-    for broker in made:
-        with contextlib.suppress(Exception):
-            await broker.close()
 
 
 def php(client: redis.Redis, queue: str, **options: Any) -> Queue5Consumer:
@@ -114,14 +88,6 @@ def assert_settled(client: redis.Redis, queue: str, *, total: int, success: int,
     }
 
 
-async def until(condition: Callable[[], Any], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def server_s(client: redis.Redis) -> int:
     return int(client.time()[0])
 
@@ -135,12 +101,12 @@ def processing_pids(client: redis.Redis, queue: str) -> list[str]:
 # --- 1. both sides consume one queue, no faults -------------------------------------------
 
 
-async def test_both_sides_consume_one_queue_and_each_pid_runs_exactly_once(client, ours):
+async def test_both_sides_consume_one_queue_and_each_pid_runs_exactly_once(client, redis_brokers):
     q = "mixed"
     rng = random.Random(SEED)
     # reap_after=0: the model's sweeps would take any delivery without a live claim.
     model = php(client, q, reap_after=0)
-    broker = await ours(q, lease=30)
+    broker = await redis_brokers(q, namespace=NS, lease=30)
     published: set[str] = set()
     for _ in range(10):  # 250 + 250, producers interleaved
         published.update(model.publish({"by": "php", "n": rng.random()}) for _ in range(25))
@@ -187,10 +153,11 @@ async def test_both_sides_consume_one_queue_and_each_pid_runs_exactly_once(clien
 # --- 2. ours dies with work in flight; PHP finishes ----------------------------------------
 
 
-async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, ours):
+async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, redis_brokers):
     q = "ours-dies"
     k = QueueKeys(NS, q)
-    broker = await ours(q, lease=3)  # claims and reservations lapse within ~3 s
+    # claims and reservations lapse within ~3 s
+    broker = await redis_brokers(q, namespace=NS, lease=3)
     await broker.publish_many(q, [{"n": n} for n in range(50)])
     claimed = (await broker.receive(20, 0)).deliveries
     assert [d.payload["n"] for d in claimed] == list(range(20))
@@ -230,7 +197,7 @@ async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, o
 # --- 3. PHP dies mid-batch; ours recovers ---------------------------------------------------
 
 
-async def test_php_killed_mid_batch_ours_recovers_and_runs_everything(client, ours):
+async def test_php_killed_mid_batch_ours_recovers_and_runs_everything(client, redis_brokers):
     q = "php-dies"
     k = QueueKeys(NS, q)
     # claim_ttl=3: the dead worker's claims and reservation lapse within ~3 s (production 90).
@@ -247,7 +214,7 @@ async def test_php_killed_mid_batch_ours_recovers_and_runs_everything(client, ou
 
     # lease 30, max_attempts 3, maintenance_interval 5; recovery_age 1 (production 90000):
     # a PHP owner whose claim lapsed may be a worker that never renews, still running.
-    broker = await ours(q, recovery_age=1)
+    broker = await redis_brokers(q, namespace=NS, recovery_age=1)
     assert (await broker.maintain()).total == 0  # nothing lapsed yet
     client.delete(k.reap_lock)
     lapsed = [k.claim(m.pid) for m in claimed[3:]]
@@ -285,13 +252,13 @@ def publish_old(model: Queue5Consumer, n: int, age: int = 100_000) -> str:
     return envelope["pid"]
 
 
-async def test_a_renewed_claim_is_never_taken_in_either_direction(client, ours):
+async def test_a_renewed_claim_is_never_taken_in_either_direction(client, redis_brokers):
     q = "live"
     k = QueueKeys(NS, q)
     # PHP with 6 s claims and reap_after=0: it would take anything whose claim is gone.
     model = php(client, q, claim_ttl=6, reap_after=0)
     other = php(client, q)  # a second PHP worker (90 s claims): D
-    broker = await ours(q, lease=6, maintenance_interval=60)
+    broker = await redis_brokers(q, namespace=NS, lease=6, maintenance_interval=60)
     for n in range(6):
         publish_old(model, n)
     a = model.receive(2)  # PHP, renewed
@@ -342,14 +309,15 @@ async def test_a_renewed_claim_is_never_taken_in_either_direction(client, ours):
 
 
 async def test_a_blocked_receive_keeps_its_reservation_through_the_other_sides_sweep(
-    redis_url, client, ours
+    redis_url, client, redis_brokers
 ):
     """A consumer blocked on an empty queue has a registered, empty reservation (deadline:
     now + lease + timeout, in seconds); the other side's sweep must leave it registered,
     or the payload the blocking move brings would land in a list no registry names."""
     q = "blocked"
     k = QueueKeys(NS, q)
-    broker = await ours(q, lease=6)  # a receive frozen for lease/2 gives up its reservation
+    # a receive frozen for lease/2 gives up its reservation
+    broker = await redis_brokers(q, namespace=NS, lease=6)
     # PHP blocks in BRPOPLPUSH (its own connection, in a thread); ours sweeps.
     blocking = redis.Redis.from_url(redis_url)
     model = php(blocking, q)
@@ -384,7 +352,7 @@ async def test_a_blocked_receive_keeps_its_reservation_through_the_other_sides_s
 # --- 5. one cursor, one lock ----------------------------------------------------------------
 
 
-async def test_sweeps_share_the_cursor_and_the_lock(client, ours):
+async def test_sweeps_share_the_cursor_and_the_lock(client, redis_brokers):
     """4,012 deliveries (PHP's and ours in blocks of 1,000); lapsed ones spread out. Sweeps
     alternate PHP (a 2,000 window) and ours (a 1,000 window plus the newest 1,000), each
     continuing where the other stopped; the expected cursors and finds are queue 5's
@@ -394,7 +362,7 @@ async def test_sweeps_share_the_cursor_and_the_lock(client, ours):
     k = QueueKeys(NS, q)
     model = php(client, q, reap_after=0)  # reap_interval 60: its lock outlives the test
     # recovery_age 1: ours takes a lapsed delivery it does not know for its own only by age.
-    broker = await ours(q, maintenance_interval=60, recovery_age=1)
+    broker = await redis_brokers(q, namespace=NS, maintenance_interval=60, recovery_age=1)
     published = server_s(client)
     await broker.publish_many(q, [{"n": n} for n in range(4012)])
     owned_by: dict[str, Any] = {}
@@ -475,11 +443,11 @@ async def test_sweeps_share_the_cursor_and_the_lock(client, ours):
 # --- 6. coalescing markers -------------------------------------------------------------------
 
 
-async def test_coalescing_markers_are_freed_and_kept_as_php_expects(client, ours):
+async def test_coalescing_markers_are_freed_and_kept_as_php_expects(client, redis_brokers):
     q = "coalesce"
     k = QueueKeys(NS, q)
     model = php(client, q, reap_after=0)
-    broker = await ours(q, max_attempts=2)
+    broker = await redis_brokers(q, namespace=NS, max_attempts=2)
     marker = k.pending("tenant-1")
     assert marker == model.marker("tenant-1")
 
@@ -573,7 +541,7 @@ POISON = [
 ]
 
 
-async def test_envelopes_run_and_poison_exactly_as_php_decides(client, ours):
+async def test_envelopes_run_and_poison_exactly_as_php_decides(client, redis_brokers):
     # The same bytes on two queues: one consumed by the model, one by ours.
     theirs_q, ours_q = "env-php", "env-ours"
     raws = ACCEPTED + POISON
@@ -583,7 +551,7 @@ async def test_envelopes_run_and_poison_exactly_as_php_decides(client, ours):
 
     model = php(client, theirs_q)
     messages = model.receive(100)
-    broker = await ours(ours_q)
+    broker = await redis_brokers(ours_q, namespace=NS)
     received = await broker.receive(100, 0)
 
     php_view = {m.raw: (m.pid, m.queue, m.timestamp, m.attempts, m.payload or None)
@@ -623,10 +591,10 @@ PHP_POISONS = [
 ]
 
 
-async def test_envelopes_where_the_model_strays_run_as_php_8_ran_them(client, ours):
+async def test_envelopes_where_the_model_strays_run_as_php_8_ran_them(client, redis_brokers):
     q = "env-php8"
     client.lpush(QueueKeys(NS, q).ready, *PHP_RUNS, *PHP_POISONS)
-    broker = await ours(q)
+    broker = await redis_brokers(q, namespace=NS)
     received = await broker.receive(100, 0)
     assert {d.raw: (d.pid, d.queue, d.timestamp, d.attempts, d.payload)
             for d in received.deliveries} == PHP_RUNS

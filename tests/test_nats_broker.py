@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 import nats
 import orjson
@@ -20,42 +19,11 @@ from broker.nats.setup import QueueNames
 from support.brokers import receive_all
 from support.faultproxy import FaultProxy
 from support.servers import NatsServer
+from support.waiting import until
+from tests.queue5_nats import php_queue
 
 QUEUE = "stats-usage"
 NAMES = QueueNames.of(QUEUE)
-
-
-async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-async def js(nats_server: NatsServer):
-    """A plain nats-py JetStream context for setting up and inspecting the server."""
-    client = await nats.connect(nats_server.url)
-    yield client.jetstream()
-    await client.close()
-
-
-@pytest.fixture
-async def brokers(nats_server: NatsServer):
-    """make(**options) -> a connected NatsBroker for QUEUE; all closed at the end."""
-    made: list[NatsBroker] = []
-
-    async def make(url: str | None = None, **options) -> NatsBroker:
-        options.setdefault("request_timeout", 2.0)
-        broker = NatsBroker(url or nats_server.url, QUEUE, **options)
-        made.append(broker)
-        await broker.connect()
-        return broker
-
-    yield make
-    for broker in made:
-        await broker.close()
 
 
 @pytest.fixture
@@ -79,8 +47,8 @@ async def settle_one(
 # -- names and settings: create as queue 5's newest line, adopt what exists ---------------
 
 
-async def test_creates_streams_and_consumer_as_queue_5_does(brokers, js):
-    broker = await brokers(ack_wait=7, max_attempts=4)
+async def test_creates_streams_and_consumer_as_queue_5_does(nats_brokers, js):
+    broker = await nats_brokers(QUEUE, ack_wait=7, max_attempts=4)
     assert broker.names == QueueNames(
         "Q_STATS-USAGE", "q.stats-usage.normal", "Q_STATS-USAGE_DEAD", "q.stats-usage.dead")
     work = (await js.stream_info(NAMES.stream)).config
@@ -112,30 +80,6 @@ def test_names_are_sanitised_like_the_php_producer():
     assert names.dead_subject == "q.v1-stats_usage_x.dead"
 
 
-async def php_queue(js, *, max_deliver: int, spare: bool, ack_wait: float = 30,
-                    keyed: bool = False, backoff: list[float] | None = None,
-                    stream: dict | None = None) -> None:
-    """The stream and consumer as a queue-5 worker provisions them (N1: MaxDeliver 5,
-    one subject; N2: spare delivery and key subjects; N3: spare delivery)."""
-    subjects = [NAMES.subject, NAMES.subject + ".*"] if keyed else [NAMES.subject]
-    await js.add_stream(StreamConfig(
-        name=NAMES.stream, subjects=subjects, retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE, duplicate_window=120,
-        metadata={"utopia_queue_identity": "12:utopia-queue:stats-usage"}, **(stream or {})))
-    await js.add_stream(StreamConfig(
-        name=NAMES.dead_stream, subjects=[NAMES.dead_subject],
-        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE))
-    config = ConsumerConfig(
-        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait,
-        max_deliver=max_deliver, backoff=backoff,
-        metadata={"utopia_queue_spare_delivery": "1"} if spare else None)
-    if keyed:
-        config.filter_subjects = subjects
-    else:
-        config.filter_subject = NAMES.subject
-    await js.add_consumer(NAMES.stream, config)
-
-
 @pytest.mark.parametrize(("layout", "budget", "spare"), [
     ({"max_deliver": 5, "spare": False}, 5, None),  # N1
     ({"max_deliver": 6, "spare": True, "keyed": True}, 5, 6),  # N2
@@ -143,12 +87,12 @@ async def php_queue(js, *, max_deliver: int, spare: bool, ack_wait: float = 30,
     ({"max_deliver": -1, "spare": False}, 3, None),  # unlimited: no spare, as spareOf()
 ])
 async def test_a_php_made_queue_is_adopted_never_rewritten(
-    brokers, js, caplog, layout, budget, spare
+    nats_brokers, js, caplog, layout, budget, spare
 ):
     await php_queue(js, **layout)
     before = (await js.consumer_info(NAMES.stream, "worker")).config
     with caplog.at_level(logging.INFO, logger="broker.nats"):
-        broker = await brokers(ack_wait=10, max_attempts=3)
+        broker = await nats_brokers(QUEUE, ack_wait=10, max_attempts=3)
     assert (broker.policy.budget, broker.policy.spare) == (budget, spare)
     assert broker.policy.ack_wait == 30 and broker.lease == 30
     assert (await js.consumer_info(NAMES.stream, "worker")).config == before
@@ -163,19 +107,19 @@ async def test_a_php_made_queue_is_adopted_never_rewritten(
     assert delivery.pid == pid
 
 
-async def test_stream_with_other_retention_is_refused(brokers, js):
+async def test_stream_with_other_retention_is_refused(nats_brokers, js):
     await js.add_stream(StreamConfig(name=NAMES.stream, subjects=[NAMES.subject]))  # limits
     with pytest.raises(BrokerError, match="retention 'limits'"):
-        await brokers()
+        await nats_brokers(QUEUE)
     assert (await js.stream_info(NAMES.stream)).config.retention == RetentionPolicy.LIMITS
 
 
-async def test_stream_of_another_queue_identity_is_refused(brokers, js):
+async def test_stream_of_another_queue_identity_is_refused(nats_brokers, js):
     await js.add_stream(StreamConfig(
         name=NAMES.stream, subjects=[NAMES.subject], retention=RetentionPolicy.WORK_QUEUE,
         metadata={"utopia_queue_identity": "5:other:stats-usage"}))
     with pytest.raises(BrokerError, match="belongs to queue '5:other:stats-usage'"):
-        await brokers()
+        await nats_brokers(QUEUE)
 
 
 @pytest.mark.parametrize(("setting", "existing", "match"), [
@@ -186,7 +130,7 @@ async def test_stream_of_another_queue_identity_is_refused(brokers, js):
     ("push consumer", {"deliver_subject": "elsewhere"}, "pull consumer is needed"),
 ])
 async def test_a_consumer_that_is_unsafe_to_share_is_refused(
-    brokers, js, setting, existing, match
+    nats_brokers, js, setting, existing, match
 ):
     # (A workqueue stream refuses any ack policy but explicit, so that cannot differ.)
     await js.add_stream(StreamConfig(
@@ -197,16 +141,16 @@ async def test_a_consumer_that_is_unsafe_to_share_is_refused(
     await js.add_consumer(NAMES.stream, ConsumerConfig(**config))
     before = (await js.consumer_info(NAMES.stream, "worker")).config
     with pytest.raises(BrokerError, match=match) as error:
-        await brokers(ack_wait=30)
+        await nats_brokers(QUEUE, ack_wait=30)
     assert setting in str(error.value)
     assert "worker" in str(error.value)
     assert (await js.consumer_info(NAMES.stream, "worker")).config == before
 
 
-async def test_settings_rewritten_by_php_are_adopted_on_reconnect(brokers, js, proxy, caplog):
+async def test_settings_rewritten_by_php_are_adopted_on_reconnect(nats_brokers, js, proxy, caplog):
     """Queue 5's ensure mode rewrites the consumer we made; our next connection adopts
     what it finds (it never refuses what start accepted)."""
-    broker = await brokers(proxy.url, ack_wait=30, max_attempts=3)
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=30, max_attempts=3)
     assert broker.policy.budget == 3
     await js.delete_consumer(NAMES.stream, "worker")
     await js.add_consumer(NAMES.stream, ConsumerConfig(
@@ -215,7 +159,7 @@ async def test_settings_rewritten_by_php_are_adopted_on_reconnect(brokers, js, p
     await proxy.cut()
     with caplog.at_level(logging.WARNING, logger="broker.nats"):
         pid = await broker.publish(QUEUE, {"after": "rewrite"})
-        await wait_until(lambda: _true(broker.reconnects >= 1))
+        await until(lambda: _true(broker.reconnects >= 1), 20)
     assert (broker.policy.budget, broker.policy.spare) == (5, None)
     [delivery] = (await broker.receive(10, 5)).deliveries
     assert delivery.pid == pid
@@ -225,7 +169,7 @@ async def test_settings_rewritten_by_php_are_adopted_on_reconnect(brokers, js, p
         durable_name="worker", ack_policy=AckPolicy.EXPLICIT, deliver_subject="elsewhere"))
     await proxy.cut()
     with caplog.at_level(logging.ERROR, logger="broker.nats"):
-        await wait_until(lambda: _true(broker.reconnects >= 2))
+        await until(lambda: _true(broker.reconnects >= 2), 20)
     assert "carrying on with 5 attempts" in caplog.text
     assert broker.policy.budget == 5
 
@@ -237,8 +181,8 @@ async def _true(value: bool) -> bool:
 # -- receive -------------------------------------------------------------------------------
 
 
-async def test_sparse_message_is_returned_without_waiting_for_a_batch(brokers, js):
-    broker = await brokers()
+async def test_sparse_message_is_returned_without_waiting_for_a_batch(nats_brokers, js):
+    broker = await nats_brokers(QUEUE)
     pid = await broker.publish(QUEUE, {"user": "a/b"})
     # A receive that waited to fill its batch would run into the 30 s block timeout.
     received = await asyncio.wait_for(broker.receive(100, 30), 10)
@@ -251,15 +195,15 @@ async def test_sparse_message_is_returned_without_waiting_for_a_batch(brokers, j
 
 
 async def test_blocking_receive_returns_a_message_published_while_it_waits(
-    brokers, nats_server, js
+    nats_brokers, nats_server, js
 ):
-    broker = await brokers()
+    broker = await nats_brokers(QUEUE)
     waiting = asyncio.ensure_future(broker.receive(10, 30))
 
     async def pull_waiting() -> bool:
         return (await js.consumer_info(NAMES.stream, "worker")).num_waiting == 1
 
-    await wait_until(pull_waiting)
+    await until(pull_waiting, 20)
     assert not waiting.done()
     producer = NatsBroker(nats_server.url, QUEUE)
     pid = await producer.publish(QUEUE, {"n": 1})
@@ -268,8 +212,8 @@ async def test_blocking_receive_returns_a_message_published_while_it_waits(
     assert [d.pid for d in received.deliveries] == [pid]
 
 
-async def test_malformed_payload_goes_dead_at_once(brokers, js):
-    broker = await brokers()
+async def test_malformed_payload_goes_dead_at_once(nats_brokers, js):
+    broker = await nats_brokers(QUEUE)
     await js.publish(NAMES.subject, b"{not json")
     pid = await broker.publish(QUEUE, {"ok": True})
     received = await broker.receive(10, 5)
@@ -289,8 +233,8 @@ async def test_malformed_payload_goes_dead_at_once(brokers, js):
 # -- settle ---------------------------------------------------------------------------------
 
 
-async def test_reject_at_max_attempts_goes_to_the_dead_stream(brokers, js):
-    broker = await brokers(max_attempts=2, ack_wait=2)
+async def test_reject_at_max_attempts_goes_to_the_dead_stream(nats_brokers, js):
+    broker = await nats_brokers(QUEUE, max_attempts=2, ack_wait=2)
     pid = await broker.publish(QUEUE, {"fails": True})
     [first] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.REJECT, first) is Outcome.OK  # NAK: retried
@@ -306,8 +250,8 @@ async def test_reject_at_max_attempts_goes_to_the_dead_stream(brokers, js):
     assert (await broker.receive(10, 3)).deliveries == []  # terminated: past ack_wait too
 
 
-async def test_reject_below_the_limit_waits_for_its_backoff(brokers):
-    broker = await brokers(max_attempts=5, retry_backoff=4.0, ack_wait=30)
+async def test_reject_below_the_limit_waits_for_its_backoff(nats_brokers):
+    broker = await nats_brokers(QUEUE, max_attempts=5, retry_backoff=4.0, ack_wait=30)
     await broker.publish(QUEUE, {"x": 1})
     [delivery] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
@@ -316,9 +260,9 @@ async def test_reject_below_the_limit_waits_for_its_backoff(brokers):
     assert again.attempts == 1
 
 
-async def test_release_is_available_to_another_consumer_at_once(brokers, js):
-    first = await brokers(ack_wait=30)
-    second = await brokers(ack_wait=30)
+async def test_release_is_available_to_another_consumer_at_once(nats_brokers, js):
+    first = await nats_brokers(QUEUE, ack_wait=30)
+    second = await nats_brokers(QUEUE, ack_wait=30)
     pids = await first.publish_many(QUEUE, [{"i": i} for i in range(10)])
     held = await receive_all(first, 10)
     results = await first.settle([Settlement(Action.RELEASE, d) for d in held])
@@ -335,8 +279,8 @@ async def test_release_is_available_to_another_consumer_at_once(brokers, js):
 
 
 @pytest.mark.parametrize("pid", ["a\r\nNats-Msg-Id: forged", "x" * 10_000, "ü ü", ""])
-async def test_release_of_a_strange_pid_keeps_the_header_block_intact(brokers, js, pid):
-    broker = await brokers(ack_wait=30)
+async def test_release_of_a_strange_pid_keeps_the_header_block_intact(nats_brokers, js, pid):
+    broker = await nats_brokers(QUEUE, ack_wait=30)
     raw = orjson.dumps({"pid": pid, "queue": QUEUE, "timestamp": 1, "payload": {}})
     await js.publish(NAMES.subject, raw)
     [held] = await receive_all(broker, 1)
@@ -349,11 +293,11 @@ async def test_release_of_a_strange_pid_keeps_the_header_block_intact(brokers, j
     assert set(copy.headers) == {"Nats-Msg-Id"}
 
 
-async def test_release_on_a_size_limited_stream_is_a_delayed_nak(brokers, js):
+async def test_release_on_a_size_limited_stream_is_a_delayed_nak(nats_brokers, js):
     """A republish could push another message out of a bounded stream: queue 5 NAKs with
     a delay there instead, which spends a delivery."""
     await php_queue(js, max_deliver=6, spare=True, stream={"max_msgs": 100})
-    broker = await brokers(ack_wait=30)
+    broker = await nats_brokers(QUEUE, ack_wait=30)
     assert broker.policy.bounded
     pid = await broker.publish(QUEUE, {"x": 1})
     [held] = await receive_all(broker, 1)
@@ -364,8 +308,8 @@ async def test_release_on_a_size_limited_stream_is_a_delayed_nak(brokers, js):
         (pid, 1, held.receipt.stream_seq)
 
 
-async def test_twenty_releases_spend_no_attempt(brokers, js):
-    broker = await brokers(ack_wait=30, max_attempts=1)
+async def test_twenty_releases_spend_no_attempt(nats_brokers, js):
+    broker = await nats_brokers(QUEUE, ack_wait=30, max_attempts=1)
     pid = await broker.publish(QUEUE, {"x": 1})
     for _ in range(20):
         [held] = await receive_all(broker, 1)
@@ -377,9 +321,9 @@ async def test_twenty_releases_spend_no_attempt(brokers, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
-async def test_independent_outcomes_in_one_settle(brokers, proxy, js):
-    broker = await brokers(proxy.url, ack_wait=3, max_attempts=2, request_timeout=2.0)
-    other = await brokers(ack_wait=3, max_attempts=2)
+async def test_independent_outcomes_in_one_settle(nats_brokers, proxy, js):
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=3, max_attempts=2, request_timeout=2.0)
+    other = await nats_brokers(QUEUE, ack_wait=3, max_attempts=2)
     limit_pid = await broker.publish(QUEUE, {"role": "limit"})
     [limit] = await receive_all(broker, 1)
     assert await settle_one(broker, Action.REJECT, limit) is Outcome.OK  # its first attempt
@@ -431,8 +375,8 @@ async def dead_letter(js, seq: int = 1) -> tuple[bytes, dict[str, str]]:
     return message.data, message.headers
 
 
-async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(brokers, js):
-    first = await brokers(max_attempts=2, ack_wait=3)  # 3 s to settle what it received
+async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(nats_brokers, js):
+    first = await nats_brokers(QUEUE, max_attempts=2, ack_wait=3)  # 3 s to settle what it received
     pid = await first.publish(QUEUE, {"x": 1})
     [attempt] = await receive_all(first, 1)
     assert await settle_one(first, Action.REJECT, attempt, "failed once") is Outcome.OK
@@ -440,7 +384,7 @@ async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(brokers,
     assert (last.pid, last.attempts) == (pid, 1)  # the last allowed attempt
     await first.close()  # gone without settling it, like a killed supervisor
 
-    second = await brokers(max_attempts=2, ack_wait=3)
+    second = await nats_brokers(QUEUE, max_attempts=2, ack_wait=3)
     poisoned = await receive_poisoned(second)  # the spare delivery, never handled
     assert poisoned.raw == last.raw and not poisoned.malformed
     assert poisoned.reason.startswith("out of attempts: delivery 3 of a consumer that "
@@ -453,10 +397,10 @@ async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(brokers,
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
 
 
-async def test_the_spare_is_read_again_before_a_delivery_is_parked(brokers, js):
+async def test_the_spare_is_read_again_before_a_delivery_is_parked(nats_brokers, js):
     """The consumer is shared: when another worker gave it a larger budget since we
     adopted it, the delivery runs instead of being parked on a stale threshold."""
-    broker = await brokers(max_attempts=1, ack_wait=3)  # MaxDeliver 2, spare delivery 2
+    broker = await nats_brokers(QUEUE, max_attempts=1, ack_wait=3)  # MaxDeliver 2, spare delivery 2
     pid = await broker.publish(QUEUE, {"x": 1})
     [first] = await receive_all(broker, 1)
     config = (await js.consumer_info(NAMES.stream, "worker")).config
@@ -469,8 +413,8 @@ async def test_the_spare_is_read_again_before_a_delivery_is_parked(brokers, js):
     assert first.receipt.stream_seq == again.receipt.stream_seq
 
 
-async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(brokers, js):
-    broker = await brokers(max_attempts=1, ack_wait=3)  # 3 s to delete the dead stream
+async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(nats_brokers, js):
+    broker = await nats_brokers(QUEUE, max_attempts=1, ack_wait=3)  # 3 s to delete the dead stream
     await broker.publish(QUEUE, {"x": 1})
     [last] = await receive_all(broker, 1)  # then lost: never settled
     dead_config = (await js.stream_info(NAMES.dead_stream)).config
@@ -492,12 +436,12 @@ async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(brokers, 
     assert await stream_messages(js, NAMES.stream) == 0
 
 
-async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(brokers, js):
+async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(nats_brokers, js):
     """Queue 5's older consumers have no spare: the server stops delivering and announces
     it; one subscriber of the fleet's queue group copies the message to dead, deletes it."""
     await php_queue(js, max_deliver=2, spare=False, ack_wait=1)
-    broker = await brokers(max_attempts=2)
-    watcher = await brokers(max_attempts=2)  # a second worker in the same queue group
+    broker = await nats_brokers(QUEUE, max_attempts=2)
+    watcher = await nats_brokers(QUEUE, max_attempts=2)  # a second worker in the same queue group
     pid = await broker.publish(QUEUE, {"x": 1})
     for attempt in range(2):
         [held] = await receive_all(broker, 1, timeout=10)
@@ -517,9 +461,9 @@ async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(
     assert await stream_messages(js, NAMES.stream) == 0
 
 
-async def test_reject_follows_the_consumers_backoff_list(brokers, js):
+async def test_reject_follows_the_consumers_backoff_list(nats_brokers, js):
     await php_queue(js, max_deliver=6, spare=True, ack_wait=2, backoff=[2, 4])
-    broker = await brokers(max_attempts=5, retry_backoff=0)
+    broker = await nats_brokers(QUEUE, max_attempts=5, retry_backoff=0)
     assert broker.policy.backoff == (2.0, 4.0) and broker.lease == 2
     await broker.publish(QUEUE, {"x": 1})
     [delivery] = await receive_all(broker, 1)
@@ -529,8 +473,8 @@ async def test_reject_follows_the_consumers_backoff_list(brokers, js):
     assert again.attempts == 1 and time.monotonic() - started >= 1.8
 
 
-async def test_each_commit_reports_as_soon_as_its_own_reply_arrives(brokers, proxy):
-    broker = await brokers(proxy.url, request_timeout=5.0)
+async def test_each_commit_reports_as_soon_as_its_own_reply_arrives(nats_brokers, proxy):
+    broker = await nats_brokers(QUEUE, proxy.url, request_timeout=5.0)
     await broker.publish_many(QUEUE, [{"i": 1}, {"i": 2}])
     slow, fast = await receive_all(broker, 2)
     proxy.drop_replies_to([slow.receipt.reply])
@@ -541,8 +485,8 @@ async def test_each_commit_reports_as_soon_as_its_own_reply_arrives(brokers, pro
     assert await slow_settle is Outcome.UNCERTAIN
 
 
-async def test_cut_after_the_ack_is_uncertain_and_not_replayed(brokers, proxy, js):
-    broker = await brokers(proxy.url, ack_wait=2)
+async def test_cut_after_the_ack_is_uncertain_and_not_replayed(nats_brokers, proxy, js):
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=2)
     await broker.publish(QUEUE, {"x": 1})
     [delivery] = await receive_all(broker, 1)
     proxy.cut_after(b"+ACK")
@@ -564,14 +508,15 @@ async def test_cut_after_the_ack_is_uncertain_and_not_replayed(brokers, proxy, j
     assert proxy.published[delivery.receipt.reply] == 1
 
 
-async def test_silent_connection_is_replaced(brokers, proxy, js):
-    broker = await brokers(proxy.url, ack_wait=2, request_timeout=1.0, connect_timeout=1.0)
+async def test_silent_connection_is_replaced(nats_brokers, proxy, js):
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=2, request_timeout=1.0,
+                                connect_timeout=1.0)
     await broker.publish(QUEUE, {"x": 1})
     [delivery] = await receive_all(broker, 1)
     proxy.pause()  # the socket stays open, nothing gets through either way
     assert await settle_one(broker, Action.COMMIT, delivery) is Outcome.UNCERTAIN
     # The failed health check closed that client and a new one is being dialled.
-    await wait_until(lambda: _at_least(proxy.connections, 2))
+    await until(lambda: _at_least(proxy.connections, 2), 20)
     proxy.resume()  # the held ack may still reach the server now: either way, no loss
     redelivered: list[Delivery] = []
 
@@ -581,14 +526,14 @@ async def test_silent_connection_is_replaced(brokers, proxy, js):
         await broker.settle([Settlement(Action.COMMIT, d) for d in received.deliveries])
         return await stream_messages(js, NAMES.stream) == 0
 
-    await wait_until(drained)
+    await until(drained, 20)
     assert broker.reconnects >= 1
     assert all(d.pid == delivery.pid and d.attempts >= 1 for d in redelivered)
     assert proxy.published[delivery.receipt.reply] <= 1  # never replayed by the broker
 
 
-async def test_publish_to_a_queue_without_a_stream_says_so(brokers):
-    broker = await brokers()
+async def test_publish_to_a_queue_without_a_stream_says_so(nats_brokers):
+    broker = await nats_brokers(QUEUE)
     with pytest.raises(BrokerError, match=r"no JetStream stream stores 'q\.elsewhere\.normal'"):
         await broker.publish("elsewhere", {"x": 1})
 
@@ -596,9 +541,9 @@ async def test_publish_to_a_queue_without_a_stream_says_so(brokers):
 # -- renewal --------------------------------------------------------------------------------
 
 
-async def test_extend_keeps_held_deliveries_past_ack_wait(brokers, js):
-    broker = await brokers(ack_wait=4)
-    rival = await brokers(ack_wait=4)
+async def test_extend_keeps_held_deliveries_past_ack_wait(nats_brokers, js):
+    broker = await nats_brokers(QUEUE, ack_wait=4)
+    rival = await nats_brokers(QUEUE, ack_wait=4)
     await broker.publish_many(QUEUE, [{"i": i} for i in range(20)])
     held = await receive_all(broker, 20)
     deadline = time.monotonic() + 9
@@ -613,8 +558,8 @@ async def test_extend_keeps_held_deliveries_past_ack_wait(brokers, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
-async def test_superseded_delivery_is_reported_stale(brokers):
-    broker = await brokers(ack_wait=3)  # 3 s to renew the new delivery
+async def test_superseded_delivery_is_reported_stale(nats_brokers):
+    broker = await nats_brokers(QUEUE, ack_wait=3)  # 3 s to renew the new delivery
     await broker.publish(QUEUE, {"x": 1})
     [old] = await receive_all(broker, 1)
     [new] = await receive_all(broker, 1, timeout=10)  # redelivered after ack_wait
@@ -624,17 +569,17 @@ async def test_superseded_delivery_is_reported_stale(brokers):
     assert await settle_one(broker, Action.COMMIT, new) is Outcome.OK
 
 
-async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(brokers, proxy, js):
+async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(nats_brokers, proxy, js):
     """A pull that got no answer in time may still be answered: what it asked for is
     counted against the next pulls, and what arrives is renewed until it is handed out."""
-    broker = await brokers(proxy.url, ack_wait=4, request_timeout=1.0)
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=4, request_timeout=1.0)
     await broker.publish_many(QUEUE, [{"i": i} for i in range(30)])
     proxy.pause()  # the pull request and its answer wait in the proxy
     assert (await broker.receive(10, 0)).deliveries == []  # no answer within 1 s
     # Prefetch 10 is owed already: a second receive must not ask for 10 more.
     assert (await broker.receive(10, 0)).deliveries == []
     proxy.resume()  # (before the health check gives up on the connection)
-    await wait_until(lambda: _true(len(broker._puller.backlog()) == 10))
+    await until(lambda: _true(len(broker._puller.backlog()) == 10), 20)
     info = await js.consumer_info(NAMES.stream, "worker")
     assert info.num_ack_pending == 10
     held = (await broker.receive(4, 0)).deliveries  # 6 stay unreturned, beyond the room
@@ -650,9 +595,9 @@ async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(brokers
     assert all(r.ok for r in results)
 
 
-async def test_tracking_is_bounded_by_what_is_held(brokers, proxy, js):
+async def test_tracking_is_bounded_by_what_is_held(nats_brokers, proxy, js):
     """Uncertain, stale and certain settlements all end the tracking of their delivery."""
-    broker = await brokers(proxy.url, ack_wait=3, request_timeout=1.0)
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=3, request_timeout=1.0)
     await broker.publish_many(QUEUE, [{"i": i} for i in range(200)])
     held = await receive_all(broker, 200)
     assert broker.held == 200
@@ -703,8 +648,8 @@ def test_holdings_stay_bounded_over_a_million_settlements():
 # -- server restart -------------------------------------------------------------------------
 
 
-async def test_server_restart_mid_run_loses_nothing(brokers, nats_server):
-    broker = await brokers(ack_wait=2, connect_timeout=2.0)
+async def test_server_restart_mid_run_loses_nothing(nats_brokers, nats_server):
+    broker = await nats_brokers(QUEUE, ack_wait=2, connect_timeout=2.0)
     pids = set(await broker.publish_many(QUEUE, [{"i": i} for i in range(500)]))
     handled: set[str] = set()
     failures = 0
@@ -738,12 +683,12 @@ async def test_server_restart_mid_run_loses_nothing(brokers, nats_server):
     await asyncio.wait_for(reached.wait(), 30)
     await asyncio.to_thread(nats_server.stop)
     stopped.set()
-    await wait_until(lambda: _at_least(failures, 1))
+    await until(lambda: _at_least(failures, 1), 20)
     await asyncio.to_thread(nats_server.start)  # same port, same file storage
     await asyncio.wait_for(consumer, 90)
     assert handled >= pids
     assert broker.reconnects >= 1
-    await wait_until(lambda: _stream_empty(nats_server))
+    await until(lambda: _stream_empty(nats_server), 20)
 
 
 # -- request deadlines (one shared timer, each request its own timeout) ---------------------

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 
-import nats
 import pytest
 
 from broker.base import Action, Outcome, Settlement
@@ -23,34 +22,10 @@ from broker.nats import broker as nats_broker
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
 from support.servers import NatsServer
-from tests.queue5_nats import Queue5NatsWorker
-from tests.test_nats_broker import php_queue
+from tests.queue5_nats import Queue5NatsWorker, php_queue
 
 QUEUE = "stats-usage"
 NAMES = QueueNames.of(QUEUE)
-
-
-@pytest.fixture
-async def js(nats_server: NatsServer):
-    client = await nats.connect(nats_server.url)
-    yield client.jetstream()
-    await client.close()
-
-
-@pytest.fixture
-async def brokers(nats_server: NatsServer):
-    made: list[NatsBroker] = []
-
-    async def make(**options) -> NatsBroker:
-        options.setdefault("request_timeout", 2.0)
-        broker = NatsBroker(nats_server.url, QUEUE, **options)
-        made.append(broker)
-        await broker.connect()
-        return broker
-
-    yield make
-    for broker in made:
-        await broker.close()
 
 
 @pytest.fixture
@@ -85,12 +60,12 @@ async def reject_until_dead(broker: NatsBroker, js) -> list[int]:
 
 
 async def test_a_budget_php_raised_since_adoption_is_honoured_before_dead_lettering(
-    brokers, php, js
+    nats_brokers, php, js
 ):
     """We made the consumer (3 attempts: MaxDeliver 4 with the spare); a queue-5 worker
     with max_deliver 5 rewrites it to MaxDeliver 6. The failing job runs 5 times, as
     under PHP, not 3."""
-    broker = await brokers(max_attempts=3, retry_backoff=0)
+    broker = await nats_brokers(QUEUE, max_attempts=3, retry_backoff=0)
     assert (broker.policy.budget, broker.policy.spare) == (3, 4)
     await php(max_deliver=5)  # ensure mode: MaxDeliver 6, spare mark
     assert (await js.consumer_info(NAMES.stream, "worker")).config.max_deliver == 6
@@ -102,10 +77,10 @@ async def test_a_budget_php_raised_since_adoption_is_honoured_before_dead_letter
 
 
 async def test_a_budget_lowered_since_adoption_is_read_by_maintenance(
-    brokers, js, monkeypatch, caplog
+    nats_brokers, js, monkeypatch, caplog
 ):
     monkeypatch.setattr(nats_broker, "POLICY_MAX_AGE", 0.0, raising=False)  # every pass
-    broker = await brokers(max_attempts=5)
+    broker = await nats_brokers(QUEUE, max_attempts=5)
     assert broker.policy.budget == 5
     config = (await js.consumer_info(NAMES.stream, "worker")).config
     config.max_deliver = 3
@@ -116,11 +91,11 @@ async def test_a_budget_lowered_since_adoption_is_read_by_maintenance(
     assert "2 attempts (MaxDeliver 3" in caplog.text
 
 
-async def test_an_unlimited_consumer_spares_no_delivery(brokers, js):
+async def test_an_unlimited_consumer_spares_no_delivery(nats_brokers, js):
     """MaxDeliver -1: queue 5's spareOf() is null, so a delivery whose earlier runs all
     died unsettled is run again, never parked on arrival."""
     await php_queue(js, max_deliver=-1, spare=False, ack_wait=1)
-    broker = await brokers(max_attempts=2)
+    broker = await nats_brokers(QUEUE, max_attempts=2)
     assert (broker.policy.budget, broker.policy.spare) == (2, None)
     pid = await broker.publish(QUEUE, {"x": 1})
     for attempt in range(4):  # each one lost (never settled), redelivered after ack_wait
@@ -129,11 +104,11 @@ async def test_an_unlimited_consumer_spares_no_delivery(brokers, js):
     assert await dead_count(js) == 0
 
 
-async def test_advisories_are_drained_by_receive_without_a_maintenance_pass(brokers, js):
+async def test_advisories_are_drained_by_receive_without_a_maintenance_pass(nats_brokers, js):
     """A consumer without a spare (queue 5's N1): the server announces the exhausted
     message; the next receive buries it, as queue 5's receive() drains the advisories."""
     await php_queue(js, max_deliver=2, spare=False, ack_wait=1)
-    broker = await brokers(max_attempts=2)
+    broker = await nats_brokers(QUEUE, max_attempts=2)
     pid = await broker.publish(QUEUE, {"x": 1})
     for attempt in range(2):
         [held] = await receive_all(broker, 1, timeout=10)

@@ -27,11 +27,11 @@ from broker.nats import NatsBroker
 from broker.nats.pull import NO_LEADER_PAUSE
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
+from support.configs import MINIMAL, error_of, load_text, with_job
 from support.faultproxy import FaultProxy
 from support.servers import NatsCluster, NatsServer
+from support.soak_run import failed_rows, soak
 from support.supervision import QUEUE, lines, wait_for, write_config
-from tests.test_config import MINIMAL, error_of, load_text, with_job
-from tests.test_soak import failed_rows, soak
 
 NAMES = QueueNames.of(QUEUE)
 CLIENT_NAME = f"queue-supervisor {QUEUE}"

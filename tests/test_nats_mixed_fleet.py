@@ -9,48 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import nats
 import orjson
 import pytest
 from nats.js.errors import NotFoundError
 
-from broker import envelope
 from broker.nats.setup import QueueNames
+from support import envelopes
+from support.envelopes import publish_nats
 from support.servers import NatsServer
 from support.supervision import QUEUE, lines, write_config
+from support.waiting import until
 from tests.queue5_nats import Queue5NatsWorker
 
 NAMES = QueueNames.of(QUEUE)
 
 
-async def until(condition: Callable[[], Any], timeout: float, what: str) -> None:
-    """Wait for ``condition()`` (a value or an awaitable) to be true."""
-    deadline = time.monotonic() + timeout
-    while not await _value(condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def php_publish(server: NatsServer, payloads: list[dict]) -> list[str]:
-    """As a queue-5 producer publishes: the envelope, Nats-Msg-Id = pid, JSON content type."""
-    client = await nats.connect(server.url)
-    js = client.jetstream()
-    pids = []
-    for payload in payloads:
-        pid, raw = envelope.build(QUEUE, payload)
-        await js.publish(NAMES.subject, raw,
-                         headers={"Nats-Msg-Id": pid, "Content-Type": "application/json"})
-        pids.append(pid)
-    await client.close()
-    return pids
+    return await publish_nats(server.url, NAMES.subject, envelopes.of(QUEUE, payloads))
 
 
 async def state(server: NatsServer) -> dict[str, int]:
@@ -64,10 +43,6 @@ async def state(server: NatsServer) -> dict[str, int]:
     }
     await client.close()
     return result
-
-
-async def _value(result: Any) -> Any:
-    return await result if inspect.isawaitable(result) else result
 
 
 async def queue_exists(server: NatsServer) -> bool:

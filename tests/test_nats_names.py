@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
 import orjson
 import pytest
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
@@ -16,7 +15,6 @@ from broker.nats import NatsBroker
 from broker.nats.setup import QueueNames
 from supervisor import cli
 from support.brokers import receive_all
-from support.servers import NatsServer
 from support.supervision import write_config
 
 #: (queue, stream, subject, dead stream, dead subject) as PHP 8.2 computes them with queue
@@ -118,13 +116,6 @@ def test_an_ascii_name_has_no_earlier_names():
     assert QueueNames.legacy("stats-usage.v1") is None
     assert QueueNames.legacy("caf\u00e9") == QueueNames(
         "Q_CAF_", "q.caf_.normal", "Q_CAF__DEAD", "q.caf_.dead")
-
-
-@pytest.fixture
-async def js(nats_server: NatsServer):
-    client = await nats.connect(nats_server.url)
-    yield client.jetstream()
-    await client.close()
 
 
 async def streams(js) -> set[str]:

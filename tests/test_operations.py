@@ -16,15 +16,12 @@ import orjson
 import pytest
 
 from broker import envelope
-from broker.redis import RedisBroker
 from supervisor import cli
 from supervisor.config import load
+from support import envelopes
 from support.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
 
-
-@pytest.fixture(autouse=True)
-def no_url_override(monkeypatch):
-    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+pytestmark = pytest.mark.usefixtures("no_url_override")
 
 
 @pytest.fixture
@@ -43,28 +40,9 @@ def run(capsys):
     return runner
 
 
-@pytest.fixture
-async def brokers(redis_url: str):
-    """Make RedisBrokers of the test queue (connected); all are closed afterwards."""
-    made: list[RedisBroker] = []
-
-    async def make(**options: Any) -> RedisBroker:
-        broker = RedisBroker(redis_url, QUEUE, namespace=NAMESPACE, **options)
-        await broker.connect()
-        made.append(broker)
-        return broker
-
-    yield make
-    for broker in made:
-        await broker.close()
-
-
 async def push(client, *payloads: dict[str, Any]) -> list[str]:
     """LPUSH envelopes as PHP producers do; the first payload is consumed first."""
-    built = [envelope.build(QUEUE, payload) for payload in payloads]
-    for _, raw in built:
-        await client.lpush(keys().ready, raw)
-    return [pid for pid, _ in built]
+    return await envelopes.lpush_each(client, keys().ready, envelopes.of(QUEUE, payloads))
 
 
 async def server_ms(client) -> int:
@@ -82,9 +60,9 @@ async def wait_until_expired(client, deadline: float, timeout: float = 10.0) -> 
 # -- status -------------------------------------------------------------------------------
 
 
-async def test_status_json_reports_the_queue_state(conf, run, redis_client, brokers):
+async def test_status_json_reports_the_queue_state(conf, run, redis_client, redis_brokers):
     ready_pids = await push(redis_client, *({"n": n} for n in range(4)))
-    consumer = await brokers(consumer_id="worker-a", lease=30)
+    consumer = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="worker-a", lease=30)
     received = await consumer.receive(2, block_timeout=0)
     reservation = await consumer.reserve(1, block_timeout=0)
     await redis_client.lpush(keys().failed, "f1", "f2")
@@ -116,10 +94,10 @@ async def test_status_json_reports_the_queue_state(conf, run, redis_client, brok
 
 
 async def test_status_text_escapes_what_it_shows_from_the_broker(conf, run, redis_client,
-                                                                 brokers):
+                                                                 redis_brokers):
     await redis_client.lpush(keys().ready, b'{"pid":"\x1b[2J\r\nforged","x":"' + b"y" * 500
                              + b'"}')
-    await (await brokers()).reserve(1, block_timeout=0)
+    await (await redis_brokers(QUEUE, namespace=NAMESPACE)).reserve(1, block_timeout=0)
     code, text = await run("status", conf)
     assert code == 0 and "\x1b" not in text and "\r" not in text
     [shown] = [line for line in text.splitlines() if "forged" in line]
@@ -159,10 +137,11 @@ async def test_drain_shows_another_hosts_record_escaped(conf, run, redis_client)
 
 
 async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
-    conf, run, redis_client, brokers
+    conf, run, redis_client, redis_brokers
 ):
     pids = await push(redis_client, {"n": 1}, {"n": 2})
-    dying = await brokers(lease=1)  # its reservation's deadline is about 1 s away
+    # its reservation's deadline is about 1 s away
+    dying = await redis_brokers(QUEUE, namespace=NAMESPACE, lease=1)
     await dying.extend([])  # a supervisor's first renewal, at start: it registers its tokens
     reservation = await dying.reserve(2, block_timeout=0)
     assert len(reservation.payloads) == 2
@@ -184,11 +163,11 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
 
 
 async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale(
-    conf, run, redis_client, brokers
+    conf, run, redis_client, redis_brokers
 ):
     """A running, idle consumer's empty reservation (its blocking receive) is not a
     leftover; the same registration past its deadline is."""
-    waiting = await brokers(lease=3)
+    waiting = await redis_brokers(QUEUE, namespace=NAMESPACE, lease=3)
     await waiting.extend([])
     blocked = asyncio.ensure_future(waiting.receive(1, block_timeout=10))
     async with asyncio.timeout(5):
@@ -205,7 +184,7 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
 
 
 async def test_check_counts_only_what_our_supervisors_hold(
-    conf, run, redis_client, redis_url, brokers
+    conf, run, redis_client, redis_url, redis_brokers
 ):
     """During a rollback PHP queue-5 workers run: what they hold is theirs to settle and
     does not fail the check; what a supervisor of ours holds does."""
@@ -221,7 +200,7 @@ async def test_check_counts_only_what_our_supervisors_hold(
         code, out = await run("check", conf)
         assert code == 0 and out.startswith("ok:"), out
         assert "hold 2 reservations and owner records" in out
-        ours = await brokers()
+        ours = await redis_brokers(QUEUE, namespace=NAMESPACE)
         await ours.extend([])
         [delivery] = (await ours.receive(1, block_timeout=0)).deliveries
         code, out = await run("check", conf)
@@ -230,11 +209,11 @@ async def test_check_counts_only_what_our_supervisors_hold(
         client.close()
 
 
-async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, brokers):
+async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, redis_brokers):
     [pid] = await push(redis_client, {"n": 1})
     # Claims expire after 3 s; with 1 s the claim could miss its reservation's whole-second
     # deadline (now + lease) and nothing would be delivered.
-    dying = await brokers(consumer_id="dying", lease=3)
+    dying = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="dying", lease=3)
     await dying.extend([])  # a supervisor's first renewal: its record and token registration
     [delivery] = (await dying.receive(1, block_timeout=0)).deliveries
 
@@ -257,10 +236,10 @@ async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client
 # -- retry --------------------------------------------------------------------------------------
 
 
-async def fail_all(redis_client, brokers, count: int) -> list[str]:
+async def fail_all(redis_client, redis_brokers, count: int) -> list[str]:
     """``count`` messages rejected at max_attempts = 1: in the failed list, attempts 1."""
     pids = await push(redis_client, *({"n": n} for n in range(count)))
-    consumer = await brokers(max_attempts=1)
+    consumer = await redis_brokers(QUEUE, namespace=NAMESPACE, max_attempts=1)
     received = await consumer.receive(count, block_timeout=0)
     await consumer.reject(received.deliveries)
     assert await redis_client.llen(keys().failed) == count
@@ -272,8 +251,8 @@ async def ready_envelopes(redis_client) -> list[dict[str, Any]]:
     return [orjson.loads(raw) for raw in reversed(await redis_client.lrange(keys().ready, 0, -1))]
 
 
-async def test_retry_keeps_attempts_and_is_bounded_by_limit(conf, run, redis_client, brokers):
-    pids = await fail_all(redis_client, brokers, 3)
+async def test_retry_keeps_attempts_and_is_bounded_by_limit(conf, run, redis_client, redis_brokers):
+    pids = await fail_all(redis_client, redis_brokers, 3)
     code, out = await run("retry", conf, "--limit", "2")
     assert code == 0 and "moved 2 failed jobs" in out and "attempts + 1" in out
     moved = await ready_envelopes(redis_client)
@@ -284,8 +263,8 @@ async def test_retry_keeps_attempts_and_is_bounded_by_limit(conf, run, redis_cli
     assert await redis_client.exists(keys().job(pids[2]))
 
 
-async def test_retry_can_reset_attempts(conf, run, redis_client, brokers):
-    pids = await fail_all(redis_client, brokers, 2)
+async def test_retry_can_reset_attempts(conf, run, redis_client, redis_brokers):
+    pids = await fail_all(redis_client, redis_brokers, 2)
     code, out = await run("retry", conf, "--reset-attempts")
     assert code == 0 and "moved 2 failed jobs" in out and "reset to 0" in out
     moved = await ready_envelopes(redis_client)
@@ -309,8 +288,8 @@ async def test_retry_drops_expired_records_and_takes_from_dead(conf, run, redis_
     assert await redis_client.llen(keys().dead) == 0
 
 
-async def test_retry_refuses_a_wrong_type_before_writing(conf, run, redis_client, brokers):
-    pids = await fail_all(redis_client, brokers, 1)
+async def test_retry_refuses_a_wrong_type_before_writing(conf, run, redis_client, redis_brokers):
+    pids = await fail_all(redis_client, redis_brokers, 1)
     await redis_client.hset(keys().ready, "x", "y")
     code, _ = await run("retry", conf)
     assert code == 1
@@ -353,7 +332,7 @@ async def test_publish_refuses_a_bad_line_and_publishes_nothing(
 
 @pytest.mark.parametrize("max_envelope_bytes", [0, 4096])  # 0: half the ring is the limit
 async def test_publish_refuses_an_envelope_the_consumers_would_poison(
-    tmp_path, redis_url, run, redis_client, brokers, capsys, max_envelope_bytes
+    tmp_path, redis_url, run, redis_client, redis_brokers, capsys, max_envelope_bytes
 ):
     conf = str(write_config(tmp_path, redis_url, handler="examples.noop:handle",
                             supervisor={"max_envelope_bytes": max_envelope_bytes}))
@@ -372,7 +351,7 @@ async def test_publish_refuses_an_envelope_the_consumers_would_poison(
     lines.write_text(f'{{"x": "{"a" * n}"}}\n')  # one byte less: published, and consumed
     code, _ = await run("publish", conf, str(lines))
     assert code == 0
-    consumer = await brokers(max_envelope_bytes=limit)
+    consumer = await redis_brokers(QUEUE, namespace=NAMESPACE, max_envelope_bytes=limit)
     received = await consumer.receive(1, block_timeout=1)
     assert len(received.deliveries) == 1 and not received.poisoned
     assert len(received.deliveries[0].raw) == limit

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from broker import envelope
-from broker.redis import RedisBroker
 from broker.redis.keys import QueueKeys
 from support.supervision import (
     NAMESPACE,
@@ -40,11 +39,8 @@ async def sent_by_server(client) -> int:
 
 
 @pytest.fixture
-async def broker(redis_url):
-    broker = RedisBroker(redis_url, QUEUE, namespace=NAMESPACE, max_envelope_bytes=LIMIT)
-    await broker.connect()
-    yield broker
-    await broker.close()
+async def broker(redis_brokers):
+    return await redis_brokers(QUEUE, namespace=NAMESPACE, max_envelope_bytes=LIMIT)
 
 
 async def test_a_batch_keeps_its_good_payloads_and_poisons_the_oversized(broker, redis_client):

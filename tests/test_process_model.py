@@ -14,7 +14,8 @@ import orjson
 import psutil
 import pytest
 
-from support.supervision import ROOT, lines, publish, wait_for, write_config
+from support.envelopes import publish
+from support.supervision import ROOT, lines, wait_for, write_config
 
 
 def handled(tmp_path) -> list[str]:

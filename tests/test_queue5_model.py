@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -31,13 +30,6 @@ PID = re.compile(r"^[0-9a-f]{13}\d\.\d{8}$")
 
 def k(kind: str, *rest: str) -> str:
     return ".".join((NS, kind, Q, *rest))
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    connection = redis.Redis.from_url(redis_url)
-    yield connection
-    connection.close()
 
 
 def consumer(client: redis.Redis, **options) -> Queue5Consumer:

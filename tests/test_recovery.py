@@ -420,21 +420,12 @@ async def test_maintain_survives_the_loss_of_the_script_cache(redis_client, redi
 
 
 @pytest.fixture
-async def brokers(redis_url):
+async def brokers(redis_brokers):
     """Two consumers of one queue, ``a`` and ``b``, each with a 3 s lease (deadlines are
     whole seconds: a 2 s one can leave a claim or a sweep barely 1 s)."""
-    from broker.redis import RedisBroker
-
-    pair = [
-        RedisBroker(redis_url, KEYS.queue, namespace=KEYS.namespace, consumer_id=name,
-                    lease=3.0)
-        for name in ("a", "b")
-    ]
-    for broker in pair:
-        await broker.connect()
-    yield pair
-    for broker in pair:
-        await broker.close()
+    return [await redis_brokers(KEYS.queue, namespace=KEYS.namespace, consumer_id=name,
+                                lease=3.0)
+            for name in ("a", "b")]
 
 
 async def sweep(broker, client):

@@ -18,6 +18,9 @@ import redis.exceptions
 from broker import envelope
 from broker.base import Action, BrokerError, Delivery, Outcome, Settlement, WrongTypeError
 from broker.redis import RedisBroker, has_hash_tag
+from support import envelopes
+from support.brokers import count_script_calls
+from support.waiting import until
 
 QUEUE = "stats-usage"
 NS = "utopia-queue"
@@ -33,10 +36,8 @@ async def new_broker(url: str, **options: Any) -> RedisBroker:
 
 
 @pytest.fixture
-async def broker(redis_url: str):
-    broker = await new_broker(redis_url)
-    yield broker
-    await broker.close()
+async def broker(redis_brokers):
+    return await redis_brokers(QUEUE, consumer_id="tester")
 
 
 async def publish(client, *raws: bytes, queue: str = QUEUE) -> None:
@@ -46,14 +47,8 @@ async def publish(client, *raws: bytes, queue: str = QUEUE) -> None:
 
 async def publish_new(client, count: int, **fields: Any) -> list[str]:
     """``count`` fresh envelopes (oldest first); returns their pids in publish order."""
-    pids = []
-    for index in range(count):
-        pid, raw = envelope.build(QUEUE, {"index": index})
-        if fields:
-            raw = envelope.encode({**orjson.loads(raw), **fields})
-        await publish(client, raw)
-        pids.append(pid)
-    return pids
+    ready = f"{NS}.queue.{QUEUE}"
+    return await envelopes.lpush_each(client, ready, envelopes.fresh(QUEUE, count, **fields))
 
 
 async def snapshot(client) -> dict[bytes, tuple[bytes, Any]]:
@@ -84,32 +79,6 @@ async def counters(client) -> dict[str, int]:
 async def lengths(client) -> dict[str, int]:
     kinds = ("queue", "processing", "failed", "poison")
     return {kind: await client.llen(f"{NS}.{kind}.{QUEUE}") for kind in kinds}
-
-
-def count_script_calls(broker: RedisBroker) -> list[tuple[str, int]]:
-    """Record (script, messages in the call) for every script call the broker makes."""
-    calls: list[tuple[str, int]] = []
-    original = broker.scripts.call
-
-    async def counting(name: str, keys, args=()):
-        size = {
-            "reserve": lambda: int(args[0]),
-            "claim": lambda: int(args[2]),
-            "settle": lambda: int(args[1]),
-            "extend": lambda: (len(keys) - 2) // 2,
-        }.get(name, lambda: 0)()
-        calls.append((name, size))
-        return await original(name, keys, args)
-
-    broker.scripts.call = counting  # type: ignore[method-assign]
-    return calls
-
-
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def owner_key(pid: str) -> str:
@@ -222,7 +191,7 @@ async def test_blocking_receive_gets_a_message_published_later(broker, redis_cli
     async def registered() -> bool:
         return await redis_client.zcard(registry) == 1
 
-    await wait_until(registered)  # registered before it blocks
+    await until(registered)  # registered before it blocks
     [pid] = await publish_new(redis_client, 1)
     received = await task
     assert [d.pid for d in received.deliveries] == [pid]
@@ -242,7 +211,7 @@ async def test_blocking_read_does_not_hold_up_settlement(broker, redis_client):
     await publish_new(redis_client, 1)
     [delivery] = (await broker.receive(10, 0)).deliveries
     task = asyncio.create_task(broker.receive(10, 3))
-    await wait_until(lambda: _zcard(redis_client, f"{NS}.reservations.{QUEUE}", 1))
+    await until(lambda: _zcard(redis_client, f"{NS}.reservations.{QUEUE}", 1))
     assert [r.outcome for r in await broker.commit([delivery])] == [Outcome.OK]
     assert await broker.extend([]) == []
     assert not task.done()
@@ -710,7 +679,7 @@ def test_helpers():
 async def test_cancelled_blocking_receive_loses_nothing(broker, redis_client):
     registry = f"{NS}.reservations.{QUEUE}"
     task = asyncio.create_task(broker.receive(10, 5))
-    await wait_until(lambda: _zcard(redis_client, registry, 1))
+    await until(lambda: _zcard(redis_client, registry, 1))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import redis
 
-from tests.test_redis_broker import QUEUE, new_broker
+QUEUE = "stats-usage"
 
 
 def commandstats(url: str) -> dict[str, int]:
@@ -23,23 +23,19 @@ def commandstats(url: str) -> dict[str, int]:
         client.close()
 
 
-async def test_interleaved_consumers_settle_without_a_scan_per_message(redis_url):
-    consumers = [await new_broker(redis_url, consumer_id=f"c{n}") for n in range(8)]
-    try:
-        await consumers[0].publish_many(QUEUE, [{"n": n} for n in range(800)])
-        held: list[list] = [[] for _ in consumers]
-        for _ in range(4):  # 4 rounds of 25 each: every consumer's batches interleave
-            for mine, consumer in zip(held, consumers, strict=True):
-                mine += (await consumer.receive(25, 0)).deliveries
-        assert [len(mine) for mine in held] == [100] * 8
-        before = commandstats(redis_url)
+async def test_interleaved_consumers_settle_without_a_scan_per_message(redis_url, redis_brokers):
+    consumers = [await redis_brokers(QUEUE, consumer_id=f"c{n}") for n in range(8)]
+    await consumers[0].publish_many(QUEUE, [{"n": n} for n in range(800)])
+    held: list[list] = [[] for _ in consumers]
+    for _ in range(4):  # 4 rounds of 25 each: every consumer's batches interleave
         for mine, consumer in zip(held, consumers, strict=True):
-            for start in range(0, 100, 50):  # oldest first, 50 per settlement
-                results = await consumer.commit(mine[start:start + 50])
-                assert all(result.ok for result in results)
-        after = commandstats(redis_url)
-        assert after.get("lrem", 0) - before.get("lrem", 0) == 0
-        assert await consumers[0].client.llen(consumers[0].keys.processing) == 0
-    finally:
-        for consumer in consumers:
-            await consumer.close()
+            mine += (await consumer.receive(25, 0)).deliveries
+    assert [len(mine) for mine in held] == [100] * 8
+    before = commandstats(redis_url)
+    for mine, consumer in zip(held, consumers, strict=True):
+        for start in range(0, 100, 50):  # oldest first, 50 per settlement
+            results = await consumer.commit(mine[start:start + 50])
+            assert all(result.ok for result in results)
+    after = commandstats(redis_url)
+    assert after.get("lrem", 0) - before.get("lrem", 0) == 0
+    assert await consumers[0].client.llen(consumers[0].keys.processing) == 0

@@ -15,30 +15,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from bench.chaos.ledger import Ledger
-from support.servers import environ_without_broker
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def soak(broker: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bench.chaos", "--broker", broker, "--quiet", *args],
-        cwd=ROOT, env=environ_without_broker(), capture_output=True, text=True,
-        timeout=timeout,
-    )
-
-
-def failed_rows(output: str) -> list[str]:
-    """The check rows that failed (not the closing "result (...): FAIL" line)."""
-    return [line for line in output.splitlines() if not line.startswith("result (")
-            and (line.split()[-1:] == ["FAIL"] or "  FAIL  (" in line)]
+from support.soak_ledger import Ledger
+from support.soak_run import failed_rows, soak
 
 
 @pytest.mark.timeout(170)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_soak import soak
+from support.soak_run import soak
 
 
 @pytest.mark.timeout(150)

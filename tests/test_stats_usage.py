@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -14,20 +13,9 @@ import pytest
 from examples import noop, stats_usage
 from examples.stats_usage import flush, handle, init, make_payload, period_of, totals
 from support.supervision import ROOT
+from support.usage_messages import Message, message
 
 STORES = {"sqlite": "usage.sqlite", "clickhouse": "usage.chdb"}
-
-
-@dataclass
-class Message:
-    """Stands in for the worker's message object."""
-
-    pid: str
-    payload: dict[str, Any]
-    queue: str = "stats-usage"
-    timestamp: int = 1_700_000_000
-    attempts: int = 0
-    receipt: Any = field(default=None, repr=False)
 
 
 def close_store() -> None:
@@ -55,10 +43,6 @@ def sqlite_path(tmp_path, monkeypatch):
     init()
     yield path
     close_store()
-
-
-def message(pid: str, project: str = "p1", **metrics: int) -> Message:
-    return Message(pid, make_payload(project, metrics))
 
 
 def test_make_payload_has_the_documented_shape():

@@ -10,7 +10,7 @@ import pytest
 
 from examples import stats_usage, stats_usage_async
 from examples.stats_usage_async import flush, handle, init, totals
-from tests.test_stats_usage import Message, message
+from support.usage_messages import Message, message
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from broker import envelope
+from support.envelopes import publish
 from support.servers import environ_without_broker
 from support.supervision import (
     QUEUE,
@@ -25,7 +26,6 @@ from support.supervision import (
     keys,
     lines,
     outstanding,
-    publish,
     wait_for,
     write_config,
 )
@@ -193,7 +193,7 @@ def test_a_hostile_pid_leaves_short_safe_log_lines(tmp_path, redis_url, client, 
 def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
     # 0.02 s each: ~3 s of work is left after "some progress", so the kill finds some held.
     pids = publish(client, [{"n": n, "sleep": 0.02} for n in range(400)])
-    config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.record:handle",
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_record:handle",
                           job={"prefetch": 50, "coroutines": 2})
     first = start(config)
     wait_for(lambda: len(handled(tmp_path)) > 100, 30, "some progress")
@@ -219,7 +219,7 @@ def test_on_success_runs_only_after_the_commit_is_confirmed(tmp_path, redis_url,
 
 def test_a_failing_flush_leaves_its_messages_uncommitted(tmp_path, redis_url, client, start):
     pids = publish(client, [{"n": n} for n in range(5)])
-    config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.flushing:handle",
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_flushing:handle",
                           job={"max_attempts": 2})
     start(config, E2E_FLUSH_FAIL="1")
     wait_for(lambda: client.llen(keys().failed) == len(pids), 30, "all to fail")
@@ -230,7 +230,7 @@ def test_a_failing_flush_leaves_its_messages_uncommitted(tmp_path, redis_url, cl
 
 def test_flush_barrier_commits_after_flush(tmp_path, redis_url, client, start):
     pids = publish(client, [{"n": n} for n in range(300)])
-    config = write_config(tmp_path, redis_url, handler="tests.e2e_handlers.flushing:handle",
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_flushing:handle",
                           job={"prefetch": 100, "flush_every": 50})
     start(config)
     wait_for(lambda: len(lines(tmp_path / "succeeded")) == len(pids), 30, "on_success calls")
@@ -243,7 +243,7 @@ def test_flush_barrier_commits_after_flush(tmp_path, redis_url, client, start):
     [
         ({"prefetch": 1, "coroutines": 4}, "", "prefetch"),
         ({"prefetchh": 5}, "", "prefetchh"),
-        ({"handler": "tests.e2e_handlers.nonexistent:handle"}, "", "handler"),
+        ({"handler": "tests.handlers.nonexistent:handle"}, "", "handler"),
         ({"maxCoroutines": 2, "coroutines": 2}, "", "maxCoroutines"),
         ({}, "bad-url", "url"),
     ],

@@ -1,5 +1,5 @@
-"""End-to-end: ``python -m supervisor`` with an async def handler (tests.e2e_handlers.
-aio_record), several deliveries at once per process, on a private redis-server."""
+"""End-to-end: ``python -m supervisor`` with an async def handler (tests.handlers.
+e2e_aio_record), several deliveries at once per process, on a private redis-server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import orjson
 import psutil
 import pytest
 
-from support.supervision import counter, keys, lines, outstanding, publish, wait_for, write_config
+from support.envelopes import publish
+from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
 
-HANDLER = "tests.e2e_handlers.aio_record:handle"
+HANDLER = "tests.handlers.e2e_aio_record:handle"
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from support.supervision import Supervisor, publish, wait_for, write_config
+from support.envelopes import publish
+from support.supervision import Supervisor, wait_for, write_config
 
 
 @pytest.fixture

@@ -16,14 +16,8 @@ import pytest
 from broker.tls import TlsSettings
 from supervisor import config
 from supervisor.config import ConfigError, load
-from tests.tls import Certificates
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Certificates:
-    return Certificates(tmp_path_factory.mktemp("certs"))
 
 
 def job_file(directory: Path, broker: str, url: str = "rediss://127.0.0.1:6380/0") -> Path:

@@ -32,9 +32,7 @@ QUEUE = "tls"
 CONNECT_TIMEOUT = 2.0
 
 
-@pytest.fixture(autouse=True)
-def no_url_override(monkeypatch):
-    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+pytestmark = pytest.mark.usefixtures("no_url_override")
 
 
 @pytest.fixture

@@ -35,9 +35,7 @@ from tests.tls import (
 QUEUE = "tls"
 
 
-@pytest.fixture(autouse=True)
-def no_url_override(monkeypatch):
-    monkeypatch.delenv("QUEUE_BROKER_URL", raising=False)
+pytestmark = pytest.mark.usefixtures("no_url_override")
 
 
 @pytest.fixture

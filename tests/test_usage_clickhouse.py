@@ -24,7 +24,8 @@ from examples.stats_usage import make_payload
 from examples.usage import NoTotals, Usage, open_store, wire
 from examples.usage.clickhouse import rows_of
 from examples.usage.local import WriterError, WriterUnavailable
-from support.supervision import ROOT, counter, publish, wait_for, write_config
+from support.envelopes import publish
+from support.supervision import ROOT, counter, wait_for, write_config
 
 
 def usage(pid: str, project: str = "p1", period: int = 0, **metrics: int) -> Usage:

@@ -3,135 +3,25 @@ supervisor drives it (DELIVER, CONFIRM, EXIT; reading READY/STARTED/DONE/FAILED/
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
-import select
 import signal
 import string
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import psutil
-import pytest
 
 from broker import envelope
-from worker import protocol, runner
-from worker.forkserver import ForkServer
+from support.handler_child import lines
+from support.waiting import wait_until
+from worker import protocol
 from worker.handler import Handler, load
 from worker.process import CHILD_INIT_FAILED
-from worker.ring import Ring
 
 
-class Child:
-    """One handler process under test, with the parent's side of its rings."""
-
-    def __init__(
-        self, handler: str | Handler, *, flush_every: int = 100, slots: int = 256,
-        slot_size: int = 256, outcome_slots: int = 256, tasks: int = 1, timeout: float = 0.0,
-    ) -> None:
-        inbox_bytes = Ring.nbytes(slots, slot_size)
-        memory = mmap.mmap(-1, inbox_bytes + Ring.nbytes(outcome_slots, 64))
-        view = memoryview(memory)
-        self.to_child = Ring(view[:inbox_bytes], slots, slot_size, _eventfd())
-        self.to_parent = Ring(view[inbox_bytes:], outcome_slots, 64, _eventfd())
-        # Loaded here, before the fork server starts, as the supervisor does: the handler
-        # process inherits it.
-        loaded = load(handler) if isinstance(handler, str) else handler
-        self.server = ForkServer(
-            lambda place: runner.run(
-                place, self.to_child, self.to_parent, loaded, flush_every=flush_every,
-                queue="tests", tasks=tasks, timeout=timeout,
-            )
-        )
-        self.events: list = []
-        self.server.start()
-        self.server.spawn(0)
-        self.pid = self._next_event().pid
-        self.next_id = 1
-
-    def deliver(self, *payloads: dict[str, Any]) -> list[tuple[int, str]]:
-        """Send one DELIVER per payload (in one batch); returns (delivery id, pid) pairs."""
-        sent, records = [], []
-        for payload in payloads:
-            pid, raw = envelope.build("tests", payload)
-            sent.append((self.next_id, pid))
-            records.append(protocol.encode_deliver(self.next_id, raw))
-            self.next_id += 1
-        self.send(*records)
-        return sent
-
-    def send(self, *records: bytes) -> None:
-        assert self.to_child.put_many(records) == len(records)
-
-    def outcomes(self, count: int, timeout: float = 30.0) -> list[tuple[str, int, Any]]:
-        """Wait for the next ``count`` outcome records: (kind name, delivery id, data)."""
-        got: list[tuple[str, int, Any]] = []
-        deadline = time.monotonic() + timeout
-        while len(got) < count:
-            records = self.to_parent.get_many(count - len(got))
-            for record in records:
-                kind, delivery_id, data = protocol.decode(record)
-                got.append((protocol.KIND_NAMES[kind], delivery_id, data))
-            if not records:
-                assert time.monotonic() < deadline, f"only {got} arrived"
-                self.to_parent.wait(0.5)
-        return got
-
-    def nothing_more(self) -> bool:
-        return self.to_parent.get() is None
-
-    def exit_status(self, timeout: float = 30.0) -> int | None:
-        event = self._next_event(timeout)
-        assert event.kind == "exited"
-        return event.status
-
-    def _next_event(self, timeout: float = 30.0):
-        deadline = time.monotonic() + timeout
-        while not self.events:
-            assert time.monotonic() < deadline, "no event from the fork server"
-            select.select([self.server.events_fd], [], [], 0.5)
-            self.events += self.server.read_events()
-        return self.events.pop(0)
-
-    def close(self) -> None:
-        self.server.stop()
-
-
-def _eventfd() -> int:
-    return os.eventfd(0, os.EFD_NONBLOCK)
-
-
-def lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.005)
-
-
-@pytest.fixture
-def start() -> Iterator:
-    children: list[Child] = []
-
-    def start_child(handler: str | Handler, **options: Any) -> Child:
-        child = Child(handler, **options)
-        children.append(child)
-        return child
-
-    yield start_child
-    for child in children:
-        child.close()
-
-
-def test_noop_handler_reports_started_then_done_and_exits_on_request(start) -> None:
-    child = start("tests.handlers.noop:handle")
+def test_noop_handler_reports_started_then_done_and_exits_on_request(children) -> None:
+    child = children("tests.handlers.noop:handle")
     assert child.outcomes(1) == [("READY", 0, None)]
     (a, _), (b, _) = child.deliver({}, {"n": 1})
     assert child.outcomes(4) == [("STARTED", a, None), ("DONE", a, None),
@@ -140,14 +30,14 @@ def test_noop_handler_reports_started_then_done_and_exits_on_request(start) -> N
     assert child.exit_status() == 0
 
 
-def test_dotted_handler_path_works_too(start) -> None:
-    child = start("tests.handlers.noop.handle")
+def test_dotted_handler_path_works_too(children) -> None:
+    child = children("tests.handlers.noop.handle")
     assert child.outcomes(1)[0][0] == "READY"
 
 
-def test_raising_handler_fails_the_delivery_and_calls_on_error(start, tmp_path: Path) -> None:
+def test_raising_handler_fails_the_delivery_and_calls_on_error(children, tmp_path: Path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.raises:handle")
+    child = children("tests.handlers.raises:handle")
     child.outcomes(1)
     ((delivery_id, pid),) = child.deliver({"log": str(log)})
     assert child.outcomes(2) == [("STARTED", delivery_id, None),
@@ -155,8 +45,8 @@ def test_raising_handler_fails_the_delivery_and_calls_on_error(start, tmp_path: 
     wait_until(lambda: lines(log) == [f"on_error {pid} ValueError"])
 
 
-def test_malformed_envelope_fails_without_reaching_the_handler(start, tmp_path: Path) -> None:
-    child = start("tests.handlers.raises:handle")
+def test_malformed_envelope_fails_without_reaching_the_handler(children, tmp_path: Path) -> None:
+    child = children("tests.handlers.raises:handle")
     child.outcomes(1)
     child.send(protocol.encode_deliver(7, b"not json"))
     started, failed = child.outcomes(2)
@@ -164,11 +54,11 @@ def test_malformed_envelope_fails_without_reaching_the_handler(start, tmp_path: 
     assert failed[:2] == ("FAILED", 7) and failed[2].startswith("MalformedEnvelope")
 
 
-def test_every_attempts_value_reaches_the_handler(start, tmp_path: Path) -> None:
+def test_every_attempts_value_reaches_the_handler(children, tmp_path: Path) -> None:
     # The attempts beside the envelope are any signed 64-bit value, or unknown (None): then
     # the envelope's own field counts. A JSON array payload reaches the handler as a list.
     log = tmp_path / "log"
-    child = start("tests.handlers.attempts:handle")
+    child = children("tests.handlers.attempts:handle")
     child.outcomes(1)
     sent = [0, 4294967296, 2**63 - 1, -1, -(2**63), None]
     records = []
@@ -188,9 +78,9 @@ def test_every_attempts_value_reaches_the_handler(start, tmp_path: Path) -> None
     ]
 
 
-def test_successes_are_done_only_after_flush_returned(start, tmp_path: Path) -> None:
+def test_successes_are_done_only_after_flush_returned(children, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
-    child = start("tests.handlers.flushing:handle")
+    child = children("tests.handlers.flushing:handle")
     child.outcomes(1)
     ((delivery_id, pid),) = child.deliver({"log": str(log), "gate": str(gate)})
     assert child.outcomes(1) == [("STARTED", delivery_id, None)]
@@ -201,9 +91,9 @@ def test_successes_are_done_only_after_flush_returned(start, tmp_path: Path) -> 
     assert lines(log) == ["flushing", f"flush {pid}"]
 
 
-def test_flush_runs_every_n_successes_and_when_the_ring_is_empty(start, tmp_path) -> None:
+def test_flush_runs_every_n_successes_and_when_the_ring_is_empty(children, tmp_path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.flushing:handle", flush_every=2)
+    child = children("tests.handlers.flushing:handle", flush_every=2)
     child.outcomes(1)
     sent = child.deliver(*({"log": str(log)} for _ in range(5)))
     ids = [delivery_id for delivery_id, _ in sent]
@@ -220,9 +110,9 @@ def test_flush_runs_every_n_successes_and_when_the_ring_is_empty(start, tmp_path
     ]
 
 
-def test_exit_flushes_held_successes_first(start, tmp_path: Path) -> None:
+def test_exit_flushes_held_successes_first(children, tmp_path: Path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.flushing:handle")
+    child = children("tests.handlers.flushing:handle")
     child.outcomes(1)
     pid_a, raw_a = envelope.build("tests", {"log": str(log)})
     pid_b, raw_b = envelope.build("tests", {"log": str(log)})
@@ -233,9 +123,9 @@ def test_exit_flushes_held_successes_first(start, tmp_path: Path) -> None:
     assert lines(log) == ["flushing", f"flush {pid_a},{pid_b}"]
 
 
-def test_a_failing_flush_fails_every_message_it_covered(start, tmp_path: Path) -> None:
+def test_a_failing_flush_fails_every_message_it_covered(children, tmp_path: Path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.flush_raises:handle")
+    child = children("tests.handlers.flush_raises:handle")
     child.outcomes(1)
     sent = child.deliver(*({"log": str(log)} for _ in range(3)))
     outcomes = child.outcomes(6)
@@ -246,9 +136,9 @@ def test_a_failing_flush_fails_every_message_it_covered(start, tmp_path: Path) -
     assert lines(log) == [f"on_error {pid} database down" for _, pid in sent]
 
 
-def test_on_success_runs_only_after_a_committed_confirm(start, tmp_path: Path) -> None:
+def test_on_success_runs_only_after_a_committed_confirm(children, tmp_path: Path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.confirming:handle")
+    child = children("tests.handlers.confirming:handle")
     assert child.outcomes(1) == [("READY", 0, None)]
     (a, pid_a), (b, _) = child.deliver({"log": str(log)}, {"log": str(log)})
     assert [kind for kind, _, _ in child.outcomes(4)] == ["STARTED", "DONE"] * 2
@@ -260,9 +150,9 @@ def test_on_success_runs_only_after_a_committed_confirm(start, tmp_path: Path) -
     assert lines(log) == [f"success {pid_a}"]
 
 
-def test_stop_flag_skips_deliveries_that_did_not_start(start, tmp_path: Path) -> None:
+def test_stop_flag_skips_deliveries_that_did_not_start(children, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    child = start("tests.handlers.gated:handle")
+    child = children("tests.handlers.gated:handle")
     child.outcomes(1)
     ((running, _),) = child.deliver({"gate": str(gate)})
     assert child.outcomes(1) == [("STARTED", running, None)]
@@ -273,8 +163,8 @@ def test_stop_flag_skips_deliveries_that_did_not_start(start, tmp_path: Path) ->
                                  ("SKIPPED", c, None)]
 
 
-def test_sigterm_exits_without_reporting_the_running_delivery(start, tmp_path: Path) -> None:
-    child = start("tests.handlers.gated:handle")
+def test_sigterm_exits_without_reporting_the_running_delivery(children, tmp_path: Path) -> None:
+    child = children("tests.handlers.gated:handle")
     child.outcomes(1)
     ((running, _),) = child.deliver({"gate": str(tmp_path / "never")})
     assert child.outcomes(1) == [("STARTED", running, None)]
@@ -283,21 +173,21 @@ def test_sigterm_exits_without_reporting_the_running_delivery(start, tmp_path: P
     assert child.nothing_more()
 
 
-def test_sigint_is_ignored(start, tmp_path: Path) -> None:
-    child = start("tests.handlers.noop:handle")
+def test_sigint_is_ignored(children, tmp_path: Path) -> None:
+    child = children("tests.handlers.noop:handle")
     child.outcomes(1)
     os.kill(child.pid, signal.SIGINT)
     ((delivery_id, _),) = child.deliver({})
     assert child.outcomes(2) == [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
 
 
-def test_failing_init_reports_and_exits_with_code_3(start) -> None:
-    child = start("tests.handlers.init_raises:handle")
+def test_failing_init_reports_and_exits_with_code_3(children) -> None:
+    child = children("tests.handlers.init_raises:handle")
     assert child.outcomes(1) == [("INIT_FAILED", 0, "init() failed: RuntimeError: no database")]
     assert child.exit_status() == CHILD_INIT_FAILED == 3
 
 
-def test_the_process_runs_the_handler_it_inherited_and_imports_nothing(start, tmp_path):
+def test_the_process_runs_the_handler_it_inherited_and_imports_nothing(children, tmp_path):
     """The handler is loaded once, before the fork: the process neither imports it again
     nor needs its path to be importable (a test may hand it a stub)."""
     out = tmp_path / "out"
@@ -307,7 +197,7 @@ def test_the_process_runs_the_handler_it_inherited_and_imports_nothing(start, tm
 
     stub = Handler("nowhere.at_all:handle", ModuleType("nowhere"), handle, None, None, None,
                    None)
-    child = start(stub)
+    child = children(stub)
     assert child.outcomes(1) == [("READY", 0, None)]
     ((delivery_id, _),) = child.deliver({"n": 7})
     assert child.outcomes(2) == [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
@@ -320,18 +210,18 @@ def test_only_a_module_with_on_success_wants_confirmations() -> None:
     assert load("tests.handlers.confirming:handle").wants_confirm
 
 
-def test_a_100_kib_payload_arrives_intact_through_256_byte_slots(start, tmp_path) -> None:
+def test_a_100_kib_payload_arrives_intact_through_256_byte_slots(children, tmp_path) -> None:
     out = tmp_path / "out"
     data = "".join(random.choices(string.ascii_letters + "/\\\"é", k=100 * 1024))
-    child = start("tests.handlers.recorder:handle", slots=1024, slot_size=256)
+    child = children("tests.handlers.recorder:handle", slots=1024, slot_size=256)
     child.outcomes(1)
     ((delivery_id, _),) = child.deliver({"out": str(out), "data": data})
     assert child.outcomes(2)[1] == ("DONE", delivery_id, None)
     assert out.read_text(encoding="utf-8") == data
 
 
-def test_a_full_outcome_ring_delays_outcomes_but_loses_none(start) -> None:
-    child = start("tests.handlers.noop:handle", outcome_slots=4)  # 4 outcomes fit at a time
+def test_a_full_outcome_ring_delays_outcomes_but_loses_none(children) -> None:
+    child = children("tests.handlers.noop:handle", outcome_slots=4)  # 4 outcomes fit at a time
     child.outcomes(1)
     sent = child.deliver(*({"n": n} for n in range(200)))
     expected = []
@@ -340,9 +230,9 @@ def test_a_full_outcome_ring_delays_outcomes_but_loses_none(start) -> None:
     assert child.outcomes(400) == expected
 
 
-def test_process_title_shows_queue_slot_and_busy_or_idle(start, tmp_path: Path) -> None:
+def test_process_title_shows_queue_slot_and_busy_or_idle(children, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    child = start("tests.handlers.gated:handle")
+    child = children("tests.handlers.gated:handle")
     child.outcomes(1)
 
     def title() -> str:

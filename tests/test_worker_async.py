@@ -11,22 +11,20 @@ from pathlib import Path
 import pytest
 
 from broker import envelope
-from tests import test_worker
-from tests.test_worker import lines, wait_until
+from support.handler_child import lines
+from support.waiting import wait_until
 from worker import protocol
 from worker.handler import HandlerError, load
 from worker.process import CHILD_INIT_FAILED
-
-start = test_worker.start  # the fixture: a handler process on its own fork server
 
 
 def kinds(outcomes) -> list[str]:
     return [kind for kind, _, _ in outcomes]
 
 
-def test_deliveries_run_at_once_up_to_tasks_and_start_in_order(start, tmp_path: Path) -> None:
+def test_deliveries_run_at_once_up_to_tasks_and_start_in_order(children, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
-    child = start("tests.handlers.aio:handle", tasks=3)
+    child = children("tests.handlers.aio:handle", tasks=3)
     assert child.outcomes(1) == [("READY", 0, None)]
     sent = child.deliver(*({"log": str(log), "gate": str(gate)} for _ in range(5)))
     ids = [delivery_id for delivery_id, _ in sent]
@@ -43,9 +41,9 @@ def test_deliveries_run_at_once_up_to_tasks_and_start_in_order(start, tmp_path: 
         assert outcomes.index(("STARTED", i, None)) < outcomes.index(("DONE", i, None))
 
 
-def test_a_failure_is_reported_at_once_and_on_error_is_awaited(start, tmp_path: Path) -> None:
+def test_a_failure_is_reported_at_once_and_on_error_is_awaited(children, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
-    child = start("tests.handlers.aio:handle", tasks=2)
+    child = children("tests.handlers.aio:handle", tasks=2)
     child.outcomes(1)
     (slow, _), (failing, pid) = child.deliver({"log": str(log), "gate": str(gate)},
                                               {"log": str(log), "fail": True})
@@ -56,9 +54,9 @@ def test_a_failure_is_reported_at_once_and_on_error_is_awaited(start, tmp_path: 
     assert child.outcomes(1) == [("DONE", slow, None)]
 
 
-def test_on_success_runs_only_after_a_committed_confirm(start, tmp_path: Path) -> None:
+def test_on_success_runs_only_after_a_committed_confirm(children, tmp_path: Path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.aio:handle", tasks=4)
+    child = children("tests.handlers.aio:handle", tasks=4)
     child.outcomes(1)
     (a, pid_a), (b, _) = child.deliver({"log": str(log)}, {"log": str(log)})
     assert sorted(kinds(child.outcomes(4))) == ["DONE", "DONE", "STARTED", "STARTED"]
@@ -70,11 +68,11 @@ def test_on_success_runs_only_after_a_committed_confirm(start, tmp_path: Path) -
 
 
 def test_held_until_an_async_flush_returned_and_flushes_do_not_overlap(
-    start, tmp_path: Path, monkeypatch
+    children, tmp_path: Path, monkeypatch
 ) -> None:
     log, flush_gate, gate = tmp_path / "log", tmp_path / "flush-gate", tmp_path / "gate"
     monkeypatch.setenv("AIO_FLUSH_GATE", str(flush_gate))
-    child = start("tests.handlers.aio_flushing:handle", tasks=4)
+    child = children("tests.handlers.aio_flushing:handle", tasks=4)
     assert child.outcomes(1) == [("READY", 0, None)]
     (a, pid_a), (b, pid_b) = child.deliver({"log": str(log)},
                                            {"log": str(log), "gate": str(gate)})
@@ -90,18 +88,18 @@ def test_held_until_an_async_flush_returned_and_flushes_do_not_overlap(
                           f"flushing {pid_b}", f"flushed {pid_b}"]
 
 
-def test_a_failing_flush_fails_what_it_covered(start, tmp_path: Path) -> None:
+def test_a_failing_flush_fails_what_it_covered(children, tmp_path: Path) -> None:
     log = tmp_path / "log"
-    child = start("tests.handlers.aio_flushing:handle", tasks=4)
+    child = children("tests.handlers.aio_flushing:handle", tasks=4)
     child.outcomes(1)
     ((a, _),) = child.deliver({"log": str(log), "flush_fails": True})
     assert child.outcomes(3) == [("STARTED", a, None), ("HELD", a, None),
                                  ("FAILED", a, "flush() failed: RuntimeError: database down")]
 
 
-def test_exit_waits_for_running_tasks_then_flushes(start, tmp_path: Path) -> None:
+def test_exit_waits_for_running_tasks_then_flushes(children, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
-    child = start("tests.handlers.aio_flushing:handle", tasks=4)
+    child = children("tests.handlers.aio_flushing:handle", tasks=4)
     child.outcomes(1)
     sent = [envelope.build("tests", {"log": str(log), "gate": str(gate)}) for _ in range(3)]
     # In one batch: what came before EXIT runs, EXIT waits for it.
@@ -117,9 +115,9 @@ def test_exit_waits_for_running_tasks_then_flushes(start, tmp_path: Path) -> Non
     assert sorted(flushed) == sorted(pid for pid, _ in sent)
 
 
-def test_the_timeout_cancels_one_task_and_the_others_go_on(start, tmp_path: Path) -> None:
+def test_the_timeout_cancels_one_task_and_the_others_go_on(children, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
-    child = start("tests.handlers.aio:handle", tasks=3, timeout=1.0)
+    child = children("tests.handlers.aio:handle", tasks=3, timeout=1.0)
     child.outcomes(1)
     (hung, pid), (ok, _) = child.deliver({"log": str(log), "hang": True},
                                          {"log": str(log), "gate": str(gate)})
@@ -130,9 +128,9 @@ def test_the_timeout_cancels_one_task_and_the_others_go_on(start, tmp_path: Path
     wait_until(lambda: f"error {pid} TimeoutError: handler timeout after 1.0s" in lines(log))
 
 
-def test_a_task_that_swallows_the_cancellation_still_fails_late(start, tmp_path) -> None:
+def test_a_task_that_swallows_the_cancellation_still_fails_late(children, tmp_path) -> None:
     gate = tmp_path / "gate"
-    child = start("tests.handlers.aio:handle", tasks=2, timeout=0.2)
+    child = children("tests.handlers.aio:handle", tasks=2, timeout=0.2)
     child.outcomes(1)
     ((late, _),) = child.deliver({"gate": str(gate), "swallow": True})
     assert child.outcomes(1) == [("STARTED", late, None)]
@@ -142,9 +140,9 @@ def test_a_task_that_swallows_the_cancellation_still_fails_late(start, tmp_path)
     assert child.outcomes(1) == [("FAILED", late, "TimeoutError: handler timeout after 0.2s")]
 
 
-def test_stop_flag_skips_what_waits_even_while_every_task_is_busy(start, tmp_path) -> None:
+def test_stop_flag_skips_what_waits_even_while_every_task_is_busy(children, tmp_path) -> None:
     gate = tmp_path / "gate"
-    child = start("tests.handlers.aio:handle", tasks=2)
+    child = children("tests.handlers.aio:handle", tasks=2)
     child.outcomes(1)
     sent = child.deliver(*({"gate": str(gate)} for _ in range(4)))
     ids = [delivery_id for delivery_id, _ in sent]
@@ -155,8 +153,8 @@ def test_stop_flag_skips_what_waits_even_while_every_task_is_busy(start, tmp_pat
     assert sorted(child.outcomes(2)) == [("DONE", i, None) for i in ids[:2]]
 
 
-def test_sigterm_ends_the_process_with_its_tasks_unreported(start, tmp_path: Path) -> None:
-    child = start("tests.handlers.aio:handle", tasks=5)
+def test_sigterm_ends_the_process_with_its_tasks_unreported(children, tmp_path: Path) -> None:
+    child = children("tests.handlers.aio:handle", tasks=5)
     child.outcomes(1)
     sent = child.deliver(*({"hang": True} for _ in range(5)))
     assert kinds(child.outcomes(5)) == ["STARTED"] * 5
@@ -165,9 +163,9 @@ def test_sigterm_ends_the_process_with_its_tasks_unreported(start, tmp_path: Pat
     assert child.nothing_more() and len(sent) == 5
 
 
-def test_a_failing_async_init_reports_and_exits_with_code_3(start, monkeypatch) -> None:
+def test_a_failing_async_init_reports_and_exits_with_code_3(children, monkeypatch) -> None:
     monkeypatch.setenv("AIO_INIT_FAILS", "1")
-    child = start("tests.handlers.aio_flushing:handle", tasks=2)
+    child = children("tests.handlers.aio_flushing:handle", tasks=2)
     assert child.outcomes(1) == [("INIT_FAILED", 0, "init() failed: RuntimeError: no database")]
     assert child.exit_status() == CHILD_INIT_FAILED
 

@@ -26,11 +26,11 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from bench.chaos.sides import RedisSide
-from bench.chaos.workload import Message
 from broker.redis import seeds
 from broker.redis.keys import QueueKeys
 from broker.redis.replication import Replication, write_and_wait
 from support.cluster import PrivateCluster
+from support.soak_workload import Message
 
 NAMESPACE = "{utopia-queue}"
 SLOT = key_slot(b"utopia-queue")

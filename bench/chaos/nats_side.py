@@ -27,10 +27,10 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from bench.chaos.sides import Check, FinalState
-from bench.chaos.workload import Message
 from broker.nats.setup import CONSUMER, QueueNames
 from support.faultproxy import FaultProxy
 from support.servers import NatsCluster, NatsServer
+from support.soak_workload import Message
 
 
 class NatsSide:

@@ -39,10 +39,10 @@ from typing import Any
 
 import psutil
 
-from bench.chaos.ledger import Ledger
 from bench.chaos.sides import Check, RedisSide
 from bench.chaos.usage_db import NAMES, UsageReader
-from bench.chaos.workload import FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
+from support.soak_ledger import Ledger
+from support.soak_workload import FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
 from support.supervision import Supervisor, write_config
 
 QUEUE = "chaos"

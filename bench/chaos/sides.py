@@ -19,9 +19,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from bench.chaos.workload import Message
 from broker.redis.keys import QueueKeys
 from support.servers import RedisServer
+from support.soak_workload import Message
 
 NAMESPACE = "utopia-queue"
 

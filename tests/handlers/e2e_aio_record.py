@@ -1,4 +1,4 @@
-"""An async handler for end-to-end tests: records.py's files, from coroutines.
+"""An async handler for end-to-end tests: e2e_record.py's files, from coroutines.
 
 Files in E2E_DIR: "started" ("<pid> <attempts> <process> <in flight>"), "handled" (pids),
 "succeeded" ("<pid> confirmed|early", checked in Redis by on_success), "flushed" (pids).
@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from tests.e2e_handlers.record import _append
+from tests.handlers.e2e_record import _append
 
 DIR = os.environ.get("E2E_DIR", ".")
 _in_flight = 0

@@ -1,4 +1,4 @@
-"""Reading the handler's ledger (see ``bench.chaos.handler``) and what it shows.
+"""Reading the chaos soak handler's ledger (see ``bench.chaos.handler``) and what it shows.
 
 Per pid: every handler call (time, process, attempts, outcome) and every durable flush
 that covered it. From those: duplicate commits (a pid flushed again after a flush that

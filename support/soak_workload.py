@@ -1,4 +1,5 @@
-"""The messages of a soak run, generated from the seed, and the totals they must produce.
+"""The messages of a soak run (``python -m bench.chaos``), generated from the seed, and the
+totals they must produce.
 
 Kinds:
 
