@@ -14,6 +14,9 @@ the protocol must survive:
 - publish: ``publish_many``, PHP's ``publish``, crafted envelopes (an old timestamp, attempts
   already made) and malformed bytes pushed with LPUSH, as a broken producer would; PHP's
   ``coalesce()`` of keyed messages (published only while the key's marker is free);
+  envelopes over our consumers' ``max_envelope_bytes`` pushed in one batch beside good ones
+  (ours poison them unread as they are, counted nowhere; PHP workers run them; a sweep of
+  ours moves one to dead unread, and only once old by its ``uniqid`` pid);
 - receive, on either side: reserve then claim, or death between them; a blocking receive on
   an empty queue with a message arriving meanwhile; and (ours) the *frozen* blocking receive:
   the consumer registers its blocking reservation, is frozen past its deadline, recovery
