@@ -11,7 +11,12 @@ Kinds:
   deadline, so a SIGTERM can catch it running (the bounded-stop path);
 - ``invalid``: a valid envelope whose payload the stats-usage handler rejects (no metrics
   list): it fails every attempt and must end in failed/dead, never in the totals;
-- ``malformed``: bytes that are not a valid envelope: poison (Redis) / dead (NATS).
+- ``malformed``: bytes that are not a valid envelope: poison (Redis) / dead (NATS);
+- ``oversized``: a valid envelope longer than the soak supervisors' ``max_envelope_bytes``
+  (``ENVELOPE_LIMIT``), published among the others so that it shares batches with good
+  ones: on Redis reserve.lua poisons it unread, on NATS it is dead-lettered with a reason
+  starting ``malformed: envelope of N bytes exceeds``. Either way it is parked byte for
+  byte, like a malformed message (so its ``pid`` is None here: no handler may see it).
 
 A share of the flaky messages is hostile in ways PHP accepts (issue 28): a payload nested
 250 to 511 levels deep, which every retry must write back, and a negative ``attempts``
@@ -39,18 +44,25 @@ FLAKY_FAIL = 0.3
 INVALID_SHARE = 0.002
 MALFORMED_SHARE = 0.002
 SLOW_SHARE = 0.002
+OVERSIZED_SHARE = 0.002
+#: The soak supervisors' ``max_envelope_bytes`` (the largest ordinary message, 511 levels
+#: deep, is a few KB; nats-server's default max_payload, 1 MB, takes the oversized ones).
+ENVELOPE_LIMIT = 64 * 1024
 SLOW_SECONDS = 2.5
 HOSTILE_SHARE_OF_FLAKY = 0.2
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 GOOD, FLAKY, SLOW, INVALID, MALFORMED = "good", "flaky", "slow", "invalid", "malformed"
+OVERSIZED = "oversized"
+#: Kinds published as bytes that must end parked (poison on Redis, dead on NATS).
+PARKED = (MALFORMED, OVERSIZED)
 
 
 @dataclass(slots=True)
 class Message:
     kind: str
     raw: bytes
-    pid: str | None = None  # None for malformed bytes
+    pid: str | None = None  # None for bytes that must be parked (malformed, oversized)
     project: str = ""
     metrics: dict[str, int] = field(default_factory=dict)
 
@@ -61,11 +73,13 @@ class Message:
 
 
 def generate(queue: str, count: int, seed: int) -> list[Message]:
-    """``count`` messages in publishing order; at least one invalid and one malformed."""
+    """``count`` messages in publishing order; at least one invalid, one malformed and one
+    oversized."""
     rng = random.Random(f"workload:{seed}")
     kinds = [GOOD] * count
     special = [INVALID] * max(1, round(count * INVALID_SHARE))
     special += [MALFORMED] * max(1, round(count * MALFORMED_SHARE))
+    special += [OVERSIZED] * max(1, round(count * OVERSIZED_SHARE))
     special += [SLOW] * round(count * SLOW_SHARE)
     special += [FLAKY] * round(count * FLAKY_SHARE)
     special = special[:count]
@@ -77,6 +91,8 @@ def generate(queue: str, count: int, seed: int) -> list[Message]:
 def _message(queue: str, n: int, kind: str, rng: random.Random) -> Message:
     if kind == MALFORMED:
         return Message(kind, _malformed(queue, n, rng))
+    if kind == OVERSIZED:
+        return Message(kind, _oversized(queue, n, rng))
     project = f"project-{rng.randrange(PROJECTS)}"
     metrics = {"executions": 1, "bandwidth": rng.randrange(-500, 50_000)}
     if rng.random() < 0.3:
@@ -104,6 +120,15 @@ def _nested(levels: int) -> list[Any]:
     for _ in range(levels - 1):
         value = [value]
     return value
+
+
+def _oversized(queue: str, n: int, rng: random.Random) -> bytes:
+    """A stats-usage envelope PHP would run, 1 byte to 16 KiB over ``ENVELOPE_LIMIT``."""
+    payload = make_payload(f"project-{rng.randrange(PROJECTS)}", {"executions": 1})
+    payload["blob"] = f"{n}:" + "x" * (ENVELOPE_LIMIT + rng.randrange(1, 16 * 1024))
+    raw = envelope.build(queue, payload)[1]
+    assert len(raw) > ENVELOPE_LIMIT
+    return raw
 
 
 def _malformed(queue: str, n: int, rng: random.Random) -> bytes:

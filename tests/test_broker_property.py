@@ -14,6 +14,9 @@ the protocol must survive:
 - publish: ``publish_many``, PHP's ``publish``, crafted envelopes (an old timestamp, attempts
   already made) and malformed bytes pushed with LPUSH, as a broken producer would; PHP's
   ``coalesce()`` of keyed messages (published only while the key's marker is free);
+  envelopes over our consumers' ``max_envelope_bytes`` pushed in one batch beside good ones
+  (ours poison them unread as they are, counted nowhere; PHP workers run them; a sweep of
+  ours moves one to dead unread, and only once old by its ``uniqid`` pid);
 - receive, on either side: reserve then claim, or death between them; a blocking receive on
   an empty queue with a message arriving meanwhile; and (ours) the *frozen* blocking receive:
   the consumer registers its blocking reservation, is frozen past its deadline, recovery
@@ -186,6 +189,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: Hostile attempts PHP accepts (each side's retry accounting must still end) and extreme
 #: timestamps (the oldest stands for an old envelope, the newest for a young one).
 EXTREME_ATTEMPTS = (INT64_MIN, -1, INT64_MAX - 100)
+#: Our consumers' ``max_envelope_bytes``: a longer envelope is poisoned unread by our reserve
+#: (reserve.lua, or claim.lua after a blocking move), and a sweep of ours reads no job record
+#: longer than this (records.lua: recovered unread, to dead, only once old by its pid). PHP
+#: workers have no limit: they run it, and their sweeps requeue it.
+ENVELOPE_LIMIT = 16 * 1024
 
 
 def ran_before(attempts: int) -> int:
@@ -225,15 +233,23 @@ class Item:
     claim: bool = False  # its claims key exists (PROCESSING)
     renewed: float = 0.0  # model time (see TICK) the claims key was last written
     depth: int = 0  # hostile: the payload holds arrays nested this deep (envelope: 2 more)
+    pad: int = 0  # oversized: the payload carries this many bytes more than ENVELOPE_LIMIT
+
+    @property
+    def oversized(self) -> bool:
+        return self.pad > 0
 
     @property
     def payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {"uid": self.uid, "url": URL}
+        if self.pad:
+            payload["pad"] = "x" * (ENVELOPE_LIMIT + self.pad)
         if not self.depth:
-            return {"uid": self.uid, "url": URL}
+            return payload
         deep: Any = [1]
         for _ in range(self.depth - 1):
             deep = [deep]
-        return {"uid": self.uid, "url": URL, "deep": deep}
+        return {**payload, "deep": deep}
 
 
 @dataclass(eq=False)
@@ -298,7 +314,8 @@ class BrokerProtocol(RuleBasedStateMachine):
         self.redis.script_flush()
         self.loop = asyncio.new_event_loop()
         self.items: dict[str, Item] = {}
-        self.malformed: dict[bytes, str] = {}  # raw -> uid
+        # raw -> uid: malformed bytes, and oversized envelopes as our reserve poisoned them
+        self.malformed: dict[bytes, str] = {}
         self.res: dict[str, Res] = {}
         self.actors: dict[str, Actor] = {}
         self.spawned = {"ours": 0, "php": 0}
@@ -336,6 +353,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         broker = RedisBroker(
             self.url, QUEUE, namespace=NS, consumer_id=name, lease=LEASE,
             max_attempts=MAX_ATTEMPTS, recovery_age=RECOVERY_AGE,
+            max_envelope_bytes=ENVELOPE_LIMIT,
         )
         actor = self.actors[name] = Actor(name, broker=broker)
         return actor
@@ -609,7 +627,12 @@ class BrokerProtocol(RuleBasedStateMachine):
                 raise AssertionError(
                     f"our recovery took {item.uid} from {holder.name}, alive and holding it")
             self._unhold(item)
-            if ran_before(item.attempts) + 1 >= MAX_ATTEMPTS:
+            if item.oversized and not by_owner:
+                # Too long for a sweep to read (records.lua): recovered unread, to dead, as it
+                # is (only once old by its pid: see _recoverable).
+                event("our sweep moves an oversized record to dead unread")
+                item.place = DEAD
+            elif ran_before(item.attempts) + 1 >= MAX_ATTEMPTS:
                 event("our recovery dead-letters at max_attempts")
                 item.place = DEAD
             else:
@@ -735,6 +758,34 @@ class BrokerProtocol(RuleBasedStateMachine):
         self._find_new_pids()
 
     @precondition(lambda self: self._room())
+    @rule(
+        batch=st.lists(st.booleans(), min_size=1, max_size=4).filter(any),
+        old=st.booleans(), attempts=st.integers(0, MAX_ATTEMPTS - 1),
+        pad=st.integers(1, 4096),
+    )
+    def publish_oversized(self, batch: list[bool], old: bool, attempts: int, pad: int) -> None:
+        """Hostile: envelopes over our ENVELOPE_LIMIT (``True`` in ``batch``), otherwise valid,
+        pushed in one LPUSH beside good ones, as a PHP producer (which has no limit) writes
+        them. An old one has an old ``uniqid`` pid too (its age is all a sweep of ours can
+        know of a record it does not read); a young one a pid that is no ``uniqid``."""
+        self._tick()
+        now = int(time.time())
+        raws = []
+        for big in batch[:MAX_ITEMS - len(self.items)]:
+            uid = self._new_uid()
+            pid = f"{now - OLD:08x}{self.serial:05x}" if big and old else f"p{uid}"
+            item = Item(uid, True, pid=pid, attempts=attempts, old=old, pad=pad if big else 0)
+            raw = envelope.encode({
+                "pid": pid, "queue": QUEUE, "timestamp": now - (OLD if old else 0),
+                "payload": item.payload, "attempts": attempts,
+            })
+            assert (len(raw) > ENVELOPE_LIMIT) == big, len(raw)
+            raws.append(raw)
+            self._add(item)
+        self.redis.lpush(KEYS.ready, *raws)
+        note(f"pushed {[(len(raw), raw[:20]) for raw in raws]}")
+
+    @precondition(lambda self: self._room())
     @rule(kind=st.integers(0, len(MALFORMED) - 1))
     def publish_malformed(self, kind: int) -> None:
         self._tick()
@@ -766,7 +817,12 @@ class BrokerProtocol(RuleBasedStateMachine):
         registry = self.redis.zcard(KEYS.reservations)
         started = self.clock
         reservation = await actor.broker.reserve(n, 0)
-        assert reservation.payloads == ready[::-1][:n], "reserve must take from the right"
+        taken = ready[::-1][:n]
+        assert reservation.payloads == [raw for raw in taken if len(raw) <= ENVELOPE_LIMIT], (
+            "reserve must take from the right, all but the oversized")
+        big = [raw for raw in taken if len(raw) > ENVELOPE_LIMIT]
+        assert reservation.oversized == [len(raw) for raw in big], reservation.oversized
+        self._parked(big)
         if not reservation.payloads:
             assert self.redis.zcard(KEYS.reservations) == registry, "empty reservation kept"
             return None
@@ -774,14 +830,16 @@ class BrokerProtocol(RuleBasedStateMachine):
         return reservation
 
     @precondition(lambda self: self._room() and not self._in(READY))
-    @rule(c=pick)
-    def reserve_blocking(self, c: int) -> None:
-        """On an empty queue: a message published while the consumer waits is reserved."""
+    @rule(c=pick, big=st.booleans())
+    def reserve_blocking(self, c: int, big: bool) -> None:
+        """On an empty queue: a message published while the consumer waits is reserved;
+        ``big``: an oversized one, which the blocking move takes and claim.lua poisons (its
+        bytes are dropped unread)."""
         self._tick()
         actor = self._pick(c, self._acting(ours=True))
         assert actor.broker is not None
         broker = actor.broker
-        item = Item(self._new_uid(), True)
+        item = Item(self._new_uid(), True, pad=1 if big else 0)
         item.pid, raw = envelope.build(QUEUE, item.payload)
         self._add(item)
 
@@ -793,6 +851,10 @@ class BrokerProtocol(RuleBasedStateMachine):
 
         started = self.clock
         reservation = self.run(wait_and_publish())
+        if big:
+            assert (reservation.payloads, reservation.oversized) == ([], [len(raw)]), reservation
+            self._parked([raw])
+            return
         assert reservation.payloads == [raw]
         self._reserved(actor, reservation, reservation.key, reservation.payloads, started, 3)
 
@@ -880,6 +942,15 @@ class BrokerProtocol(RuleBasedStateMachine):
         del self.res[reservation.key]
         actor.held += received.deliveries
         note(f"{actor.name} holds {[(d.pid, d.receipt[:6]) for d in received.deliveries]}")
+
+    def _parked(self, raws: list[bytes]) -> None:
+        """Oversized envelopes our side poisoned unread: kept in poison byte for byte."""
+        for raw in raws:
+            item, _ = self._identify(raw)
+            assert item.oversized and item.place == READY, f"{item.uid} in {item.place}"
+            event("our reserve poisons an oversized envelope unread")
+            item.place, item.raw = POISON, raw
+            self.malformed[raw] = item.uid
 
     def _poisoned(self, items: list[Item]) -> None:
         for item in items:
@@ -1374,8 +1445,8 @@ class BrokerProtocol(RuleBasedStateMachine):
         original = recovery._read_state
         fired: list[bool] = []
 
-        async def read_then_act(client: Any, keys: QueueKeys, pids: Any, **options: Any) -> Any:
-            state = await original(client, keys, pids, **options)
+        async def read_then_act(*args: Any, **options: Any) -> Any:
+            state = await original(*args, **options)
             if not fired:
                 fired.append(True)
                 for res in expired:  # recovered before the reads
@@ -1458,6 +1529,7 @@ class BrokerProtocol(RuleBasedStateMachine):
             report = self.run(recovery.maintain(
                 broker.client, broker.scripts, KEYS, lock_seconds=5, recovery_age=RECOVERY_AGE,
                 max_attempts=MAX_ATTEMPTS, scan=scan, force=True,
+                max_record_bytes=ENVELOPE_LIMIT,  # as RedisBroker.maintain passes it
             ))
             actual = (report.expired_reservations, report.dead_consumers, report.legacy)
             expected = (

@@ -280,6 +280,19 @@ def test_the_soak_workload_carries_hostile_envelopes():
         assert 250 <= depth <= 511
 
 
+def test_the_soak_workload_carries_oversized_envelopes_to_be_parked():
+    from support.soak_workload import ENVELOPE_LIMIT, OVERSIZED, generate
+
+    messages = generate(QUEUE, 2000, 7)
+    oversized = [m for m in messages if m.kind == OVERSIZED]
+    assert len(oversized) >= 4
+    for message in oversized:  # valid envelopes PHP runs, over the soak supervisors' limit
+        assert len(message.raw) > ENVELOPE_LIMIT and envelope.decode(message.raw)["pid"]
+        assert message.pid is None and not message.countable  # checked as parked bytes
+    positions = [messages.index(m) for m in oversized]
+    assert all(0 < n < len(messages) - 1 for n in positions)  # good ones beside each
+
+
 def test_the_publish_command_refuses_a_payload_php_could_not_write():
     from supervisor.ops.publish import InputError, read_payloads
 

@@ -30,7 +30,7 @@ from bench.chaos.sides import Check, FinalState
 from broker.nats.setup import CONSUMER, QueueNames
 from support.faultproxy import FaultProxy
 from support.servers import NatsCluster, NatsServer
-from support.soak_workload import Message
+from support.soak_workload import OVERSIZED, Message
 
 
 class NatsSide:
@@ -238,8 +238,14 @@ class NatsSide:
         counts = await self.outstanding()
         consumer = await self._retry(
             lambda: self.js.consumer_info(self.names.stream, CONSUMER))
-        failed, poison = _split(await self.dead_letters())
+        letters = await self.dead_letters()
+        failed, poison = _split(letters)
         failed_pids = [pid for pid, _ in failed]
+        oversized = {m.raw for m in messages if m.kind == OVERSIZED}
+        reasons = [(letter.headers or {}).get("Queue-Reason", "") for letter in letters
+                   if letter.data in oversized]
+        sized = all(reason.startswith("malformed: envelope of") and "exceeds" in reason
+                    for reason in reasons)
         malformed = Counter(m.raw for m in messages if m.pid is None)
         # Rejected on the last attempt: max_attempts deliveries; found out of attempts at
         # receive (the last one was lost with a worker, or released): one more.
@@ -256,8 +262,10 @@ class NatsSide:
                   "all" if attempts_ok else "not all", attempts_ok),
             Check("dead letters, each pid once", len(set(failed_pids)), len(failed_pids),
                   len(failed_pids) == len(set(failed_pids))),
-            Check("dead malformed = malformed published", sum(malformed.values()),
+            Check("dead malformed = malformed + oversized", sum(malformed.values()),
                   len(poison), Counter(poison) == malformed),
+            Check("oversized dead, their size as the reason", len(oversized),
+                  len(reasons) if sized else "not all", sized and len(reasons) == len(oversized)),
         ]
         return FinalState(set(failed_pids), checks)
 

@@ -42,7 +42,7 @@ import psutil
 from bench.chaos.sides import Check, RedisSide
 from bench.chaos.usage_db import NAMES, UsageReader
 from support.soak_ledger import Ledger
-from support.soak_workload import FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
+from support.soak_workload import ENVELOPE_LIMIT, FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
 from support.supervision import Supervisor, write_config
 
 QUEUE = "chaos"
@@ -351,6 +351,7 @@ class Soak:
                 "job": {"queue": QUEUE, "coroutines": s.coroutines, "prefetch": s.prefetch,
                         "max_attempts": s.max_attempts},
                 "supervisor": {"lease": s.lease, "maintenance_interval": s.maintenance_interval,
+                               "max_envelope_bytes": ENVELOPE_LIMIT,  # oversized: parked
                                "shutdown_deadline": s.shutdown_deadline,
                                "log_level": s.log_level},
             }
