@@ -82,5 +82,13 @@ def test_every_link_within_the_readme_leads_to_a_heading():
     assert not [link for link in re.findall(r"\]\(#([^)]+)\)", text) if link not in targets]
 
 
+def test_no_long_sentence_is_said_twice():
+    """A paragraph pasted twice (the chaos soak's was) repeats its sentences."""
+    prose = re.sub(r"```.*?```", "", README.read_text(), flags=re.S)
+    sentences = re.split(r"(?<=[.!?])\s+", " ".join(prose.split()))
+    long = [sentence for sentence in sentences if len(sentence) > 80]
+    assert not {sentence for sentence in long if long.count(sentence) > 1}
+
+
 if __name__ == "__main__":
     print(toc(README.read_text()))
