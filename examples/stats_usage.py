@@ -154,13 +154,26 @@ def seen_pids(where: str | None = None) -> set[str]:
         store.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m examples.stats_usage [DB]``: print the usage totals a run produced."""
+    import argparse
     import sys
 
     from broker.urls import redact
 
-    where = sys.argv[1] if len(sys.argv) > 1 else target()
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.stats_usage",
+        description="Print the usage totals the stats-usage job stored, one line per project "
+        "and metric (tab-separated: project, metric, total). Exit 1 when the store holds "
+        "none yet; nothing is created by asking.",
+    )
+    parser.add_argument(
+        "db", nargs="?", default=None,
+        help=f"the store: a folder (embedded ClickHouse, chDB), a clickhouse:// or http(s):// "
+        f"URL of a ClickHouse server, or a path ending in .sqlite (default: ${ENV_DB}, "
+        f"else {DEFAULT_DB} in the working directory)",
+    )
+    where = parser.parse_args(argv).db or target()
     try:  # asking must not create an empty database
         found = totals(where)
     except NoTotals:

@@ -3,8 +3,12 @@
 # and redis-cli when missing, and the project with its test extras in a virtual environment,
 # .venv (Debian's python3 refuses pip installs outside one: PEP 668). PYTHON picks the
 # interpreter that makes it (python3 by default; 3.11 or later).
+# Usage: install.sh [EXTRAS], the project's extras to install (default "test", what CI and
+# the test command need); setup.sh asks for "clickhouse" only, the quick start's store.
+# Extras installed before stay: a .venv made for the tests also runs the quick start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+extras=${1:-test}
 
 apt_install() {
     echo "installing $* (apt)" >&2
@@ -30,4 +34,4 @@ if [ ! -x .venv/bin/python ]; then
     fi
     "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"

@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/install.sh
+# The project and the stats-usage example's default store (chDB, the extra "clickhouse"),
+# not the test extras (pytest, mypy, ruff, hypothesis, nats-server...): install.sh's default.
+bash scripts/install.sh clickhouse
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
     echo "starting redis-server on 127.0.0.1:6379" >&2
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no

@@ -20,12 +20,21 @@ import setproctitle
 
 from supervisor import exits, logs, metrics, systemd
 from supervisor.config import ENV_BROKER_URL, Config, ConfigError, load
-from supervisor.ops import COMMANDS, program_name
+from supervisor.ops import COMMANDS, output_closed, program_name, version
 
 log = logging.getLogger("supervisor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = start(argv)
+        sys.stdout.flush()  # here, where a closed pipe can still be told from a failure
+    except BrokenPipeError:
+        return output_closed()
+    return code
+
+
+def start(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:  # an operator command; anything else is a job file
         from supervisor.ops.commands import main as operate
@@ -38,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(each has --help)",
     )
     parser.add_argument("config", help="the job's TOML file, e.g. conf/stats-usage.toml")
+    parser.add_argument("--version", action="version", version=version())
     args = parser.parse_args(argv)
     try:
         config = load(args.config)

@@ -252,3 +252,12 @@ def _env_without_db() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != stats_usage.ENV_DB}
+
+
+def test_the_command_answers_help_with_its_usage(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "examples.stats_usage", "--help"],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m examples.stats_usage [-h] [db]")
+    assert stats_usage.ENV_DB in done.stdout and ".sqlite" in done.stdout
+    assert done.stderr == ""

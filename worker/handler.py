@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -86,6 +87,9 @@ def resolve(spec: str) -> Callable[..., Any]:
     module_name, attribute = split(spec)
     try:
         target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise HandlerError(f'handler "{spec}" cannot be imported: {_one_line(error)}; '
+                           f"{not_found_hint(module_name, error.name)}") from error
     except (Exception, SystemExit) as error:  # the module's own code may raise anything
         raise HandlerError(f'handler "{spec}" cannot be imported: {_one_line(error)}') from error
     for name in attribute.split("."):
@@ -98,6 +102,20 @@ def resolve(spec: str) -> Callable[..., Any]:
     if not callable(target):
         raise HandlerError(f'handler "{spec}" is a {type(target).__name__}, not a callable')
     return target
+
+
+def not_found_hint(module_name: str, missing: str | None) -> str:
+    """What to do about a module that is not found: the handler's own (its code is not where
+    this interpreter looks) or one it imports (a dependency not installed beside it)."""
+    parts = module_name.split(".")
+    if missing not in {".".join(parts[:end]) for end in range(1, len(parts) + 1)}:
+        return (f"{module_name} imports {missing}, which this Python ({sys.executable}) does "
+                f"not have: install it into the same environment")
+    top = parts[0]
+    return (f"{top} is neither installed in this Python's environment nor on PYTHONPATH: "
+            f"install the package holding it there ({sys.executable} -m pip install "
+            f"/path/to/your/project), or set PYTHONPATH to the folder that contains {top}/ "
+            f'(README: "Where handler code lives")')
 
 
 def load(spec: str) -> Handler:

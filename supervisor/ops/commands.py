@@ -28,7 +28,7 @@ from broker.redis.keys import QueueKeys
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
-from supervisor.ops import inspect, program_name
+from supervisor.ops import inspect, program_name, version
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
@@ -324,8 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = {name: commands.add_parser(name, help=doc, description=doc)
            for name, (_, doc) in COMMANDS.items()}
+    versions = version()
     for command in sub.values():
         command.add_argument("config", help="the job's TOML file")
+        command.add_argument("--version", action="version", version=versions)
     sub["status"].add_argument("--json", action="store_true", help="print one JSON object")
     sub["recover"].add_argument("--timeout", type=_seconds, default=60.0,
                                 help="give up after this many seconds (default 60)")
@@ -378,6 +380,8 @@ def main(argv: Sequence[str]) -> int:
     except BrokerRefused as error:
         print(logs.error_line(f"{args.command} failed: {error}"), file=sys.stderr)
         return exits.REFUSED
+    except BrokenPipeError:
+        raise  # stdout's reader left (``| head``): not a broker failure; the CLI ends quietly
     except (BrokerError, redis.exceptions.RedisError, nats.errors.Error, OSError) as error:
         print(logs.error_line(f"{args.command} failed: {error}"), file=sys.stderr)
         return exits.LEFT
