@@ -106,6 +106,7 @@ class Arbiter:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self.guarded(self.handle_reload_signal))
         loop.add_reader(self.forkserver.events_fd, self.guarded(self.handle_forkserver_events))
         for place in self.places:
             loop.add_reader(place.to_parent.wake_fd, self.guarded(self.handle_outcomes), place)
@@ -215,6 +216,20 @@ class Arbiter:
             return
         log.info("%s received: stopping", signal.Signals(sig).name)
         self.request_stop()
+
+    def handle_reload_signal(self) -> None:
+        """SIGHUP, as gunicorn reads it: replace every handler process. Each takes no more
+        work, exits once what it holds is finished and settled, and a fresh one (forked
+        from the preloaded handler) takes its place; nothing is released or requeued."""
+        if self.stopping:
+            log.info("SIGHUP received while stopping: ignored")
+            return
+        alive = [place for place in self.places if place.alive and not place.retiring]
+        log.info("SIGHUP received: reloading %d handler processes, each after its current "
+                 "work", len(alive))
+        for place in alive:
+            place.retire()
+            self.retire_if_idle(place)
 
     def request_stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:

@@ -47,6 +47,8 @@ def prepare_process(place: int) -> int:
     parent = os.getppid()
     # Ctrl-C reaches the whole process group: the supervisor decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So does a terminal's hang-up: the supervisor reloads us on SIGHUP by itself.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # SIGTERM ends us at once; the running delivery stays owned and is recovered.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
