@@ -248,7 +248,7 @@ class Arbiter:
                 self.room.clear()
                 await self.room.wait()
                 continue
-            room = min(self.buffer.room, MAX_BATCH)
+            room = min(self.receive_room(), MAX_BATCH)
             try:
                 with self.metrics.timed("receive"):
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
@@ -272,7 +272,7 @@ class Arbiter:
     def receive_due(self) -> bool:
         """Filling up to prefetch; once full, room for a batch again (or for anything when
         the handlers are about to run dry)."""
-        room = self.buffer.room
+        room = self.receive_room()
         if room <= 0:
             self.topped_up = True
             return False
@@ -280,6 +280,14 @@ class Arbiter:
             return False
         self.topped_up = False
         return True
+
+    def receive_room(self) -> int:
+        """Room in prefetch for the handler processes that take work now: none is taken for
+        one not ready (its init() still retried, or a replacement starting), where it would
+        wait on us instead of on a queue another consumer reads."""
+        accepting = sum(place.accepting for place in self.places)
+        share = -(-self.buffer.prefetch * accepting // len(self.places))
+        return min(self.buffer.room, share - self.buffer.outstanding)
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
@@ -362,6 +370,7 @@ class Arbiter:
         elif kind == protocol.READY:
             place.became_ready()
             self.notify_ready_once()
+            self.room.set()  # its share of prefetch can be received now
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
