@@ -26,6 +26,16 @@ def raised_from(cause: BaseException) -> DriverError:
         return error
 
 
+def raised_while_handling(context: BaseException) -> DriverError:
+    try:
+        try:
+            raise context
+        except OSError:
+            raise DriverError("the helper exited with code 1")  # noqa: B904 - the case
+    except DriverError as error:
+        return error
+
+
 @pytest.mark.parametrize(("error", "expected"), [
     (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), True),
     (TimeoutError(), True),
@@ -35,6 +45,9 @@ def raised_from(cause: BaseException) -> DriverError:
     (PermissionError(errno.EACCES, "denied"), False),
     (ValueError("bad setting"), False),
     (raised_from(KeyError("x")), False),
+    # Raised while handling a refused connection, not from it: the stats-usage writer that
+    # exited with an error (tests/test_usage_clickhouse.py, exit 3).
+    (raised_while_handling(ConnectionRefusedError()), False),
 ])
 def test_only_network_failures_heal(error, expected):
     assert heals(error) is expected

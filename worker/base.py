@@ -259,7 +259,7 @@ def _configure_logging(place: int) -> None:
 
 def heals(error: BaseException) -> bool:
     """init() failed on the network (refused, reset, timed out, a name or route not there
-    yet), here or in an error it was raised from: trying again later can succeed."""
+    yet), here or in an error raised from one: trying again later can succeed."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen and len(seen) < 16:
@@ -268,7 +268,9 @@ def heals(error: BaseException) -> bool:
             return True
         if isinstance(current, OSError) and current.errno in _NETWORK_ERRNOS:
             return True
-        current = current.__cause__ or current.__context__
+        # Only an explicit ``raise ... from``: an error raised while handling a refused
+        # connection (a helper process that exited with an error) says nothing of the network.
+        current = current.__cause__
     return False
 
 
