@@ -587,7 +587,7 @@ class Arbiter:
             # init() failed: that repeats in every new process, so halt (gunicorn does too).
             log.error("handler process %d failed to start (%s): halting", pid, reason)
             self.request_stop(exits.HANDLER_INIT)
-        elif not was_ready:
+        elif not was_ready and not expected:  # asked to exit (a reload): replaced at once
             self.respawn_later(place, pid, reason)
         else:
             if not expected:

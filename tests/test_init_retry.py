@@ -95,3 +95,18 @@ def test_init_failing_otherwise_still_halts_with_exit_3(tmp_path, redis_url, cli
     assert "retrying" not in output
     assert len(lines(tmp_path / "init-attempts")) == 1
     assert client.llen(keys().ready) == 1 and outstanding(client) == 0
+
+
+def test_a_reload_while_init_is_retried_replaces_the_process_quietly(
+    tmp_path, redis_url, client, supervisors
+):
+    [pid] = publish(client, [{"n": 1}])
+    config = write_config(tmp_path, redis_url, handler=HANDLER, job={"coroutines": 1})
+    supervisor = supervisors(config, redis_url, INIT_FAILURES="3")
+    wait_for(lambda: "retrying in 2 s" in supervisor.output(), 20, "a second retry")
+    supervisor.signal(signal.SIGHUP)
+    wait_for(lambda: lines(tmp_path / "handled") == [pid], 30, "the message")
+    assert len(set(lines(tmp_path / "init-attempts"))) == 2  # replaced once, at the reload
+    assert "died before it was ready" not in supervisor.output()
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0, supervisor.output()
