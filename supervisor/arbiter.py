@@ -106,6 +106,7 @@ class Arbiter:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self.guarded(self.handle_reload_signal))
         loop.add_reader(self.forkserver.events_fd, self.guarded(self.handle_forkserver_events))
         for place in self.places:
             loop.add_reader(place.to_parent.wake_fd, self.guarded(self.handle_outcomes), place)
@@ -216,6 +217,20 @@ class Arbiter:
         log.info("%s received: stopping", signal.Signals(sig).name)
         self.request_stop()
 
+    def handle_reload_signal(self) -> None:
+        """SIGHUP, as gunicorn reads it: replace every handler process. Each takes no more
+        work, exits once what it holds is finished and settled, and a fresh one (forked
+        from the preloaded handler) takes its place; nothing is released or requeued."""
+        if self.stopping:
+            log.info("SIGHUP received while stopping: ignored")
+            return
+        alive = [place for place in self.places if place.alive and not place.retiring]
+        log.info("SIGHUP received: reloading %d handler processes, each after its current "
+                 "work", len(alive))
+        for place in alive:
+            place.retire()
+            self.retire_if_idle(place)
+
     def request_stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:
             self.exit_code = exit_code
@@ -233,7 +248,7 @@ class Arbiter:
                 self.room.clear()
                 await self.room.wait()
                 continue
-            room = min(self.buffer.room, MAX_BATCH)
+            room = min(self.receive_room(), MAX_BATCH)
             try:
                 with self.metrics.timed("receive"):
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
@@ -257,7 +272,7 @@ class Arbiter:
     def receive_due(self) -> bool:
         """Filling up to prefetch; once full, room for a batch again (or for anything when
         the handlers are about to run dry)."""
-        room = self.buffer.room
+        room = self.receive_room()
         if room <= 0:
             self.topped_up = True
             return False
@@ -265,6 +280,14 @@ class Arbiter:
             return False
         self.topped_up = False
         return True
+
+    def receive_room(self) -> int:
+        """Room in prefetch for the handler processes that take work now: none is taken for
+        one not ready (its init() still retried, or a replacement starting), where it would
+        wait on us instead of on a queue another consumer reads."""
+        accepting = sum(place.accepting for place in self.places)
+        share = -(-self.buffer.prefetch * accepting // len(self.places))
+        return min(self.buffer.room, share - self.buffer.outstanding)
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
@@ -347,6 +370,7 @@ class Arbiter:
         elif kind == protocol.READY:
             place.became_ready()
             self.notify_ready_once()
+            self.room.set()  # its share of prefetch can be received now
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
@@ -563,7 +587,7 @@ class Arbiter:
             # init() failed: that repeats in every new process, so halt (gunicorn does too).
             log.error("handler process %d failed to start (%s): halting", pid, reason)
             self.request_stop(exits.HANDLER_INIT)
-        elif not was_ready:
+        elif not was_ready and not expected:  # asked to exit (a reload): replaced at once
             self.respawn_later(place, pid, reason)
         else:
             if not expected:

@@ -12,12 +12,15 @@ and each is cut at ``MAX_FIELD`` characters with a marker. Errors this program c
 (exceptions, ``Explanation``) may run to ``MAX_EXPLANATION``. Broker URLs in a line are
 redacted (``broker.urls.redact``) whatever passed them in.
 
-Handler processes are forked after ``setup`` ran, so they log the same way.
+Handler processes are forked after ``setup`` ran, so they log the same way. A process a
+handler starts (the stats-usage example's writer) is not a fork: ``setup`` leaves the format
+and level in the environment (``ENV_LOG``) and such a process calls ``setup_inherited``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -41,6 +44,8 @@ MAX_MESSAGE = 4000
 MAX_TRACEBACK = 20_000
 MAX_REASON = MAX_FIELD
 MALFORMED = "malformed message moved to poison: %s"
+#: ``json:info`` or ``text:debug``: how the job logs, for the processes its handlers start.
+ENV_LOG = "QUEUE_SUPERVISOR_LOG"
 
 #: What a terminal or a log reader could act on: C0/C1 controls, DEL, line and paragraph
 #: separators, bidirectional overrides, and lone surrogates (which no UTF-8 encoder takes).
@@ -191,6 +196,17 @@ def setup(level: str, stream: TextIO | None = None, json: bool | None = None) ->
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.captureWarnings(True)
+    os.environ[ENV_LOG] = f"{'json' if json else 'text'}:{level.lower()}"
+
+
+def setup_inherited(default_level: str = "info") -> None:
+    """Log as the job that started this process does (``ENV_LOG``); run by hand, decide as
+    ``setup`` does (JSON unless stderr is a terminal)."""
+    form, _, level = os.environ.get(ENV_LOG, "").partition(":")
+    json = {"json": True, "text": False}.get(form)
+    if level.upper() not in logging.getLevelNamesMapping():
+        level = default_level
+    setup(level, json=json)
 
 
 def log_malformed(logger: logging.Logger, queue: str, reason: str) -> None:

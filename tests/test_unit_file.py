@@ -82,6 +82,11 @@ def test_execstart_runs_the_installs_interpreter_by_absolute_path():
     assert last("WorkingDirectory").startswith("/")
 
 
+def test_systemctl_reload_sends_sighup_to_the_supervisor_alone():
+    # SIGHUP replaces the handler processes (tests/test_sighup.py); $MAINPID is the supervisor.
+    assert shlex.split(last("ExecReload")) == ["/bin/kill", "-HUP", "$MAINPID"]
+
+
 def test_a_dedicated_user_and_a_state_directory_for_the_database():
     assert last("User") == last("Group") == "queue-supervisor"
     assert last("StateDirectory") == "queue-supervisor/%i"

@@ -82,11 +82,9 @@ class AsyncRunner(Runner):
 
     def run(self) -> NoReturn:
         """Init on the process's event loop, then serve on it until told to exit."""
-        if self._handler.init is not None:
-            try:
-                self._loop.run_until_complete(call(self._handler.init))
-            except Exception as error:
-                self._init_failed(error)
+        init = self._handler.init
+        if init is not None:
+            self._init_until_ready(lambda: self._loop.run_until_complete(call(init)))
         self._ready(f"{self._handler.spec}, up to {self._capacity} deliveries at once")
         self._loop.run_until_complete(self.serve())
         exit_process(CHILD_BROKEN)  # serve() only ends by exiting the process

@@ -16,11 +16,14 @@ reported DONE only after a ``flush()`` that began after they returned has return
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import setproctitle
@@ -39,6 +42,13 @@ log = logging.getLogger("worker.runner")
 #: Records taken from the ring per read (one release of room per batch).
 BATCH = 256
 
+#: init() failing on the network is tried again after 1, 2, 4 ... seconds, at most 30 apart.
+INIT_RETRY_FIRST = 1.0
+INIT_RETRY_CAP = 30.0
+#: OSError numbers of a network that is not up yet (at boot), besides ConnectionError's.
+_NETWORK_ERRNOS = frozenset((errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN,
+                             errno.ENETDOWN, errno.EADDRNOTAVAIL))
+
 _ROOM_DELAYS = (0.0001, 0.0005, 0.002, 0.01)  # back-off while the outcome ring is full
 
 
@@ -47,6 +57,8 @@ def prepare_process(place: int) -> int:
     parent = os.getppid()
     # Ctrl-C reaches the whole process group: the supervisor decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So does a terminal's hang-up: the supervisor reloads us on SIGHUP by itself.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # SIGTERM ends us at once; the running delivery stays owned and is recovered.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -142,6 +154,41 @@ class Runner:
         log.error("on_success() failed for delivery %d: %s%s",
                   delivery_id, describe(error), origin(error))
 
+    # -- init ----------------------------------------------------------------------------------
+
+    def _init_until_ready(self, attempt: Callable[[], object]) -> None:
+        """Run init() (``attempt``). One failing on the network (a database not up yet at
+        boot) heals by itself: tried again after 1, 2, 4 ... 30 s, each failure a warning,
+        while the supervisor gives this process no work. Anything else halts (exit 3)."""
+        failures = 0
+        while True:
+            try:
+                attempt()
+                return
+            except Exception as error:
+                if not heals(error):
+                    self._init_failed(error)
+                failures += 1
+                delay = min(INIT_RETRY_FIRST * 2 ** (failures - 1), INIT_RETRY_CAP)
+                log.warning("init() failed (%d in a row): %s%s; retrying in %g s, no work "
+                            "until it succeeds", failures, describe(error), origin(error),
+                            delay)
+                self._pause(delay)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before init() again, leaving at once if the supervisor asks us to exit (it
+        stops or reloads) or is gone: nothing else is sent to a process not ready."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            exit_if_orphaned(self._parent)
+            asked = self._inbox.stop_requested
+            if self._inbox.wait(min(remaining, 1.0)):
+                asked = asked or any(protocol.decode(record)[0] == protocol.EXIT
+                                     for record in self._inbox.get_many(BATCH))
+            if asked:
+                log.info("handler process exiting before its init() succeeded")
+                exit_process(0)
+
     # -- ways out ----------------------------------------------------------------------------
 
     def _init_failed(self, error: Exception) -> NoReturn:
@@ -208,6 +255,23 @@ def _configure_logging(place: int) -> None:
     ))
     root.addHandler(stream)
     root.setLevel(logging.INFO)
+
+
+def heals(error: BaseException) -> bool:
+    """init() failed on the network (refused, reset, timed out, a name or route not there
+    yet), here or in an error raised from one: trying again later can succeed."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen and len(seen) < 16:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError, socket.gaierror)):
+            return True
+        if isinstance(current, OSError) and current.errno in _NETWORK_ERRNOS:
+            return True
+        # Only an explicit ``raise ... from``: an error raised while handling a refused
+        # connection (a helper process that exited with an error) says nothing of the network.
+        current = current.__cause__
+    return False
 
 
 def origin(error: BaseException | None) -> str:

@@ -234,6 +234,7 @@ class _Server:
         # meant for it; handlers get their signals from the supervisor by pid.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         for fd in (self._wake_read, self._wake_write):
             os.set_blocking(fd, False)
         # The C-level handler writes a byte to the pipe, so select() wakes on SIGCHLD.

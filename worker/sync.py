@@ -22,11 +22,8 @@ class SyncRunner(Runner):
     """The delivery loop of one handler process running a plain ``def`` handler."""
 
     def run(self) -> NoReturn:
-        try:
-            if self._handler.init is not None:
-                self._handler.init()
-        except Exception as error:
-            self._init_failed(error)
+        if self._handler.init is not None:
+            self._init_until_ready(self._handler.init)
         self._ready(self._handler.spec)
         self.serve()
 

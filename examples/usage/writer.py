@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from examples.usage import wire
+from supervisor import logs
 from worker.process import set_parent_death_signal
 
 log = logging.getLogger("stats-usage writer")
@@ -235,9 +236,8 @@ def _name_holder(address: str, deadline: float) -> wire.Peer | None:
 
 def main(argv: list[str] | None = None) -> int:
     path, parent = (argv if argv is not None else sys.argv[1:])[:2]
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s stats-usage writer [%(process)d] "
-                               "%(levelname)s: %(message)s")
+    # Among the job's lines, in the job's format: one JSON object per line under systemd.
+    logs.setup_inherited()
     # The engine creates the folder's files and folders itself: none may be readable by
     # other local users, whatever the umask of the hand run that started this writer.
     os.umask(0o077)
