@@ -700,14 +700,20 @@ def test_a_worker_that_never_renews_keeps_its_deliveries_beside_supervisor_sweep
     long_running = workerman.receive(3)
     php_pids = {m.pid for m in long_running}
     runs: dict[str, Supervisor] = {}
-    for name, env in (("killed", {"E2E_HANG_ALWAYS": "1"}), ("living", {})):
+
+    def start(name: str, **env: str) -> None:
         workdir = tmp_path / name
         workdir.mkdir()
         config = write_config(workdir, redis_url, job={"prefetch": 5},
                               supervisor={"lease": 3, "maintenance_interval": 1})
         runs[name] = Supervisor(config, workdir, redis_url, **env)
+
     try:
-        wait_for(lambda: lines(tmp_path / "killed" / "started"), 20, "the hanging handler")
+        # The doomed one first: started together, the living one could take every message
+        # before the other's first receive on a loaded machine, leaving it nothing to hold.
+        start("killed", E2E_HANG_ALWAYS="1")
+        wait_for(lambda: lines(tmp_path / "killed" / "started"), 30, "the hanging handler")
+        start("living")
         lapsed_at = server_s(client)
         wait_for(lambda: not client.exists(*(k.claim(pid) for pid in php_pids)), 10,
                  "the Workerman worker's claims to lapse")
