@@ -287,6 +287,12 @@ def verdict(
     return Candidate(REQUEUE, pid, owner, requeued, marker)
 
 
+def token_prefix(token: str) -> str | None:
+    """The registry prefix an owner token (32 lowercase hex) starts with; None for any other
+    text (a previous-format ``<consumer>:<nonce>`` token, or garbage)."""
+    return token[:PREFIX_HEX] if _TOKEN.fullmatch(token) else None
+
+
 async def holders(client: Any, keys: QueueKeys, owners: Iterable[bytes]) -> dict[bytes, str]:
     """The owner tokens known to be our supervisors', each LIVE or GONE; the others are left
     out (queue 5's rule applies to them). A token is ours if it starts with a prefix in the
@@ -297,8 +303,8 @@ async def holders(client: Any, keys: QueueKeys, owners: Iterable[bytes]) -> dict
     by_legacy: dict[str, list[bytes]] = {}
     for token in set(owners):
         text = _text(token)
-        if _TOKEN.fullmatch(text):
-            by_prefix.setdefault(text[:PREFIX_HEX], []).append(token)
+        if (prefix := token_prefix(text)) is not None:
+            by_prefix.setdefault(prefix, []).append(token)
         elif ":" in text:
             by_legacy.setdefault(text.rpartition(":")[0], []).append(token)
     consumers: dict[str, list[bytes]] = {}  # record key -> tokens

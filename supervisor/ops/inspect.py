@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
-from broker.redis.recovery import PREFIX_HEX
+from broker.redis.recovery import token_prefix
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -29,6 +29,12 @@ class Found:
 
     count: int = 0
     names: list[str] = field(default_factory=list)
+
+    def add(self, name: str, show: int) -> None:
+        """Count ``name``; keep it if fewer than ``show`` are kept."""
+        self.count += 1
+        if len(self.names) < show:
+            self.names.append(name)
 
 
 @dataclass(slots=True)
@@ -61,9 +67,7 @@ async def scan_prefix(client: Any, prefix: str, show: int = SHOW) -> Found:
     """Every key that starts with ``prefix`` (counted), the first ``show`` by name."""
     found = Found()
     async for key in client.scan_iter(match=glob_escape(prefix) + "*", count=SCAN_COUNT):
-        found.count += 1
-        if len(found.names) < show:
-            found.names.append(_text(key))
+        found.add(_text(key), show)
     found.names.sort()
     return found
 
@@ -97,7 +101,7 @@ async def our_prefixes(client: Any, keys: QueueKeys) -> set[str]:
 def is_ours(token: str, prefixes: set[str]) -> bool:
     """A token of one of our supervisors: a registered prefix, or the previous format's
     ``<consumer>:<nonce>`` (PHP writes 32 hex only)."""
-    return token[:PREFIX_HEX] in prefixes or ":" in token
+    return token_prefix(token) in prefixes or ":" in token
 
 
 def _split(found: Found, prefix: str, ours: set[str], others: Found, show: int) -> Found:
@@ -105,10 +109,7 @@ def _split(found: Found, prefix: str, ours: set[str], others: Found, show: int) 
     ``others``."""
     mine = Found()
     for name in found.names:
-        target = mine if is_ours(name[len(prefix):], ours) else others
-        target.count += 1
-        if len(target.names) < show:
-            target.names.append(name)
+        (mine if is_ours(name[len(prefix):], ours) else others).add(name, show)
     return mine
 
 
@@ -123,10 +124,7 @@ async def owner_records(
         for name, token in zip(chunk, await client.mget(chunk), strict=True):
             if token is None:
                 continue  # settled meanwhile
-            target = mine if is_ours(_text(token), ours) else others
-            target.count += 1
-            if len(target.names) < show:
-                target.names.append(name)
+            (mine if is_ours(_text(token), ours) else others).add(name, show)
     return mine
 
 
@@ -145,9 +143,7 @@ async def stale_registrations(client: Any, keys: QueueKeys, show: int = SHOW) ->
             pipe.llen(key)
         for (key, score), length in zip(batch, await pipe.execute(), strict=True):
             if length or deadline_in_ms(score) <= now_ms:
-                found.count += 1
-                if len(found.names) < show:
-                    found.names.append(_text(key))
+                found.add(_text(key), show)
     return found
 
 
