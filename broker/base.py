@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from broker.failure import Failure
+
 #: No broker operation moves or settles more than this many messages in one call.
 MAX_BATCH = 1000
 
@@ -85,6 +87,7 @@ class Settlement:
     action: Action
     delivery: Delivery
     error: str | None = None
+    failure: Failure | None = None  # the structured error of a failed run, when known
 
 
 @dataclass(slots=True, frozen=True)

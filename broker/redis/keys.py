@@ -27,6 +27,9 @@ supervisors use (16 hex, one per supervisor run) -> ``"<last renewal, unix s> <c
 an owner token starting with a registered prefix is known to be ours, and it is ours *and
 dead* once that supervisor's record has expired (``broker.redis.recovery``). Queue 5 never
 reads either key; where they are missing, queue 5's recovery rule applies.
+``supervisor-errors.{q}.{pid}`` is this project's failure record of a failed or dead pid
+(``broker.failure``), and ``supervisor-delayed.{q}`` a sorted set of the envelopes of
+retries waiting for their backoff, scored by when they are due: queue 5 reads neither.
 ``consumers.{q}.{consumer id}`` was the previous format's heartbeat: only ``check`` reads it.
 """
 
@@ -115,6 +118,15 @@ class QueueKeys:
 
     def supervisor(self, consumer_id: str) -> str:
         return f"{self._key('supervisors')}.{consumer_id}"
+
+    def error(self, pid: str) -> str:
+        """This project's failure record of a failed or dead pid (``broker.failure``)."""
+        return f"{self._key('supervisor-errors')}.{pid}"
+
+    @property
+    def delayed(self) -> str:
+        """Sorted set: envelopes of retries waiting for their backoff -> when due (unix s)."""
+        return self._key("supervisor-delayed")
 
     @property
     def supervisor_tokens(self) -> str:

@@ -1,0 +1,119 @@
+"""Why a run of a job failed, kept where an operator can read it later.
+
+A handler's exception becomes a ``Failure`` in the handler process (class, message, where,
+a bounded traceback), travels to the supervisor on the ring, is logged with the outcome,
+and is kept beside the job when the job stops retrying:
+
+- Redis: ``{ns}.supervisor-errors.{q}.{pid}`` (``QueueKeys.error``) holds ``encode()``'s
+  JSON while the pid is in the failed or dead list, with the job record's expiry. Queue 5
+  never reads the key; it is written in the same script that moves the pid, and deleted
+  when the job leaves the list (retry, delete).
+- NATS: the dead-letter copy carries ``encode()`` in the header ``NATS_HEADER``.
+
+The record is one JSON object of bounded size, so a listing of a thousand failed jobs reads
+at most a few megabytes whatever the handlers raised. ``decode`` accepts what an older or
+newer version wrote (unknown fields are ignored, missing ones take their defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import orjson
+
+#: The header of a NATS dead-letter copy that holds the failure record.
+NATS_HEADER = "Supervisor-Failure"
+
+#: Bounds of each text field, in UTF-8 bytes: the message and the traceback's last lines
+#: are what an operator reads; a handler that raises a 10 MB message must not fill Redis.
+MAX_MESSAGE_BYTES = 2048
+MAX_WHERE_BYTES = 512
+MAX_TRACEBACK_BYTES = 8192
+#: No encoded record is longer (the bounds above plus the fixed fields, JSON-escaped).
+MAX_RECORD_BYTES = 6 * (MAX_MESSAGE_BYTES + MAX_WHERE_BYTES + MAX_TRACEBACK_BYTES) + 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failed run: what was raised, where, and what became of the job."""
+
+    error: str  # the exception's class, qualified outside builtins ("mymod.Timeout")
+    message: str = ""  # str(exception), cut to MAX_MESSAGE_BYTES
+    where: str = ""  # "path.py:123 in handle": the innermost frame that raised
+    traceback: str = ""  # formatted traceback, its last MAX_TRACEBACK_BYTES kept
+    attempt: int = 0  # which run failed, counted from 1 (0: unknown)
+    at: float = 0.0  # when, unix seconds
+    outcome: str = ""  # "retrying", "failed" or "dead"
+    consumer: str = ""  # the supervisor that ran it (its consumer id)
+
+    @classmethod
+    def from_text(cls, text: str | None, **extra: Any) -> Failure:
+        """A failure known only by a line of text ("worker lost: killed by signal 9")."""
+        error, _, message = (text or "unknown error").partition(": ")
+        if not message or " " in error:
+            error, message = "Error", text or "unknown error"
+        return cls(error=error, message=message, **extra).bounded()
+
+    def bounded(self) -> Failure:
+        """This failure with every text field cut to its bound (on a character boundary;
+        the traceback keeps its end, where the raising line is)."""
+        return Failure(
+            error=_head(self.error, MAX_WHERE_BYTES),
+            message=_head(self.message, MAX_MESSAGE_BYTES),
+            where=_head(self.where, MAX_WHERE_BYTES),
+            traceback=_tail(self.traceback, MAX_TRACEBACK_BYTES),
+            attempt=self.attempt, at=self.at, outcome=self.outcome,
+            consumer=_head(self.consumer, MAX_WHERE_BYTES),
+        )
+
+    def replace(self, **changes: Any) -> Failure:
+        values: dict[str, Any] = {name: getattr(self, name) for name in _FIELDS}
+        values.update(changes)
+        return Failure(**values)
+
+    @property
+    def summary(self) -> str:
+        """One line: "ValueError: bad input" (what logs and listings show)."""
+        return f"{self.error}: {self.message}" if self.message else self.error
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self.bounded()))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> Failure:
+        """Raises ValueError for anything that is not a JSON object with a string ``error``."""
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError as error:
+            raise ValueError(f"not a failure record: {error}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("error"), str):
+            raise ValueError("not a failure record: no error class")
+        known: dict[str, Any] = {}
+        for name, kind in _FIELDS.items():
+            item = value.get(name)
+            if isinstance(item, kind) and not isinstance(item, bool):
+                known[name] = item
+            elif kind is float and isinstance(item, int) and not isinstance(item, bool):
+                known[name] = float(item)
+        return cls(**known).bounded()
+
+
+_FIELDS: dict[str, type] = {
+    field.name: {"str": str, "int": int, "float": float}[str(field.type)]
+    for field in fields(Failure)
+}
+
+
+def _head(text: str, limit: int) -> str:
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    return data[:limit].decode("utf-8", "ignore")
+
+
+def _tail(text: str, limit: int) -> str:
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    return data[-limit:].decode("utf-8", "ignore")
