@@ -5,7 +5,9 @@ The consumer's info gives what waits (``num_pending``), what is held unacknowled
 (``num_ack_pending``) and what was redelivered; the dead stream's message count the dead
 letters; the work stream's first timestamp the oldest ready age. A request nobody answers
 (503 "no responders", or no reply in time on a live connection) means the JetStream API
-has no leader for the queue now: a cluster electing one, or one that lost its quorum.
+has no leader for the queue now: a cluster electing one, or one that lost its quorum; so
+does an answer whose replicated group names no leader (a server left without a quorum
+answers stream info that way).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from broker.gauges import QueueGauges
 from broker.nats import api
 from broker.nats.broker import NatsBroker
 from broker.nats.conn import ConnectionLost, RequestTimeout
+from broker.nats.link import NotReady, Unavailable
 
 
 class Leaderless(BrokerError):
@@ -49,7 +52,14 @@ async def sample(broker: NatsBroker) -> QueueGauges:
 
 
 async def _info(broker: NatsBroker, subject: str) -> dict[str, Any]:
-    conn = await broker._link.current(broker._timeout)
+    try:
+        conn = await broker._link.current(broker._timeout)
+    except Unavailable as error:
+        # A new connection is made, then prepared with the same API requests: when a
+        # server answered but the API did not, it is the leader that is missing.
+        if isinstance(error.last, (RequestTimeout, NotReady)):
+            raise Leaderless(str(error)) from error
+        raise
     try:
         reply = await conn.request(subject, b"{}", timeout=broker._timeout)
     except RequestTimeout as error:
@@ -65,6 +75,11 @@ async def _info(broker: NatsBroker, subject: str) -> dict[str, Any]:
     refused = info.get("error")
     if refused and refused.get("code") != 404:  # a dead stream not made yet: no dead letters
         raise BrokerError(f"{subject}: {refused.get('description') or refused}")
+    cluster = info.get("cluster")
+    if cluster and cluster.get("replicas") and not cluster.get("leader"):
+        # A replicated group answered by a server that knows it has no leader (a quorum
+        # lost): the figures are that server's, not the group's.
+        raise Leaderless(f"{subject}: the group has no leader")
     return info
 
 
