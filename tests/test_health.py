@@ -154,3 +154,24 @@ def test_the_endpoint_answers_503_with_the_reason_when_stalled_or_not_ready():
         assert get(served.port, "/healthz") == (200, "ok\n")
     finally:
         served.close()
+
+
+def test_a_nats_supervisor_serves_the_consumer_figures(tmp_path, nats_server, supervisors):
+    from tests.test_supervisor_nats import nats_config
+    from tests.test_supervisor_nats import publish as publish_nats
+
+    publish_nats(nats_server, [{"n": n} for n in range(4)])
+    port = free_port()
+    config = nats_config(tmp_path, nats_server, handler="tests.handlers.init_flaky:handle",
+                         supervisor={"metrics_port": port})
+    supervisor = supervisors(config, INIT_FAILURES="1000")  # never ready: nothing taken
+    wait_for(lambda: figure(port, "ready_messages") == 4, 30, "the first sample")
+    found = figures(port)
+    assert found["queue_supervisor_build_info[nats]"] == 1
+    assert found["queue_supervisor_processing_messages"] == 0
+    assert found["queue_supervisor_dead_messages"] == 0
+    assert found["queue_supervisor_nats_leaderless_seconds"] == 0
+    assert found["queue_supervisor_broker_reconnects_total"] == 0
+    assert "queue_supervisor_failed_messages" not in found  # no failed list on NATS
+    assert get(port, "/readyz")[0] == 503
+    assert supervisor.process.poll() is None, supervisor.output()

@@ -158,3 +158,23 @@ def test_leaderless_time_counts_from_the_first_sample_without_a_leader():
 def test_every_gauge_is_a_field_of_the_sample(field):
     assert field in QueueGauges.__dataclass_fields__
     assert orjson.dumps(field)  # a plain name
+
+
+async def test_redis_cluster_gauges_from_the_node_of_the_queue(redis_cluster):
+    from redis.asyncio.cluster import RedisCluster
+
+    from broker.redis import RedisBroker
+
+    broker = RedisBroker(redis_cluster.url, QUEUE, namespace="{ns}", cluster=True)
+    client = RedisCluster.from_url(redis_cluster.url)
+    try:
+        await broker.connect()
+        await lpush_each(client, broker.keys.ready, fresh(QUEUE, 3))
+        await client.rpush(broker.keys.dead, "d1")
+        await broker.extend([])  # registers this supervisor in the token registry
+        sample = await redis_gauges.sample(broker)
+    finally:
+        await client.aclose()
+        await broker.close()
+    assert (sample.ready, sample.dead, sample.failed, sample.supervisors_alive) == (3, 1, 0, 1)
+    assert sample.reconnects is None  # redis-py's cluster client reconnects by itself

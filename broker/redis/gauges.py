@@ -11,6 +11,7 @@ from typing import Any
 import redis.exceptions
 
 from broker.gauges import QueueGauges
+from broker.redis import recovery
 from broker.redis.broker import RedisBroker, _broker_errors
 
 log = logging.getLogger(__name__)
@@ -29,14 +30,15 @@ async def sample(broker: RedisBroker) -> QueueGauges:
             pipe.llen(key)
         pipe.zcard(keys.delayed)
         pipe.hvals(keys.supervisor_tokens)
-        pipe.time()
-        *sizes, tokens, now = await pipe.execute(raise_on_error=False)
+        *sizes, tokens = await pipe.execute(raise_on_error=False)
         values = {name: _reading(name, size) for name, size in zip(READINGS, sizes, strict=True)}
-        alive, clock = _reading("supervisors_alive", tokens), _reading("time", now)
+        alive = _reading("supervisors_alive", tokens)
+        # The clock the registry's entries were written by (a Cluster: the queue's node).
+        now, _ = await recovery.server_time(broker.client, keys.supervisor_tokens)
         age = await broker.oldest_ready_age()
     return QueueGauges(
         **values, oldest_ready_age=age or 0.0,
-        supervisors_alive=None if alive is None or clock is None else _alive(alive, clock[0]),
+        supervisors_alive=None if alive is None else _alive(alive, now),
         reconnects=broker.reconnects, unreplicated=broker.unreplicated,
     )
 
