@@ -507,6 +507,7 @@ class Arbiter:
         """The queue gauges of the metrics endpoint, every SAMPLE_PERIOD (metrics on only)."""
         sample = gauges.sampler_of(self.broker) if self.metrics.enabled else None
         leadership = gauges.Leadership()
+        await self.first_renewal.wait()  # on Redis it registers us: "supervisors alive" counts us
         while sample is not None and not self.closed:
             try:
                 with self.metrics.timed("sample"):
