@@ -54,7 +54,7 @@ WHY = {
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
-    "zcard": "count registered reservations",
+    "zcard": "count registered reservations; the metrics: retries waiting for their backoff",
     "zrange": "list registered reservations and their deadlines",
     "pttl": "time left of a supervisor record",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
@@ -70,6 +70,7 @@ WHY = {
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
     "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
+    "hvals": "the metrics: supervisors alive (the token registry's renewal times)",
 }
 
 
@@ -101,6 +102,7 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
+    "supervisor-delayed.{q}": _fixed("delayed"),
     "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
@@ -143,6 +145,8 @@ ROLES: tuple[Role, ...] = (
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
             "strlen",
+            # the metrics' sample (broker.redis.gauges)
+            "zcard", "hvals",
         ),
         "~",
         (
@@ -150,6 +154,7 @@ ROLES: tuple[Role, ...] = (
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
+            "supervisor-delayed.{q}",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
