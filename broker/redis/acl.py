@@ -70,6 +70,8 @@ WHY = {
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
     "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
+    "lpos": "failed/dead show, and retry or delete by pid: is the pid in the list",
+    "ltrim": "poison delete: drop the oldest entries (the newest are kept)",
 }
 
 
@@ -101,6 +103,7 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
+    "supervisor-errors.{q}.*": _under(lambda keys: keys.error("")),
     "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
@@ -168,8 +171,20 @@ ROLES: tuple[Role, ...] = (
     Role(
         "retry", "python -m supervisor retry",
         ("evalsha", "script|load", "lrange", "type", "get", "strlen", "lrem", "lpush", "del"),
-        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry", "records"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records"),
     ),
+    *(Role(
+        source, f"python -m supervisor {source} (list, show, delete, retry)",
+        ("evalsha", "script|load", "llen", "lrange", "lpos", "pttl",
+         # records.lua, retry.lua, delete.lua
+         "type", "get", "strlen", "lrem", "lpush", "del"),
+        "~", (f"{source}.{{q}}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records", "delete"),
+    ) for source in ("failed", "dead")),
+    Role("poison", "python -m supervisor poison (list, show, delete)",
+         ("evalsha", "script|load", "llen", "ltrim", "type", "lrange"), "~", ("poison.{q}",),
+         ("peek",)),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
