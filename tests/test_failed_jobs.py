@@ -165,7 +165,7 @@ async def test_delete_by_pid_removes_list_entry_job_and_failure_records(conf, ru
 
     code, out = await run("failed", conf, "delete", pids[1], "gone-pid")
     assert code == 1  # one named pid was not there
-    assert f"deleted 1 failed jobs of e2e" in out and pids[1] in out
+    assert "deleted 1 failed jobs of e2e" in out and pids[1] in out
     assert "not in failed, so untouched" in out and "gone-pid" in out
     assert await listed(redis_client) == [pids[0], pids[2]]
     assert not await redis_client.exists(keys().job(pids[1]), keys().error(pids[1]))
@@ -229,7 +229,7 @@ async def test_retry_by_pid_moves_it_and_deletes_its_failure_record(conf, run, r
     assert await listed(redis_client) == pids and await redis_client.llen(keys().ready) == 0
 
     code, out = await run("failed", conf, "retry", pids[2], "--reset-attempts")
-    assert code == 0 and f"moved 1 failed jobs of e2e back to the ready list" in out
+    assert code == 0 and "moved 1 failed jobs of e2e back to the ready list" in out
     [raw] = await redis_client.lrange(keys().ready, 0, -1)
     assert (envelope.decode(raw)["pid"], envelope.decode(raw)["attempts"]) == (pids[2], 0)
     assert await listed(redis_client) == pids[:2]

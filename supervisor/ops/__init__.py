@@ -1,7 +1,8 @@
 """Operator commands: ``python -m supervisor COMMAND CONF ...`` (status, recover, retry,
-failed, dead, poison, publish, drain, check). They read and repair a queue's broker state from outside a running
-supervisor; none of them is on the hot path, so they favour clear output over speed. ``acl``
-only prints the Redis users the job and these commands need (``broker.redis.acl``)."""
+failed, dead, poison, publish, drain, check). They read and repair a queue's broker state
+from outside a running supervisor; none of them is on the hot path, so they favour clear
+output over speed. ``acl`` only prints the Redis users the job and these commands need
+(``broker.redis.acl``)."""
 
 import os
 import platform

@@ -28,8 +28,7 @@ from broker.redis.keys import QueueKeys
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
-from supervisor.ops import failed_commands
-from supervisor.ops import inspect, program_name, version
+from supervisor.ops import failed_commands, inspect, program_name, version
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry

@@ -23,7 +23,7 @@ from supervisor import exits, logs
 from supervisor.config import Config
 from supervisor.ops import failed as redis_lists
 from supervisor.ops import nats_dead
-from supervisor.ops.jobs import NAMED_AT_MOST, Job, list_lines, show_lines
+from supervisor.ops.jobs import NAMED_AT_MOST, PREVIEW_CHARS, Job, list_lines, show_lines
 from supervisor.ops.retry import retry
 
 #: Jobs a listing shows unless ``--limit`` says otherwise.
@@ -214,12 +214,15 @@ def _print_list(args: argparse.Namespace, source: str, queue: str, total: int,
                       exits.OK)
     title = f"{source} jobs of {queue}{at}: {total}, the oldest {len(jobs)} shown, oldest first"
     if source == "poison":
-        lines = [title] + [f"  {job.position}  {job.size:,} bytes  "
-                           f"{logs.clean(job.raw.decode('utf-8', 'replace') if job.raw else '', 100)}"
+        lines = [title] + [f"  {job.position}  {job.size:,} bytes  {_bytes(job.raw)}"
                            for job in jobs]
     else:
         lines = list_lines(title, jobs, time.time())
     return _print(args, {}, lines, exits.OK)
+
+
+def _bytes(raw: bytes | None) -> str:
+    return logs.clean((raw or b"").decode("utf-8", "replace"), PREVIEW_CHARS)
 
 
 def _print_show(args: argparse.Namespace, source: str, queue: str, job: Job | None,
