@@ -18,9 +18,9 @@ local MAX_ITEMS = 1000
 local source = KEYS[1]
 local n = #ARGV
 
-if n > MAX_ITEMS or #KEYS ~= 1 + 2 * n then
-  return redis.error_reply('QSARG delete needs 1 list key, then 2 keys and 1 pid per item, '
-    .. 'at most ' .. MAX_ITEMS .. ' items')
+if n < 1 or n > MAX_ITEMS or #KEYS ~= 1 + 2 * n then
+  return redis.error_reply('QSARG delete needs 1 list key, then 2 keys and 1 pid per item, 1 to '
+    .. MAX_ITEMS .. ' items')
 end
 
 -- Validate before the first write.

@@ -39,13 +39,29 @@ class Job:
     ttl_ms: int | None = None  # Redis: time left of the job record (-1: none; None: unknown)
     position: int | None = None  # poison: index from the oldest
     deliveries: int | None = None  # NATS: deliveries before it was dead-lettered, if known
+    stored_at: float | None = None  # NATS: when the dead letter was stored (unix s)
+
+    @property
+    def runs(self) -> int | None:
+        """How many times it ran, the failed run included: the failure record's count,
+        else JetStream's deliveries, else the envelope's earlier runs (queue 5 counts those
+        in ``attempts``) plus the one that failed."""
+        if self.failure is not None and self.failure.attempt:
+            return self.failure.attempt
+        if self.deliveries is not None:
+            return self.deliveries
+        decoded = self.decoded
+        return decoded["attempts"] + 1 if decoded else None
+
+    @property
+    def failed_at(self) -> float | None:
+        if self.failure is not None and self.failure.at:
+            return self.failure.at
+        return self.stored_at
 
     @property
     def attempts(self) -> int | None:
-        """Runs so far: NATS counts deliveries (the envelope's field stays as published),
-        Redis keeps the count in the envelope."""
-        if self.deliveries is not None:
-            return self.deliveries
+        """The envelope's ``attempts`` (earlier runs, as queue 5 counts them on Redis)."""
         decoded = self.decoded
         return decoded["attempts"] if decoded else None
 
@@ -79,7 +95,8 @@ class Job:
         decoded = self.decoded
         text = _text(self.raw) if self.raw is not None else None
         shown: dict[str, Any] = {
-            "pid": self.pid, "attempts": self.attempts,
+            "pid": self.pid, "attempts": self.attempts, "runs": self.runs,
+            "failed_at": self.failed_at,
             "enqueued_at": decoded.get("timestamp") if decoded else None,
             "bytes": self.size, "note": self.note or None,
             "error": _failure_dict(self.failure), "error_note": self.failure_note or None,
@@ -152,12 +169,11 @@ def list_lines(title: str, jobs: list[Job], now: float) -> list[str]:
     lines = [title]
     for job in jobs:
         decoded = job.decoded
-        attempts = "?" if job.attempts is None else job.attempts
-        failed = (when(job.failure.at, now) if job.failure and job.failure.at
-                  else "at an unknown time")
+        runs = "?" if job.runs is None else job.runs
+        failed = when(job.failed_at, now) if job.failed_at else "at an unknown time"
         where = f"seq {job.seq}  " if job.seq is not None else ""
         payload = (job.note or preview(_json(decoded["payload"])) if decoded else job.note)
-        lines.append(f"  {where}{logs.clean(job.pid or '(no pid)', 80)}  attempts {attempts}  "
+        lines.append(f"  {where}{logs.clean(job.pid or '(no pid)', 80)}  runs {runs}  "
                      f"failed {failed}  {logs.clean(job.summary(), PREVIEW_CHARS)}  "
                      f"payload {payload}")
     return lines
@@ -169,8 +185,12 @@ def show_lines(what: str, job: Job, now: float) -> list[str]:
     lines = [f"{what} {logs.clean(job.pid or '(no pid)', 200)}"]
     if job.seq is not None:
         lines.append(f"  stream seq   {job.seq}")
-    if job.attempts is not None:
-        lines.append(f"  attempts     {job.attempts}")
+    if job.runs is not None:
+        lines.append(f"  runs         {job.runs} (envelope attempts {job.attempts})"
+                     if job.deliveries is None and job.attempts is not None
+                     else f"  runs         {job.runs}")
+    if job.stored_at:
+        lines.append(f"  dead since   {when(job.stored_at, now)}")
     if decoded:
         lines.append(f"  enqueued     {when(float(decoded['timestamp']), now)}")
     lines.append(f"  record       {job.size:,} bytes{_ttl(job.ttl_ms)}")

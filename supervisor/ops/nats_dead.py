@@ -174,5 +174,6 @@ def _letter(msg: Any) -> Letter:
         note = headers[REASON_HEADER]
     attempts = headers.get(ATTEMPTS_HEADER, "")
     return Letter(Job(pid=pid, raw=raw, size=len(raw), failure=failure, failure_note=note,
-                      seq=msg.seq, deliveries=int(attempts) if attempts.isdigit() else None),
+                      seq=msg.seq, deliveries=int(attempts) if attempts.isdigit() else None,
+                      stored_at=msg.time.timestamp() if msg.time else None),
                   headers)
