@@ -178,3 +178,20 @@ async def test_a_publish_that_fails_keeps_the_dead_letter(conf, run, nats_broker
 async def test_poison_is_refused_on_nats(conf, capsys):
     assert await asyncio.to_thread(cli.main, ["poison", conf, "list"]) == 2
     assert "use dead" in capsys.readouterr().err
+
+
+async def test_two_retries_of_the_same_dead_letter_at_once_publish_it_once(nats_server,
+                                                                          nats_brokers, js):
+    await bury(nats_brokers, 1)
+    import nats
+
+    clients = [await nats.connect(nats_server.url) for _ in range(2)]
+    try:
+        streams = [nats_dead.DeadStream(c.jetstream(), NAMES) for c in clients]
+        [letter] = [letter async for letter in streams[0].letters()]
+        outcomes = await asyncio.gather(*(s.redrive(letter) for s in streams))
+    finally:
+        for client in clients:
+            await client.close()
+    assert True in outcomes  # one published; the other found it gone or deduplicated
+    assert await work_messages(js) == 1 and await dead_pids(js) == []

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from broker import envelope
 from broker.failure import NATS_HEADER
@@ -41,6 +41,8 @@ REQUEST_TIMEOUT = 5.0
 REASON_HEADER = "Queue-Reason"
 ATTEMPTS_HEADER = "Queue-Attempts"
 CONTENT_TYPE = "Content-Type"
+#: JetStream's error code for STREAM.MSG.DELETE of a sequence that holds no message.
+NO_MESSAGE_FOUND = 10057
 
 
 @dataclass(slots=True)
@@ -126,6 +128,10 @@ class DeadStream:
             return bool(await self.js.delete_msg(self.names.dead_stream, letter.job.seq))
         except NotFoundError:
             return False
+        except APIError as error:  # the server answers a deleted sequence with a 500
+            if error.err_code == NO_MESSAGE_FOUND:
+                return False
+            raise
 
     async def redrive(self, letter: Letter) -> bool | None:
         """Publish it to the work subject (acknowledged), then delete the dead letter.
