@@ -41,7 +41,7 @@ HELP = {
 
 
 class UsageError(Exception):
-    """A command line that names nothing to act on."""
+    """A command line that names nothing to act on, or a list this broker does not have."""
 
 
 # -- entry points -----------------------------------------------------------------------------
@@ -62,10 +62,10 @@ async def poison(config: Config, args: argparse.Namespace) -> int:
 async def _run(config: Config, args: argparse.Namespace, source: str) -> int:
     if config.broker.kind == "nats":
         if source == "poison":
-            raise _unsupported()(f"poison is a Redis list; NATS parks undecodable messages in "
-                                 f"the dead stream: use dead ({config.broker.safe_url})")
+            raise UsageError(f"poison is a Redis list; NATS parks undecodable messages in the "
+                             f"dead stream: use dead ({config.broker.safe_url})")
         return await _nats(config, args, source)
-    from supervisor.ops.commands import redis_broker
+    from supervisor.ops.commands import redis_broker  # (commands imports this module)
 
     async with redis_broker(config, source) as broker:
         return await _redis(config, args, source, broker)
@@ -76,12 +76,6 @@ async def nats_retry(config: Config, args: argparse.Namespace) -> int:
     redrive = argparse.Namespace(action="retry", pids=[], count=args.limit, all=False,
                                  dry_run=False, json=False, reset_attempts=True)
     return await _nats(config, redrive, args.source)
-
-
-def _unsupported() -> type[Exception]:
-    from supervisor.ops.commands import Unsupported
-
-    return Unsupported
 
 
 # -- Redis ------------------------------------------------------------------------------------
@@ -307,7 +301,8 @@ def add_arguments(parser: argparse.ArgumentParser, source: str, positive: Any) -
         sub.add_argument("--dry-run", action="store_true", help="say what would change")
         if action == "retry":
             sub.add_argument("--reset-attempts", action="store_true",
-                             help="start them again at attempts 0 (default: attempts + 1)")
+                             help="start them again at attempts 0 (default: attempts + 1; "
+                                  "NATS: always afresh, JetStream counts deliveries)")
     for sub in (listing, show, *(actions.choices[a] for a in ACTIONS[source][2:])):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
 
