@@ -249,6 +249,9 @@ async def test_retry_by_count_from_dead_and_the_old_command_deletes_records(
     code, out = await run("dead", conf, "retry", "--count", "2", "--json")
     assert code == 0 and orjson.loads(out)["pids"] == pids[:2]
     assert await listed(redis_client, "dead") == pids[2:]
+    code, out = await run("retry", conf, "--from", "dead", "--dry-run")
+    assert code == 0 and "would move (dry run, nothing changed) 1 dead jobs" in out
+    assert await listed(redis_client, "dead") == pids[2:]
     code, out = await run("retry", conf, "--from", "dead")  # the command as before
     assert code == 0 and "moved 1 dead jobs" in out
     assert not await redis_client.exists(*(keys().error(pid) for pid in pids))

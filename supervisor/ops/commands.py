@@ -90,10 +90,11 @@ async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
         report = await retry(
             broker.client, broker.scripts, broker.keys, source=args.source,
             limit=args.limit, reset_attempts=args.reset_attempts,
-            max_record_bytes=config.supervisor.envelope_limit(),
+            max_record_bytes=config.supervisor.envelope_limit(), dry_run=args.dry_run,
         )
     attempts = "reset to 0" if args.reset_attempts else "+ 1, as queue 5 retries"
-    print(f"moved {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
+    moved = "would move (dry run, nothing changed)" if args.dry_run else "moved"
+    print(f"{moved} {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
           f"list (attempts {attempts})")
     if report.expired:
         print(f"dropped {report.expired} pids whose job record had expired (job_ttl)")
@@ -343,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the list to take them from (default failed)")
     sub["retry"].add_argument("--reset-attempts", action="store_true",
                               help="start them again at attempts 0 (default: keep attempts)")
+    sub["retry"].add_argument("--dry-run", action="store_true", help="say what would move")
     for name in failed_commands.ACTIONS:
         failed_commands.add_arguments(sub[name], name, _positive)
     sub["publish"].add_argument("file", nargs="?", help="JSON-lines file (default: stdin)")

@@ -74,7 +74,7 @@ async def _run(config: Config, args: argparse.Namespace, source: str) -> int:
 async def nats_retry(config: Config, args: argparse.Namespace) -> int:
     """The ``retry`` command on NATS: the oldest ``--limit`` dead letters back to work."""
     redrive = argparse.Namespace(action="retry", pids=[], count=args.limit, all=False,
-                                 dry_run=False, json=False, reset_attempts=True)
+                                 dry_run=args.dry_run, json=False, reset_attempts=True)
     return await _nats(config, redrive, args.source)
 
 
