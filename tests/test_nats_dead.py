@@ -75,8 +75,9 @@ async def test_list_and_show_read_the_dead_stream(conf, run, nats_brokers, js):
     php_pid, raw = envelope.build(QUEUE, {"from": "php", "bidi": BIDI + "x" * 100_000})
     await js.publish(NAMES.dead_subject, raw)  # as queue 5 parks it: no header
     failure = Failure(error="ValueError", message="bad input", where="jobs.py:3 in handle",
-                      traceback="Traceback ...\nValueError: bad input", attempt=1,
-                      at=1_700_000_000.0, outcome="dead")
+                      traceback="Traceback ...\n" + "  Ünïcode frame\n" * 1000
+                      + "ValueError: bad input", attempt=1, at=1_700_000_000.0,
+                      outcome="dead")
     recorded, raw = envelope.build(QUEUE, {"n": "recorded"})
     await js.publish(NAMES.dead_subject, raw, headers={NATS_HEADER: failure.encode().decode()})
     await js.publish(NAMES.dead_subject, b"{not json")
@@ -98,7 +99,10 @@ async def test_list_and_show_read_the_dead_stream(conf, run, nats_brokers, js):
     assert code == 0 and state["total"] == 5 and [j["pid"] for j in state["jobs"]] == pids[:1]
 
     code, out = await run("dead", conf, "show", recorded)
-    assert code == 0 and "jobs.py:3 in handle" in out and "Traceback ..." in out
+    assert code == 0 and "jobs.py:3 in handle" in out and "ValueError: bad input" in out
+    assert "  Ünïcode frame" in out  # a header value that is not ASCII, read as UTF-8
+    code, out = await run("dead", conf, "show", recorded, "--json")
+    assert orjson.loads(out)["error"]["traceback"] == failure.bounded().traceback
     assert "stream seq   4" in out
     code, out = await run("dead", conf, "show", "seq:5", "--json")
     assert code == 0 and orjson.loads(out)["envelope"] == "{not json"
@@ -187,7 +191,7 @@ async def test_two_retries_of_the_same_dead_letter_at_once_publish_it_once(nats_
 
     clients = [await nats.connect(nats_server.url) for _ in range(2)]
     try:
-        streams = [nats_dead.DeadStream(c.jetstream(), NAMES) for c in clients]
+        streams = [nats_dead.DeadStream(c, NAMES) for c in clients]
         [letter] = [letter async for letter in streams[0].letters()]
         outcomes = await asyncio.gather(*(s.redrive(letter) for s in streams))
     finally:

@@ -20,20 +20,25 @@ Naming a pid scans the dead stream (one request per message), as does ``--all``.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import datetime
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from nats.js.errors import APIError, NotFoundError
 
 from broker import envelope
+from broker.base import BrokerError
 from broker.failure import NATS_HEADER
+from broker.nats import api
 from broker.nats.broker import _header_token
 from broker.nats.setup import QueueNames
 from supervisor.config import Config
 from supervisor.ops.jobs import Job, read_failure
-from supervisor.ops.nats_status import CONNECT_TIMEOUT, connected
+from supervisor.ops.nats_status import connected
 
 #: Seconds for each JetStream API call and publish.
 REQUEST_TIMEOUT = 5.0
@@ -68,8 +73,9 @@ class Moved:
 class DeadStream:
     """The queue's dead stream, on one connection."""
 
-    def __init__(self, js: Any, names: QueueNames) -> None:
-        self.js, self.names = js, names
+    def __init__(self, client: Any, names: QueueNames) -> None:
+        self.client, self.names = client, names
+        self.js = client.jetstream(timeout=REQUEST_TIMEOUT)
 
     async def info(self) -> Any:
         try:
@@ -96,14 +102,27 @@ class DeadStream:
             seq = (letter.job.seq or seq) + 1
 
     async def get(self, seq: int, nearest: bool = False) -> Letter | None:
-        """The dead letter at ``seq`` (``nearest``: the first from there), or None."""
+        """The dead letter at ``seq`` (``nearest``: the first from there), or None.
+
+        A plain STREAM.MSG.GET, its headers parsed here: nats-py's parser (an email parser)
+        mangles header values that are not ASCII, as a failure record's message may be."""
+        body: dict[str, Any] = {"seq": seq}
+        if nearest:
+            body["next_by_subj"] = self.names.dead_subject
+        reply = await self.client.request(api.stream_msg_get(self.names.dead_stream),
+                                          orjson.dumps(body), timeout=REQUEST_TIMEOUT)
         try:
-            msg = await self.js.get_msg(self.names.dead_stream, seq=seq,
-                                        subject=self.names.dead_subject if nearest else None,
-                                        next=nearest)
-        except NotFoundError:
+            answer = orjson.loads(reply.data)
+        except orjson.JSONDecodeError:
+            raise BrokerError(f"unexpected JetStream reply reading {self.names.dead_stream} "
+                              f"seq {seq}: {reply.data[:200]!r}") from None
+        error = answer.get("error")
+        if error and error.get("code") == 404:
             return None
-        return _letter(msg)
+        if error:
+            raise BrokerError(f"reading {self.names.dead_stream} seq {seq}: "
+                              f"{error.get('description')} (code {error.get('code')})")
+        return _letter(answer["message"])
 
     async def find(self, selectors: Sequence[str]) -> tuple[list[Letter], list[str]]:
         """The dead letters named by pid (every copy) or ``seq:N``; the selectors that
@@ -154,8 +173,7 @@ class DeadStream:
 @contextlib.asynccontextmanager
 async def dead_stream(config: Config, command: str) -> AsyncIterator[DeadStream]:
     async with connected(config, command) as client:
-        yield DeadStream(client.jetstream(timeout=max(REQUEST_TIMEOUT, CONNECT_TIMEOUT)),
-                         QueueNames.of(config.job.queue))
+        yield DeadStream(client, QueueNames.of(config.job.queue))
 
 
 def is_seq(selector: str) -> bool:
@@ -167,9 +185,10 @@ def name(job: Job) -> str:
     return job.pid or f"seq:{job.seq}"
 
 
-def _letter(msg: Any) -> Letter:
-    raw = msg.data or b""
-    headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+def _letter(stored: dict[str, Any]) -> Letter:
+    """A STREAM.MSG.GET answer's message: data and headers base64, time RFC 3339."""
+    raw = base64.b64decode(stored.get("data") or "")
+    headers = parse_headers(base64.b64decode(stored.get("hdrs") or ""))
     try:
         pid = envelope.decode_nats(raw, None)["pid"]
     except (envelope.MalformedEnvelope, ValueError):
@@ -180,6 +199,22 @@ def _letter(msg: Any) -> Letter:
         note = headers[REASON_HEADER]
     attempts = headers.get(ATTEMPTS_HEADER, "")
     return Letter(Job(pid=pid, raw=raw, size=len(raw), failure=failure, failure_note=note,
-                      seq=msg.seq, deliveries=int(attempts) if attempts.isdigit() else None,
-                      stored_at=msg.time.timestamp() if msg.time else None),
-                  headers)
+                      seq=stored.get("seq"), stored_at=_unix(stored.get("time")),
+                      deliveries=int(attempts) if attempts.isdigit() else None), headers)
+
+
+def parse_headers(block: bytes) -> dict[str, str]:
+    """A ``NATS/1.0`` header block as UTF-8 (the first value of a repeated name)."""
+    headers: dict[str, str] = {}
+    for line in block.decode("utf-8", "replace").split("\r\n")[1:]:
+        name, colon, value = line.partition(":")
+        if colon and name.strip():
+            headers.setdefault(name.strip(), value.strip())
+    return headers
+
+
+def _unix(stamp: Any) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(stamp).timestamp() if stamp else None
+    except (TypeError, ValueError):
+        return None
