@@ -186,8 +186,9 @@ def show_lines(what: str, job: Job, now: float) -> list[str]:
     if job.seq is not None:
         lines.append(f"  stream seq   {job.seq}")
     if job.runs is not None:
+        # On Redis the envelope counts earlier runs (queue 5); on NATS it stays as published.
         lines.append(f"  runs         {job.runs} (envelope attempts {job.attempts})"
-                     if job.deliveries is None and job.attempts is not None
+                     if job.seq is None and job.attempts is not None
                      else f"  runs         {job.runs}")
     if job.stored_at:
         lines.append(f"  dead since   {when(job.stored_at, now)}")
