@@ -199,3 +199,12 @@ async def test_two_retries_of_the_same_dead_letter_at_once_publish_it_once(nats_
             await client.close()
     assert True in outcomes  # one published; the other found it gone or deduplicated
     assert await work_messages(js) == 1 and await dead_pids(js) == []
+
+
+async def test_json_reports_name_what_redis_reports_name(conf, run, nats_brokers):
+    _, pids = await bury(nats_brokers, 2)
+    code, out = await run("dead", conf, "delete", pids[0], "--json")
+    assert code == 0 and orjson.loads(out)["deleted"] == 1
+    assert orjson.loads(out)["pids"] == pids[:1]
+    code, out = await run("dead", conf, "retry", "--all", "--json")
+    assert code == 0 and orjson.loads(out)["moved"] == 1 and orjson.loads(out)["missing"] == []

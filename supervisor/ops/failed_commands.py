@@ -154,7 +154,7 @@ async def _nats(config: Config, args: argparse.Namespace, source: str) -> int:
                 gone = not args.dry_run and not await stream.delete(letter)
                 (report.missing if gone else report.done).append(nats_dead.name(letter.job))
             return _print_delete(args, source, queue, report.done, report.missing,
-                                 report.as_dict(), where)
+                                 report.as_dict("deleted"), where)
         for letter in letters:
             await _redrive(stream, letter, report, args.dry_run)
         return _print_redrive(args, source, queue, stream.names, report)
@@ -192,7 +192,7 @@ def _print_redrive(args: argparse.Namespace, source: str, queue: str, names: Any
     lines += _missing(f"{source} ({names.dead_stream})", report.missing)
     left = report.missing or report.malformed
     return _print(args, {"queue": queue, "list": source, "stream": names.dead_stream,
-                         "dry_run": args.dry_run, **report.as_dict()}, lines,
+                         "dry_run": args.dry_run, **report.as_dict("moved")}, lines,
                   exits.LEFT if left else exits.OK)
 
 

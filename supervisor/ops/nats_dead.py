@@ -65,9 +65,11 @@ class Moved:
     malformed: list[str] = field(default_factory=list)  # retry: no envelope to publish
     duplicates: int = 0  # retry: the work stream already had this re-drive (msg id)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"done": len(self.done), "pids": self.done, "missing": self.missing,
-                "malformed": self.malformed, "duplicates": self.duplicates}
+    def as_dict(self, done: str) -> dict[str, Any]:
+        """As Redis reports it (``done``: "moved" or "deleted"), plus what NATS adds."""
+        return {done: len(self.done), "pids": self.done, "missing": self.missing,
+                "malformed": len(self.malformed), "undecodable": self.malformed,
+                "duplicates": self.duplicates}
 
 
 class DeadStream:
