@@ -8,6 +8,9 @@ the dead subject as a PHP queue-5 worker parks them (the bytes, no header).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 from pathlib import Path
 
 import orjson
@@ -20,7 +23,8 @@ from broker.nats.setup import QueueNames
 from supervisor import cli
 from supervisor.ops import nats_dead
 from support.brokers import receive_all
-from support.supervision import QUEUE, write_config
+from support.supervision import QUEUE, ROOT, write_config
+from support.waiting import until
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
@@ -208,3 +212,45 @@ async def test_json_reports_name_what_redis_reports_name(conf, run, nats_brokers
     assert orjson.loads(out)["pids"] == pids[:1]
     code, out = await run("dead", conf, "retry", "--all", "--json")
     assert code == 0 and orjson.loads(out)["moved"] == 1 and orjson.loads(out)["missing"] == []
+
+
+async def stream_pids(js, stream: str, subject: str) -> list[str]:
+    """The pids of a stream's messages on ``subject``, oldest first."""
+    info = await js.stream_info(stream)
+    found, seq = [], info.state.first_seq
+    while info.state.messages and seq <= info.state.last_seq:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except Exception:
+            break
+        found.append(envelope.decode(msg.data)["pid"])
+        seq = msg.seq + 1
+    return found
+
+
+@pytest.mark.timeout(180)
+async def test_a_retry_killed_midway_loses_nothing_and_a_rerun_publishes_each_once(
+        conf, run, nats_brokers, js):
+    """SIGKILL while ``dead retry --all`` re-drives: every job is in work, dead or both;
+    running it again empties dead and leaves each job in work once (the message ids)."""
+    _, pids = await bury(nats_brokers, 400)
+    env = {k: v for k, v in os.environ.items() if k != "QUEUE_BROKER_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "supervisor", "dead", conf, "retry", "--all", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        await until(lambda: work_messages(js), 60, "the first re-driven message")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+    work = await stream_pids(js, NAMES.stream, NAMES.subject)
+    dead = await stream_pids(js, NAMES.dead_stream, NAMES.dead_subject)
+    assert set(work) | set(dead) == set(pids)  # nothing lost
+    assert len(work) == len(set(work))
+
+    code, _ = await run("dead", conf, "retry", "--all")
+    assert code == 0
+    assert await stream_pids(js, NAMES.dead_stream, NAMES.dead_subject) == []
+    assert sorted(await stream_pids(js, NAMES.stream, NAMES.subject)) == sorted(pids)
