@@ -316,3 +316,22 @@ async def test_failed_commands_on_a_redis_cluster(tmp_path, run, redis_cluster):
         assert not await client.exists(qk.error(pids[1]), qk.error(pids[2]))
     finally:
         await client.aclose()
+
+
+async def test_count_and_all_go_past_one_script_call_of_1000(conf, run, redis_client):
+    pipe = redis_client.pipeline(transaction=False)
+    pids = []
+    for n in range(2500):
+        pid, raw = envelope.build(QUEUE, {"n": n})
+        pipe.set(keys().job(pid), raw)
+        pipe.set(keys().error(pid), Failure(error="E").encode())
+        pipe.lpush(keys().failed, pid)
+        pids.append(pid)
+    await pipe.execute()
+    code, out = await run("failed", conf, "retry", "--count", "1200", "--json")
+    assert code == 0 and orjson.loads(out)["pids"] == pids[:1200]
+    code, out = await run("failed", conf, "delete", "--all")
+    assert code == 0 and "deleted 1300 failed jobs" in out and "... and 1280 more" in out
+    assert await redis_client.llen(keys().failed) == 0
+    assert await redis_client.llen(keys().ready) == 1200
+    assert not await redis_client.exists(*(keys().error(pid) for pid in pids))

@@ -117,14 +117,6 @@ async def peek(scripts: Scripts, key: str, start: int, count: int, limit: int) -
     return jobs
 
 
-async def select(client: Any, keys: QueueKeys, source: str, count: int | None) -> list[str]:
-    """The oldest ``count`` pids of the list (None: all it holds now)."""
-    key = list_key(keys, source)
-    if count is None:
-        count = await client.llen(key)
-    return await oldest(client, key, count)
-
-
 async def delete(
     client: Any, scripts: Scripts, keys: QueueKeys, source: str, pids: Sequence[str],
     dry_run: bool = False,
@@ -145,6 +137,28 @@ async def delete(
         statuses = await scripts.call("delete", script_keys, chunk)
         for pid, status in zip(chunk, statuses, strict=True):
             (report.deleted if _text(status) == "ok" else report.missing).append(pid)
+    return report
+
+
+async def delete_oldest(
+    client: Any, scripts: Scripts, keys: QueueKeys, source: str, count: int | None,
+    dry_run: bool = False,
+) -> DeleteReport:
+    """Delete the oldest ``count`` pids (None: as many as the list holds now), a window of
+    at most 1,000 at a time: each window leaves the list whole (deleted here, or by someone
+    else meanwhile), so the next one starts at the tail again and no pid list is built."""
+    key = list_key(keys, source)
+    if count is None:
+        count = await client.llen(key)
+    if dry_run:
+        return DeleteReport(deleted=await oldest(client, key, count))
+    report, seen = DeleteReport(), 0
+    while seen < count:
+        window = await oldest(client, key, min(MAX_BATCH, count - seen))
+        if not window:
+            break
+        report.deleted += (await delete(client, scripts, keys, source, window)).deleted
+        seen += len(window)  # a pid someone else took meanwhile was not named: not missing
     return report
 
 

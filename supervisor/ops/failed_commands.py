@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+from broker.base import MAX_BATCH
 from supervisor import exits, logs
 from supervisor.config import Config
 from supervisor.ops import failed as redis_lists
@@ -97,21 +99,28 @@ async def _redis(config: Config, args: argparse.Namespace, source: str, broker: 
         if args.pids:
             raise UsageError("poison delete takes --count N or --all (its entries have no pid)")
         _selection(args)
-        count = await redis_lists.delete_poison(client, keys, None if args.all else args.count,
-                                                args.dry_run)
+        dropped = await redis_lists.delete_poison(client, keys,
+                                                  None if args.all else args.count, args.dry_run)
         verb = "would delete" if args.dry_run else "deleted"
         return _print(args, {"queue": queue, "list": source, "dry_run": args.dry_run,
-                             "deleted": count},
-                      [f"{verb} the {count} oldest poison entries of {queue}"], exits.OK)
-    everything = _selection(args)
-    pids = args.pids or await redis_lists.select(client, keys, source,
-                                                 None if everything else args.count)
+                             "deleted": dropped},
+                      [f"{verb} the {dropped} oldest poison entries of {queue}"], exits.OK)
+    count: int | None = None if _selection(args) else args.count
     if args.action == "delete":
-        report = await redis_lists.delete(client, scripts, keys, source, pids, args.dry_run)
+        if args.pids:
+            report = await redis_lists.delete(client, scripts, keys, source, args.pids,
+                                              args.dry_run)
+        else:
+            report = await redis_lists.delete_oldest(client, scripts, keys, source, count,
+                                                     args.dry_run)
         return _print_delete(args, source, queue, report.deleted, report.missing,
                              report.as_dict())
+    if count is None and not args.pids:  # --all: what the list holds now
+        count = await client.llen(redis_lists.list_key(keys, source))
     moved = await retry(client, scripts, keys, source=source, reset_attempts=args.reset_attempts,
-                        max_record_bytes=limit, pids=pids, dry_run=args.dry_run)
+                        max_record_bytes=limit, pids=args.pids or None,
+                        limit=count if count is not None else MAX_BATCH,
+                        dry_run=args.dry_run)
     attempts = "reset to 0" if args.reset_attempts else "+ 1, as queue 5 retries"
     lines = [f"{_verb(args, 'moved')} {moved.moved} {source} jobs of {queue} back to the "
              f"ready list (attempts {attempts}){_named(moved.moved_pids)}"]
@@ -141,23 +150,32 @@ async def _nats(config: Config, args: argparse.Namespace, source: str) -> int:
         if args.action == "show":
             letters, _ = await stream.find([args.pid])
             return _print_show(args, source, queue, letters[0].job if letters else None, where)
-        everything = _selection(args)
-        if args.pids:
-            letters, missing = await stream.find(args.pids)
-        else:
-            count = None if everything else args.count
-            letters = [letter async for letter in stream.letters(count)]
-            missing = []
-        report = nats_dead.Moved(missing=missing)
-        if args.action == "delete":
-            for letter in letters:
+        count = None if _selection(args) else args.count
+        report = nats_dead.Moved()
+        # One dead letter in memory at a time (each may be megabytes), unless named.
+        async for letter in _selected(stream, args.pids, count, report):
+            if args.action == "delete":
                 gone = not args.dry_run and not await stream.delete(letter)
                 (report.missing if gone else report.done).append(nats_dead.name(letter.job))
+            else:
+                await _redrive(stream, letter, report, args.dry_run)
+        if args.action == "delete":
             return _print_delete(args, source, queue, report.done, report.missing,
                                  report.as_dict("deleted"), where)
-        for letter in letters:
-            await _redrive(stream, letter, report, args.dry_run)
         return _print_redrive(args, source, queue, stream.names, report)
+
+
+async def _selected(stream: nats_dead.DeadStream, pids: list[str], count: int | None,
+                    report: nats_dead.Moved) -> AsyncIterator[nats_dead.Letter]:
+    """The dead letters named (the names that matched none go to ``report.missing``), or
+    the oldest ``count`` (None: all stored when this began)."""
+    if not pids:
+        async for letter in stream.letters(count):
+            yield letter
+        return
+    letters, report.missing = await stream.find(pids)
+    for letter in letters:
+        yield letter
 
 
 async def _redrive(stream: nats_dead.DeadStream, letter: nats_dead.Letter,
