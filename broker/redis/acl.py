@@ -71,6 +71,8 @@ WHY = {
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
     "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
     "hvals": "the metrics: supervisors alive (the token registry's renewal times)",
+    "lpos": "failed/dead show, and retry or delete by pid: is the pid in the list",
+    "ltrim": "poison delete: drop the oldest entries (the newest are kept)",
 }
 
 
@@ -103,6 +105,7 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
     "supervisor-delayed.{q}": _fixed("delayed"),
+    "supervisor-errors.{q}.*": _under(lambda keys: keys.error("")),
     "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
@@ -173,8 +176,20 @@ ROLES: tuple[Role, ...] = (
     Role(
         "retry", "python -m supervisor retry",
         ("evalsha", "script|load", "lrange", "type", "get", "strlen", "lrem", "lpush", "del"),
-        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry", "records"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records"),
     ),
+    *(Role(
+        source, f"python -m supervisor {source} (list, show, delete, retry)",
+        ("evalsha", "script|load", "llen", "lrange", "lpos", "pttl",
+         # records.lua, retry.lua, delete.lua
+         "type", "get", "strlen", "lrem", "lpush", "del"),
+        "~", (f"{source}.{{q}}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records", "delete"),
+    ) for source in ("failed", "dead")),
+    Role("poison", "python -m supervisor poison (list, show, delete)",
+         ("evalsha", "script|load", "llen", "ltrim", "type", "lrange"), "~", ("poison.{q}",),
+         ("peek",)),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
