@@ -14,18 +14,23 @@ import time
 from collections.abc import Callable
 
 from broker.base import Action, Broker, Outcome, Result, Settlement
+from supervisor import failures
 from supervisor.buffer import Buffer, Entry
 from supervisor.metrics import Metrics
 
 log = logging.getLogger("supervisor.settlement")
 
 
-def settlement_for(entry: Entry) -> Settlement:
+def settlement_for(entry: Entry, consumer: str = "") -> Settlement:
     if entry.release:
         return Settlement(Action.RELEASE, entry.delivery)
     if entry.error is None:
         return Settlement(Action.COMMIT, entry.delivery)
-    return Settlement(Action.REJECT, entry.delivery, entry.error)
+    failure = entry.failure
+    if failure is not None:  # which run failed, when, and who ran it: the broker keeps it
+        failure = failure.replace(attempt=entry.delivery.attempts + 1, at=time.time(),
+                                  consumer=failure.consumer or consumer)
+    return Settlement(Action.REJECT, entry.delivery, entry.error, failure=failure)
 
 
 class Settler:
@@ -47,7 +52,8 @@ class Settler:
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
-        settlements = [settlement_for(entry) for entry in batch]
+        consumer = str(getattr(self.broker, "consumer_id", "") or "")
+        settlements = [settlement_for(entry, consumer) for entry in batch]
         applied = [False] * len(batch)
         retry: list[Entry] = []
 
@@ -79,6 +85,10 @@ class Settler:
         outcome = result.outcome
         if outcome is Outcome.OK:
             self.metrics.settled(settlement.action)
+            if settlement.action is Action.REJECT:
+                budget = getattr(self.broker, "max_attempts", 0)
+                failures.log_outcome(log, settlement, result,
+                                     budget if isinstance(budget, int) else 0)
             self.buffer.forget(entry)
             self.confirm(entry, settlement.action is Action.COMMIT)
             return True
