@@ -46,6 +46,7 @@ def test_a_raising_handler_sends_class_message_where_and_traceback(children, han
     line = _line_of('raise ValueError("boom")')
     assert failure.where.endswith(f"raises_strange.py:{line} in fail"), failure.where
     assert failure.traceback.startswith("Traceback (most recent call last):")
+    assert "worker/" not in failure.traceback  # from the handler's frame on: not our loop
     assert 'raise ValueError("boom")' in failure.traceback
     assert failure.traceback.rstrip().endswith("ValueError: boom")
     assert failure.summary == "ValueError: boom"
