@@ -4,7 +4,9 @@ tell why (killed at its timeout, or gone), and the one log line of each failed r
 A run that failed is logged once, after the broker settled it, with what became of the job:
 ``retrying in N s`` (a warning), ``failed`` or ``dead`` (an error, with the traceback in
 JSON logs). The outcome is the broker's (``Result.detail`` of an applied reject); a broker
-that does not say is read by the attempt count.
+that does not say is read by the attempt count. A reject that was not ours to apply (the
+delivery was recovered by another consumer) or whose reply was lost is logged the same way,
+as a warning saying so.
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ def outcome_of(result: Result, attempt: int, max_attempts: int) -> str:
 def log_outcome(
     log: logging.Logger, settlement: Settlement, result: Result, max_attempts: int
 ) -> None:
-    """One line for one applied reject: a warning while it is retried, an error once not."""
+    """One line for one settled reject: a warning while it is retried (or its outcome is
+    not known), an error once it is not."""
     delivery = settlement.delivery
     failure = settlement.failure or Failure.from_text(settlement.error)
     attempt = failure.attempt or delivery.attempts + 1
     outcome = outcome_of(result, attempt, max_attempts)
-    final = not outcome.startswith("retrying")
+    final = outcome in _FINAL
     of = f"/{max_attempts}" if max_attempts else ""
     at = f" ({failure.where})" if failure.where else ""
     extra: dict[str, object] = {

@@ -86,14 +86,17 @@ class Settler:
         if outcome is Outcome.OK:
             self.metrics.settled(settlement.action)
             if settlement.action is Action.REJECT:
-                budget = getattr(self.broker, "max_attempts", 0)
-                failures.log_outcome(log, settlement, result,
-                                     budget if isinstance(budget, int) else 0)
+                self._log_failed_run(settlement, result)
             self.buffer.forget(entry)
             self.confirm(entry, settlement.action is Action.COMMIT)
             return True
         if outcome is Outcome.STALE:
             self.metrics.stale()
+            if settlement.action is Action.REJECT:
+                self._log_failed_run(settlement, Result(outcome, (
+                    "outcome unknown: an earlier try of this reject took effect"
+                    if entry.settle_failures else
+                    "outcome unknown: recovered by another consumer before the reject")))
             if entry.settle_failures:  # an earlier, unconfirmed attempt of ours took effect
                 log.info("earlier %s of %s took effect", settlement.action.value,
                          entry.delivery.pid)
@@ -118,6 +121,9 @@ class Settler:
             self.metrics.uncertain()
             if not self.broker.replay_uncertain:
                 # Never replayed: the broker either applied it or redelivers the message.
+                if settlement.action is Action.REJECT:
+                    self._log_failed_run(settlement, Result(outcome, (
+                        "outcome unknown: the reject's reply was lost")))
                 log.warning(
                     "%s of %s is uncertain (%s): not replayed; the broker either applied it "
                     "or will deliver the message again", settlement.action.value,
@@ -131,3 +137,8 @@ class Settler:
             settlement.action.value, entry.delivery.pid, outcome.value, result.detail,
         )
         return False
+
+    def _log_failed_run(self, settlement: Settlement, result: Result) -> None:
+        """The one line of a failed run, once its reject is settled (see failures)."""
+        budget = getattr(self.broker, "max_attempts", 0)
+        failures.log_outcome(log, settlement, result, budget if isinstance(budget, int) else 0)

@@ -5,6 +5,7 @@ formats, escaped whatever the handler raised."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import signal
@@ -14,7 +15,10 @@ import pytest
 
 from broker.base import Action, Delivery, Outcome, Result, Settlement
 from broker.failure import Failure
+from broker.memory import MemoryBroker
 from supervisor import failures, logs
+from supervisor.buffer import Buffer, State
+from supervisor.settlement import Settler
 from support.envelopes import publish
 from support.supervision import counter, wait_for, write_config
 
@@ -145,3 +149,32 @@ def test_each_failed_run_of_a_real_job_logs_its_outcome(tmp_path, redis_url, cli
                and r["error"].endswith(" killed by signal 9 (SIGKILL)") for r in runs[crashing])
     assert all(r["error"].startswith("HandlerTimeout: handler timeout after 1.0s (handler "
                                      "process ") for r in runs[hanging])
+
+
+def test_every_failed_run_settled_logs_exactly_one_line(caplog) -> None:
+    """Through the settler: applied rejects say what became of the job, and one recovered
+    by another consumer before its reject says that the outcome is not ours to tell."""
+
+    pids: list[str] = []
+
+    async def scenario() -> None:
+        broker = MemoryBroker(max_attempts=3)
+        pids[:] = await broker.publish_many("jobs", [{"n": n} for n in range(3)])
+        received = await broker.receive(3, 0.01)
+        buffer = Buffer(prefetch=3, handlers=1)
+        buffer.add(received.deliveries)
+        buffer.queue(0, 3)
+        for queued in buffer.in_state(State.QUEUED, 0):
+            buffer.started(0, queued.id)
+            buffer.finished(0, queued.id, FAILURE.summary, FAILURE)
+        assert broker.recover(pids[2])  # another consumer took it over meanwhile
+        settler = Settler(broker, buffer, lambda entry, ok: None)
+        with caplog.at_level(logging.INFO, logger="supervisor.settlement"):
+            assert await settler.settle(buffer.take_completed(10))
+
+    asyncio.run(scenario())
+    lines = [r for r in caplog.records if hasattr(r, "outcome")]
+    assert [(r.attempt, r.outcome, r.levelname) for r in lines] == [
+        (1, "retrying", "WARNING"), (1, "retrying", "WARNING"),
+        (1, "outcome unknown: recovered by another consumer before the reject", "WARNING")]
+    assert [r.pid for r in lines] == pids
