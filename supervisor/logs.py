@@ -47,6 +47,10 @@ MAX_EXPLANATION = 1000
 MAX_MESSAGE = 4000
 #: A traceback (kept on several lines inside ``exc``).
 MAX_TRACEBACK = 20_000
+#: A handler's traceback on a failed run's line: its last this many characters, each of its
+#: lines cut at MAX_FIELD (it repeats what the handler raised, often a message's data). The
+#: whole of it is in the failure record the broker keeps.
+MAX_HANDLER_TRACEBACK = 4000
 MAX_REASON = MAX_FIELD
 MALFORMED = "malformed message moved to poison: %s"
 #: ``json:info`` or ``text:debug``: how the job logs, for the processes its handlers start.
@@ -148,7 +152,15 @@ def handler_traceback_of(record: logging.LogRecord) -> str | None:
     text = record.__dict__.get("traceback")
     if not isinstance(text, str) or not text:
         return None
-    return _bounded_traceback(redact(text))
+    lines = [_cut(line, MAX_FIELD) for line in redact(text).split("\n")]
+    text = _UNSAFE_IN_TRACEBACK.sub(_escaped, "\n".join(lines))
+    if len(text) > MAX_HANDLER_TRACEBACK:  # the end is where it raised
+        text = f"[cut: {len(text)} characters]...{text[-MAX_HANDLER_TRACEBACK:]}"
+    return text
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...[cut: {len(text)} characters]"
 
 
 def traceback_of(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
