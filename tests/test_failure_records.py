@@ -13,7 +13,7 @@ import pytest
 from broker.failure import MAX_MESSAGE_BYTES, MAX_TRACEBACK_BYTES, Failure
 from supervisor import failures
 from tests.handlers import raises_strange
-from worker import protocol
+from worker import protocol, tracebacks
 from worker.base import failure_of
 
 SYNC, ASYNC = "tests.handlers.raises_strange:handle", "tests.handlers.raises_strange:handle_async"
@@ -130,3 +130,33 @@ def test_a_timeout_and_a_lost_handler_process_are_failures() -> None:
     assert failures.lost(4321, 1).summary == "WorkerLost: handler process 4321 exited with code 1"
     assert failures.lost(4321, -200).summary == (
         "WorkerLost: handler process 4321 killed by signal 200")
+
+
+def test_a_chained_failure_shows_its_cause_and_a_deep_one_its_innermost_frames() -> None:
+    def wrapped() -> None:
+        try:
+            {}["key"]
+        except KeyError as error:
+            raise RuntimeError("lookup failed") from error
+
+    try:
+        wrapped()
+    except RuntimeError as error:
+        failure = failure_of(error)
+    text = failure.traceback
+    assert text.index("KeyError: 'key'") < text.index("direct cause") < text.index(
+        "RuntimeError: lookup failed")
+    assert "{}[\"key\"]" in text and 'raise RuntimeError("lookup failed") from error' in text
+
+    def deep(depth: int) -> None:
+        if depth == 500:
+            raise ValueError("bottom")
+        deep(depth + 1)
+
+    try:
+        deep(0)
+    except ValueError as error:
+        failure = failure_of(error)
+    assert "outer frames not shown]" in failure.traceback
+    assert failure.traceback.count(", in deep\n") == tracebacks.MAX_FRAMES
+    assert failure.traceback.endswith("ValueError: bottom\n")

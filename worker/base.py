@@ -23,16 +23,14 @@ import signal
 import socket
 import sys
 import time
-import traceback as tb
-import types
 from collections.abc import Callable
 from typing import NoReturn
 
 import setproctitle
 
 from broker.errors import describe
-from broker.failure import MAX_TRACEBACK_BYTES, Failure
-from worker import protocol
+from broker.failure import Failure
+from worker import protocol, tracebacks
 from worker.handler import Handler
 from worker.message import Message
 from worker.process import CHILD_INIT_FAILED, CHILD_ORPHANED, set_parent_death_signal
@@ -296,37 +294,8 @@ def failure_of(error: BaseException, context: str = "", kind: str = "") -> Failu
         text = f"<str() raised {type(broken).__name__}>"
     if context:
         text = f"{context}: {text}" if text else context
-    try:
-        lines = tb.format_exception(type(error), error, _from_the_handler(error.__traceback__))
-        # Only the end is kept: a RecursionError's 1,000 frames need not be formatted twice.
-        formatted = "".join(lines[:1] + lines[-200:]) if len(lines) > 201 else "".join(lines)
-    except Exception:
-        formatted = ""
-    return Failure(error=name, message=text, where=where(error),
-                   traceback=formatted[-4 * MAX_TRACEBACK_BYTES :]).bounded()
-
-
-#: Frames of this package (the loop that called the handler) are left out of a traceback.
-_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _from_the_handler(frames: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback from its first frame outside this package on (the handler's call)."""
-    while (frames is not None and frames.tb_next is not None
-           and frames.tb_frame.f_code.co_filename.startswith(_OURS)):
-        frames = frames.tb_next
-    return frames
-
-
-def where(error: BaseException) -> str:
-    """``path.py:12 in handle``: the innermost frame of the error's traceback ("" if none)."""
-    frame = error.__traceback__
-    if frame is None:
-        return ""
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    code = frame.tb_frame.f_code
-    return f"{code.co_filename}:{frame.tb_lineno} in {code.co_name}"
+    return Failure(error=name, message=text, where=tracebacks.where(error),
+                   traceback=tracebacks.format_failure(error)).bounded()
 
 
 def origin(error: BaseException | None) -> str:
