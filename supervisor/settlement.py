@@ -96,7 +96,8 @@ class Settler:
                 self._log_failed_run(settlement, Result(outcome, (
                     "outcome unknown: an earlier try of this reject took effect"
                     if entry.settle_failures else
-                    "outcome unknown: recovered by another consumer before the reject")))
+                    "outcome unknown: no longer ours when rejected (recovered or delivered "
+                    "again)")))
             if entry.settle_failures:  # an earlier, unconfirmed attempt of ours took effect
                 log.info("earlier %s of %s took effect", settlement.action.value,
                          entry.delivery.pid)

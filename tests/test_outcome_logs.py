@@ -176,5 +176,6 @@ def test_every_failed_run_settled_logs_exactly_one_line(caplog) -> None:
     lines = [r for r in caplog.records if hasattr(r, "outcome")]
     assert [(r.attempt, r.outcome, r.levelname) for r in lines] == [
         (1, "retrying", "WARNING"), (1, "retrying", "WARNING"),
-        (1, "outcome unknown: recovered by another consumer before the reject", "WARNING")]
+        (1, "outcome unknown: no longer ours when rejected (recovered or delivered again)",
+         "WARNING")]
     assert [r.pid for r in lines] == pids
