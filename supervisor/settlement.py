@@ -10,6 +10,8 @@ recovered by the broker if this process dies first).
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -49,10 +51,14 @@ class Settler:
         self.confirm = confirm  # tells the handler process (for on_success)
         self.metrics = metrics or Metrics()
         self.progress = progress  # room opened before the call returned (early results)
+        # Who ran a failed job, in its failure record: the Redis consumer id, or (NATS has
+        # none of ours) "<host>-<pid>" of this supervisor.
+        self.consumer = str(getattr(broker, "consumer_id", "") or "") or (
+            f"{socket.gethostname()}-{os.getpid()}")
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
-        consumer = str(getattr(self.broker, "consumer_id", "") or "")
+        consumer = self.consumer
         settlements = [settlement_for(entry, consumer) for entry in batch]
         applied = [False] * len(batch)
         retry: list[Entry] = []

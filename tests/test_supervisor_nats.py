@@ -203,6 +203,7 @@ def test_handler_that_kills_its_process_ends_dead_after_max_attempts(
     record = Failure.decode(headers[NATS_HEADER])  # the record, for `show` and a dashboard
     assert (record.error, record.attempt, record.outcome) == ("WorkerLost", 2, "dead")
     assert record.message.endswith("killed by signal 9 (SIGKILL)")
+    assert record.consumer.endswith(f"-{supervisor.pid}")  # which supervisor ran it
     wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing left")
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0
