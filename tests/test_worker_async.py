@@ -126,8 +126,13 @@ def test_the_timeout_cancels_one_task_and_the_others_go_on(children, tmp_path: P
                                          {"log": str(log), "gate": str(gate)})
     assert child.outcomes(2) == [("STARTED", hung, None), ("STARTED", ok, None)]
     gate.touch()  # the other one finishes beside the hung one, undisturbed
-    assert summaries(child.outcomes(2)) == [
+    outcomes = child.outcomes(2)
+    assert summaries(outcomes) == [
         ("DONE", ok, None), ("FAILED", hung, "HandlerTimeout: handler timeout after 1.0s")]
+    # Where the handler was waiting when it was cancelled, not asyncio's sleep.
+    assert "tests/handlers/aio.py:" in outcomes[1][2].where
+    assert outcomes[1][2].where.endswith(" in handle")
+    assert "CancelledError" in outcomes[1][2].traceback
     wait_until(lambda: f"error {pid} TimeoutError: handler timeout after 1.0s" in lines(log))
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from broker.failure import Failure
-from worker import protocol
+from worker import protocol, tracebacks
 from worker.base import BATCH, Runner, exit_if_orphaned, exit_process, failure_of, log
 from worker.handler import Handler
 from worker.message import Message
@@ -211,8 +211,8 @@ class AsyncRunner(Runner):
             timeout = TimeoutError(f"handler timeout after {self._timeout}s")
             # Where the handler was when it was cancelled (its await), if the cancellation
             # came out of it; on_error still gets a TimeoutError.
-            failure = failure_of(error or timeout, kind="HandlerTimeout").replace(
-                message=str(timeout))
+            failure = failure_of(error or timeout, kind="HandlerTimeout",
+                                 beside=(tracebacks.ASYNCIO,)).replace(message=str(timeout))
             error = timeout
         if error is not None and failure is not None:
             await self._fail(delivery_id, message, error, failure)

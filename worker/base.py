@@ -279,11 +279,14 @@ def heals(error: BaseException) -> bool:
     return False
 
 
-def failure_of(error: BaseException, context: str = "", kind: str = "") -> Failure:
+def failure_of(
+    error: BaseException, context: str = "", kind: str = "", beside: tuple[str, ...] = ()
+) -> Failure:
     """What an operator reads of a failed run: the exception's class (qualified outside
     builtins), its message (``context`` first, e.g. "flush() failed"), the innermost frame
     and the formatted traceback (its end kept). ``kind`` names the class instead (a
-    timeout reads "HandlerTimeout", not the CancelledError that carried it out).
+    timeout reads "HandlerTimeout", not the CancelledError that carried it out); ``beside``:
+    folders whose frames ``where`` looks past (see ``tracebacks.where``).
     Never raises, whatever the exception's ``__str__`` does."""
     cls = type(error)
     name = kind or (cls.__qualname__ if cls.__module__ == "builtins"
@@ -294,7 +297,7 @@ def failure_of(error: BaseException, context: str = "", kind: str = "") -> Failu
         text = f"<str() raised {type(broken).__name__}>"
     if context:
         text = f"{context}: {text}" if text else context
-    return Failure(error=name, message=text, where=tracebacks.where(error),
+    return Failure(error=name, message=text, where=tracebacks.where(error, beside),
                    traceback=tracebacks.format_failure(error)).bounded()
 
 

@@ -12,6 +12,7 @@ above it are our delivery loop).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import linecache
 import os
@@ -25,6 +26,8 @@ MAX_FRAMES = 50
 MAX_CHAIN = 5
 
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: Where asyncio's own frames live (``where`` of a timeout looks past them).
+ASYNCIO = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
 _CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
 _CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
 
@@ -38,15 +41,18 @@ def format_failure(error: BaseException) -> str:
         return ""
 
 
-def where(error: BaseException) -> str:
-    """``path.py:12 in handle``: the innermost frame of the error's traceback ("" if none)."""
-    frame = error.__traceback__
-    if frame is None:
+def where(error: BaseException, beside: tuple[str, ...] = ()) -> str:
+    """``path.py:12 in handle``: the innermost frame of the error's traceback ("" if none),
+    or the innermost one outside the folders ``beside`` (a cancelled handler's await, not
+    asyncio's sleep where the cancellation landed)."""
+    found = None
+    for frame, number in traceback.walk_tb(error.__traceback__):
+        if found is None or not frame.f_code.co_filename.startswith(beside or ("\0",)):
+            found = frame, number
+    if found is None:
         return ""
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    code = frame.tb_frame.f_code
-    return f"{code.co_filename}:{frame.tb_lineno} in {code.co_name}"
+    frame, number = found
+    return f"{frame.f_code.co_filename}:{number} in {frame.f_code.co_name}"
 
 
 def from_the_handler(frames: types.TracebackType | None) -> types.TracebackType | None:
