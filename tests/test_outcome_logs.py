@@ -20,7 +20,7 @@ from supervisor import failures, logs
 from supervisor.buffer import Buffer, State
 from supervisor.settlement import Settler
 from support.envelopes import publish
-from support.supervision import counter, wait_for, write_config
+from support.supervision import counter, keys, wait_for, write_config
 
 log = logging.getLogger("supervisor.settlement")
 
@@ -131,8 +131,8 @@ def test_each_failed_run_of_a_real_job_logs_its_outcome(tmp_path, redis_url, cli
     config = write_config(tmp_path, redis_url,
                           job={"max_attempts": 2, "handler_timeout": 1.0})
     supervisor = supervisors(config, redis_url)
-    wait_for(lambda: counter(client, "failed") >= 6 and client.llen(
-        "utopia-queue.failed.e2e") == 3, 60, "three jobs to fail twice each")
+    wait_for(lambda: counter(client, "failed") >= 6 and client.llen(keys().failed) == 3, 60,
+             "three jobs to fail twice each")
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(30) == 0, supervisor.output()
     records = [orjson.loads(line) for line in supervisor.output().splitlines() if line]
