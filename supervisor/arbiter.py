@@ -23,7 +23,7 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
-from supervisor import blame, exits, gauges, logs, systemd
+from supervisor import blame, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -366,8 +366,9 @@ class Arbiter:
         elif kind == protocol.HELD:
             self.buffer.held(place.index, delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
-            error = protocol.text_data(data) if kind == protocol.FAILED else None
-            entry = self.buffer.finished(place.index, delivery_id, error)
+            failure = protocol.failure_data(data) if kind == protocol.FAILED else None
+            entry = self.buffer.finished(place.index, delivery_id,
+                                         failure.summary if failure else None, failure)
             jobs = place.job_finished()
             self.metrics.handler_done(time.monotonic() - entry.started_at)
             if not place.retiring and self.should_recycle(place, jobs):
@@ -605,6 +606,8 @@ class Arbiter:
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
+        failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
+                   else failures.lost(pid, status))
         running = self.buffer.running_in(place.index)
         blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
         place.gone()
@@ -614,7 +617,7 @@ class Arbiter:
             self.buffer.handler_gone(place.index, abandon=True)
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            self.buffer.handler_gone(place.index, blamed, reason)
+            self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
             if running:
                 pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
                 more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
