@@ -12,6 +12,7 @@ A broker that cannot be reached raises ``BrokerError``; the next call connects a
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -354,13 +355,27 @@ class NatsSource:
         return {
             "pid": pid, "where": ["dead"], "size": len(raw), "record": text(raw[:VALUE_BYTES]),
             "cut": len(raw) > VALUE_BYTES, "failure": entry.failure,
-            "failure_note": entry.note, "headers": dict(msg.headers or {}),
+            "failure_note": entry.note, "headers": headers_of(msg),
             "facts": envelope_facts(raw) if len(raw) <= VALUE_BYTES else {},
         }
 
 
+def headers_of(msg: Any) -> dict[str, str]:
+    """A stored message's headers as UTF-8 text: nats-py parses them with the email
+    package, which turns a non-ASCII value (a failure message can hold any) into an object."""
+    if not getattr(msg, "hdrs", None):
+        return {}
+    lines = base64.b64decode(msg.hdrs).decode(errors="replace").split("\r\n")[1:]
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers.setdefault(name.strip(), value.strip())
+    return headers
+
+
 def _dead_entry(msg: Any) -> Entry:
-    headers = msg.headers or {}
+    headers = headers_of(msg)
     failure, note = failure_of(headers.get(NATS_HEADER))
     if failure is None and headers.get("Queue-Reason"):
         note = f"{note} Queue-Reason: {headers['Queue-Reason']}"
