@@ -174,11 +174,13 @@ def create_app(dashboard: Dashboard) -> Starlette:
 
     def charts(queue: Queue, width: int, height: int) -> dict[str, plots.Chart]:
         end = time.time()
-        return {name: plots.chart(queue.history.series(name), end, width=width, height=height)
+        first = queue.history.samples[0].at if queue.history.samples else None
+        span = plots.span(first, end, queue.history.window)
+        return {name: plots.chart(queue.history.series(name), end, span, width, height)
                 for name in ("ready", "rate")}
 
     async def overview(request: Request) -> Response:
-        rows = [(queue, charts(queue, 240, 40)) for queue in dashboard.queues]
+        rows = [(queue, charts(queue, 200, 40)) for queue in dashboard.queues]
         name = "overview_live.html" if request.url.path.startswith("/live") else "overview.html"
         return page(request, name, rows=rows)
 

@@ -76,7 +76,7 @@ class History:
         if since[0].at > last.at - STALLED_AFTER + 1 or len(since) < 2:
             return ""  # not watched long enough to tell
         if last.counts.done == since[0].counts.done:
-            return (f"not draining: {last.counts.ready} ready and none settled in the last "
+            return (f"not draining: {last.counts.ready:,} ready, none settled in the last "
                     f"{STALLED_AFTER} s")
         return ""
 

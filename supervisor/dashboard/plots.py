@@ -16,6 +16,7 @@ class Chart:
     top: float  # the value at the top edge
     last: float | None
     count: int
+    span: float  # seconds from the left edge to the right
 
 
 def chart(series: list[tuple[float, float]], end: float, span: float = 3600,
@@ -26,4 +27,12 @@ def chart(series: list[tuple[float, float]], end: float, span: float = 3600,
     points = " ".join(
         f"{width * (1 - (end - t) / span):.1f},{height - 2 - (height - 4) * v / top:.1f}"
         for t, v in shown)
-    return Chart(points, width, height, top, shown[-1][1] if shown else None, len(shown))
+    return Chart(points, width, height, top, shown[-1][1] if shown else None, len(shown), span)
+
+
+def span(first: float | None, end: float, longest: float = 3600, shortest: float = 60) -> float:
+    """The seconds a chart shows: the last hour, or since the first sample when the
+    dashboard is younger than that (a minute at least), so that a new one is readable."""
+    if first is None:
+        return shortest
+    return min(longest, max(shortest, end - first))
