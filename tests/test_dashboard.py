@@ -249,7 +249,7 @@ async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_dele
     assert other.post("/q/0/action", retry | {"csrf": csrf})[0] == 403
 
 
-async def test_drain_stops_a_running_supervisor_of_this_host(
+async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
         tmp_path, redis_url, redis_client, dashboards, supervisors):
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
     supervisor = supervisors(config, redis_url)
@@ -265,6 +265,10 @@ async def test_drain_stops_a_running_supervisor_of_this_host(
     consumer = record.decode()[len(k.supervisor("")):]
     dashboard = dashboards(config, token="t")
     overview_shows(dashboard, {"supervisors": "1"})
+    # the queue page adds what this host sees of it: uptime, its and its handlers' titles
+    wait_for(lambda: re.search(r'class="titles">running.*?<br>handler 0 ',
+                               dashboard.client.get("/live/q/0")[1], re.S),
+             30, "the supervisor's process titles on the queue page")
     assert dashboard.client.login("t") == 303
     csrf = dashboard.client.csrf("/q/0")
     status, body = dashboard.client.post("/q/0/action",

@@ -25,6 +25,7 @@ from broker.base import BrokerError
 from broker.failure import NATS_HEADER, Failure
 from broker.nats.setup import QueueNames
 from supervisor.config import Config
+from supervisor.dashboard import local
 from supervisor.ops import inspect
 
 #: Entries of a failed, dead or poison list shown per page.
@@ -177,8 +178,12 @@ class RedisSource:
     async def detail(self) -> dict[str, Any]:
         async def read(broker: Any) -> dict[str, Any]:
             client, keys = broker.client, broker.keys
+            records = await inspect.supervisors(client, keys, show=100)
+            for record in records:  # uptime and what runs now, where this host can see it
+                record["local"] = await asyncio.to_thread(
+                    local.describe, keys.queue, record["where"])
             return {
-                "supervisors": await inspect.supervisors(client, keys, show=100),
+                "supervisors": records,
                 "reservations": await inspect.reservations(client, keys, show=20),
             }
 
