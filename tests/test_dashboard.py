@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import html
 import re
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +92,35 @@ async def test_overview_counts_every_list_of_a_redis_queue(tmp_path, redis_url, 
     await redis_client.lpush(k.dead, "d1")
     await redis_client.lpush(k.poison, b"{not json", b"\xff")
     await redis_client.zadd(k.delayed, {b"e1": 1, b"e2": 2})
+    await redis_client.config_resetstat()
     dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
     overview_shows(dashboard, {"ready": "7", "processing": "2", "delayed": "2", "failed": "3",
                                "dead": "1", "poison": "2", "supervisors": "0"})
     assert re.search(r"oldest\">\d+ s<", dashboard.client.get("/live/overview")[1])
+    # Sampling never walks the keyspace (the cost the README states): no SCAN, no KEYS.
+    commands = await redis_client.info("commandstats")
+    assert "cmdstat_scan" not in commands and "cmdstat_keys" not in commands, commands
+
+
+async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_resumes(
+        tmp_path, redis_url, redis_client, own_redis_server, dashboards):
+    (tmp_path / "up").mkdir()
+    (tmp_path / "down").mkdir()
+    up = write_config(tmp_path / "up", redis_url, handler="examples.noop:handle")
+    down = write_config(tmp_path / "down", own_redis_server.url, handler="examples.noop:handle")
+    dashboard = dashboards(up, down)
+    overview_shows(dashboard, {"ready": "0"}, index=1)
+    own_redis_server.stop()
+    wait_for(lambda: "broker unreachable" in row(dashboard.client.get("/live/overview")[1], 1)
+             .get("state", ""), 30, "the unreachable broker to be shown")
+    await redis_client.lpush(keys().ready, "x", "y")  # the other queue still moves
+    overview_shows(dashboard, {"ready": "2"}, index=0)
+    own_redis_server.start()
+    import redis
+
+    with redis.Redis.from_url(own_redis_server.url) as restarted:
+        restarted.lpush(keys().failed, "f")
+    overview_shows(dashboard, {"failed": "1", "state": "ok"}, index=1)
 
 
 async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, dashboards):
@@ -114,6 +141,8 @@ async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, da
     overview_shows(dashboard, {"ready": "4", "failed": "3"})
     status, body = dashboard.client.get("/q/0/list/failed?pid=cluster-pid")
     assert status == 200 and "KeyError: &#39;x&#39;" in body
+    status, body = dashboard.client.get("/q/0")  # SCANs every master for the records
+    assert status == 200 and "no supervisor record" in body
 
 
 async def test_a_nats_queue_shows_its_counts_and_dead_letters_with_their_errors(
@@ -149,6 +178,8 @@ async def test_a_nats_queue_shows_its_counts_and_dead_letters_with_their_errors(
     assert "(no record) Queue-Reason: worker lost" in body
     status, body = dashboard.client.get("/q/0/job?pid=1")
     assert status == 200 and "outcome</dt><dd>dead" in body
+    status, body = dashboard.client.get("/q/0")
+    assert status == 200 and "waiting pulls" in body and "JetStream" in body
 
 
 # -- escaping -----------------------------------------------------------------------------
@@ -204,6 +235,12 @@ async def test_without_a_token_the_dashboard_is_read_only_and_refuses_actions(
     assert status == 403 and "started without --token" in body
     status, _ = dashboard.client.get("/q/0/action")  # never by GET
     assert status == 405
+    # Another site's name rebound to 127.0.0.1 (DNS rebinding) reads nothing.
+    rebound = urllib.request.Request(dashboard.url + "/live/overview",
+                                     headers={"Host": "attacker.example"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(rebound, timeout=30)
+    assert refused.value.code == 400
     assert await redis_client.lrange(k.failed, 0, -1) == [b"job-1"]
     assert await redis_client.llen(k.ready) == 0
     assert "dashboard action refused" in dashboard.output()

@@ -24,6 +24,8 @@ from urllib.parse import parse_qs
 
 import jinja2
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -74,8 +76,10 @@ class Queue:
 
 class Dashboard:
     def __init__(self, configs: list[Config], token: str | None, interval: float = 5.0,
-                 refresh: float = 5.0) -> None:
+                 refresh: float = 5.0, allowed_hosts: list[str] | None = None) -> None:
+        """``allowed_hosts``: the names a request's Host header may give (None: any)."""
         self.queues = [Queue(i, c, make_source(c)) for i, c in enumerate(configs)]
+        self.allowed_hosts = allowed_hosts
         self.guard = Guard(token)
         self.interval = interval
         self.refresh = refresh
@@ -319,7 +323,13 @@ def create_app(dashboard: Dashboard) -> Starlette:
         Route("/healthz", healthz),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    middleware = []
+    if dashboard.allowed_hosts:
+        # A page of another site that rebinds its own name to 127.0.0.1 (DNS rebinding)
+        # reaches a loopback dashboard under that name: answered 400, not with the queues.
+        middleware.append(Middleware(TrustedHostMiddleware,
+                                     allowed_hosts=dashboard.allowed_hosts, www_redirect=False))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
 
 
 async def _form(request: Request) -> dict[str, str]:

@@ -19,6 +19,8 @@ from supervisor.ops import program_name, version
 log = logging.getLogger("supervisor.dashboard")
 
 DEFAULT_LISTEN = "127.0.0.1:8370"
+#: The Host names a loopback dashboard answers (a tunnel's local end gives one of these).
+LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -64,11 +66,15 @@ def main(argv: Sequence[str]) -> int:
     from supervisor.dashboard.app import Dashboard, create_app
     from supervisor.metrics import exposure_warning
 
-    warning = exposure_warning(args.host)
-    if warning:
-        log.warning("dashboard on %s: %s", args.host,
-                    warning.split(": ", 1)[1].replace("metrics port", "dashboard port"))
-    dashboard = Dashboard(configs, token, args.interval, args.refresh)
+    exposed = exposure_warning(args.host) is not None
+    if exposed:
+        log.warning("dashboard --listen %s is not a loopback address: anyone who can reach "
+                    "this host on port %d reads the queues, their payloads and errors (and "
+                    "acts on them with the token, sent in clear over HTTP). Bind 127.0.0.1 "
+                    "and reach it through an SSH tunnel or a proxy with TLS and "
+                    "authentication", args.host, args.port)
+    dashboard = Dashboard(configs, token, args.interval, args.refresh,
+                          allowed_hosts=None if exposed else LOOPBACK_NAMES)
     app = create_app(dashboard)
     log.info("dashboard of %d queues on http://%s:%d/ (%s)", len(configs), args.host, args.port,
              "read-only: no token" if token is None else "actions enabled by the token")
