@@ -17,13 +17,18 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 import orjson
 from nats.js.errors import NotFoundError
 
-from broker import envelope
+from broker import envelope, errors
 from broker.base import BrokerError
 from broker.failure import NATS_HEADER, Failure
+from broker.nats import tls as nats_tls
+from broker.nats.conn import quiet_error, refusal
 from broker.nats.setup import QueueNames
+from broker.nats.tls import tls_options
+from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
 from supervisor.ops import inspect
@@ -289,12 +294,9 @@ class NatsSource:
         self.state: dict[str, Any] = {}
 
     async def _js(self) -> Any:
-        from supervisor.ops import nats_status
-
         async with self._lock:
             if self._client is None or self._client.is_closed:
-                self._client = await nats_status.connect(
-                    self.config, f"queue-supervisor dashboard {self.config.job.queue}")
+                self._client = await _nats_connect(self.config)
             return self._client
 
     async def close(self) -> None:
@@ -303,15 +305,34 @@ class NatsSource:
             await _quietly(client.close())
 
     async def _read(self) -> dict[str, Any]:
-        from supervisor.ops import nats_status
+        """What ``status`` reads (its helpers), and the two figures the dashboard plots."""
+        from supervisor.ops import nats_status as status
 
         client = await self._js()
+        names = QueueNames.of(self.config.job.queue)
         try:
-            async with asyncio.timeout(nats_status.STATUS_TIMEOUT):
-                return await nats_status.read(client, self.config)
-        except (BrokerError, TimeoutError, OSError) as error:
+            async with asyncio.timeout(status.STATUS_TIMEOUT):
+                js = client.jetstream(timeout=status.CONNECT_TIMEOUT)
+                work = await status._stream(js, names.stream)
+                dead = await status._stream(js, names.dead_stream)
+                consumer = await status._consumer(js, names)
+        except (TimeoutError, OSError, nats.errors.Error) as error:
             await self.close()
-            raise BrokerError(f"NATS status of {self.config.job.queue}: {error}") from error
+            raise BrokerError(f"NATS at {redact(self.config.broker.url)} did not answer "
+                              f"the JetStream API: {error!r}") from error
+        return {
+            "stream": names.stream if work else None,
+            "messages": work.state.messages if work else 0,
+            "ready": consumer.num_pending if consumer else 0,
+            "processing": consumer.num_ack_pending if consumer else 0,
+            "redelivered": consumer.num_redelivered if consumer else 0,
+            "waiting_pulls": consumer.num_waiting if consumer else 0,
+            "dead": dead.state.messages if dead else 0,
+            "dead_first_seq": dead.state.first_seq if dead else 0,
+            "acknowledged": consumer.ack_floor.consumer_seq
+            if consumer and consumer.ack_floor else 0,
+            "consumer": status._consumer_settings(consumer, self.config.job.max_attempts),
+        }
 
     async def counts(self) -> Counts:
         self.state = state = await self._read()
@@ -391,6 +412,25 @@ def _dead_entry(msg: Any) -> Entry:
                  attempts=int(attempts) if attempts and attempts.isdigit() else None,
                  at=msg.time.timestamp() if getattr(msg, "time", None) else facts.get(
                      "timestamp"))
+
+
+async def _nats_connect(config: Config) -> Any:
+    """A client of the job's NATS, kept open between samples: one quick try per server,
+    as ``status`` connects (nats-py alone would retry a refused server 60 times)."""
+    from supervisor.ops import nats_status as status
+
+    options = tls_options(config.broker.url, config.broker.tls)
+    try:
+        return await nats_tls.connect(
+            config.broker.url, connect_timeout=status.CONNECT_TIMEOUT, allow_reconnect=False,
+            max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=quiet_error,
+            name=f"queue-supervisor dashboard {config.job.queue}", **options)
+    except Exception as error:  # whatever nats-py raises: say where, and why if we know
+        refused = refusal(config.broker.url, error)
+        if refused is not None:
+            raise refused from error
+        raise BrokerError(f"cannot reach NATS at {redact(config.broker.url)}: "
+                          f"{errors.describe(error)}") from error
 
 
 def make_source(config: Config) -> RedisSource | NatsSource:

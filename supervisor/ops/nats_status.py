@@ -41,24 +41,15 @@ async def queue_status(config: Config) -> dict[str, Any]:
 
 
 async def _queue_status(config: Config) -> dict[str, Any]:
-    client = await connect(config, f"queue-supervisor status {config.job.queue}")
-    try:
-        return await read(client, config)
-    finally:
-        await client.close()
-
-
-async def connect(config: Config, name: str) -> Any:
-    """A nats-py client of the job's server, tried once; a ``BrokerError`` (or
-    ``BrokerRefused``) naming the server if it cannot be had."""
+    names = QueueNames.of(config.job.queue)
     tls = config.broker.tls
     options = tls_options(config.broker.url, tls)
     try:
-        return await nats_tls.connect(
+        client = await nats_tls.connect(
             config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
             # nats-py retries a refused server 60 times 2 s apart, reconnects or not.
             max_reconnect_attempts=1, reconnect_time_wait=0.1,
-            name=name, error_cb=quiet_error, **options,
+            name=f"queue-supervisor status {config.job.queue}", error_cb=quiet_error, **options,
         )
     except Exception as error:  # whatever nats-py raises: say where, and why if we know
         refused = refusal(config.broker.url, error)
@@ -68,11 +59,6 @@ async def connect(config: Config, name: str) -> Any:
         raise BrokerError(
             f"cannot reach NATS at {redact(config.broker.url)}: {_describe(error)}{hint}"
         ) from error
-
-
-async def read(client: Any, config: Config) -> dict[str, Any]:
-    """The queue's state through a connected client (the dashboard keeps one open)."""
-    names = QueueNames.of(config.job.queue)
     try:
         js = client.jetstream(timeout=CONNECT_TIMEOUT)
         work = await _stream(js, names.stream)
@@ -83,6 +69,8 @@ async def read(client: Any, config: Config) -> dict[str, Any]:
         raise BrokerError(f"NATS at {redact(config.broker.url)} took the connection, but its "
                           f"JetStream API did not answer within {CONNECT_TIMEOUT:g}s (no "
                           f"JetStream on that server, or a cluster without a leader)") from None
+    finally:
+        await client.close()
     return {
         "queue": config.job.queue,
         "broker": "nats",
@@ -95,10 +83,6 @@ async def read(client: Any, config: Config) -> dict[str, Any]:
         "dead": dead.state.messages if dead else 0,
         "consumer": _consumer_settings(consumer, config.job.max_attempts),
         "earlier_stream": earlier,
-        # what the dashboard plots: acknowledged so far, and the dead stream's first message
-        "acknowledged": consumer.ack_floor.consumer_seq if consumer and consumer.ack_floor
-        else 0,
-        "dead_first_seq": dead.state.first_seq if dead else 0,
     }
 
 
