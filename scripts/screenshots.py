@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import orjson  # noqa: E402
 import redis  # noqa: E402
 
 from broker.failure import Failure  # noqa: E402
@@ -59,12 +60,15 @@ def fill(client: redis.Redis) -> None:
     for n in range(23):
         error, message, where = errors[n % len(errors)]
         [(pid, raw)] = of("webhooks", [{"url": f"https://hooks.example.com/{n}", "n": n}])
-        client.set(hooks.job(pid), raw.replace(b'"timestamp"', b'"attempts":3,"timestamp"', 1))
+        record = orjson.loads(raw)
+        published = int(time.time()) - 3600 + n * 90  # each failed a few minutes after
+        record.update(attempts=3, timestamp=published)
+        client.set(hooks.job(pid), orjson.dumps(record))
         client.lpush(hooks.failed if n % 5 else hooks.dead, pid)
         traceback = (f'Traceback (most recent call last):\n  File "{where.split(":")[0]}", '
                      f"line {where.split(':')[1].split()[0]}, in handle\n{error}: {message}")
         client.set(hooks.error(pid), Failure(
-            error, message, where=where, traceback=traceback, attempt=3, at=time.time() - n * 7,
+            error, message, where=where, traceback=traceback, attempt=3, at=published + 200.0,
             outcome="failed" if n % 5 else "dead", consumer="web-1a2b3c").encode())
     client.lpush(hooks.poison, b'{"pid": "truncated', b"\xff\xfe not json")
 

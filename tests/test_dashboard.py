@@ -354,3 +354,14 @@ def test_histogram_quantiles_from_the_supervisors_buckets():
     found = scrape.figures(text)
     assert found["handler"] == {"p50": 0.01, "p90": 0.1, "p99": 1.0}
     assert found["prefetch"] == 10
+
+
+def test_the_readme_shows_the_screenshots_the_script_makes():
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\((docs/dashboard/[\w-]+\.png)\)", readme)
+    assert {Path(p).stem for p in shown} == {"overview", "queue", "failed", "job"}
+    made = (root / "scripts" / "screenshots.py").read_text()
+    for path in shown:
+        assert (root / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+        assert f'"{Path(path).stem}' in made, path  # made by the script, not by hand

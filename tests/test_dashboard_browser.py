@@ -137,3 +137,52 @@ def test_a_failed_jobs_hostile_error_is_shown_as_text_and_retry_works_after_logi
     assert "moved from failed back to the ready list" in message.text
     assert (client.llen(k.ready), client.llen(k.failed)) == (1, 0)
     assert "dashboard action by carol" in dashboard.output()
+
+
+def failed_job(client, pid: str) -> None:
+    k = keys()
+    client.set(k.job(pid), next(iter(of("e2e", [{"n": 1}])))[1])
+    client.lpush(k.failed, pid)
+
+
+def post_from_page(driver, fields: dict[str, str]) -> None:
+    """Submit a form the page did not offer (what a forged or stale page would send)."""
+    driver.execute_script("""
+        const form = document.createElement("form");
+        form.method = "post"; form.action = "/q/0/action";
+        for (const [name, value] of Object.entries(arguments[0])) {
+            const input = document.createElement("input");
+            input.type = "hidden"; input.name = name; input.value = value;
+            form.appendChild(input);
+        }
+        document.body.appendChild(form); form.submit();""", fields)
+
+
+def test_actions_are_refused_without_the_token_and_without_the_csrf_token(
+        tmp_path, redis_url, client, dashboards, browser):
+    k = keys()
+    failed_job(client, "job-1")
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    retry = {"action": "retry", "source": "failed", "pid": "job-1"}
+
+    read_only = dashboards(config)
+    browser.get(f"{read_only.url}/q/0/list/failed")
+    assert "read-only" in browser.find_element(By.ID, "mode").text
+    post_from_page(browser, retry | {"csrf": "guessed"})
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
+    assert "started without --token" in message.text
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"
+
+    guarded = dashboards(config, token="t0ken")
+    browser.get(f"{guarded.url}/login")
+    browser.find_element(By.ID, "who").send_keys("dave")
+    browser.find_element(By.ID, "token").send_keys("t0ken")
+    browser.find_element(By.ID, "login").click()
+    wait(browser, lambda d: "dave" in d.find_element(By.ID, "mode").text, "the login")
+    browser.get(f"{guarded.url}/q/0/list/failed")
+    browser.execute_script(  # the page's own retry form, without its CSRF token
+        "document.querySelectorAll('input[name=csrf]').forEach(i => i.remove())")
+    browser.find_element(By.CSS_SELECTOR, "button.retry").click()
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
+    assert "CSRF token is missing or wrong" in message.text
+    assert client.lrange(k.failed, 0, -1) == [b"job-1"] and client.llen(k.ready) == 0

@@ -72,10 +72,10 @@ class History:
         last = self.last
         if last is None or not last.counts.ready:
             return ""
-        since = [s for s in self.samples if s.at >= last.at - STALLED_AFTER]
-        if since[0].at > last.at - STALLED_AFTER + 1 or len(since) < 2:
-            return ""  # not watched long enough to tell
-        if last.counts.done == since[0].counts.done:
+        # the newest sample at least STALLED_AFTER old: none yet, not watched long enough
+        older = next((s for s in reversed(self.samples) if s.at <= last.at - STALLED_AFTER),
+                     None)
+        if older is not None and last.counts.done == older.counts.done:
             return (f"not draining: {last.counts.ready:,} ready, none settled in the last "
                     f"{STALLED_AFTER} s")
         return ""
