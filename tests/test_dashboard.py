@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import re
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,7 +22,7 @@ from supervisor.dashboard import history, plots, scrape
 from supervisor.dashboard.sources import Counts
 from support import envelopes
 from support.dashboard import Dashboard
-from support.supervision import QUEUE, keys, wait_for, write_config
+from support.supervision import QUEUE, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
@@ -54,13 +55,24 @@ def row(body: str, index: int = 0) -> dict[str, str]:
     return {name: html.unescape(re.sub(r"<[^>]+>", "", text)).strip() for name, text in cells}
 
 
+def poll(condition, what: str, timeout: float = 60) -> Any:
+    """``condition()`` until true, twice a second (each try is a page the dashboard renders:
+    no need to ask more often than it samples)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)
+    return value
+
+
 def overview_shows(dashboard: Dashboard, expected: dict[str, str], index: int = 0) -> None:
     def matches() -> bool:
         cells = row(dashboard.client.get("/live/overview")[1], index)
         return all(cells.get(name) == value for name, value in expected.items())
 
     try:
-        wait_for(matches, 30, f"the overview to show {expected}")
+        poll(matches, f"the overview to show {expected}")
     except AssertionError:
         raise AssertionError(f"{row(dashboard.client.get('/live/overview')[1], index)}\n"
                              f"{dashboard.output()}") from None
@@ -111,8 +123,8 @@ async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_res
     dashboard = dashboards(up, down)
     overview_shows(dashboard, {"ready": "0"}, index=1)
     own_redis_server.stop()
-    wait_for(lambda: "broker unreachable" in row(dashboard.client.get("/live/overview")[1], 1)
-             .get("state", ""), 30, "the unreachable broker to be shown")
+    poll(lambda: "broker unreachable" in row(dashboard.client.get("/live/overview")[1], 1)
+         .get("state", ""), "the unreachable broker to be shown")
     await redis_client.lpush(keys().ready, "x", "y")  # the other queue still moves
     overview_shows(dashboard, {"ready": "2"}, index=0)
     own_redis_server.start()
@@ -298,14 +310,14 @@ async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
         with redis.Redis.from_url(redis_url) as plain:
             return list(plain.scan_iter(match=k.supervisor("") + "*"))
 
-    [record] = wait_for(recorded, 30, "the supervisor's record")
+    [record] = poll(recorded, "the supervisor's record")
     consumer = record.decode()[len(k.supervisor("")):]
     dashboard = dashboards(config, token="t")
     overview_shows(dashboard, {"supervisors": "1"})
     # the queue page adds what this host sees of it: uptime, its and its handlers' titles
-    wait_for(lambda: re.search(r'class="titles">running.*?<br>handler 0 ',
-                               dashboard.client.get("/live/q/0")[1], re.S),
-             30, "the supervisor's process titles on the queue page")
+    poll(lambda: re.search(r'class="titles">running.*?<br>handler 0 ',
+                           dashboard.client.get("/live/q/0")[1], re.S),
+         "the supervisor's process titles on the queue page")
     assert dashboard.client.login("t") == 303
     csrf = dashboard.client.csrf("/q/0")
     status, body = dashboard.client.post("/q/0/action",

@@ -28,6 +28,10 @@ if not CHROMIUM or not DRIVER:
     pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium "
                 "chromium-driver; .ci/run installs them)", allow_module_level=True)
 
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -63,18 +67,35 @@ def dashboards(tmp_path: Path):
 
 
 def wait(driver, condition, what: str):
-    return WebDriverWait(driver, WAIT, poll_frequency=0.5).until(
+    """Poll ``condition(driver)`` every half second; a part swapped in place by the live
+    update meanwhile (stale element) is only read again."""
+    return WebDriverWait(driver, WAIT, poll_frequency=0.5,
+                         ignored_exceptions=(NoSuchElementException,
+                                             StaleElementReferenceException)).until(
         lambda d: condition(d), message=f"waiting for {what}")
 
 
-def cell(driver, name: str) -> str:
-    return driver.find_element(By.CSS_SELECTOR, f"#queue-0 td.{name}").text
+def text(driver, selector: str) -> str | None:
+    """The text of the first element matching ``selector``, read in one script call (the
+    live update cannot swap it between finding and reading)."""
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e && e.textContent.trim()",
+        selector)
+
+
+def attribute(driver, selector: str, name: str) -> str | None:
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e && e.getAttribute(arguments[1])",
+        selector, name)
+
+
+def cell(driver, name: str) -> str | None:
+    return text(driver, f"#queue-0 td.{name}")
 
 
 def chart_top(driver, kind: str) -> float:
-    """The largest value the chart of ``kind`` (backlog, rate) has drawn."""
-    title = driver.find_element(By.CSS_SELECTOR, f"#queue-0 svg.{kind}").get_attribute(
-        "innerHTML")
+    """The largest value the chart of ``kind`` (backlog, rate) has drawn (its title)."""
+    title = text(driver, f"#queue-0 svg.{kind} title") or "top -1,"
     return float(title.split("top ", 1)[1].split(",", 1)[0].replace(",", ""))
 
 
@@ -91,14 +112,13 @@ def test_overview_counts_and_the_plots_move_as_a_running_supervisor_drains_the_q
     assert (cell(browser, "failed"), cell(browser, "dead"), cell(browser, "poison")) == (
         "2", "1", "0")
     assert "read-only" in browser.find_element(By.ID, "mode").text
-    backlog = browser.find_element(By.CSS_SELECTOR, "#queue-0 svg.backlog")
-    assert backlog.get_attribute("data-last") == "300.0"
+    assert attribute(browser, "#queue-0 svg.backlog", "data-last") == "300.0"
     browser.execute_script("window.notReloaded = true")
 
     supervisors(config, redis_url)
     wait(browser, lambda d: cell(d, "ready") == "0", "the queue to drain")
-    wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#queue-0 svg.backlog")
-         .get_attribute("data-last") == "0.0", "the backlog plot to reach 0")
+    wait(browser, lambda d: attribute(d, "#queue-0 svg.backlog", "data-last") == "0.0",
+         "the backlog plot to reach 0")
     wait(browser, lambda d: chart_top(d, "rate") > 0, "the jobs/s plot to rise")
     wait(browser, lambda d: cell(d, "supervisors") == "1", "the running supervisor")
     assert chart_top(browser, "backlog") == 300
