@@ -327,6 +327,24 @@ async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
     assert supervisor.wait(30) == 0
 
 
+
+async def test_a_job_a_running_supervisor_failed_is_listed_with_what_is_known_of_its_error(
+        tmp_path, redis_url, redis_client, dashboards, supervisors):
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.raises:handle",
+                          job={"max_attempts": 1})
+    [(pid, raw)] = envelopes.of(QUEUE, [{"log": str(tmp_path / "errors.log")}])
+    await redis_client.lpush(keys().ready, raw)
+    supervisors(config, redis_url)
+    dashboard = dashboards(config)
+    overview_shows(dashboard, {"failed": "1", "ready": "0"})
+    status, body = dashboard.client.get("/q/0/list/failed")
+    assert status == 200 and pid in body
+    # The supervisor's failure record where it writes one (issue 25), else "(no record)".
+    assert "ValueError: boom" in body or "(no record)" in body
+    status, body = dashboard.client.get(f"/q/0/job?pid={pid}")
+    assert status == 200 and "<dt>where</dt><dd>failed</dd>" in body
+
+
 # -- parts ------------------------------------------------------------------------------------
 
 
