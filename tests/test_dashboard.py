@@ -380,10 +380,15 @@ def test_histogram_quantiles_from_the_supervisors_buckets():
         'queue_supervisor_handler_seconds_sum{queue="q"} 5',
         "# TYPE queue_supervisor_buffer_prefetch gauge",
         'queue_supervisor_buffer_prefetch{queue="q"} 10',
+        "# TYPE queue_supervisor_build_info gauge",
+        'queue_supervisor_build_info{queue="q",version="0.2.0",python="3.11.7",broker="redis"}'
+        " 1",
     ])
     found = scrape.figures(text)
     assert found["handler"] == {"p50": 0.01, "p90": 0.1, "p99": 1.0}
     assert found["prefetch"] == 10
+    assert (found["version"], found["python"]) == ("0.2.0", "3.11.7")
+    assert scrape.figures("")["version"] is None  # an older supervisor serves no build info
 
 
 def test_the_readme_shows_the_screenshots_the_script_makes():

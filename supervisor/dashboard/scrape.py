@@ -41,10 +41,13 @@ def figures(text: str) -> dict[str, Any]:
 
     values: dict[str, float] = {}
     buckets: dict[str, list[tuple[float, float]]] = {}
+    build: dict[str, str] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name.endswith("_bucket"):
+                if sample.name == f"{PREFIX}_build_info":  # served by newer supervisors
+                    build = dict(sample.labels)
+                elif sample.name.endswith("_bucket"):
                     if sample.labels.get("operation", "settle") == "settle":
                         buckets.setdefault(sample.name, []).append(
                             (float(sample.labels["le"]), sample.value))
@@ -55,6 +58,8 @@ def figures(text: str) -> dict[str, Any]:
     handler = buckets.get(f"{PREFIX}_handler_seconds_bucket", [])
     settle = buckets.get(f"{PREFIX}_broker_call_seconds_bucket", [])
     return {
+        "version": build.get("version"),
+        "python": build.get("python"),
         "outstanding": values.get(f"{PREFIX}_buffer_outstanding"),
         "prefetch": values.get(f"{PREFIX}_buffer_prefetch"),
         "busy": values.get(f"{PREFIX}_busy_handlers"),
