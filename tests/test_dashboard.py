@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -400,3 +401,14 @@ def test_the_readme_shows_the_screenshots_the_script_makes():
     for path in shown:
         assert (root / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
         assert f'"{Path(path).stem}' in made, path  # made by the script, not by hand
+
+
+def test_without_the_dashboard_extra_it_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from supervisor import cli
+
+    config = write_config(tmp_path, "redis://127.0.0.1:1/0", handler="examples.noop:handle")
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    assert cli.main(["dashboard", str(config)]) == 2
+    error = capsys.readouterr().err
+    assert "needs the extra 'dashboard' (uvicorn is not installed)" in error
+

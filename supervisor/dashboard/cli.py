@@ -61,9 +61,15 @@ def main(argv: Sequence[str]) -> int:
         logging.getLogger(library).setLevel(max(logging.WARNING, logging.root.level))
     token = args.token or os.environ.get(ENV_TOKEN) or None
 
-    import uvicorn
+    try:
+        import uvicorn
 
-    from supervisor.dashboard.app import Dashboard, create_app
+        from supervisor.dashboard.app import Dashboard, create_app
+    except ImportError as error:
+        print(logs.error_line(f"the dashboard needs the extra 'dashboard' ({error.name} is not "
+                              f"installed): pip install 'queue-supervisor[dashboard]'"),
+              file=sys.stderr)
+        return exits.USAGE
     from supervisor.metrics import exposure_warning
 
     exposed = exposure_warning(args.host) is not None
