@@ -326,6 +326,7 @@ async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
                                           "csrf": csrf})
     assert status == 200 and "sent SIGTERM" in body, body
     assert supervisor.wait(30) == 0
+    overview_shows(dashboard, {"supervisors": "0", "state": "ok"})  # gone, and still sampled
 
 
 
