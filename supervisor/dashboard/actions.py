@@ -2,12 +2,8 @@
 drain (SIGTERM) a supervisor of this host. Each returns one line for the operator and the
 action log. JetStream queues take no action here (their dead stream is read-only).
 
-``retry_job`` runs ``lua/retry.lua`` for one pid, as ``retry`` does for a window of them
-(the same plan and checks: the job record is moved only if it is still what was read).
-``delete_job`` is a minimal bounded delete until the operator command ``failed delete``
-exists: the pid leaves its list first (LREM, count 1), and only if it did are its job and
-failure records deleted, so a job retried meanwhile is never touched. The merger can point
-``delete_job`` at that command's function without changing the pages.
+Both are the operator commands' own functions (``failed retry PID``, ``failed delete PID``):
+the job moves or goes only if it is still where and what was read.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from typing import Any
 
 from broker.base import MAX_BATCH
 from supervisor.ops import drain as processes
-from supervisor.ops import inspect
+from supervisor.ops import failed, inspect
 from supervisor.ops import retry as retrying
 
 SOURCES = retrying.SOURCES  # "failed", "dead"
@@ -25,28 +21,24 @@ SOURCES = retrying.SOURCES  # "failed", "dead"
 
 async def retry_job(broker: Any, source: str, pid: str) -> str:
     keys, queue = broker.keys, broker.keys.queue
-    source_key = keys.failed if source == "failed" else keys.dead
     limit = getattr(broker, "max_envelope_bytes", 0) or retrying.RECORD_LIMIT
-    [record] = await broker.scripts.call("records", [keys.job(pid)], [limit])
-    items, kept = retrying._plan([pid], [record], reset=False)
-    if kept:
-        return (f"job {pid} of {queue} was left in {source}: its record is undecodable, "
-                f"not writable as PHP writes JSON, or over the job's envelope limit")
-    report = retrying.RetryReport()
-    await retrying._move(broker.scripts, keys, source_key, items, report)
+    report = await retrying.retry(broker.client, broker.scripts, keys, source=source,
+                                  pids=[pid], max_record_bytes=limit)
     if report.moved:
         return f"job {pid} of {queue} moved from {source} back to the ready list"
     if report.expired:
         return f"job {pid} of {queue} had no job record left (job_ttl): removed from {source}"
+    if report.malformed:
+        return (f"job {pid} of {queue} was left in {source}: its record is undecodable, "
+                f"not writable as PHP writes JSON, or over the job's envelope limit")
     return f"job {pid} of {queue} was not in {source} any more, or changed: nothing moved"
 
 
 async def delete_job(broker: Any, source: str, pid: str) -> str:
-    keys, queue = broker.keys, broker.keys.queue
-    source_key = keys.failed if source == "failed" else keys.dead
-    if not await broker.client.lrem(source_key, 1, pid):
+    queue = broker.keys.queue
+    report = await failed.delete(broker.client, broker.scripts, broker.keys, source, [pid])
+    if not report.deleted:
         return f"job {pid} of {queue} was not in {source} any more: nothing deleted"
-    await broker.client.delete(keys.job(pid), keys.error(pid))
     return f"job {pid} of {queue} deleted from {source} with its job and failure records"
 
 
