@@ -43,7 +43,7 @@ import datetime
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
-from broker.nats import api
+from broker.nats import api, version
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
@@ -217,6 +217,11 @@ class NatsBroker:
         """Messages with a delivery held by this broker (bounded by what is outstanding)."""
         return len(self._held)
 
+    def watch_connection(self, lost: Callable[[str], None], back: Callable[[], None]) -> None:
+        """``lost(reason)`` when the connection breaks, ``back()`` once a new one is ready
+        (the supervisor tells an outage once each way; see supervisor.outage)."""
+        self._link.watch(lost, back)
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def connect(self) -> None:
@@ -363,8 +368,7 @@ class NatsBroker:
             results += await asyncio.gather(*(
                 settle_one(index, settlements[index])
                 for index in range(start, min(start + MAX_BATCH, len(settlements)))))
-        _log_unsure(results, "settle")
-        return results
+        return results  # what is unconfirmed the caller tells (once per call, not here too)
 
     async def _settle_one(self, settlement: Settlement) -> Result:
         receipt: NatsReceipt = settlement.delivery.receipt
@@ -448,11 +452,18 @@ class NatsBroker:
     # -- extend ------------------------------------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """As Redis: raises when the server cannot be reached (no connection, or not one
+        renewal confirmed), so that the caller knows the broker is away, not just slow."""
+        await self._connection(self._timeout)
         unreturned = [r for r in map(_receipt, self._puller.backlog()) if r is not None]
         results = await asyncio.gather(
             *(self._renew(d.receipt) for d in deliveries),
             *(self._respond(r, WPI) for r in unreturned))
         results = results[:len(deliveries)]
+        unsure = [r for r in results if r.outcome in (Outcome.UNCERTAIN, Outcome.ERROR)]
+        if unsure and len(unsure) == len(results):  # nothing answered: every one still ours
+            raise BrokerError(f"renewal of {len(results)} deliveries: none confirmed "
+                              f"({unsure[0].outcome} {unsure[0].detail})")
         _log_unsure(results, "renewal")
         return [r.outcome is not Outcome.STALE for r in results]
 
@@ -558,6 +569,8 @@ class NatsBroker:
         timeout = self._timeout if self._policy is None else min(self._timeout,
                                                                  RECONNECT_SETUP_TIMEOUT)
         try:
+            # Before anything is created: an old server drops what the setup relies on.
+            version.check(conn.server, conn.server_info)
             if self._policy is None:
                 await check_renamed(conn, self.queue, self._wanted, timeout)
             policy = await adopt_queue(conn, self._names, self._wanted, timeout)
