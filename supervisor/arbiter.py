@@ -135,7 +135,8 @@ class Arbiter:
         self.outage.lease = self.lease()  # an adopted NATS consumer's ack wait is known now
         watch = getattr(self.broker, "watch_connection", None)
         if watch is not None:  # a broker with a connection of its own tells when it breaks
-            watch(self.outage.lost, self.outage.back)
+            self.outage.by_connection = True
+            watch(self.outage.connection_lost, self.outage.connection_back)
         self.notify_ready_once()
         self.tasks = [
             self.start_task(coro)

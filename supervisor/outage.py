@@ -8,7 +8,10 @@ reminder now and then (at growing intervals), and the first success after it one
 
 An event counts only if its call began after the last change of state: a reply that was
 already on its way when the server went away, or the failure of a call that began before it
-came back, does not flip the state again.
+came back, does not flip the state again. A broker with a connection of its own (NATS) tells
+when it breaks and when the next one is ready (``connection_lost``, ``connection_back``); then
+that alone counts, since some of its calls succeed without the server (a receive that found
+the connection closed returns nothing, a maintenance pass may send nothing).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Outage:
         self.changed = -math.inf  # when the state last changed
         self._reminders = 0
         self._next_reminder = math.inf
+        #: The broker tells its connection's state (``connection_lost``, ``connection_back``).
+        self.by_connection = False
 
     @property
     def down(self) -> bool:
@@ -71,10 +76,29 @@ class Outage:
         """Taken before a broker call, and handed back with its outcome (``began``)."""
         return self.clock()
 
+    def connection_lost(self, reason: str) -> None:
+        """The broker's connection broke (it builds the next one itself)."""
+        self._lost(reason)
+
+    def connection_back(self) -> None:
+        """The broker's next connection is ready."""
+        self._back()
+
     def lost(self, error: BaseException | str, began: float | None = None) -> None:
         """A broker call failed because the broker could not be reached."""
         if began is not None and began < self.changed:
             return  # begun before it came back: says nothing about now
+        if self.by_connection and self.down_since is None:
+            return  # the connection tells when it breaks (the loops' tries only remind)
+        self._lost(error)
+
+    def back(self, began: float | None = None) -> None:
+        """A broker call succeeded."""
+        if self.by_connection or (began is not None and began < self.changed):
+            return  # told by the connection; or a reply on its way before the outage
+        self._back()
+
+    def _lost(self, error: BaseException | str) -> None:
         reason = redact(error if isinstance(error, str) else describe(error))
         now = self.clock()
         if self.down_since is None:
@@ -95,10 +119,9 @@ class Outage:
                         "retrying (last error: %s)", self.address, now - self.down_since,
                         self.held(), reason)
 
-    def back(self, began: float | None = None) -> None:
-        """A broker call succeeded (or the connection was made again)."""
-        if self.down_since is None or (began is not None and began < self.changed):
-            return  # up already, or a reply that was on its way before the outage began
+    def _back(self) -> None:
+        if self.down_since is None:
+            return
         now = self.clock()
         log.info("reconnected to %s after %.0fs; settling %d held deliveries",
                  self.address, now - self.down_since, self.held())

@@ -76,9 +76,12 @@ class Settler:
         retry: list[Entry] = []
         # Several calls may run at once (JetStream): what each leaves is its own.
         left = Left()
+        began, since = time.perf_counter(), self.outage.now()
 
         def apply(index: int, result: Result) -> None:
             applied[index] = True
+            if result.outcome not in UNCONFIRMED:
+                self.outage.back(since)  # it answered: told before anything is forgotten
             if not self._apply(batch[index], settlements[index], result, left):
                 retry.append(batch[index])
 
@@ -86,7 +89,6 @@ class Settler:
             apply(index, result)
             self.progress()
 
-        began, since = time.perf_counter(), self.outage.now()
         told = False  # the call raised, and that was told
         try:
             results = await self.broker.settle(settlements, apply_early)
@@ -109,9 +111,7 @@ class Settler:
     def _tell(self, results: list[Result], since: float, left: Left, told: bool) -> None:
         """What this call says about the broker, and one line for what stays unsettled."""
         if not told:
-            if any(result.outcome not in UNCONFIRMED for result in results):
-                self.outage.back(since)  # it answered
-            elif left.again:
+            if left.again and all(result.outcome in UNCONFIRMED for result in results):
                 self.outage.lost(left.again[0][2].detail or "no reply", since)
             if left.again and not self.outage.down:
                 log.warning("%d of %d settlements not confirmed (%s); will settle again",
