@@ -9,9 +9,12 @@ what is held and what happens next; a reminder at growing intervals while it las
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
+import socket
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -22,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.base import BrokerError
 from broker.memory import MemoryBroker
-from broker.nats import NatsBroker
+from broker.nats import NatsBroker, version
 from broker.nats.setup import QueueNames
+from supervisor import exits
 from supervisor.buffer import Buffer, State
 from supervisor.metrics import Metrics
 from supervisor.outage import REMINDERS, Outage, unreachable
@@ -330,3 +334,98 @@ def test_nats_stopped_with_deliveries_held_is_told_once_and_loses_nothing(
     output = supervisor.output()
     assert_told_once_each_way(output, f"nats://127.0.0.1:{nats_server.port}")
     assert not told(output, "building a new one")
+
+
+# -- the NATS server's version, checked at every connection (issue 25.8) --------------------------
+
+
+class OldNatsServer:
+    """Speaks only the greeting of a NATS server of ``version``: INFO, then PONG to each PING.
+    Enough for the version check, which happens before any JetStream request."""
+
+    def __init__(self, version: str) -> None:
+        info = {"server_id": "old", "server_name": "old", "version": version, "proto": 1,
+                "go": "go1.19", "host": "127.0.0.1", "headers": True, "max_payload": 1048576,
+                "jetstream": True}
+        self.greeting = b"INFO " + json.dumps(info).encode() + b"\r\n"
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"nats://127.0.0.1:{self.port}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self.socket.accept()
+                threading.Thread(target=self.talk, args=(connection,), daemon=True).start()
+
+    def talk(self, connection: socket.socket) -> None:
+        with connection, contextlib.suppress(OSError):
+            connection.sendall(self.greeting)
+            for line in connection.makefile("rb"):
+                if line.startswith(b"PING"):
+                    connection.sendall(b"PONG\r\n")
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+@pytest.fixture
+def old_nats():
+    server = OldNatsServer("2.9.10")  # Debian 12's
+    yield server
+    server.close()
+
+
+def test_a_server_older_than_2_10_is_refused_before_anything_is_created(old_nats):
+    async def connect() -> None:
+        broker = NatsBroker(old_nats.url, QUEUE)
+        try:
+            await broker.connect()
+        finally:
+            await broker.close()
+
+    with pytest.raises(version.ServerTooOld) as refused:
+        asyncio.run(connect())
+    text = str(refused.value)
+    assert f"127.0.0.1:{old_nats.port} runs version 2.9.10" in text
+    assert "needs 2.10.0 or newer" in text and "metadata" in text
+
+
+def test_the_supervisor_refuses_an_old_server_in_one_line_with_an_exit_systemd_keeps(
+    tmp_path, old_nats, supervisors
+):
+    config = write_config(tmp_path, old_nats.url)
+    supervisor = supervisors(config)
+    assert supervisor.wait(30) == exits.REFUSED
+    output = supervisor.output()
+    told_lines = [line for line in output.splitlines() if level(line) == "error"]
+    assert len(told_lines) == 1, output
+    assert "runs version 2.9.10; this supervisor needs 2.10.0 or newer" in told_lines[0]
+    assert "Traceback" not in output
+
+
+def test_the_nats_server_the_tests_run_is_new_enough(nats_server):
+    async def connect() -> str:
+        broker = NatsBroker(nats_server.url, QUEUE)
+        await broker.connect()
+        try:
+            conn = broker._link.connection
+            assert conn is not None
+            return conn.server_info["version"]
+        finally:
+            await broker.close()
+
+    served = asyncio.run(connect())
+    parsed = version.parse(served)
+    assert parsed is not None and parsed >= version.MINIMUM, served
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("2.9.10", (2, 9, 10)), ("2.10.0", (2, 10, 0)), ("v2.11.3", (2, 11, 3)),
+    ("2.10.0-beta.5", (2, 10, 0)), ("dev", None),
+])
+def test_versions_read_as_the_server_spells_them(text, parsed):
+    assert version.parse(text) == parsed
+    if parsed is not None:
+        assert (parsed >= version.MINIMUM) == (parsed >= (2, 10, 0))

@@ -452,18 +452,13 @@ class NatsBroker:
     # -- extend ------------------------------------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """As Redis: raises when the server cannot be reached (no connection, or not one
-        renewal confirmed), so that the caller knows the broker is away, not just slow."""
+        """As Redis: raises when no connection can be had (then nothing was renewed)."""
         await self._connection(self._timeout)
         unreturned = [r for r in map(_receipt, self._puller.backlog()) if r is not None]
         results = await asyncio.gather(
             *(self._renew(d.receipt) for d in deliveries),
             *(self._respond(r, WPI) for r in unreturned))
         results = results[:len(deliveries)]
-        unsure = [r for r in results if r.outcome in (Outcome.UNCERTAIN, Outcome.ERROR)]
-        if unsure and len(unsure) == len(results):  # nothing answered: every one still ours
-            raise BrokerError(f"renewal of {len(results)} deliveries: none confirmed "
-                              f"({unsure[0].outcome} {unsure[0].detail})")
         _log_unsure(results, "renewal")
         return [r.outcome is not Outcome.STALE for r in results]
 

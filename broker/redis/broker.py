@@ -53,6 +53,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.errors import describe
 from broker.redis import recovery, seeds
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
@@ -711,7 +712,7 @@ class RedisBroker:
             else:
                 reply = await self.scripts.call("settle", keys, args)
         except CONNECTION_ERRORS as error:
-            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {error!r}")
+            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
         return [_RESULTS[outcome] for outcome in reply]
 
@@ -837,7 +838,8 @@ async def _broker_errors(operation: str) -> AsyncIterator[None]:
     try:
         yield
     except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
-        raise BrokerError(f"{operation} failed: {error!r}") from error
+        # describe: redis-py's repr is "network:ConnectionError", without server or reason
+        raise BrokerError(f"{operation} failed: {describe(error)}") from error
 
 
 def _cancelling() -> bool:
