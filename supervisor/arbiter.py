@@ -155,6 +155,14 @@ class Arbiter:
         deliveries for less than our lease)."""
         return min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
 
+    def broker_failed(self, error: Exception, began: float, line: str, *args: object) -> None:
+        """A broker call failed: an outage is told once, by ``self.outage``; anything else
+        (a refusal, a key of the wrong type) is this loop's own error line."""
+        if unreachable(error):
+            self.outage.lost(error, began)
+        else:
+            log.error(line, *args, error)
+
     # -- a failure nobody expected: one log line with the traceback, then a bounded stop ----
 
     def start_task(self, coro) -> asyncio.Task:
@@ -213,11 +221,10 @@ class Arbiter:
             try:
                 age = await self.broker.oldest_ready_age()
             except (BrokerError, OSError) as error:
+                oldest = f"unknown ({error})"
                 if unreachable(error):
                     self.outage.lost(error, began)
                     oldest = "unknown (the broker is unreachable)"
-                else:
-                    oldest = f"unknown ({error})"
             else:
                 self.outage.back(began)
                 oldest = "none waiting" if age is None else f"{age:.1f}s"
@@ -277,10 +284,7 @@ class Arbiter:
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
             except (BrokerError, OSError) as error:
                 failures += 1
-                if unreachable(error):
-                    self.outage.lost(error, began)
-                else:
-                    log.error("receive failed (%d in a row): %s", failures, error)
+                self.broker_failed(error, began, "receive failed (%d in a row): %s", failures)
                 await asyncio.sleep(min(0.1 * 2**failures, RETRY_EVERY))
                 continue
             self.outage.back(began)
@@ -467,10 +471,8 @@ class Arbiter:
                 with self.metrics.timed("extend"):
                     owned = await self.broker.extend([entry.delivery for entry in entries])
             except (BrokerError, OSError) as error:
-                if unreachable(error):
-                    self.outage.lost(error, began)
-                else:
-                    log.error("renewal of %d deliveries failed: %s", len(entries), error)
+                self.broker_failed(error, began, "renewal of %d deliveries failed: %s",
+                                   len(entries))
             else:
                 self.outage.back(began)
                 for entry, still_ours in zip(entries, owned, strict=True):
@@ -493,10 +495,7 @@ class Arbiter:
                 with self.metrics.timed("maintain"):
                     report = await self.broker.maintain()
             except (BrokerError, OSError) as error:
-                if unreachable(error):
-                    self.outage.lost(error, began)
-                else:
-                    log.error("maintenance failed: %s", error)
+                self.broker_failed(error, began, "maintenance failed: %s")
             else:
                 self.outage.back(began)
                 if report.total:

@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import nats
@@ -218,12 +219,12 @@ def told(output: str, words: str) -> list[str]:
     return [line for line in output.splitlines() if words in line]
 
 
-def held_then_finished_while_away(tmp_path: Path, server, metrics_port: int, is_held,
-                                  sig: int = signal.SIGKILL) -> None:
+def held_then_finished_while_away(tmp_path: Path, take_away: Callable[[], None],
+                                  metrics_port: int, is_held: Callable[[], bool]) -> None:
     """Wait until every delivery is held by a handler, take the server away, let every
     handler finish, and wait until their settlement was tried (and tried again)."""
     wait_for(is_held, 60, f"{HELD} deliveries held")
-    server.stop(sig)
+    take_away()
     (tmp_path / "gate").touch()
     wait_for(lambda: len(lines(tmp_path / "handled")) == HELD, 60, "every handler finished")
     calls = settle_calls(metrics_port)
@@ -266,7 +267,7 @@ def test_redis_killed_with_deliveries_held_is_told_once_and_loses_nothing(
                           job={"prefetch": HELD, "coroutines": 2},
                           supervisor={"lease": 60, "metrics_port": port})
     supervisor = supervisors(config, durable_redis.url)
-    held_then_finished_while_away(tmp_path, durable_redis, port,
+    held_then_finished_while_away(tmp_path, durable_redis.stop, port,
                                   lambda: client.llen(keys().processing) == HELD)
     client.close()
     durable_redis.start()
@@ -319,11 +320,10 @@ def test_nats_stopped_with_deliveries_held_is_told_once_and_loses_nothing(
                           job={"prefetch": HELD, "coroutines": 2}, nats={"ack_wait": 60},
                           supervisor={"lease": 60, "metrics_port": port})
     supervisor = supervisors(config)
-    held_then_finished_while_away(tmp_path, nats_server, port,
-                                  lambda: nats_state(nats_server)["ack_pending"] == HELD,
-                                  # SIGKILL may lose the consumer's state (written every
-                                  # 2 min): every message would be new again after it
-                                  signal.SIGTERM)
+    # Stopped, not killed: a kill may lose the consumer's state (written every 2 min), and
+    # every message would be new again after it.
+    held_then_finished_while_away(tmp_path, lambda: nats_server.stop(signal.SIGTERM), port,
+                                  lambda: nats_state(nats_server)["ack_pending"] == HELD)
     nats_server.start()
     wait_for(lambda: nats_state(nats_server)["stream"] == 0, 60,
              "every held delivery acknowledged once it is back")
@@ -429,3 +429,49 @@ def test_versions_read_as_the_server_spells_them(text, parsed):
     assert version.parse(text) == parsed
     if parsed is not None:
         assert (parsed >= version.MINIMUM) == (parsed >= (2, 10, 0))
+
+
+@pytest.fixture
+def durable_cluster():
+    """A private three-master Redis Cluster whose nodes keep their data across a kill."""
+    from support.cluster import PrivateCluster
+
+    cluster = PrivateCluster(persist=True).start()
+    yield cluster
+    cluster.close()
+
+
+def test_a_redis_cluster_master_killed_with_deliveries_held_is_told_once_and_loses_nothing(
+    tmp_path, durable_cluster, supervisors
+):
+    """The master serving the queue's slot killed, then started again: its connections are
+    refused, then the other masters answer CLUSTERDOWN. One line each way all the same."""
+    namespace = "{utopia-queue}"
+    client = redis.RedisCluster.from_url(durable_cluster.url)
+    publish(client, [{"gate": str(tmp_path / "gate")} for _ in range(HELD)], namespace)
+    processing = keys(namespace).processing
+    owner = durable_cluster.owner_of(processing)
+    seed = next(node for node in durable_cluster.nodes if node is not owner)
+    port = free_port()
+    config = write_config(tmp_path, seed.url, "tests.handlers.gated_record:handle",
+                          broker={"cluster": True, "namespace": namespace},
+                          job={"prefetch": HELD, "coroutines": 2},
+                          supervisor={"lease": 60, "metrics_port": port})
+    supervisor = supervisors(config, seed.url, namespace=namespace)
+    held_then_finished_while_away(tmp_path, owner.kill, port,
+                                  lambda: client.llen(processing) == HELD)
+    owner.start()
+    durable_cluster.wait_ok(60)
+    wait_for(lambda: counter(client, "success", namespace) == HELD
+             and client.llen(processing) == 0, 120, "every held delivery committed")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0
+    client.close()
+    output = supervisor.output()
+    [down] = told(output, "broker unreachable at")
+    assert f"127.0.0.1:{seed.port}" in down and f"{HELD} deliveries held" in down, down
+    [back] = told(output, "reconnected to")
+    assert f"settling {HELD} held deliveries" in back, back
+    for flood in ("not confirmed", "receive failed", "renewal of", "settlement of"):
+        assert not told(output, flood), flood
+    assert "Traceback" not in output

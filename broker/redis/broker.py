@@ -579,8 +579,9 @@ class RedisBroker:
                 self._replicated("claim", confirmed, len(plan.items))
             else:
                 reply = await self.scripts.call("claim", plan.keys, plan.args)
-        except CONNECTION_ERRORS as error:
-            # Applied or not, we cannot tell: the next receive runs the claim again.
+        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+            # Applied or not, we cannot tell (a cluster error may follow the client's retry
+            # of a call whose reply was lost): the next receive runs the claim again.
             self._unresolved.append(plan)
             raise BrokerError(f"claim of {reservation.key} lost its reply: {error}") from error
         return await self._claimed(plan, reply)
@@ -711,7 +712,9 @@ class RedisBroker:
                 self._replicated("settlement", confirmed, len(batch))
             else:
                 reply = await self.scripts.call("settle", keys, args)
-        except CONNECTION_ERRORS as error:
+        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+            # A cluster error too: it may follow the client's retry of a call whose reply
+            # was lost. Settled again either way (every script checks the owner token).
             uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
         return [_RESULTS[outcome] for outcome in reply]
