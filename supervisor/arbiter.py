@@ -23,7 +23,7 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
-from supervisor import blame, exits, logs, systemd
+from supervisor import blame, exits, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -105,6 +105,9 @@ class Arbiter:
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
         self.settle_failures = 0  # in a row: the back-off before the next try
+        #: The last error of each broker-facing loop still failing (receive, sample): while
+        #: any is, /readyz says the broker is unreachable.
+        self.broker_trouble: dict[str, str] = {}
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -143,7 +146,7 @@ class Arbiter:
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
-                self.keepalive_loop(), self.progress_loop(),
+                self.keepalive_loop(), self.progress_loop(), self.sample_loop(),
             )
         ]
         await self.stop_requested.wait()
@@ -203,6 +206,7 @@ class Arbiter:
         if all(place.ready for place in self.places):
             self.update_title()  # "running" before systemd (and a person) hears it
             self.ready.set()
+            self.metrics.readiness(self.not_ready())
             if self.notifier.ready():
                 log.info("ready: told systemd")
 
@@ -264,6 +268,7 @@ class Arbiter:
         if exit_code is not None:
             self.exit_code = exit_code
         self.stopping = True
+        self.metrics.readiness(self.not_ready())
         self.stop_requested.set()
         self.room.set()
 
@@ -284,11 +289,13 @@ class Arbiter:
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
             except (BrokerError, OSError) as error:
                 failures += 1
+                self.broker_trouble["receive"] = str(error)
                 self.broker_failed(error, began, "receive failed (%d in a row): %s", failures)
                 await asyncio.sleep(min(0.1 * 2**failures, RETRY_EVERY))
                 continue
             self.outage.back(began)
             failures = 0
+            self.broker_trouble.pop("receive", None)
             for poisoned in received.poisoned:
                 if poisoned.malformed:
                     logs.log_malformed(log, self.config.job.queue, poisoned.reason)
@@ -512,7 +519,40 @@ class Arbiter:
         while not self.closed:
             self.enforce_limits()
             self.update_title()
+            self.metrics.beat()  # /healthz: this loop goes round
+            self.metrics.readiness(self.not_ready())
             await asyncio.sleep(WATCH_PERIOD)
+
+    def not_ready(self) -> str | None:
+        """Why /readyz answers 503 now (one line), or None when it answers 200."""
+        if self.stopping:
+            return "stopping: taking no more work"
+        if not self.connected:
+            return "connecting to the broker"
+        if self.broker_trouble:
+            return f"broker unreachable: {next(iter(self.broker_trouble.values()))}"
+        if not any(place.accepting for place in self.places):
+            alive = sum(place.alive for place in self.places)
+            return (f"no handler process ready to take work ({alive} of {len(self.places)} "
+                    "started, none ready)")
+        return None
+
+    async def sample_loop(self) -> None:
+        """The queue gauges of the metrics endpoint, every SAMPLE_PERIOD (metrics on only)."""
+        sample = gauges.sampler_of(self.broker) if self.metrics.enabled else None
+        leadership = gauges.Leadership()
+        await self.first_renewal.wait()  # on Redis it registers us: "supervisors alive" counts us
+        while sample is not None and not self.closed:
+            try:
+                with self.metrics.timed("sample"):
+                    figures = leadership.seen(await sample())
+            except (BrokerError, OSError) as error:
+                self.broker_trouble["sample"] = str(error)
+                self.metrics.gauges(None, str(error))
+            else:
+                self.broker_trouble.pop("sample", None)
+                self.metrics.gauges(figures)
+            await asyncio.sleep(gauges.SAMPLE_PERIOD)
 
     def enforce_limits(self) -> None:
         job = self.config.job

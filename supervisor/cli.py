@@ -118,8 +118,11 @@ def run(config: Config) -> int:
 
 
 def start_metrics(config: Config) -> metrics.Metrics:
+    from broker.urls import broker_kind
+
     sup = config.supervisor
-    return metrics.start(config.job.queue, sup.metrics_port, sup.metrics_host)
+    return metrics.start(config.job.queue, sup.metrics_port, sup.metrics_host,
+                         broker_kind(config.broker.url))
 
 
 def asyncio_run(coroutine) -> int:

@@ -54,7 +54,7 @@ WHY = {
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
-    "zcard": "count registered reservations",
+    "zcard": "count registered reservations; the metrics: retries waiting for their backoff",
     "zrange": "list registered reservations and their deadlines",
     "pttl": "time left of a supervisor record",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
@@ -70,6 +70,9 @@ WHY = {
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
     "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
+    "hvals": "the metrics: supervisors alive (the token registry's renewal times)",
+    "lpos": "failed/dead show, and retry or delete by pid: is the pid in the list",
+    "ltrim": "poison delete: drop the oldest entries (the newest are kept)",
 }
 
 
@@ -101,6 +104,8 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
+    "supervisor-delayed.{q}": _fixed("delayed"),
+    "supervisor-errors.{q}.*": _under(lambda keys: keys.error("")),
     "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
@@ -143,6 +148,8 @@ ROLES: tuple[Role, ...] = (
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
             "strlen",
+            # the metrics' sample (broker.redis.gauges)
+            "zcard", "hvals",
         ),
         "~",
         (
@@ -150,6 +157,7 @@ ROLES: tuple[Role, ...] = (
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
+            "supervisor-delayed.{q}",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -168,8 +176,20 @@ ROLES: tuple[Role, ...] = (
     Role(
         "retry", "python -m supervisor retry",
         ("evalsha", "script|load", "lrange", "type", "get", "strlen", "lrem", "lpush", "del"),
-        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry", "records"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records"),
     ),
+    *(Role(
+        source, f"python -m supervisor {source} (list, show, delete, retry)",
+        ("evalsha", "script|load", "llen", "lrange", "lpos", "pttl",
+         # records.lua, retry.lua, delete.lua
+         "type", "get", "strlen", "lrem", "lpush", "del"),
+        "~", (f"{source}.{{q}}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records", "delete"),
+    ) for source in ("failed", "dead")),
+    Role("poison", "python -m supervisor poison (list, show, delete)",
+         ("evalsha", "script|load", "llen", "ltrim", "type", "lrange"), "~", ("poison.{q}",),
+         ("peek",)),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
