@@ -129,7 +129,8 @@ async def _redis(config: Config, args: argparse.Namespace, source: str, broker: 
                      f"expired (job_ttl): nothing left to run")
     if moved.malformed:
         lines.append(f"left {moved.malformed} job records where they are: undecodable, not "
-                     f"writable as PHP writes JSON, or over the job's envelope limit")
+                     f"writable as PHP writes JSON, over the job's envelope limit, or a pid "
+                     f"that is not UTF-8 text (remove those with redis-cli LREM)")
     if moved.skipped:
         lines.append(f"skipped {moved.skipped} that changed meanwhile (left in {source})")
     lines += _missing(source, moved.missing)
