@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+
+import orjson
 import pytest
 
-from support.supervision import keys
+from support.envelopes import publish
+from support.supervision import counter, keys, wait_for, write_config
 from tests.test_failed_jobs import conf, listed, php_failed, run  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
@@ -16,8 +20,37 @@ async def test_retry_steps_over_a_pid_that_is_not_utf8(conf, run, redis_client):
     await redis_client.lpush(keys().failed, b"\xff\xfe-not-utf8")
     good = await php_failed(redis_client, "failed", {"ok": 1})
     code, out = await run("failed", conf, "retry", "--all", "--dry-run")
-    assert code == 1 and "would move (dry run, nothing changed) 1 failed" in out and "left 1 job records" in out and "not UTF-8" in out
+    assert code == 1 and "would move (dry run, nothing changed) 1 failed" in out
+    assert "left 1 job records" in out and "not UTF-8" in out
     code, out = await run("failed", conf, "retry", "--all")
     assert code == 1 and "moved 1 failed jobs" in out and good in out
     assert await redis_client.lrange(keys().failed, 0, -1) == [b"\xff\xfe-not-utf8"]
     assert await redis_client.llen(keys().ready) == 1
+
+
+@pytest.mark.parametrize("handler", ["tests.handlers.exits:handle",
+                                     "tests.handlers.exits:handle_async"])
+def test_a_handler_raising_sys_exit_fails_its_job_not_the_service(tmp_path, redis_url, client,
+                                                                   supervisors, handler):
+    """sys.exit(3) in one job exited its handler process with 3, which the supervisor reads
+    as a failed init(): it halted with exit 3 (no systemd restart) and said "failed to
+    start". Now each such run fails with its class, the process is replaced, the rest run."""
+    exits3, exits0, interrupted, unwound, good = publish(
+        client, [{"raise": "exit3"}, {"raise": "exit0"}, {"raise": "interrupt"},
+                 {"raise": "base"}, {"ok": 1}])
+    config = write_config(tmp_path, redis_url, handler=handler, job={"max_attempts": 1})
+    supervisor = supervisors(config, redis_url)
+    wait_for(lambda: client.llen(keys().failed) == 4 and counter(client, "success") == 1, 60,
+             "four jobs to fail and one to succeed")
+    assert supervisor.process.poll() is None, supervisor.output()
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
+    out = supervisor.output()
+    errors = {r["pid"]: r["error"] for r in map(orjson.loads, out.splitlines())
+              if r.get("outcome") == "failed"}
+    assert errors == {exits3: "SystemExit: 3", exits0: "SystemExit: 0",
+                      interrupted: "KeyboardInterrupt",
+                      unwound: "tests.handlers.exits.Abort: unwound"}
+    assert "failed to start" not in out and "halting" not in out
+    assert f"job {exits3}: the handler raised SystemExit: 3, which is not an Exception" in out
+    assert good not in [p.decode() for p in client.lrange(keys().failed, 0, -1)]
