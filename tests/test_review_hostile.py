@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import orjson
 import pytest
 
+from supervisor import cli
 from support.envelopes import publish
 from support.supervision import counter, keys, wait_for, write_config
 from tests.test_failed_jobs import conf, listed, php_failed, run  # noqa: F401
@@ -54,3 +56,37 @@ def test_a_handler_raising_sys_exit_fails_its_job_not_the_service(tmp_path, redi
     assert "failed to start" not in out and "halting" not in out
     assert f"job {exits3}: the handler raised SystemExit: 3, which is not an Exception" in out
     assert good not in [p.decode() for p in client.lrange(keys().failed, 0, -1)]
+
+
+async def test_a_lost_publish_reply_mid_retry_names_the_letter_and_what_to_do(
+        tmp_path, nats_server, nats_brokers, js, capsys, monkeypatch):
+    """`dead retry --all` whose publish reply was lost (the message did reach the work
+    stream) printed only "dead failed: nats: timeout": not which dead letter, not what had
+    moved before it, not that it may now be in both streams and how to finish."""
+    import nats.errors
+
+    from supervisor.ops import nats_dead
+    from tests.test_nats_dead import NAMES, bury, dead_pids, work_messages
+
+    job = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle"))
+    _, pids = await bury(nats_brokers, 2)
+    original = nats_dead.DeadStream.publish
+
+    async def reply_lost(self, letter):
+        ack = await original(self, letter)  # the server stored it ...
+        if letter.job.pid == pids[1]:
+            raise nats.errors.TimeoutError  # ... and its acknowledgement never came back
+        return ack
+
+    monkeypatch.setattr(nats_dead.DeadStream, "publish", reply_lost)
+    code = await asyncio.to_thread(cli.main, ["dead", job, "retry", "--all"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"re-driving dead letter {pids[1]} (seq 2) failed" in err
+    assert f"1 moved before it: {pids[0]}" in err
+    assert NAMES.dead_stream in err and "within 120 s" in err
+    assert await work_messages(js) == 2 and await dead_pids(js) == [pids[1]]  # in both
+
+    monkeypatch.setattr(nats_dead.DeadStream, "publish", original)
+    assert await asyncio.to_thread(cli.main, ["dead", job, "retry", "--all"]) == 0
+    assert await work_messages(js) == 2 and await dead_pids(js) == []

@@ -20,7 +20,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from broker.base import MAX_BATCH
+import nats.errors
+
+from broker.base import MAX_BATCH, BrokerError, BrokerRefused
+from broker.nats.setup import DUPLICATE_WINDOW
 from supervisor import exits, logs
 from supervisor.config import Config
 from supervisor.ops import failed as redis_lists
@@ -188,7 +191,20 @@ async def _redrive(stream: nats_dead.DeadStream, letter: nats_dead.Letter,
     if dry_run:
         report.done.append(named)
         return
-    outcome = await stream.redrive(letter)
+    try:
+        outcome = await stream.redrive(letter)
+    except BrokerRefused:
+        raise
+    except (BrokerError, nats.errors.Error, OSError) as error:
+        # A lost reply or a dropped connection mid-way: without this, the operator read
+        # "nats: timeout" alone, not which letter, what had moved, nor what to do.
+        raise BrokerError(
+            f"re-driving dead letter {named} (seq {letter.job.seq}) failed: {error!r}. "
+            f"{len(report.done)} moved before it{_named(report.done)}. It is still in "
+            f"{stream.names.dead_stream}, and in {stream.names.subject} too if its publish "
+            f"reached the server: run the same retry again within "
+            f"{DUPLICATE_WINDOW:g} s and the server keeps one copy of it (its message id)"
+        ) from error
     if outcome is None:
         report.missing.append(named)
         return
