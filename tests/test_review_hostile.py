@@ -90,3 +90,21 @@ async def test_a_lost_publish_reply_mid_retry_names_the_letter_and_what_to_do(
     monkeypatch.setattr(nats_dead.DeadStream, "publish", original)
     assert await asyncio.to_thread(cli.main, ["dead", job, "retry", "--all"]) == 0
     assert await work_messages(js) == 2 and await dead_pids(js) == []
+
+
+async def test_a_mistyped_key_under_the_gauges_is_not_blamed_on_the_acl(
+        redis_brokers, redis_client, caplog, monkeypatch):
+    """A string where the failed list should be was logged as "an ACL user from before
+    this version: run `acl` again": an operator would rerun acl and change nothing."""
+    import logging
+
+    from broker.redis import gauges as redis_gauges
+
+    monkeypatch.setattr(redis_gauges, "_refused", set())
+    broker = await redis_brokers("gauges")
+    await redis_client.set(broker.keys.failed, "not a list")
+    with caplog.at_level(logging.WARNING, logger="broker.redis.gauges"):
+        sample = await redis_gauges.sample(broker)
+    assert sample.failed is None and sample.ready == 0
+    [line] = [r.getMessage() for r in caplog.records if "failed left out" in r.getMessage()]
+    assert "WRONGTYPE" in line and "holds another type" in line and "acl" not in line
