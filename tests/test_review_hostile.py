@@ -108,3 +108,22 @@ async def test_a_mistyped_key_under_the_gauges_is_not_blamed_on_the_acl(
     assert sample.failed is None and sample.ready == 0
     [line] = [r.getMessage() for r in caplog.records if "failed left out" in r.getMessage()]
     assert "WRONGTYPE" in line and "holds another type" in line and "acl" not in line
+
+
+def test_an_on_error_whose_exception_cannot_be_printed_keeps_the_process(
+        tmp_path, redis_url, client, supervisors):
+    """on_error() raising an exception whose str() raises killed the handler process (the
+    log line of the hook's failure raised), once per failed job; one whose message is 10 MB
+    wrote a 10 MB log line."""
+    publish(client, [{"hook": "unprintable"}, {"hook": "huge"}])
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.hooks_hostile:handle",
+                          job={"max_attempts": 1})
+    supervisor = supervisors(config, redis_url)
+    wait_for(lambda: client.llen(keys().failed) == 2, 60, "both jobs to fail")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
+    out = supervisor.output()
+    assert "worker lost" not in out and "exited with code" not in out, out[-3000:]
+    hooks = [line for line in out.splitlines() if "on_error() failed" in line]
+    assert len(hooks) == 2 and all(len(line) < 10_000 for line in hooks), out[-3000:]
+    assert any("Unprintable: <str() raised RuntimeError>" in line for line in hooks)

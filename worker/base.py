@@ -175,8 +175,8 @@ class Runner:
         no exit code a handler chose reads as a failed init() (which halts)."""
         if not self.serving:
             raise error
-        log.error("handler process %d: %s escaped the handler (not an Exception): exiting "
-                  "(the supervisor starts another)", self._place, failure_of(error).summary)
+        log.error("handler process %d: %s escaped its loop: exiting (the supervisor "
+                  "starts another)", self._place, failure_of(error).summary)
         exit_process(CHILD_BROKEN)
 
     def _on_error_failed(self, error: Exception) -> None:
