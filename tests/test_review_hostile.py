@@ -127,3 +127,40 @@ def test_an_on_error_whose_exception_cannot_be_printed_keeps_the_process(
     hooks = [line for line in out.splitlines() if "on_error() failed" in line]
     assert len(hooks) == 2 and all(len(line) < 10_000 for line in hooks), out[-3000:]
     assert any("Unprintable: <str() raised RuntimeError>" in line for line in hooks)
+
+
+async def test_a_dead_letter_with_a_non_ascii_digit_header_does_not_break_dead_commands(
+        tmp_path, nats_server, nats_brokers, js, capsys):
+    """``Queue-Attempts: ²`` passed str.isdigit() and then failed int(): every `dead list`,
+    `show` and `retry` of the stream ended in a ValueError traceback until it was purged;
+    so did a ``seq:²`` selector."""
+    from broker import envelope
+    from tests.test_nats_dead import NAMES, dead_pids
+
+    job = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle"))
+    await nats_brokers("e2e")  # the streams
+    pid, raw = envelope.build("e2e", {"a": 1})
+    await js.publish(NAMES.dead_subject, raw, headers={"Queue-Attempts": "\u00b2"})
+
+    async def dead(*args: str) -> tuple[int, str]:
+        code = await asyncio.to_thread(cli.main, ["dead", job, *args])
+        return code, capsys.readouterr().out
+
+    code, out = await dead("list")
+    assert code == 0 and pid in out
+    assert (await dead("show", pid))[0] == 0
+    assert (await dead("show", "seq:\u00b2"))[0] == 1  # no such letter, said plainly
+    code, out = await dead("retry", "--all")
+    assert code == 0 and pid in out and await dead_pids(js) == []
+
+
+async def test_a_registry_entry_with_non_ascii_digits_does_not_stop_maintenance(
+        redis_brokers, redis_client):
+    """An entry "² <consumer>" in the supervisors' registry made forget_gone() raise
+    ValueError, which stops the supervisor (its maintenance loop died) at every start."""
+    from broker.redis import recovery
+
+    broker = await redis_brokers("e2e")
+    await redis_client.hset(broker.keys.supervisor_tokens, "t1", "\u00b2\u00b2 someone")
+    assert await recovery.forget_gone(broker.client, broker.keys, recovery_age=1) == 0
+    assert recovery._registered_consumer("\u00b2 someone".encode()) is None

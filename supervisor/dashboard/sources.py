@@ -370,7 +370,7 @@ class NatsSource:
         """A dead letter by its stream sequence (the dead list's "pid" column on NATS)."""
         names = QueueNames.of(self.config.job.queue)
         js = (await self._js()).jetstream(timeout=5)
-        if not pid.isdigit():
+        if not pid.isdecimal():
             return {"pid": pid, "where": [], "size": 0, "record": "", "missing": True}
         try:
             msg = await js.get_msg(names.dead_stream, int(pid))
@@ -409,7 +409,7 @@ def _dead_entry(msg: Any) -> Entry:
     facts = envelope_facts(raw) if len(raw) <= VALUE_BYTES else {}
     attempts = headers.get("Queue-Attempts")
     return Entry(str(msg.seq), len(raw), text(raw[:PREVIEW_BYTES]), failure, note,
-                 attempts=int(attempts) if attempts and attempts.isdigit() else None,
+                 attempts=int(attempts) if attempts and attempts.isdecimal() else None,
                  at=msg.time.timestamp() if getattr(msg, "time", None) else facts.get(
                      "timestamp"))
 

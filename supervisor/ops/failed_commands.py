@@ -94,7 +94,7 @@ async def _redis(config: Config, args: argparse.Namespace, source: str, broker: 
                                                   limit)
         return _print_list(args, source, queue, total, jobs)
     if args.action == "show":
-        if source == "poison" and not args.pid.isdigit():
+        if source == "poison" and not args.pid.isdecimal():
             raise UsageError(f"poison show takes a position (0 = the oldest), not {args.pid!r}")
         job = await redis_lists.show_job(client, scripts, keys, source, args.pid, limit)
         return _print_show(args, source, queue, job)
