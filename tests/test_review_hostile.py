@@ -202,3 +202,19 @@ def test_a_scrape_flood_renders_once_per_second_and_is_paced(monkeypatch):
         served.close()
     assert len(renders) == 2
     assert took >= 19 * metrics.ANSWER_GAP  # load only makes it longer
+
+
+async def test_a_mistyped_failed_or_dead_key_is_named_in_the_error(conf, redis_client,  # noqa: F811
+                                                                   capsys):
+    """`failed list` over a string at the failed key said only "WRONGTYPE Operation against
+    a key holding the wrong kind of value": not which key, nor what to do."""
+    await redis_client.set(keys().failed, "x")
+    await redis_client.hset(keys().dead, "a", "b")
+    for source, action, kind in (("failed", "list", "string"), ("failed", "show", "string"),
+                                 ("dead", "list", "hash")):
+        args = [source, conf, action] + (["some-pid"] if action == "show" else [])
+        assert await asyncio.to_thread(cli.main, args) == 1
+        err = capsys.readouterr().err
+        key = keys().failed if source == "failed" else keys().dead
+        assert f"{key} holds a {kind}, not a list of pids" in err, err
+        assert "redis-cli" in err

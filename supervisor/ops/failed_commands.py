@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import nats.errors
+import redis.exceptions
 
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
 from broker.nats.setup import DUPLICATE_WINDOW
@@ -73,7 +74,21 @@ async def _run(config: Config, args: argparse.Namespace, source: str) -> int:
     from supervisor.ops.commands import redis_broker  # (commands imports this module)
 
     async with redis_broker(config, source) as broker:
-        return await _redis(config, args, source, broker)
+        try:
+            return await _redis(config, args, source, broker)
+        except redis.exceptions.ResponseError as error:
+            if "WRONGTYPE" not in str(error):
+                raise
+            # The server's text names no key: say which, and that nothing was changed.
+            key = redis_lists.list_key(broker.keys, source)
+            kind = _text(await broker.client.type(key))
+            if kind in ("list", "none"):
+                raise
+            raise BrokerError(
+                f"{key} holds a {kind}, not a list of pids as queue 5 writes it, so the "
+                f"command stopped there. Something other than queue 5 or this supervisor "
+                f"wrote it: look at it with redis-cli (TYPE, DUMP) before deleting it"
+            ) from error
 
 
 async def nats_retry(config: Config, args: argparse.Namespace) -> int:
@@ -341,3 +356,6 @@ def add_arguments(parser: argparse.ArgumentParser, source: str, positive: Any) -
     for sub in (listing, show, *(actions.choices[a] for a in ACTIONS[source][2:])):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
 
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
