@@ -330,7 +330,7 @@ async def holders(client: Any, keys: QueueKeys, owners: Iterable[bytes]) -> dict
 def _registered_consumer(entry: bytes | None) -> str | None:
     """The consumer id of a registry entry ``"<until> <consumer id>"`` (None: unreadable)."""
     until, _, consumer = _text(entry or b"").partition(" ")
-    return consumer if until.isdigit() and consumer else None
+    return consumer if until.isdecimal() and consumer else None
 
 
 async def forget_gone(client: Any, keys: QueueKeys, *, recovery_age: int) -> int:
@@ -347,7 +347,7 @@ async def forget_gone(client: Any, keys: QueueKeys, *, recovery_age: int) -> int
     old = {}
     for prefix, entry in zip(sample[::2], sample[1::2], strict=True):
         until, _, consumer = _text(entry).partition(" ")
-        if until.isdigit() and int(until) < now - recovery_age and consumer:
+        if until.isdecimal() and int(until) < now - recovery_age and consumer:
             old[prefix] = keys.supervisor(consumer)
     if not old:
         return 0

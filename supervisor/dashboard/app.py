@@ -358,7 +358,7 @@ async def _form(request: Request) -> dict[str, str]:
 
 
 def _whole(text: str | None) -> int:
-    return int(text) if text and text.isdigit() and len(text) < 10 else 0
+    return int(text) if text and text.isdecimal() and len(text) < 10 else 0
 
 
 def _client(request: Request) -> str:

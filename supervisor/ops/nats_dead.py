@@ -208,7 +208,7 @@ async def dead_stream(config: Config, command: str) -> AsyncIterator[DeadStream]
 
 
 def is_seq(selector: str) -> bool:
-    return selector.startswith("seq:") and selector[4:].isdigit()
+    return selector.startswith("seq:") and selector[4:].isdecimal()
 
 
 def name(job: Job) -> str:
@@ -231,7 +231,7 @@ def _letter(stored: dict[str, Any]) -> Letter:
     attempts = headers.get(ATTEMPTS_HEADER, "")
     return Letter(Job(pid=pid, raw=raw, size=len(raw), failure=failure, failure_note=note,
                       seq=stored.get("seq"), stored_at=_unix(stored.get("time")),
-                      deliveries=int(attempts) if attempts.isdigit() else None), headers)
+                      deliveries=int(attempts) if attempts.isdecimal() else None), headers)
 
 
 def parse_headers(block: bytes) -> dict[str, str]:
