@@ -6,6 +6,7 @@
 -- KEYS[1]      source list     {ns}.failed.{q} or {ns}.dead.{q}  (pids)
 -- KEYS[2]      ready list      {ns}.queue.{q}
 -- KEYS[2+i]    job record      {ns}.jobs.{q}.{pid} of item i (at most 1,000 items)
+-- KEYS[2+n+i]  failure record  {ns}.supervisor-errors.{q}.{pid} of item i
 -- ARGV[3i-2]   pid of item i
 -- ARGV[3i-1]   the job record as the caller read it ('' if there was none)
 -- ARGV[3i]     the envelope to push ('' when the record was none)
@@ -16,15 +17,16 @@
 --   'expired'  there was no record (its jobTtl ran out): the pid leaves the source list
 --   'ok'       the pid leaves the source list, the envelope is LPUSHed to the ready list
 --              (the producer end, like a new message) and the job record is deleted
+-- Whenever the pid leaves the source list ('expired', 'ok'), its failure record goes too.
 --
 -- Returns an array of one status per item.
 
 local MAX_ITEMS = 1000
 local source, ready = KEYS[1], KEYS[2]
-local n = #KEYS - 2
+local n = (#KEYS - 2) / 2
 
-if n > MAX_ITEMS or #ARGV ~= 3 * n then
-  return redis.error_reply('QSARG retry needs 1 key and 3 arguments per item, at most '
+if n ~= math.floor(n) or n > MAX_ITEMS or #ARGV ~= 3 * n then
+  return redis.error_reply('QSARG retry needs 2 keys and 3 arguments per item, at most '
     .. MAX_ITEMS)
 end
 
@@ -53,10 +55,11 @@ for i = 1, n do
   elseif redis.call('LREM', source, -1, pid) == 0 then
     results[i] = 'gone'
   elseif record == '' then
+    redis.call('DEL', KEYS[2 + n + i])
     results[i] = 'expired'
   else
     redis.call('LPUSH', ready, envelope)
-    redis.call('DEL', job_key)
+    redis.call('DEL', job_key, KEYS[2 + n + i])
     results[i] = 'ok'
   end
 end

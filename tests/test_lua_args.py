@@ -222,14 +222,20 @@ async def test_retry(redis_client):
     await redis_client.lpush(KEYS.failed, "p0")
     await redis_client.set(KEYS.job("p0"), raw("p0"))
     before = await snapshot(redis_client)
-    keys = [KEYS.failed, KEYS.ready, KEYS.job("p0")]
+    await redis_client.set(KEYS.error("p0"), b'{"error":"ValueError"}')
+    before = await snapshot(redis_client)
+    keys = [KEYS.failed, KEYS.ready, KEYS.job("p0"), KEYS.error("p0")]
     args = ["p0", raw("p0"), raw("p0", 0)]
     for count in (2, 4):  # arguments missing or left over
         await restore(redis_client, before)
         with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
-            await redis_client.eval(lua_source("retry"), 3, *keys, *(args * 2)[:count])
+            await redis_client.eval(lua_source("retry"), 4, *keys, *(args * 2)[:count])
         assert await snapshot(redis_client) == before
-    assert await redis_client.eval(lua_source("retry"), 3, *keys, *args) == [b"ok"]
+    with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):  # a key missing
+        await redis_client.eval(lua_source("retry"), 3, *keys[:3], *args)
+    assert await snapshot(redis_client) == before
+    assert await redis_client.eval(lua_source("retry"), 4, *keys, *args) == [b"ok"]
+    assert not await redis_client.exists(KEYS.error("p0"))  # the record left with the pid
 
 
 @pytest.mark.parametrize("name", ["reserve", "claim", "settle", "extend", "reclaim", "recover",

@@ -85,7 +85,7 @@ from broker.nats.setup import (
     reread_consumer,
 )
 from broker.nats.tls import tls_options
-from broker.retry import RetryPolicy
+from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
@@ -136,6 +136,7 @@ class NatsBroker:
         ack_wait: float = 30.0,
         max_attempts: int = 3,
         retry_backoff: float = 0.0,
+        retry_backoff_max: float = BACKOFF_MAX,
         namespace: str = "utopia-queue",
         max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         job_ttl: float = 0.0,
@@ -167,6 +168,7 @@ class NatsBroker:
                               replicas=replicas)
         self._policy: Adopted | None = None
         self._retry_backoff = retry_backoff
+        self._retry_backoff_max = retry_backoff_max
         self._max_bytes = max_envelope_bytes
         self._timeout = request_timeout
         self._connect_timeout = connect_timeout
@@ -443,7 +445,7 @@ class NatsBroker:
 
     def _retry(self) -> RetryPolicy:
         """The shared policy with the consumer's budget (which may change at a reconnect)."""
-        return RetryPolicy(self.policy.budget, self._retry_backoff)
+        return RetryPolicy(self.policy.budget, self._retry_backoff, self._retry_backoff_max)
 
     # -- extend ------------------------------------------------------------------------
 

@@ -54,8 +54,9 @@ WHY = {
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
-    "zcard": "count registered reservations",
-    "zrange": "list registered reservations and their deadlines",
+    "zcard": "count registered reservations and delayed retries",
+    "zrange": "list registered reservations and their deadlines; the next delayed retry's "
+              "due time (status)",
     "pttl": "time left of a supervisor record",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
     "memory|usage": "status: a reservation list's size, so that its payloads are read only "
@@ -101,6 +102,8 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
+    "supervisor-delayed.{q}": _fixed("delayed"),
+    "supervisor-errors.{q}.*": _under(lambda keys: keys.error("")),
     "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
@@ -122,15 +125,16 @@ _SWEEP_KEYS = (
     "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
     "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
     "reap-cursor.{q}", "supervisor-tokens.{q}", "supervisors.{q}.*", "consumers.{q}.*",
+    "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
 )
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
     "hmget", "hrandfield", "hdel",
-    # expired.lua, recover.lua, reclaim.lua, records.lua
+    # expired.lua, recover.lua, reclaim.lua, records.lua, promote.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
     "expire", "lpush", "lrem", "strlen",
 )
-_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records")
+_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records", "promote")
 
 ROLES: tuple[Role, ...] = (
     Role(
@@ -150,6 +154,7 @@ ROLES: tuple[Role, ...] = (
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
+            "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -161,6 +166,7 @@ ROLES: tuple[Role, ...] = (
         (
             "queue.{q}", "processing.{q}", "failed.{q}", "dead.{q}", "poison.{q}",
             "stats.{q}.*", "reservations.{q}", "reservations.{q}.*", "supervisors.{q}.*",
+            "supervisor-delayed.{q}",
         ),
     ),
     Role("recover", "python -m supervisor recover", _SWEEP_COMMANDS, "~", _SWEEP_KEYS,
@@ -168,7 +174,8 @@ ROLES: tuple[Role, ...] = (
     Role(
         "retry", "python -m supervisor retry",
         ("evalsha", "script|load", "lrange", "type", "get", "strlen", "lrem", "lpush", "del"),
-        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*"), ("retry", "records"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records"),
     ),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
@@ -177,7 +184,7 @@ ROLES: tuple[Role, ...] = (
     Role("check", "python -m supervisor check",
          ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget"),
          "%R~", ("reservations.{q}", "reservations.{q}.*", "owners.{q}.*",
-                 "supervisor-tokens.{q}")),
+                 "supervisor-tokens.{q}", "supervisor-delayed.{q}")),
 )
 BY_NAME = {role.name: role for role in ROLES}
 

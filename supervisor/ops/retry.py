@@ -5,7 +5,8 @@ in windows of at most 1,000, their job records fetched, and ``lua/retry.lua`` mo
 one only if its pid and record are still what was read. Python builds the envelope to push,
 as queue 5's ``retry()`` does (the same payload, a new timestamp and ``attempts + 1``: the
 failed run counts; or ``attempts = 0`` when asked), so the script never parses a payload.
-A pid whose record expired (``job_ttl``) can never run again: it leaves the list.
+A pid whose record expired (``job_ttl``) can never run again: it leaves the list. A pid
+that leaves the list takes its failure record (``supervisor-errors.{q}.{pid}``) with it.
 
 The window is placed relative to the tail, which new failures (at the head) never shift;
 entries left in place (undecodable records, records changed meanwhile) are stepped over.
@@ -92,7 +93,8 @@ async def _move(
     items: list[tuple[str, bytes, bytes]], report: RetryReport,
 ) -> int:
     """Run the script on ``items``; returns how many of them stayed in the source list."""
-    script_keys = [source_key, keys.ready, *(keys.job(pid) for pid, _, _ in items)]
+    script_keys = [source_key, keys.ready, *(keys.job(pid) for pid, _, _ in items),
+                   *(keys.error(pid) for pid, _, _ in items)]
     args = [value for item in items for value in item]
     statuses = [_text(status) for status in await scripts.call("retry", script_keys, args)]
     report.moved += statuses.count("ok")
