@@ -280,3 +280,38 @@ def _source(name: str) -> str:
     from broker.redis.scripts import lua_source
 
     return lua_source(name)
+
+
+async def test_delayed_retries_and_records_on_a_redis_cluster(redis_cluster):
+    """The delayed set and the failure records share the queue's hash tag: settle,
+    promote and check route to the one node serving its slot."""
+    from redis.asyncio.cluster import RedisCluster
+    from redis.crc import key_slot
+
+    from supervisor.ops import inspect
+
+    keys = QueueKeys("{utopia-queue}", QUEUE)
+    assert key_slot(keys.delayed.encode()) == key_slot(keys.ready.encode())
+    assert key_slot(keys.error("p").encode()) == key_slot(keys.ready.encode())
+    client = RedisCluster.from_url(redis_cluster.url)
+    broker = RedisBroker(redis_cluster.url, QUEUE, namespace="{utopia-queue}", cluster=True,
+                         max_attempts=2, retry_backoff=30)
+    await broker.connect()
+    try:
+        pid, raw = envelope.build(QUEUE, {"n": 1})
+        await client.lpush(keys.ready, raw)
+        [delivery] = (await broker.receive(1, 0)).deliveries
+        [result] = await broker.settle([Settlement(Action.REJECT, delivery, "boom")])
+        assert result.detail.startswith("retrying in ")
+        assert await client.zcard(keys.delayed) == 1
+        assert (await inspect.leftovers(client, keys)).delayed == 1
+        assert (await inspect.queue_status(client, keys))["delayed"]["count"] == 1
+        await client.zadd(keys.delayed, {(await client.zrange(keys.delayed, 0, 0))[0]: 1})
+        assert (await broker.maintain()).promoted == 1
+        [delivery] = (await broker.receive(1, 0)).deliveries
+        [result] = await broker.settle([Settlement(Action.REJECT, delivery, "boom")])
+        assert result.detail == "failed"
+        assert Failure.decode(await client.get(keys.error(pid))).attempt == 2
+    finally:
+        await broker.close()
+        await client.aclose()

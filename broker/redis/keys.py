@@ -154,6 +154,7 @@ class QueueKeys:
         return [
             self.ready, self.processing, self.failed, self.dead, self.poison,
             self.reservations, self.reap_lock, self.reap_cursor, self.supervisor_tokens,
+            self.delayed,
             *(self.stat(name) for name in ("total", "processing", "success", "failed")),
         ]
 
