@@ -103,7 +103,7 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
 
 async def test_zero_backoff_requeues_at_once_as_queue_5_does(redis_brokers, redis_client):
     broker = await redis_brokers(QUEUE, max_attempts=3)
-    pid, raw = envelope.build(QUEUE, {"n": 1})
+    _pid, raw = envelope.build(QUEUE, {"n": 1})
     await redis_client.lpush(KEYS.ready, raw)
     result = await reject(broker, await one(broker))
     assert (result.outcome, result.detail) == (Outcome.OK, "retrying in 0 s")

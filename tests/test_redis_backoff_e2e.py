@@ -56,7 +56,7 @@ def test_kill_9_with_delayed_retries_loses_none(tmp_path, redis_url, client):
 def test_drain_moves_delayed_retries_back_and_check_tells_while_they_wait(
     tmp_path, redis_url, client
 ):
-    keys, log, pids, config = _setup(tmp_path, redis_url, client, count=5, succeed_at=1,
+    keys, _log, pids, config = _setup(tmp_path, redis_url, client, count=5, succeed_at=1,
                                      backoff=3600)
     supervisor = Supervisor(config, tmp_path, redis_url)
     try:

@@ -13,8 +13,8 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
   at once; each result is reported when its own reply arrives. A reply lost to a timeout
   or a broken connection is UNCERTAIN and is never replayed.
 - reject: below the budget a NAK with the backoff (the consumer's list, else
-  ``retry_backoff`` doubling per delivery); at the budget the payload is published to the
-  dead subject (PubAck awaited), then TERM.
+  ``retry_backoff`` doubling per delivery, capped by ``retry_backoff_max``); at the budget
+  the payload is published to the dead subject (PubAck awaited), then TERM.
 - release (a graceful stop hands back what never started): republished under the id
   ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
   queue 5's newest line does. On a work stream with size limits (where a republish could

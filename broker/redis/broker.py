@@ -53,6 +53,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.failure import Failure
 from broker.redis import recovery, seeds
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
@@ -60,7 +61,6 @@ from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
 from broker.redis.scripts import Scripts
 from broker.redis.wire import Oversized, Wire
-from broker.failure import Failure
 from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact

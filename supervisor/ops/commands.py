@@ -183,7 +183,8 @@ async def recover_until_empty(
     while True:
         report, _ = await recover(broker, max(deadline - time.monotonic(), 1.0))
         recovered += report.total
-        promoted += report.promoted + await promote(broker.scripts, broker.keys, everything=True, rounds=0)
+        promoted += report.promoted
+        promoted += await promote(broker.scripts, broker.keys, everything=True, rounds=0)
         left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
         if left.empty or time.monotonic() >= deadline:
             return recovered, promoted, left
@@ -333,7 +334,8 @@ COMMANDS: dict[str, tuple[Command, str]] = {
     "retry": (retry_jobs, "move failed (or dead) jobs back to the ready list"),
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
     "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
-    "check": (check, "exit 1 while reservations or owner records of the queue remain"),
+    "check": (check, "exit 1 while reservations, owner records or delayed retries of the "
+              "queue remain"),
     "acl": (acl, "print the Redis ACL users (ACL SETUSER) of the job and of each command"),
 }
 
