@@ -315,3 +315,43 @@ async def test_delayed_retries_and_records_on_a_redis_cluster(redis_cluster):
     finally:
         await broker.close()
         await client.aclose()
+
+
+async def test_one_settle_call_mixing_every_op_puts_each_record_and_marker_right(
+    redis_brokers, redis_client
+):
+    """Markers and failure-record keys follow the items' keys in one call: a delayed retry
+    and two rejects among commits, retries and releases, keyed and not, each land where
+    their own pid says."""
+    broker = await redis_brokers(QUEUE, max_attempts=2, retry_backoff=10)
+    specs = {  # pid: (attempts, key)
+        "wait-k": (0, "ka"), "fail-k": (1, "kb"), "fail": (1, None), "done-k": (0, "kd"),
+        "back": (0, None),
+    }
+    for pid, (attempts, key) in specs.items():
+        fields = {"pid": pid, "queue": QUEUE, "timestamp": 1_700_000_000, "payload": {},
+                  "attempts": attempts, **({"key": key} if key else {})}
+        await redis_client.lpush(KEYS.ready, envelope.encode(fields))
+        if key:
+            await redis_client.set(KEYS.pending(key), pid)
+    deliveries = {d.pid: d for d in (await broker.receive(10, 0)).deliveries}
+    plan = [("done-k", Action.COMMIT), ("fail-k", Action.REJECT), ("wait-k", Action.REJECT),
+            ("back", Action.RELEASE), ("fail", Action.REJECT)]
+    results = await broker.settle([
+        Settlement(action, deliveries[pid], f"KeyError: {pid}") for pid, action in plan])
+    details = [r.detail for r in results]
+    assert all(r.ok for r in results)
+    assert details[0] is None and details[1] == details[4] == "failed" and details[3] is None
+    assert details[2] in ("retrying in 5 s", "retrying in 6 s", "retrying in 7 s",
+                          "retrying in 8 s", "retrying in 9 s", "retrying in 10 s")
+    for pid in ("fail-k", "fail"):
+        record = Failure.decode(await redis_client.get(KEYS.error(pid)))
+        assert (record.error, record.message, record.attempt) == ("KeyError", pid, 2)
+    assert not await redis_client.exists(KEYS.error("wait-k"), KEYS.error("done-k"))
+    assert await redis_client.get(KEYS.pending("ka")) == b"wait-k"  # waiting: still pending
+    assert not await redis_client.exists(KEYS.pending("kb"), KEYS.pending("kd"))
+    assert sorted(await redis_client.lrange(KEYS.failed, 0, -1)) == [b"fail", b"fail-k"]
+    [waiting] = await redis_client.zrange(KEYS.delayed, 0, -1)
+    assert envelope.decode(waiting)["pid"] == "wait-k"
+    [released] = await redis_client.lrange(KEYS.ready, 0, -1)
+    assert envelope.decode(released)["pid"] == "back"

@@ -78,3 +78,12 @@ def test_drain_moves_delayed_retries_back_and_check_tells_while_they_wait(
     assert {item["pid"] for item in ready} == pids  # a PHP worker now sees every one
     assert {item["attempts"] for item in ready} == {1}
     assert command("check", str(config)).returncode == 0
+    # A PHP queue-5 worker finishes them: nothing was left where only a supervisor looks.
+    from tests.queue5 import Queue5Consumer
+
+    php = Queue5Consumer(client, keys.queue, namespace=NAMESPACE)
+    taken = php.receive(10, 0)
+    assert {message.pid for message in taken} == pids
+    for message in taken:
+        php.commit(message)
+    assert client.llen(keys.ready) == client.llen(keys.processing) == 0
