@@ -355,3 +355,29 @@ async def test_one_settle_call_mixing_every_op_puts_each_record_and_marker_right
     assert envelope.decode(waiting)["pid"] == "wait-k"
     [released] = await redis_client.lrange(KEYS.ready, 0, -1)
     assert envelope.decode(released)["pid"] == "back"
+
+
+@pytest.mark.usefixtures("no_url_override")
+async def test_status_recover_and_check_tell_of_delayed_retries(
+    tmp_path, redis_url, redis_client, capsys
+):
+    from supervisor import cli
+    from support.supervision import write_config
+
+    conf = str(write_config(tmp_path, redis_url, handler="examples.noop:handle",
+                            job={"queue": QUEUE}))
+
+    async def run(*args: str) -> tuple[int, str]:
+        code = await asyncio.to_thread(cli.main, list(args))
+        return code, capsys.readouterr().out
+
+    await redis_client.zadd(KEYS.delayed, {b"due": 1, b"later": 4_000_000_000})
+    code, out = await run("status", "--json", conf)
+    assert code == 0 and orjson.loads(out)["delayed"] == {"count": 2, "next_due": 1}
+    code, out = await run("check", conf)
+    assert code == 1 and "  2 delayed retries (waiting for their backoff" in out
+    code, out = await run("recover", conf)  # what maintenance does: only the due one
+    assert code == 0 and "moved 1 delayed retries whose backoff was over" in out
+    assert await redis_client.lrange(KEYS.ready, 0, -1) == [b"due"]
+    code, out = await run("check", conf)
+    assert code == 1 and "  1 delayed retries" in out

@@ -79,6 +79,9 @@ async def recover_now(config: Config, args: argparse.Namespace) -> int:
         f"{report.expired_reservations} from expired reservations, "
         f"{report.dead_consumers} whose claim lapsed, {report.legacy} legacy"
     )
+    if report.promoted:
+        print(f"moved {report.promoted} delayed retries whose backoff was over to the ready "
+              "list")
     if not finished:
         print(f"stopped after {args.timeout:g}s: maintenance was still busy or locked")
     return exits.OK if finished else exits.LEFT
