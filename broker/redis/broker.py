@@ -22,10 +22,11 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.connection import (
@@ -112,6 +113,8 @@ except ImportError:  # older: the same through the arguments driver_info replace
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
 
+#: The fields of a failure record, in ``Failure.encode()``'s order.
+_FAILURE_FIELDS = tuple(item.name for item in fields(Failure))
 _APPLIED = Result(Outcome.OK)
 _FAILED = Result(Outcome.OK, "failed")
 _RESULTS = {
@@ -757,14 +760,18 @@ class RedisBroker:
         return "r", [retried], retrying  # queue 5's immediate requeue
 
     def _reject_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
-        """Queue 5's reject to the failed list (the record kept), with our failure record."""
-        failure = settlement.failure or Failure.from_text(settlement.error)
-        run = RetryPolicy.next_attempts(settlement.delivery.attempts)  # counted from 1
-        record = failure.replace(
-            outcome="failed", attempt=failure.attempt or run, at=failure.at or now,
-            consumer=failure.consumer or self.consumer_id,
-        ).encode()
-        return "f", [record], _FAILED
+        """Queue 5's reject to the failed list (the record kept), with our failure record:
+        ``Failure.encode()``'s JSON with what this run adds (outcome, run, time, consumer),
+        built in one step (a batch of 1,000 terminal failures must stay cheap)."""
+        failure = (settlement.failure.bounded() if settlement.failure
+                   else Failure.from_text(settlement.error))  # bounded already
+        record = {name: getattr(failure, name) for name in _FAILURE_FIELDS}
+        record["outcome"] = "failed"
+        record["attempt"] = failure.attempt or RetryPolicy.next_attempts(
+            settlement.delivery.attempts)  # counted from 1
+        record["at"] = failure.at or now
+        record["consumer"] = failure.consumer or self.consumer_id
+        return "f", [orjson.dumps(record)], _FAILED
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])
