@@ -862,6 +862,9 @@ class RedisBroker:
                 job_ttl=self.job_ttl, force=force,
                 max_record_bytes=self.max_envelope_bytes or recovery.RECORD_LIMIT,
             )
+        if promoted:
+            log.debug("moved %d delayed retries whose backoff was over to the ready list",
+                      promoted)
         report.promoted = promoted
         return report
 
