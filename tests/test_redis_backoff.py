@@ -102,11 +102,17 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
 
 
 async def test_zero_backoff_requeues_at_once_as_queue_5_does(redis_brokers, redis_client):
+    from tests.test_lua_args import Recorded
+
     broker = await redis_brokers(QUEUE, max_attempts=3)
     _pid, raw = envelope.build(QUEUE, {"n": 1})
     await redis_client.lpush(KEYS.ready, raw)
-    result = await reject(broker, await one(broker))
+    delivery = await one(broker)
+    recorded = Recorded(broker.scripts)
+    result = await reject(broker, delivery)
     assert (result.outcome, result.detail) == (Outcome.OK, "retrying in 0 s")
+    _, args = recorded.last("settle")
+    assert args[2] == "r" and len(args) == 4 + 1 + 1  # the 'r' op: token and envelope only
     [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
     assert envelope.decode(requeued)["attempts"] == 1
     assert not await redis_client.exists(KEYS.delayed)
