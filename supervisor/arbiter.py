@@ -23,7 +23,7 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
-from supervisor import blame, exits, logs, systemd
+from supervisor import blame, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -99,6 +99,9 @@ class Arbiter:
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
         self.settle_failures = 0  # in a row: the back-off before the next try
+        #: The last error of each broker-facing loop still failing (receive, sample): while
+        #: any is, /readyz says the broker is unreachable.
+        self.broker_trouble: dict[str, str] = {}
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -132,7 +135,7 @@ class Arbiter:
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
-                self.keepalive_loop(), self.progress_loop(),
+                self.keepalive_loop(), self.progress_loop(), self.sample_loop(),
             )
         ]
         await self.stop_requested.wait()
@@ -179,6 +182,7 @@ class Arbiter:
         if all(place.ready for place in self.places):
             self.update_title()  # "running" before systemd (and a person) hears it
             self.ready.set()
+            self.metrics.readiness(self.not_ready())
             if self.notifier.ready():
                 log.info("ready: told systemd")
 
@@ -235,6 +239,7 @@ class Arbiter:
         if exit_code is not None:
             self.exit_code = exit_code
         self.stopping = True
+        self.metrics.readiness(self.not_ready())
         self.stop_requested.set()
         self.room.set()
 
@@ -254,10 +259,12 @@ class Arbiter:
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
             except (BrokerError, OSError) as error:
                 failures += 1
+                self.broker_trouble["receive"] = str(error)
                 log.error("receive failed (%d in a row): %s", failures, error)
                 await asyncio.sleep(min(0.1 * 2**failures, 5.0))
                 continue
             failures = 0
+            self.broker_trouble.pop("receive", None)
             for poisoned in received.poisoned:
                 if poisoned.malformed:
                     logs.log_malformed(log, self.config.job.queue, poisoned.reason)
@@ -359,8 +366,9 @@ class Arbiter:
         elif kind == protocol.HELD:
             self.buffer.held(place.index, delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
-            error = protocol.text_data(data) if kind == protocol.FAILED else None
-            entry = self.buffer.finished(place.index, delivery_id, error)
+            failure = protocol.failure_data(data) if kind == protocol.FAILED else None
+            entry = self.buffer.finished(place.index, delivery_id,
+                                         failure.summary if failure else None, failure)
             jobs = place.job_finished()
             self.metrics.handler_done(time.monotonic() - entry.started_at)
             if not place.retiring and self.should_recycle(place, jobs):
@@ -478,7 +486,40 @@ class Arbiter:
         while not self.closed:
             self.enforce_limits()
             self.update_title()
+            self.metrics.beat()  # /healthz: this loop goes round
+            self.metrics.readiness(self.not_ready())
             await asyncio.sleep(WATCH_PERIOD)
+
+    def not_ready(self) -> str | None:
+        """Why /readyz answers 503 now (one line), or None when it answers 200."""
+        if self.stopping:
+            return "stopping: taking no more work"
+        if not self.connected:
+            return "connecting to the broker"
+        if self.broker_trouble:
+            return f"broker unreachable: {next(iter(self.broker_trouble.values()))}"
+        if not any(place.accepting for place in self.places):
+            alive = sum(place.alive for place in self.places)
+            return (f"no handler process ready to take work ({alive} of {len(self.places)} "
+                    "started, none ready)")
+        return None
+
+    async def sample_loop(self) -> None:
+        """The queue gauges of the metrics endpoint, every SAMPLE_PERIOD (metrics on only)."""
+        sample = gauges.sampler_of(self.broker) if self.metrics.enabled else None
+        leadership = gauges.Leadership()
+        await self.first_renewal.wait()  # on Redis it registers us: "supervisors alive" counts us
+        while sample is not None and not self.closed:
+            try:
+                with self.metrics.timed("sample"):
+                    figures = leadership.seen(await sample())
+            except (BrokerError, OSError) as error:
+                self.broker_trouble["sample"] = str(error)
+                self.metrics.gauges(None, str(error))
+            else:
+                self.broker_trouble.pop("sample", None)
+                self.metrics.gauges(figures)
+            await asyncio.sleep(gauges.SAMPLE_PERIOD)
 
     def enforce_limits(self) -> None:
         job = self.config.job
@@ -565,6 +606,8 @@ class Arbiter:
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
+        failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
+                   else failures.lost(pid, status))
         running = self.buffer.running_in(place.index)
         blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
         place.gone()
@@ -574,7 +617,7 @@ class Arbiter:
             self.buffer.handler_gone(place.index, abandon=True)
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            self.buffer.handler_gone(place.index, blamed, reason)
+            self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
             if running:
                 pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
                 more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""

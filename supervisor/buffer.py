@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from broker.base import Delivery
+from broker.failure import Failure
 
 
 class State(enum.Enum):
@@ -48,6 +49,7 @@ class Entry:
     place: int | None = None  # the handler it was last given to (for on_success)
     started_at: float = 0.0
     error: str | None = None  # None: succeeded; text: failed (reject)
+    failure: Failure | None = None  # why it failed, as operators read it (with ``error``)
     release: bool = False  # completed as "never started": release, not commit/reject
     held: bool = False  # an async handler returned it to its event loop (HELD)
     settle_failures: int = 0
@@ -185,10 +187,12 @@ class Buffer:
     def held(self, place: int, entry_id: int) -> None:
         self._running_entry(place, entry_id).held = True
 
-    def finished(self, place: int, entry_id: int, error: str | None) -> Entry:
+    def finished(
+        self, place: int, entry_id: int, error: str | None, failure: Failure | None = None
+    ) -> Entry:
         entry = self._running_entry(place, entry_id)
         del self._running[place][entry_id]
-        self._complete(entry, error=error)
+        self._complete(entry, error=error, failure=failure)
         return entry
 
     def skipped(self, place: int, entry_id: int) -> Entry:
@@ -198,12 +202,13 @@ class Buffer:
         return entry
 
     def handler_gone(
-        self, place: int, blamed: Iterable[Entry] = (), reason: str = "", abandon: bool = False
+        self, place: int, blamed: Iterable[Entry] = (), reason: str = "", abandon: bool = False,
+        failure: Failure | None = None,
     ) -> None:
         """Handler ``place``'s process is gone. ``blamed`` running deliveries fail with
-        ``reason``; with ``abandon`` the rest of the running ones stay owned for recovery
-        (killed at the stop deadline); otherwise they wait to run again, ahead of the
-        deliveries it never started, in their order."""
+        ``reason`` (and ``failure``, its record); with ``abandon`` the rest of the running
+        ones stay owned for recovery (killed at the stop deadline); otherwise they wait to
+        run again, ahead of the deliveries it never started, in their order."""
         running = list(self._running[place].values())
         queued = list(self._queued[place])
         self._running[place].clear()
@@ -211,7 +216,7 @@ class Buffer:
         failed = {entry.id for entry in blamed}
         for entry in running:
             if entry.id in failed:
-                self._complete(entry, error=reason)
+                self._complete(entry, error=reason, failure=failure)
             elif abandon:
                 entry.state = State.ABANDONED
         rerun = [] if abandon else [e for e in running if e.id not in failed]
@@ -296,8 +301,14 @@ class Buffer:
             )
         return entry
 
-    def _complete(self, entry: Entry, error: str | None = None, release: bool = False) -> None:
+    def _complete(
+        self, entry: Entry, error: str | None = None, release: bool = False,
+        failure: Failure | None = None,
+    ) -> None:
         entry.state, entry.error, entry.release = State.COMPLETED, error, release
+        if failure is None and error is not None:
+            failure = Failure.from_text(error)
+        entry.failure = failure
         self._completed.append(entry)
 
     def _wait_again(self, entries: list[Entry]) -> None:

@@ -278,10 +278,11 @@ class SupervisorConfig:
     )
     log_level: str = setting("info", "least severe level logged", one_of(LOG_LEVELS))
     metrics_port: int = setting(
-        0, "port of the Prometheus /metrics endpoint; 0 = off", at_least(0), at_most(65535)
+        0, "port of /metrics (Prometheus), /healthz and /readyz; 0 = off", at_least(0),
+        at_most(65535),
     )
     metrics_host: str = setting(
-        "127.0.0.1", "address the metrics endpoint binds to", NOT_EMPTY, NO_SPACES
+        "127.0.0.1", "address /metrics, /healthz and /readyz bind to", NOT_EMPTY, NO_SPACES
     )
 
     def envelope_limit(self) -> int:

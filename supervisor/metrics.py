@@ -1,9 +1,13 @@
-"""Figures of one supervisor: counters, gauges and latency histograms.
+"""Figures of one supervisor: counters, gauges and latency histograms; health checks.
 
 The arbiter calls a few small methods (``received``, ``settled``, ``broker_call`` ...).
 With ``[supervisor] metrics_port = 0`` they only keep the throughput for the systemd
 status line; with a port, they also feed a Prometheus registry served as text on
-``http://<metrics_host>:<metrics_port>/metrics``.
+``http://<metrics_host>:<metrics_port>/metrics``, beside ``/healthz`` (the main loop goes
+round) and ``/readyz`` (connected, a handler process ready, not stopping); any other path
+is 404. The queue's sizes (ready, failed, dead ...) come from a sample the arbiter takes
+every few seconds (``supervisor.gauges``), never from a scrape: a scrape reads figures
+already kept and costs the broker nothing.
 
 Only the supervisor serves the endpoint, from a thread started after the fork server
 exists (children are forked from a process without threads). The arbiter's calls come
@@ -27,15 +31,18 @@ import collections
 import contextlib
 import ipaddress
 import logging
+import platform
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
 from typing import Any
 from urllib.parse import unquote
 
 from broker.base import Action
+from broker.gauges import QueueGauges
 
 log = logging.getLogger("supervisor.metrics")
 
@@ -52,6 +59,33 @@ MAX_REQUEST = 8192
 #: Connections the kernel queues until accepted: they hold no descriptor of ours, and a
 #: scraper that arrives during a flood gets in without waiting for a SYN retransmit.
 BACKLOG = 512
+#: /healthz fails once the supervisor's main loop has not gone round for this long (s).
+STALE_LOOP = 10.0
+
+#: Queue gauges: QueueGauges field -> (metric name after the prefix, help).
+QUEUE_GAUGES = {
+    "ready": ("ready_messages", "messages waiting to be received (NATS: the consumer's "
+              "num_pending)"),
+    "oldest_ready_age": ("oldest_ready_age_seconds", "how long the next message to be "
+                         "received has waited (0: none waits)"),
+    "processing": ("processing_messages", "messages received by a consumer, not settled "
+                   "(NATS: num_ack_pending)"),
+    "failed": ("failed_messages", "failed list: out of attempts (Redis)"),
+    "dead": ("dead_messages", "dead list (Redis) or dead-letter stream (NATS)"),
+    "poison": ("poison_messages", "undecodable messages kept in poison (Redis)"),
+    "delayed": ("delayed_messages", "retries waiting for their backoff (Redis)"),
+    "redelivered": ("redelivered_messages", "delivered more than once, not acked (NATS)"),
+    "supervisors_alive": ("supervisors_alive", "supervisors of the queue whose last renewal "
+                          "is current (Redis token registry)"),
+    "leaderless_seconds": ("nats_leaderless_seconds", "how long the JetStream API has had no "
+                           "leader for the queue (0: it has one)"),
+}
+#: Running counts the broker keeps: QueueGauges field -> (counter name without _total, help).
+QUEUE_COUNTERS = {
+    "reconnects": ("broker_reconnects", "broker connections made again after one broke"),
+    "unreplicated": ("unreplicated_writes", "writes fewer replicas confirmed than "
+                     "[broker] wait_replicas asks"),
+}
 
 
 class Throughput:
@@ -141,27 +175,67 @@ class Metrics:
         finally:
             self.broker_call(operation, time.perf_counter() - began)
 
+    def beat(self) -> None:
+        """The main loop went round (what /healthz checks)."""
+
+    def readiness(self, reason: str | None) -> None:
+        """Why the supervisor is not ready now, or None when it is (what /readyz says)."""
+
+    def gauges(self, sample: QueueGauges | None, broker_error: str | None = None) -> None:
+        """The last sample of the queue (None and ``broker_error``: it failed)."""
+
     def close(self) -> None:
         """Stop serving (nothing to stop when disabled)."""
+
+
+class Health:
+    """What /healthz and /readyz answer. The event loop writes it, the endpoint's thread
+    reads it: each field is replaced by one assignment, so no lock is needed."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.last_beat: float | None = None  # None: the main loop has not started yet
+        self.not_ready: str | None = "starting"
+
+    def beat(self) -> None:
+        self.last_beat = self._clock()
+
+    def alive(self) -> tuple[bool, str]:
+        if self.last_beat is None:
+            return True, "starting"  # connecting: bounded by the broker's connect timeout
+        stalled = self._clock() - self.last_beat
+        if stalled > STALE_LOOP:
+            return False, (f"the supervisor's main loop has not gone round for {stalled:.0f}s "
+                           f"(more than {STALE_LOOP:g}s): it is stuck")
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        reason = self.not_ready
+        return reason is None, reason or "ok"
 
 
 class PrometheusMetrics(Metrics):
     """The same calls, recorded in a registry of our own and served over HTTP."""
 
-    def __init__(self, queue: str, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, queue: str, port: int, host: str = "127.0.0.1",
+                 broker: str = "redis") -> None:
         from prometheus_client import CollectorRegistry, make_wsgi_app
 
         super().__init__()
         self.registry = CollectorRegistry()
-        self._build(queue)
-        self._endpoint = Endpoint(make_wsgi_app(self.registry), host, port)
+        self.health = Health()
+        self._build(queue, broker)
+        self._queue_figures = QueueFigures(queue, self.health)
+        self.registry.register(self._queue_figures)
+        app = routes(make_wsgi_app(self.registry), self.health)
+        self._endpoint = Endpoint(app, host, port)
         self.port = self._endpoint.port
 
     @property
     def enabled(self) -> bool:
         return True
 
-    def _build(self, queue: str) -> None:
+    def _build(self, queue: str, broker: str) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
         def counter(name: str, doc: str) -> Any:
@@ -197,6 +271,9 @@ class PrometheusMetrics(Metrics):
             f"{PREFIX}_handler_seconds", "handler duration, started to outcome", ["queue"],
             buckets=HANDLER_BUCKETS, registry=self.registry,
         ).labels(queue)
+        Gauge(f"{PREFIX}_build_info", "this supervisor's version, Python and broker (value 1)",
+              ["queue", "version", "python", "broker"], registry=self.registry,
+              ).labels(queue, _version(), platform.python_version(), broker).set(1)
 
     def received(self, n: int) -> None:
         super().received(n)
@@ -236,8 +313,91 @@ class PrometheusMetrics(Metrics):
     def handler_done(self, seconds: float) -> None:
         self._handler.observe(seconds)
 
+    def beat(self) -> None:
+        self.health.beat()
+
+    def readiness(self, reason: str | None) -> None:
+        self.health.not_ready = reason
+
+    def gauges(self, sample: QueueGauges | None, broker_error: str | None = None) -> None:
+        self._queue_figures.last = (sample, broker_error)
+
     def close(self) -> None:
         self._endpoint.close()
+
+
+class QueueFigures:
+    """A Prometheus collector of the last queue sample, read at each scrape (a gauge not
+    known, e.g. no failed list on NATS, is left out rather than shown as 0)."""
+
+    def __init__(self, queue: str, health: Health) -> None:
+        self.queue = queue
+        self.health = health
+        #: The last sample (None before the first) and, if the last try failed, why.
+        self.last: tuple[QueueGauges | None, str | None] = (None, None)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sample, broker_error = self.last
+        labels = [self.queue]
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["queue"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("ready", "1 while /readyz answers 200: connected to the broker, a handler "
+                    "process ready, not stopping", 1 if self.health.ready()[0] else 0)
+        if sample is None and broker_error is None:
+            return  # no sample yet
+        yield gauge("broker_up", "1 when the last sample of the queue reached the broker",
+                    0 if broker_error else 1)
+        if sample is None:
+            return
+        for field, (name, doc) in QUEUE_GAUGES.items():
+            value = getattr(sample, field)
+            if value is not None:
+                yield gauge(name, doc, value)
+        for field, (name, doc) in QUEUE_COUNTERS.items():
+            value = getattr(sample, field)
+            if value is not None:
+                family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["queue"])
+                family.add_metric(labels, value)
+                yield family
+
+
+def routes(metrics_app: WsgiApp, health: Health) -> WsgiApp:
+    """/metrics, /healthz and /readyz; 404 for any other path."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics_app(environ, start_response)
+        if path == "/healthz":
+            return _plain(start_response, *health.alive())
+        if path == "/readyz":
+            return _plain(start_response, *health.ready())
+        return _plain(start_response, False, f"not found: {path[:100]!r}; try /metrics, "
+                      "/healthz or /readyz", status="404 Not Found")
+
+    return app
+
+
+def _plain(start_response: Callable[..., Any], good: bool, text: str,
+           status: str | None = None) -> list[bytes]:
+    """A one-line text answer: 200 when ``good``, else 503 (or ``status``)."""
+    body = (text + "\n").encode()
+    start_response(status or ("200 OK" if good else "503 Service Unavailable"),
+                   [("Content-Type", "text/plain; charset=utf-8")])
+    return [body]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("queue-supervisor")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -354,8 +514,9 @@ def exposure_warning(host: str) -> str | None:
             "with authentication, or firewall the port to the Prometheus servers")
 
 
-def start(queue: str, port: int, host: str = "127.0.0.1") -> Metrics:
-    """Serve metrics on ``host:port``; ``port`` 0 means off (no-op metrics).
+def start(queue: str, port: int, host: str = "127.0.0.1", broker: str = "redis") -> Metrics:
+    """Serve metrics on ``host:port``; ``port`` 0 means off (no-op metrics). ``broker``
+    ("redis", "nats") is a label of the build info.
 
     Call it in the supervisor after the fork server started: it starts a thread.
     """
@@ -364,4 +525,4 @@ def start(queue: str, port: int, host: str = "127.0.0.1") -> Metrics:
     warning = exposure_warning(host)
     if warning:
         log.warning("%s", warning)
-    return PrometheusMetrics(queue, port, host)
+    return PrometheusMetrics(queue, port, host, broker)

@@ -188,6 +188,17 @@ def test_the_job_and_every_operator_command_run_as_their_acl_users(tmp_path, own
         recovered = operate("recover")
         assert recovered.returncode == 0, recovered.stdout + recovered.stderr
         assert admin.llen(keys.dead) > 0, recovered.stdout
+        # failed, dead and poison, each as its user: read, dry runs, a delete and a retry.
+        for command, *args in (("failed", "list", "--json"), ("failed", "show", failing),
+                               ("dead", "list"), ("failed", "delete", "--all", "--dry-run"),
+                               ("dead", "retry", "--count", "1", "--dry-run"),
+                               ("dead", "retry", "--count", "1"), ("poison", "list"),
+                               ("poison", "show", "0"), ("poison", "delete", "--all",
+                                                         "--dry-run")):
+            done = operate(command, *args)
+            assert done.returncode == 0, f"{command} {args}: {done.stdout}{done.stderr}"
+        gone = operate("failed", "delete", "no-such-pid")
+        assert gone.returncode == 1 and "untouched" in gone.stdout, gone.stderr
         retried = operate("retry", "--from", "dead", "--reset-attempts")
         assert retried.returncode == 0 and "moved" in retried.stdout, retried.stderr
         assert admin.llen(keys.dead) == 0
@@ -322,6 +333,9 @@ def test_the_acl_users_on_a_redis_cluster(tmp_path, redis_cluster):
         until(lambda: set(more[:-1]) <= handled(), 60, "work after SCRIPT FLUSH")
         assert orjson.loads(operate("status", "--json").stdout)["ready"] == 0
         operate("recover")
+        operate("failed", "list")
+        operate("failed", "retry", "--all")
+        until(lambda: admin.llen(keys.failed) == 2, 30, "the retried jobs failed again")
         operate("retry")
         until(lambda: admin.llen(keys.failed) == 2, 30, "the retried job failed again")
         assert "stopping 1 supervisors" in operate("drain", "--timeout", "40").stdout

@@ -221,12 +221,11 @@ async def test_recover_and_expired(broker, redis_client):
 async def test_retry(redis_client):
     await redis_client.lpush(KEYS.failed, "p0")
     await redis_client.set(KEYS.job("p0"), raw("p0"))
-    before = await snapshot(redis_client)
-    await redis_client.set(KEYS.error("p0"), b'{"error":"ValueError"}')
+    await redis_client.set(KEYS.error("p0"), b'{"error":"E"}')
     before = await snapshot(redis_client)
     keys = [KEYS.failed, KEYS.ready, KEYS.job("p0"), KEYS.error("p0")]
     args = ["p0", raw("p0"), raw("p0", 0)]
-    for count in (2, 4):  # arguments missing or left over
+    for count in (2, 4, 6):  # arguments missing or left over (6: two items' arguments)
         await restore(redis_client, before)
         with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
             await redis_client.eval(lua_source("retry"), 4, *keys, *(args * 2)[:count])
@@ -235,11 +234,37 @@ async def test_retry(redis_client):
         await redis_client.eval(lua_source("retry"), 3, *keys[:3], *args)
     assert await snapshot(redis_client) == before
     assert await redis_client.eval(lua_source("retry"), 4, *keys, *args) == [b"ok"]
-    assert not await redis_client.exists(KEYS.error("p0"))  # the record left with the pid
+    assert not await redis_client.exists(KEYS.job("p0"), KEYS.error("p0"))
+
+
+async def test_delete(redis_client):
+    await redis_client.lpush(KEYS.failed, "p0")
+    await redis_client.set(KEYS.job("p0"), raw("p0"))
+    await redis_client.set(KEYS.error("p0"), b'{"error":"E"}')
+    before = await snapshot(redis_client)
+    keys = [KEYS.failed, KEYS.job("p0"), KEYS.error("p0")]
+    for count_keys, args in ((2, ["p0"]), (3, []), (3, ["p0", "p1"])):
+        with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
+            await redis_client.eval(lua_source("delete"), count_keys, *keys[:count_keys], *args)
+        assert await snapshot(redis_client) == before
+    assert await redis_client.eval(lua_source("delete"), 3, *keys, "p0") == [b"ok"]
+    assert await redis_client.eval(lua_source("delete"), 3, *keys, "p0") == [b"gone"]
+    assert not await redis_client.exists(KEYS.failed, KEYS.job("p0"), KEYS.error("p0"))
+
+
+async def test_peek(redis_client):
+    await redis_client.lpush(KEYS.poison, b"oldest", b"x" * 50)
+    for args in (["0", "1001", "10"], ["-1", "1", "10"], ["0", "1", "0"], ["0", "1"],
+                 ["0", "x", "10"]):
+        with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
+            await redis_client.eval(lua_source("peek"), 1, KEYS.poison, *args)
+    assert await redis_client.eval(lua_source("peek"), 1, KEYS.poison, 0, 1000, 10) == [
+        [6, b"oldest"], [50, b"x" * 10]]
+    assert await redis_client.eval(lua_source("peek"), 1, KEYS.poison, 1, 5, 3) == [[50, b"xxx"]]
 
 
 @pytest.mark.parametrize("name", ["reserve", "claim", "settle", "extend", "reclaim", "recover",
-                                  "expired", "oldest", "promote", "retry"])
+                                  "expired", "oldest", "delete", "peek", "promote", "retry"])
 async def test_missing_arguments_are_refused(redis_client, name):
     with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
         await redis_client.eval(lua_source(name), 1, KEYS.ready)

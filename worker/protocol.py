@@ -9,15 +9,18 @@ them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` fie
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
 child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
-from the handler it loaded, the one the process inherited), STARTED, DONE, FAILED (UTF-8
-error text), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD from a process running
-several deliveries at once (an ``async def`` handler): the handler returned and the delivery
-waits for ``flush()``, so it is not a suspect when the process dies.
+from the handler it loaded, the one the process inherited), STARTED, DONE, FAILED (a
+``broker.failure.Failure`` record: class, message, where, traceback; older versions sent
+UTF-8 error text, which still decodes), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD
+from a process running several deliveries at once (an ``async def`` handler): the handler
+returned and the delivery waits for ``flush()``, so it is not a suspect when the process dies.
 """
 
 from __future__ import annotations
 
 import struct
+
+from broker.failure import Failure
 
 DELIVER = 1
 CONFIRM = 2
@@ -38,6 +41,9 @@ KIND_NAMES = {
 
 #: Error texts are cut to this many UTF-8 bytes (a traceback must not fill the ring).
 MAX_ERROR_BYTES = 4096
+#: A FAILED record's failure is at most this many bytes (a smaller ring takes less: see
+#: ``failure_body``); the traceback gives way first, keeping its end.
+MAX_FAILURE_BYTES = 16384
 
 _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
@@ -49,7 +55,7 @@ _BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
 
-Decoded = tuple[int, int, tuple[int | None, bytes] | str | bool | None]
+Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
 
 
 def deliver_data(data: object) -> tuple[int | None, bytes]:
@@ -59,8 +65,18 @@ def deliver_data(data: object) -> tuple[int | None, bytes]:
 
 
 def text_data(data: object) -> str:
-    """The data ``decode`` returns for FAILED and INIT_FAILED records: the error text."""
+    """The data ``decode`` returns for INIT_FAILED records: the error text (for FAILED, the
+    failure's summary)."""
+    if isinstance(data, Failure):
+        return data.summary
     return data if isinstance(data, str) else ""
+
+
+def failure_data(data: object) -> Failure:
+    """The data ``decode`` returns for FAILED records: the failure."""
+    if isinstance(data, Failure):
+        return data
+    return Failure.from_text(data if isinstance(data, str) else None)
 
 
 def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
@@ -96,8 +112,15 @@ def encode_done(delivery_id: int) -> bytes:
     return _HEAD.pack(DONE, delivery_id)
 
 
-def encode_failed(delivery_id: int, error: str) -> bytes:
-    return _HEAD.pack(FAILED, delivery_id) + _error_bytes(error)
+def encode_failed(
+    delivery_id: int, failure: Failure, limit: int = MAX_FAILURE_BYTES
+) -> bytes:
+    return _HEAD.pack(FAILED, delivery_id) + failure_body(failure, limit)
+
+
+def failure_body(failure: Failure, limit: int = MAX_FAILURE_BYTES) -> bytes:
+    """``failure.encode()`` in at most ``limit`` bytes (the traceback gives way first)."""
+    return failure.encode_within(limit)
 
 
 def encode_skipped(delivery_id: int) -> bytes:
@@ -111,8 +134,9 @@ def encode_init_failed(error: str) -> bytes:
 def decode(record: bytes) -> Decoded:
     """``(kind, delivery_id, data)``; ``data`` depends on the kind.
 
-    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); FAILED and
-    INIT_FAILED: the error text (str); every other kind: None.
+    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); FAILED: the
+    ``Failure`` (from the plain error text of an older version too); INIT_FAILED: the error
+    text (str); every other kind: None.
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
@@ -122,6 +146,8 @@ def decode(record: bytes) -> Decoded:
         known, attempts = _ATTEMPTS.unpack_from(record, _HEAD.size)
         raw = record[DELIVER_OVERHEAD:]
         return kind, delivery_id, (attempts if known else None, raw)
+    if kind == FAILED:
+        return kind, delivery_id, _failure(record[_HEAD.size :])
     if kind in _TEXT_KINDS:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
     if kind == CONFIRM:
@@ -129,6 +155,17 @@ def decode(record: bytes) -> Decoded:
     if kind not in KIND_NAMES:
         raise ValueError(f"unknown record kind {kind}")
     return kind, delivery_id, None
+
+
+def _failure(body: bytes) -> Failure:
+    """A failure record, or (from a handler process of an older version, during a rolling
+    upgrade of a host) the plain error text it sent instead."""
+    if body[:1] == b"{":
+        try:
+            return Failure.decode(body)
+        except ValueError:
+            pass
+    return Failure.from_text(body.decode("utf-8", "replace"))
 
 
 def _error_bytes(error: str) -> bytes:

@@ -54,7 +54,8 @@ WHY = {
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
-    "zcard": "count registered reservations and delayed retries",
+    "zcard": "count registered reservations and retries waiting for their backoff (status, "
+             "check, the metrics)",
     "zrange": "list registered reservations and their deadlines; the next delayed retry's "
               "due time (status)",
     "pttl": "time left of a supervisor record",
@@ -71,6 +72,9 @@ WHY = {
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
     "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
+    "hvals": "the metrics: supervisors alive (the token registry's renewal times)",
+    "lpos": "failed/dead show, and retry or delete by pid: is the pid in the list",
+    "ltrim": "poison delete: drop the oldest entries (the newest are kept)",
 }
 
 
@@ -147,6 +151,8 @@ ROLES: tuple[Role, ...] = (
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
             "strlen",
+            # the metrics' sample (broker.redis.gauges)
+            "zcard", "hvals",
         ),
         "~",
         (
@@ -177,6 +183,17 @@ ROLES: tuple[Role, ...] = (
         "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
         ("retry", "records"),
     ),
+    *(Role(
+        source, f"python -m supervisor {source} (list, show, delete, retry)",
+        ("evalsha", "script|load", "llen", "lrange", "lpos", "pttl",
+         # records.lua, retry.lua, delete.lua
+         "type", "get", "strlen", "lrem", "lpush", "del"),
+        "~", (f"{source}.{{q}}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        ("retry", "records", "delete"),
+    ) for source in ("failed", "dead")),
+    Role("poison", "python -m supervisor poison (list, show, delete)",
+         ("evalsha", "script|load", "llen", "ltrim", "type", "lrange"), "~", ("poison.{q}",),
+         ("peek",)),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",

@@ -296,6 +296,12 @@ class RedisBroker:
             **options,
         )
 
+    @property
+    def reconnects(self) -> int | None:
+        """How many times the scripts' connection was made again (None on a Cluster, whose
+        client reconnects inside redis-py)."""
+        return None if self._wire is None else max(0, self._wire.connects - 1)
+
     # -- connection ---------------------------------------------------------------------
 
     async def connect(self) -> None:

@@ -196,6 +196,7 @@ class Wire:
         self._bulk_limit = bulk_limit
         self._replies: _Replies | None = None
         self._connecting: asyncio.Lock | None = None
+        self.connects = 0  # connections made so far (the metrics count reconnects from it)
 
     async def call(self, *args: Any) -> Any:
         """The reply of one command; an error reply is raised as ResponseError."""
@@ -228,6 +229,7 @@ class Wire:
             except (OSError, TimeoutError) as error:
                 raise redis.exceptions.ConnectionError(f"Error connecting: {error!r}") from error
             self._replies = replies
+            self.connects += 1
             return replies
 
     async def _open(self) -> _Replies:

@@ -1,7 +1,8 @@
 """Operator commands: ``python -m supervisor COMMAND CONF ...`` (status, recover, retry,
-publish, drain, check). They read and repair a queue's broker state from outside a running
-supervisor; none of them is on the hot path, so they favour clear output over speed. ``acl``
-only prints the Redis users the job and these commands need (``broker.redis.acl``)."""
+failed, dead, poison, publish, drain, check). They read and repair a queue's broker state
+from outside a running supervisor; none of them is on the hot path, so they favour clear
+output over speed. ``acl`` only prints the Redis users the job and these commands need
+(``broker.redis.acl``)."""
 
 import os
 import platform
@@ -12,7 +13,8 @@ from importlib import metadata
 SCRIPT = "queue-supervisor"
 
 #: Subcommand names; any other first argument is a job file to run.
-COMMANDS = ("status", "recover", "retry", "publish", "drain", "check", "acl")
+COMMANDS = ("status", "recover", "retry", "failed", "dead", "poison", "publish", "drain",
+            "check", "acl")
 
 
 def program_name() -> str:

@@ -29,7 +29,7 @@ from broker.redis.recovery import promote
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
-from supervisor.ops import inspect, program_name, version
+from supervisor.ops import failed_commands, inspect, program_name, version
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
@@ -88,14 +88,17 @@ async def recover_now(config: Config, args: argparse.Namespace) -> int:
 
 
 async def retry_jobs(config: Config, args: argparse.Namespace) -> int:
+    if config.broker.kind == "nats":  # failed and dead jobs are in the dead stream
+        return await failed_commands.nats_retry(config, args)
     async with redis_broker(config, "retry") as broker:
         report = await retry(
             broker.client, broker.scripts, broker.keys, source=args.source,
             limit=args.limit, reset_attempts=args.reset_attempts,
-            max_record_bytes=config.supervisor.envelope_limit(),
+            max_record_bytes=config.supervisor.envelope_limit(), dry_run=args.dry_run,
         )
     attempts = "reset to 0" if args.reset_attempts else "+ 1, as queue 5 retries"
-    print(f"moved {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
+    moved = "would move (dry run, nothing changed)" if args.dry_run else "moved"
+    print(f"{moved} {report.moved} {args.source} jobs of {config.job.queue} back to the ready "
           f"list (attempts {attempts})")
     if report.expired:
         print(f"dropped {report.expired} pids whose job record had expired (job_ttl)")
@@ -334,7 +337,11 @@ Command = Callable[[Config, argparse.Namespace], Coroutine[Any, Any, int]]
 COMMANDS: dict[str, tuple[Command, str]] = {
     "status": (status, "sizes, reservations, consumers and counters of the queue"),
     "recover": (recover_now, "run maintenance now until it recovers nothing"),
-    "retry": (retry_jobs, "move failed (or dead) jobs back to the ready list"),
+    "retry": (retry_jobs, "move failed (or dead) jobs back to the ready list (NATS: dead "
+              "letters back to the work stream)"),
+    "failed": (failed_commands.failed, failed_commands.HELP["failed"]),
+    "dead": (failed_commands.dead, failed_commands.HELP["dead"]),
+    "poison": (failed_commands.poison, failed_commands.HELP["poison"]),
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
     "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
     "check": (check, "exit 1 while reservations, owner records or delayed retries of the "
@@ -362,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the list to take them from (default failed)")
     sub["retry"].add_argument("--reset-attempts", action="store_true",
                               help="start them again at attempts 0 (default: keep attempts)")
+    sub["retry"].add_argument("--dry-run", action="store_true", help="say what would move")
+    for name in failed_commands.ACTIONS:
+        failed_commands.add_arguments(sub[name], name, _positive)
     sub["publish"].add_argument("file", nargs="?", help="JSON-lines file (default: stdin)")
     sub["publish"].add_argument("-v", "--verbose", action="store_true",
                                 help="print the pid of every message")
@@ -399,7 +409,7 @@ def main(argv: Sequence[str]) -> int:
     command, _ = COMMANDS[args.command]
     try:
         return asyncio.run(command(config, args))
-    except Unsupported as error:
+    except (Unsupported, failed_commands.UsageError) as error:
         print(logs.error_line(error), file=sys.stderr)
         return exits.USAGE
     except BrokerRefused as error:

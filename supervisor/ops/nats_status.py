@@ -12,6 +12,8 @@ CLI prints it and exits 1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from nats.js.errors import NotFoundError
@@ -42,35 +44,15 @@ async def queue_status(config: Config) -> dict[str, Any]:
 
 async def _queue_status(config: Config) -> dict[str, Any]:
     names = QueueNames.of(config.job.queue)
-    tls = config.broker.tls
-    options = tls_options(config.broker.url, tls)
-    try:
-        client = await nats_tls.connect(
-            config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
-            # nats-py retries a refused server 60 times 2 s apart, reconnects or not.
-            max_reconnect_attempts=1, reconnect_time_wait=0.1,
-            name=f"queue-supervisor status {config.job.queue}", error_cb=quiet_error, **options,
-        )
-    except Exception as error:  # whatever nats-py raises: say where, and why if we know
-        refused = refusal(config.broker.url, error)
-        if refused is not None:
-            raise refused from error
-        hint = tls.hint(error) if options else ""
-        raise BrokerError(
-            f"cannot reach NATS at {redact(config.broker.url)}: {_describe(error)}{hint}"
-        ) from error
-    try:
-        js = client.jetstream(timeout=CONNECT_TIMEOUT)
-        work = await _stream(js, names.stream)
-        dead = await _stream(js, names.dead_stream)
-        consumer = await _consumer(js, names)
-        earlier = await _earlier_stream(js, config)
-    except TimeoutError:
-        raise BrokerError(f"NATS at {redact(config.broker.url)} took the connection, but its "
-                          f"JetStream API did not answer within {CONNECT_TIMEOUT:g}s (no "
-                          f"JetStream on that server, or a cluster without a leader)") from None
-    finally:
-        await client.close()
+    async with connected(config, "status") as client:
+        try:
+            js = client.jetstream(timeout=CONNECT_TIMEOUT)
+            work = await _stream(js, names.stream)
+            dead = await _stream(js, names.dead_stream)
+            consumer = await _consumer(js, names)
+            earlier = await _earlier_stream(js, config)
+        except TimeoutError:
+            raise silent_jetstream(config) from None
     return {
         "queue": config.job.queue,
         "broker": "nats",
@@ -84,6 +66,39 @@ async def _queue_status(config: Config) -> dict[str, Any]:
         "consumer": _consumer_settings(consumer, config.job.max_attempts),
         "earlier_stream": earlier,
     }
+
+
+@contextlib.asynccontextmanager
+async def connected(config: Config, command: str) -> AsyncIterator[Any]:
+    """A nats-py client of the job's NATS, closed afterwards: one quick try per server."""
+    tls = config.broker.tls
+    options = tls_options(config.broker.url, tls)
+    try:
+        client = await nats_tls.connect(
+            config.broker.url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
+            # nats-py retries a refused server 60 times 2 s apart, reconnects or not.
+            max_reconnect_attempts=1, reconnect_time_wait=0.1,
+            name=f"queue-supervisor {command} {config.job.queue}", error_cb=quiet_error,
+            **options,
+        )
+    except Exception as error:  # whatever nats-py raises: say where, and why if we know
+        refused = refusal(config.broker.url, error)
+        if refused is not None:
+            raise refused from error
+        hint = tls.hint(error) if options else ""
+        raise BrokerError(
+            f"cannot reach NATS at {redact(config.broker.url)}: {_describe(error)}{hint}"
+        ) from error
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def silent_jetstream(config: Config) -> BrokerError:
+    return BrokerError(f"NATS at {redact(config.broker.url)} took the connection, but its "
+                       f"JetStream API did not answer within {CONNECT_TIMEOUT:g}s (no "
+                       f"JetStream on that server, or a cluster without a leader)")
 
 
 async def _earlier_stream(js: Any, config: Config) -> dict[str, Any] | None:

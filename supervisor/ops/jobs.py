@@ -1,0 +1,225 @@
+"""What ``failed``, ``dead`` and ``poison`` show of one job, on either broker, as text or JSON.
+
+Everything shown comes from the broker, where anyone who can publish may have put a terminal
+escape, a bidirectional override or megabytes: every line is escaped (``logs.escape``) and a
+listing shows a bounded preview of each payload. ``show`` prints the whole envelope as read
+(the read itself is bounded by the job's envelope limit), escaped.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from broker import envelope
+from broker.failure import Failure
+from supervisor import logs
+
+#: Characters of a payload a listing shows (``show`` prints it whole).
+PREVIEW_CHARS = 100
+#: What ``show`` says of a job without a failure record.
+NO_RECORD = "(no record: failed by a worker that keeps none, e.g. a PHP queue-5 worker)"
+#: Pids named in the plain output of delete/retry of many (``--json`` names them all).
+NAMED_AT_MOST = 20
+
+
+@dataclass(slots=True)
+class Job:
+    """One failed, dead or poison entry as read: any field may be missing."""
+
+    pid: str  # "" for an undecodable NATS dead letter and for poison
+    raw: bytes | None = None  # the envelope (poison: the bytes) as stored; None: not read
+    size: int = 0  # bytes of the stored record (0: there is none)
+    failure: Failure | None = None
+    failure_note: str = ""  # why there is no readable failure record
+    seq: int | None = None  # NATS: the dead stream's sequence number
+    ttl_ms: int | None = None  # Redis: time left of the job record (-1: none; None: unknown)
+    position: int | None = None  # poison: index from the oldest
+    deliveries: int | None = None  # NATS: deliveries before it was dead-lettered, if known
+    stored_at: float | None = None  # NATS: when the dead letter was stored (unix s)
+
+    @property
+    def runs(self) -> int | None:
+        """How many times it ran, the failed run included: the failure record's count,
+        else JetStream's deliveries, else the envelope's earlier runs (queue 5 counts those
+        in ``attempts``) plus the one that failed."""
+        if self.failure is not None and self.failure.attempt:
+            return self.failure.attempt
+        if self.deliveries is not None:
+            return self.deliveries
+        decoded = self.decoded
+        return decoded["attempts"] + 1 if decoded else None
+
+    @property
+    def failed_at(self) -> float | None:
+        if self.failure is not None and self.failure.at:
+            return self.failure.at
+        return self.stored_at
+
+    @property
+    def attempts(self) -> int | None:
+        """The envelope's ``attempts`` (earlier runs, as queue 5 counts them on Redis)."""
+        decoded = self.decoded
+        return decoded["attempts"] if decoded else None
+
+    @property
+    def decoded(self) -> dict[str, Any] | None:
+        if self.raw is None:
+            return None
+        try:
+            return envelope.decode(self.raw, None)  # the read was bounded already
+        except (envelope.MalformedEnvelope, ValueError):
+            return None
+
+    @property
+    def note(self) -> str:
+        """Why there is no envelope to show, if there is none."""
+        if self.size == 0 and self.raw is None:
+            return "(no job record: it expired, job_ttl)"
+        if self.raw is None:
+            return f"({self.size:,} bytes: over the job's envelope limit, not read)"
+        if self.decoded is None:
+            return "(undecodable)"
+        return ""
+
+    def summary(self) -> str:
+        if self.failure is not None:
+            return self.failure.summary
+        return self.failure_note or "(no record)"
+
+    def as_dict(self, whole: bool = False) -> dict[str, Any]:
+        """JSON-ready; ``whole``: the envelope as text, else a bounded preview."""
+        decoded = self.decoded
+        text = _text(self.raw) if self.raw is not None else None
+        shown: dict[str, Any] = {
+            "pid": self.pid, "attempts": self.attempts, "runs": self.runs,
+            "failed_at": self.failed_at,
+            "enqueued_at": decoded.get("timestamp") if decoded else None,
+            "bytes": self.size, "note": self.note or None,
+            "error": _failure_dict(self.failure), "error_note": self.failure_note or None,
+        }
+        if self.seq is not None:
+            shown["seq"] = self.seq
+        if self.ttl_ms is not None:
+            shown["ttl_ms"] = self.ttl_ms
+        if self.position is not None:
+            shown["position"] = self.position
+        if whole:
+            shown["envelope"] = text
+        else:
+            shown["preview"] = preview(text) if text is not None else None
+        return shown
+
+
+def _failure_dict(failure: Failure | None) -> dict[str, Any] | None:
+    if failure is None:
+        return None
+    return {"class": failure.error, "message": failure.message, "where": failure.where,
+            "traceback": failure.traceback, "attempt": failure.attempt, "at": failure.at,
+            "outcome": failure.outcome, "consumer": failure.consumer}
+
+
+def read_failure(data: bytes | int | None) -> tuple[Failure | None, str]:
+    """A failure record as read (bytes, its length when too long, or None)."""
+    if data is None:
+        return None, ""
+    if isinstance(data, int):
+        return None, f"(failure record of {data:,} bytes: too long, not read)"
+    try:
+        return Failure.decode(data), ""
+    except ValueError as error:
+        return None, f"(failure record unreadable: {error})"
+
+
+def preview(text: str, chars: int = PREVIEW_CHARS) -> str:
+    """One line of at most ``chars`` characters (plus a marker saying how long it was),
+    escaped for a terminal."""
+    return logs.clean(text, chars)
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value, default=str).decode()
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+def when(at: float, now: float) -> str:
+    """"2026-12-01 15:40:02Z (5m ago)" for a unix time."""
+    if at <= 0:
+        return "at an unknown time"
+    stamp = datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return f"{stamp} ({age(now - at)} ago)"
+
+
+def age(seconds: float) -> str:
+    seconds = max(seconds, 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def list_lines(title: str, jobs: list[Job], now: float) -> list[str]:
+    """The plain listing: a title, then one line per job."""
+    lines = [title]
+    for job in jobs:
+        decoded = job.decoded
+        runs = "?" if job.runs is None else job.runs
+        failed = when(job.failed_at, now) if job.failed_at else "at an unknown time"
+        where = f"seq {job.seq}  " if job.seq is not None else ""
+        payload = (job.note or preview(_json(decoded["payload"])) if decoded else job.note)
+        lines.append(f"  {where}{logs.clean(job.pid or '(no pid)', 80)}  runs {runs}  "
+                     f"failed {failed}  {logs.clean(job.summary(), PREVIEW_CHARS)}  "
+                     f"payload {payload}")
+    return lines
+
+
+def show_lines(what: str, job: Job, now: float) -> list[str]:
+    """``show``: everything about one job, labelled, escaped."""
+    decoded = job.decoded
+    lines = [f"{what} {logs.clean(job.pid or '(no pid)', 200)}"]
+    if job.seq is not None:
+        lines.append(f"  stream seq   {job.seq}")
+    if job.runs is not None:
+        # On Redis the envelope counts earlier runs (queue 5); on NATS it stays as published.
+        lines.append(f"  runs         {job.runs} (envelope attempts {job.attempts})"
+                     if job.seq is None and job.attempts is not None
+                     else f"  runs         {job.runs}")
+    if job.stored_at:
+        lines.append(f"  dead since   {when(job.stored_at, now)}")
+    if decoded:
+        lines.append(f"  enqueued     {when(float(decoded['timestamp']), now)}")
+    lines.append(f"  record       {job.size:,} bytes{_ttl(job.ttl_ms)}")
+    failure = job.failure
+    if failure is None:
+        lines.append(f"  error        {job.failure_note or NO_RECORD}")
+    else:
+        lines += [
+            f"  error        {logs.clean(failure.summary, 4000)}",
+            f"  where        {logs.clean(failure.where, 600)}",
+            f"  failed       {when(failure.at, now)}, attempt {failure.attempt or '?'}, "
+            f"{failure.outcome or 'outcome unknown'}"
+            + (f", by {logs.clean(failure.consumer, 200)}" if failure.consumer else ""),
+        ]
+        if failure.traceback:
+            lines.append("  traceback")
+            lines += [f"    {logs.escape(line)}" for line in failure.traceback.splitlines()]
+    if job.raw is None:
+        lines.append(f"  envelope     {job.note}")
+    else:
+        lines.append("  envelope" + (f"     {job.note}" if job.note else ""))
+        lines += [f"    {logs.escape(line)}" for line in _text(job.raw).splitlines() or [""]]
+    return lines
+
+
+def _ttl(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    if ms < 0:
+        return ", kept until deleted (no job_ttl)"
+    return f", expires in {age(ms / 1000)} (job_ttl)"

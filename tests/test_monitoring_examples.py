@@ -1,0 +1,101 @@
+"""examples/monitoring: the Prometheus alert rules and the Grafana dashboard use only
+metrics the supervisor exports (a typo'd name would alert on nothing, silently)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.base import Action
+from broker.gauges import QueueGauges
+from supervisor import metrics
+from support.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+ALERTS = ROOT / "examples" / "monitoring" / "alerts.yml"
+DASHBOARD = ROOT / "examples" / "monitoring" / "grafana-dashboard.json"
+METRIC = re.compile(r"\b(queue_supervisor_[a-z0-9_]+)\b")
+#: What every alert the README promises watches (issue 25 item 3).
+ALERTED = {
+    "queue_supervisor_ready_messages", "queue_supervisor_oldest_ready_age_seconds",
+    "queue_supervisor_failed_messages", "queue_supervisor_dead_messages",
+    "queue_supervisor_build_info", "queue_supervisor_ready",
+    "queue_supervisor_unreplicated_writes_total", "queue_supervisor_broker_reconnects_total",
+    "queue_supervisor_nats_leaderless_seconds",
+}
+
+
+@pytest.fixture(scope="module")
+def exported() -> set[str]:
+    """Every series name a supervisor serves, with each gauge of the sample known."""
+    served = metrics.start("q", free_port(), broker="nats")
+    try:
+        every = {name: 1 for name in QueueGauges.__dataclass_fields__}
+        served.gauges(QueueGauges(**{**every, "leader": True}))
+        served.settled(Action.COMMIT)
+        served.handler_done(0.1)
+        served.settle_batch(1, 0.001)
+        with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics") as answer:
+            text = answer.read().decode()
+    finally:
+        served.close()
+    return {sample.name for family in text_string_to_metric_families(text)
+            for sample in family.samples}
+
+
+def rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def panel_exprs() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    assert panels
+    return [(panel["title"], target["expr"]) for panel in panels
+            for target in panel["targets"]]
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool is not installed")
+def test_promtool_accepts_the_rules():
+    subprocess.run(["promtool", "check", "rules", str(ALERTS)], check=True)
+
+
+def test_every_alert_is_complete_and_names_only_exported_metrics(exported):
+    found = rules()
+    assert len({rule["alert"] for rule in found}) == len(found)
+    used = set()
+    for rule in found:
+        assert {"alert", "expr", "labels", "annotations"} <= set(rule), rule
+        assert rule["labels"]["severity"] in ("info", "warning", "critical")
+        assert rule["annotations"]["summary"]
+        names = set(METRIC.findall(rule["expr"]))
+        assert names, f"{rule['alert']} watches no metric of ours"
+        assert names <= exported, f"{rule['alert']}: {sorted(names - exported)} not exported"
+        assert rule["expr"].count("(") == rule["expr"].count(")"), rule["alert"]
+        used |= names
+    assert used >= ALERTED, sorted(ALERTED - used)
+
+
+def test_every_dashboard_panel_names_only_exported_metrics(exported):
+    shown = set()
+    for title, expr in panel_exprs():
+        names = set(METRIC.findall(expr))
+        assert names, f"panel {title!r} shows no metric of ours"
+        assert names <= exported, f"panel {title!r}: {sorted(names - exported)} not exported"
+        shown |= names
+    alerted = {name for rule in rules() for name in METRIC.findall(rule["expr"])}
+    assert alerted <= shown, f"alerted on but not on the dashboard: {sorted(alerted - shown)}"
+
+
+def test_a_misspelt_metric_would_be_caught(exported):
+    assert not set(METRIC.findall("rate(queue_supervisor_deliveries_comitted_total[5m])")) \
+        <= exported
