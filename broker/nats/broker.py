@@ -43,7 +43,7 @@ import datetime
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ from broker.base import (
     check_receive_limit,
 )
 from broker.failure import NATS_HEADER, Failure
-from broker.nats import api
+from broker.nats import api, version
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
@@ -231,6 +231,11 @@ class NatsBroker:
         """Messages with a delivery held by this broker (bounded by what is outstanding)."""
         return len(self._held)
 
+    def watch_connection(self, lost: Callable[[str], None], back: Callable[[], None]) -> None:
+        """``lost(reason)`` when the connection breaks, ``back()`` once a new one is ready
+        (the supervisor tells an outage once each way; see supervisor.outage)."""
+        self._link.watch(lost, back)
+
     # -- lifecycle ---------------------------------------------------------------------
 
     async def connect(self) -> None:
@@ -381,8 +386,7 @@ class NatsBroker:
             results += await asyncio.gather(*(
                 settle_one(index, settlements[index])
                 for index in range(start, min(start + MAX_BATCH, len(settlements)))))
-        _log_unsure(results, "settle")
-        return results
+        return results  # what is unconfirmed the caller tells (once per call, not here too)
 
     async def _settle_one(self, settlement: Settlement) -> Result:
         receipt: NatsReceipt = settlement.delivery.receipt
@@ -470,6 +474,8 @@ class NatsBroker:
     # -- extend ------------------------------------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """As Redis: raises when no connection can be had (then nothing was renewed)."""
+        await self._connection(self._timeout)
         unreturned = [r for r in map(_receipt, self._puller.backlog()) if r is not None]
         results = await asyncio.gather(
             *(self._renew(d.receipt) for d in deliveries),
@@ -608,6 +614,8 @@ class NatsBroker:
         timeout = self._timeout if self._policy is None else min(self._timeout,
                                                                  RECONNECT_SETUP_TIMEOUT)
         try:
+            # Before anything is created: an old server drops what the setup relies on.
+            version.check(conn.server, conn.server_info)
             if self._policy is None:
                 await check_renamed(conn, self.queue, self._wanted, timeout)
             policy = await adopt_queue(conn, self._names, self._wanted, timeout)

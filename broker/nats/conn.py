@@ -78,6 +78,8 @@ class Connection:
 
     def __init__(self, client: Client, on_pulled: Callable[[Msg], None]) -> None:
         self.client = client
+        uri = client.connected_url  # None once closed: kept to name it then
+        self.server = f"{uri.hostname}:{uri.port}" if uri is not None else "the server"
         self._on_pulled = on_pulled
         self._prefix = client.new_inbox() + "."
         self._tokens = itertools.count(1)
@@ -119,6 +121,11 @@ class Connection:
             await conn.close()
             raise
         return conn
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """The server's INFO as it greeted this connection (version, server_id...)."""
+        return dict(self.client._server_info)
 
     @property
     def closed(self) -> bool:

@@ -54,6 +54,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.errors import describe
 from broker.failure import Failure
 from broker.redis import recovery, seeds
 from broker.redis.keys import QueueKeys, hash_tag
@@ -595,8 +596,9 @@ class RedisBroker:
                 self._replicated("claim", confirmed, len(plan.items))
             else:
                 reply = await self.scripts.call("claim", plan.keys, plan.args)
-        except CONNECTION_ERRORS as error:
-            # Applied or not, we cannot tell: the next receive runs the claim again.
+        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+            # Applied or not, we cannot tell (a cluster error may follow the client's retry
+            # of a call whose reply was lost): the next receive runs the claim again.
             self._unresolved.append(plan)
             raise BrokerError(f"claim of {reservation.key} lost its reply: {error}") from error
         return await self._claimed(plan, reply)
@@ -734,8 +736,10 @@ class RedisBroker:
                 self._replicated("settlement", confirmed, len(batch))
             else:
                 reply = await self.scripts.call("settle", keys, args)
-        except CONNECTION_ERRORS as error:
-            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {error!r}")
+        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+            # A cluster error too: it may follow the client's retry of a call whose reply
+            # was lost. Settled again either way (every script checks the owner token).
+            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
         return [done if outcome == b"ok" else _RESULTS[outcome]
                 for outcome, done in zip(reply, applied, strict=True)]
@@ -896,7 +900,8 @@ async def _broker_errors(operation: str) -> AsyncIterator[None]:
     try:
         yield
     except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
-        raise BrokerError(f"{operation} failed: {error!r}") from error
+        # describe: redis-py's repr is "network:ConnectionError", without server or reason
+        raise BrokerError(f"{operation} failed: {describe(error)}") from error
 
 
 def _cancelling() -> bool:

@@ -155,10 +155,9 @@ async def _nats(config: Config, args: argparse.Namespace, source: str) -> int:
         # One dead letter in memory at a time (each may be megabytes), unless named.
         async for letter in _selected(stream, args.pids, count, report):
             if args.action == "delete":
-                gone = not args.dry_run and not await stream.delete(letter)
-                (report.missing if gone else report.done).append(nats_dead.name(letter.job))
+                await nats_dead.remove(stream, letter, report, args.dry_run)
             else:
-                await _redrive(stream, letter, report, args.dry_run)
+                await nats_dead.retry(stream, letter, report, args.dry_run)
         if args.action == "delete":
             return _print_delete(args, source, queue, report.done, report.missing,
                                  report.as_dict("deleted"), where)
@@ -176,23 +175,6 @@ async def _selected(stream: nats_dead.DeadStream, pids: list[str], count: int | 
     letters, report.missing = await stream.find(pids)
     for letter in letters:
         yield letter
-
-
-async def _redrive(stream: nats_dead.DeadStream, letter: nats_dead.Letter,
-                   report: nats_dead.Moved, dry_run: bool) -> None:
-    named = nats_dead.name(letter.job)
-    if not letter.job.pid:  # undecodable: a handler could not take it either
-        report.malformed.append(named)
-        return
-    if dry_run:
-        report.done.append(named)
-        return
-    outcome = await stream.redrive(letter)
-    if outcome is None:
-        report.missing.append(named)
-        return
-    report.done.append(named)
-    report.duplicates += outcome is False
 
 
 def _print_redrive(args: argparse.Namespace, source: str, queue: str, names: Any,
