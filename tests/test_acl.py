@@ -98,7 +98,8 @@ def test_acl_command_prints_the_lines_for_the_job_file(tmp_path, capsys):
         "%W~{app}.queue.mail",
         "ACL SETUSER mail-check reset on ><password> +ping +select +zcard "
         "+zrange +scan +llen +time +hscan +mget %R~{app}.reservations.mail "
-        "%R~{app}.reservations.mail.* %R~{app}.owners.mail.* %R~{app}.supervisor-tokens.mail",
+        "%R~{app}.reservations.mail.* %R~{app}.owners.mail.* %R~{app}.supervisor-tokens.mail "
+        "%R~{app}.supervisor-delayed.mail",
     ]
     assert "replace <password>" in err  # the note goes to stderr: stdout pipes into redis-cli
 

@@ -13,8 +13,8 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
   at once; each result is reported when its own reply arrives. A reply lost to a timeout
   or a broken connection is UNCERTAIN and is never replayed.
 - reject: below the budget a NAK with the backoff (the consumer's list, else
-  ``retry_backoff`` doubling per delivery); at the budget the payload is published to the
-  dead subject (PubAck awaited), then TERM.
+  ``retry_backoff`` doubling per delivery, capped by ``retry_backoff_max``); at the budget
+  the payload is published to the dead subject (PubAck awaited), then TERM.
 - release (a graceful stop hands back what never started): republished under the id
   ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
   queue 5's newest line does. On a work stream with size limits (where a republish could
@@ -86,7 +86,7 @@ from broker.nats.setup import (
     reread_consumer,
 )
 from broker.nats.tls import tls_options
-from broker.retry import RetryPolicy
+from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
@@ -143,6 +143,7 @@ class NatsBroker:
         ack_wait: float = 30.0,
         max_attempts: int = 3,
         retry_backoff: float = 0.0,
+        retry_backoff_max: float = BACKOFF_MAX,
         namespace: str = "utopia-queue",
         max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         job_ttl: float = 0.0,
@@ -174,6 +175,7 @@ class NatsBroker:
                               replicas=replicas)
         self._policy: Adopted | None = None
         self._retry_backoff = retry_backoff
+        self._retry_backoff_max = retry_backoff_max
         self._max_bytes = max_envelope_bytes
         self._timeout = request_timeout
         self._connect_timeout = connect_timeout
@@ -467,7 +469,7 @@ class NatsBroker:
 
     def _retry(self) -> RetryPolicy:
         """The shared policy with the consumer's budget (which may change at a reconnect)."""
-        return RetryPolicy(self.policy.budget, self._retry_backoff)
+        return RetryPolicy(self.policy.budget, self._retry_backoff, self._retry_backoff_max)
 
     # -- extend ------------------------------------------------------------------------
 

@@ -56,8 +56,10 @@ WHY = {
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
-    "zcard": "count registered reservations; the metrics: retries waiting for their backoff",
-    "zrange": "list registered reservations and their deadlines",
+    "zcard": "count registered reservations and retries waiting for their backoff (status, "
+             "check, the metrics)",
+    "zrange": "list registered reservations and their deadlines; the next delayed retry's "
+              "due time (status)",
     "pttl": "time left of a supervisor record",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
     "memory|usage": "status: a reservation list's size, so that its payloads are read only "
@@ -135,15 +137,16 @@ _SWEEP_KEYS = (
     "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
     "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
     "reap-cursor.{q}", "supervisor-tokens.{q}", "supervisors.{q}.*", "consumers.{q}.*",
+    "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
 )
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
     "hmget", "hrandfield", "hdel",
-    # expired.lua, recover.lua, reclaim.lua, records.lua
+    # expired.lua, recover.lua, reclaim.lua, records.lua, promote.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
     "expire", "lpush", "lrem", "strlen",
 )
-_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records")
+_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records", "promote")
 
 ROLES: tuple[Role, ...] = (
     Role(
@@ -165,7 +168,7 @@ ROLES: tuple[Role, ...] = (
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
-            "supervisor-delayed.{q}",
+            "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -177,6 +180,7 @@ ROLES: tuple[Role, ...] = (
         (
             "queue.{q}", "processing.{q}", "failed.{q}", "dead.{q}", "poison.{q}",
             "stats.{q}.*", "reservations.{q}", "reservations.{q}.*", "supervisors.{q}.*",
+            "supervisor-delayed.{q}",
         ),
     ),
     Role("recover", "python -m supervisor recover", _SWEEP_COMMANDS, "~", _SWEEP_KEYS,
@@ -205,7 +209,7 @@ ROLES: tuple[Role, ...] = (
     Role("check", "python -m supervisor check",
          ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget"),
          "%R~", ("reservations.{q}", "reservations.{q}.*", "owners.{q}.*",
-                 "supervisor-tokens.{q}")),
+                 "supervisor-tokens.{q}", "supervisor-delayed.{q}")),
     Role("dashboard", "python -m supervisor dashboard (its reads; retry, delete and drain "
          "when it has a token)",
          (
