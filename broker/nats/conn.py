@@ -9,7 +9,13 @@ server may or may not have applied it), and a new ``Connection`` is built by the
 All replies and pulled messages arrive on one wildcard inbox subscription. Replies and
 pull statuses carry their request's token in the subject; pulled JetStream messages carry
 their original subject instead, so they cannot be matched to a pull request and are
-handed to ``on_pulled`` as they come.
+handed to ``on_pulled`` as they come. The inbox's messages skip nats-py's per-subscription
+queue and task: the client's message hook routes them as the parser hands them over
+(``_route``), and their headers are read by a short parser unless they carry a status line.
+
+``request_batch`` sends many requests in one write (each with its own reply subject, as
+``request`` does) and returns one future each; replies are matched by token, in whatever
+order they come.
 
 Every request keeps its own timeout, but they share one loop timer (``_Deadlines``): at
 thousands of acks per second, a timer and a done-callback per request were about a quarter
@@ -24,7 +30,7 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import nats
@@ -80,8 +86,9 @@ class Connection:
         self.client = client
         self._on_pulled = on_pulled
         self._prefix = client.new_inbox() + "."
+        self._prefix_bytes = self._prefix.encode()
         self._tokens = itertools.count(1)
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting: dict[bytes, asyncio.Future[Msg]] = {}
         self._loop = asyncio.get_running_loop()
         self._deadlines = _Deadlines(self._loop, self._waiting)
         self._closed = self._loop.create_future()
@@ -111,14 +118,31 @@ class Connection:
         holder.append(conn)
         try:
             # No pending limits: the callback only routes, and a limit would drop deliveries.
-            await client.subscribe(
+            inbox = await client.subscribe(
                 conn._prefix + "*", cb=conn._dispatch, pending_msgs_limit=0,
                 pending_bytes_limit=0,
             )
         except BaseException:
             await conn.close()
             raise
+        conn._hook(inbox._id)
         return conn
+
+    def _hook(self, sid: int) -> None:
+        """Take the inbox's messages straight from the parser (see the module docstring).
+        Every other subscription (the advisory) keeps nats-py's own path."""
+        original = self.client._process_msg
+        route = self._route
+
+        async def process_msg(
+            sid_: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+        ) -> None:  # headers: None when the message has none (nats-py's hint says bytes)
+            if sid_ == sid:
+                await route(subject, reply, data, headers)
+            else:
+                await original(sid_, subject, reply, data, headers)
+
+        self.client._process_msg = process_msg  # type: ignore[method-assign,assignment]
 
     @property
     def closed(self) -> bool:
@@ -136,14 +160,62 @@ class Connection:
         """
         return self._expect(timeout, what)[1:]
 
-    def _expect(self, timeout: float, what: str) -> tuple[str, str, asyncio.Future[Msg]]:
+    def _expect(self, timeout: float, what: str) -> tuple[bytes, str, asyncio.Future[Msg]]:
         if self.closed:
             raise ConnectionLost("not sent: the connection is closed", sent=False)
-        token = str(next(self._tokens))
+        number = next(self._tokens)
+        token = b"%d" % number
         future: asyncio.Future[Msg] = self._loop.create_future()
         self._waiting[token] = future
         self._deadlines.add(timeout, token, future, what)
-        return token, self._prefix + token, future
+        return token, f"{self._prefix}{number}", future
+
+    async def request_batch(
+        self, requests: Sequence[tuple[str, bytes]], *, timeout: float
+    ) -> list[asyncio.Future[Msg]]:
+        """Publish every ``(subject, payload)`` with its own reply subject, all in one
+        write, and return each one's reply future (failing as ``request`` would: timeout,
+        closed connection). Raises ConnectionLost(sent=False) when nothing was sent.
+
+        The subjects must be ones the server gave us (ack subjects): they are not checked
+        as nats-py checks what it publishes."""
+        if self.closed:
+            raise ConnectionLost("not sent: the connection is closed", sent=False)
+        futures: list[asyncio.Future[Msg]] = []
+        parts: list[bytes] = []
+        prefix = self._prefix_bytes
+        waiting, tokens, deadlines = self._waiting, self._tokens, self._deadlines
+        create_future = self._loop.create_future
+        for subject, payload in requests:
+            token = b"%d" % next(tokens)
+            future: asyncio.Future[Msg] = create_future()
+            waiting[token] = future
+            deadlines.add(timeout, token, future, subject)
+            futures.append(future)
+            parts.append(b"PUB %s %s%s %d\r\n%s\r\n" % (
+                subject.encode(), prefix, token, len(payload), payload))
+        try:
+            await self._write(b"".join(parts))
+        except ConnectionLost:
+            for future in futures:
+                future.cancel()
+            raise
+        return futures
+
+    async def _write(self, command: bytes) -> None:
+        """Protocol bytes to the socket: at once when nothing of nats-py's waits to be
+        written (no hop through its flusher task), else after what waits, in order."""
+        client = self.client
+        if client.is_closed or not client.is_connected or client._transport is None:
+            raise ConnectionLost("not sent: the connection is closed", sent=False)
+        try:
+            if client._pending_data_size == 0:
+                client._transport.write(command)
+            else:
+                await client._send_command(command)
+                await client._flush_pending()
+        except (nats.errors.ConnectionClosedError, OSError) as error:
+            raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
 
     async def request(
         self, subject: str, payload: bytes = b"", *, timeout: float,
@@ -165,6 +237,11 @@ class Connection:
         headers: dict[str, str] | None = None,
     ) -> None:
         """Hand bytes to the client; raises ConnectionLost(sent=False) if it refuses them."""
+        if headers is None and reply:  # a request of ours: written at once (see _write)
+            _check_subject(subject)
+            await self._write(b"PUB %s %s %d\r\n%s\r\n" % (
+                subject.encode(), reply.encode(), len(payload), payload))
+            return
         try:
             await self.client.publish(subject, payload, reply=reply, headers=headers)
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError,
@@ -209,17 +286,57 @@ class Connection:
                 future.set_exception(ConnectionLost(f"reply lost: {reason}", sent=True))
         self._waiting.clear()
 
-    async def _dispatch(self, msg: Msg) -> None:
-        if msg.subject.startswith(self._prefix):
-            future = self._waiting.pop(msg.subject[len(self._prefix):], None)
-            if future is not None and not future.done():
-                future.set_result(msg)
+    async def _route(
+        self, subject: bytes, reply: bytes, data: bytes, raw: bytes | None
+    ) -> None:
+        """One message of the inbox, as the parser read it: a reply resolves its request's
+        future (one that is gone, cancelled or timed out, is ignored); anything else is a
+        pulled message."""
+        headers = (_simple_headers(raw) if raw.startswith(_PLAIN_HEADERS) else
+                   await self.client._process_headers(raw)) if raw else None
+        if subject.startswith(self._prefix_bytes):
+            future = self._waiting.pop(subject[len(self._prefix_bytes):], None)
+            if future is None or future.done():
+                return
+            future.set_result(Msg(self.client, subject.decode(), reply.decode(), data,
+                                  headers))
         else:
-            self._on_pulled(msg)
+            self._on_pulled(Msg(self.client, subject.decode(), reply.decode(), data, headers))
+
+    async def _dispatch(self, msg: Msg) -> None:
+        """nats-py's callback for the inbox: unused while the hook routes (kept as the
+        path of a client whose hook is not installed)."""
+        await self._route(msg.subject.encode(), msg.reply.encode(), msg.data, b"")
+
+
+def _check_subject(subject: str) -> None:
+    """What nats-py refuses to publish to: an empty subject, or one that would break the
+    protocol line."""
+    if not subject or len(subject.split()) != 1 or subject != subject.strip():
+        raise nats.errors.BadSubjectError
+
+
+#: A header block without a status line (a pulled message's Nats-Msg-Id, Content-Type).
+_PLAIN_HEADERS = b"NATS/1.0\r\n"
+
+
+def _simple_headers(raw: bytes) -> dict[str, str] | None:
+    """``Name: value`` lines after the version line, as nats-py reads them (a name with
+    whitespace or non-ASCII bytes is skipped)."""
+    headers: dict[str, str] = {}
+    for line in raw[len(_PLAIN_HEADERS):].split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        key = name.strip()
+        if not key.isascii() or len(key.split()) != 1:
+            continue
+        headers[key.decode()] = value.strip().decode("utf-8", "replace")
+    return headers or None
 
 
 #: One waiting request: its deadline (loop time), reply token, future and what it was.
-_Entry = tuple[float, str, "asyncio.Future[Msg]", str]
+_Entry = tuple[float, bytes, "asyncio.Future[Msg]", str]
 
 
 class _Deadlines:
@@ -233,7 +350,7 @@ class _Deadlines:
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, waiting: dict[str, asyncio.Future[Msg]]
+        self, loop: asyncio.AbstractEventLoop, waiting: dict[bytes, asyncio.Future[Msg]]
     ) -> None:
         self._loop = loop
         self._waiting = waiting  # token -> future, shared with the Connection
@@ -241,7 +358,7 @@ class _Deadlines:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
-    def add(self, timeout: float, token: str, future: asyncio.Future[Msg], what: str) -> None:
+    def add(self, timeout: float, token: bytes, future: asyncio.Future[Msg], what: str) -> None:
         deadline = self._loop.time() + timeout
         fifo = self._fifos.get(timeout)
         if fifo is None:
