@@ -12,6 +12,7 @@ their original subject instead, so they cannot be matched to a pull request and 
 handed to ``on_pulled`` as they come. The inbox's messages skip nats-py's per-subscription
 queue and task: the client's message hook routes them as the parser hands them over
 (``_route``), and their headers are read by a short parser unless they carry a status line.
+MSG and HMSG lines themselves are read by ``broker.nats.parser`` before nats-py's parser.
 
 ``request_batch`` sends many requests in one write (each with its own reply subject, as
 ``request`` does) and returns one future each; replies are matched by token, in whatever
@@ -39,6 +40,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError, BrokerRefused
+from broker.nats import parser as nats_parser
 from broker.nats import tls as nats_tls
 from broker.urls import redact
 
@@ -126,6 +128,7 @@ class Connection:
             await conn.close()
             raise
         conn._hook(inbox._id)
+        nats_parser.install(client)
         return conn
 
     def _hook(self, sid: int) -> None:

@@ -1,4 +1,5 @@
-"""Pulling from a durable JetStream consumer: one blocking request, then no-wait top-ups.
+"""Pulling from a durable JetStream consumer: a no-wait pull for the room; on an empty
+queue, one blocking request for the first message, then no-wait top-ups.
 
 nats-py exposes neither ``no_wait`` nor per-request routing, so pull requests are sent by
 hand to ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with a reply subject on the
@@ -88,6 +89,15 @@ class Puller:
             got = self._take(max_messages)
             try:
                 if not got and block_timeout > 0 and not self._no_wait:
+                    # A busy queue answers a no-wait pull at once: one round trip, not
+                    # a wait for one message and then a top-up (an idle one says 404).
+                    room = max_messages - self._still_owed()
+                    if room > 0:
+                        await self._top_up(conn, room)
+                        got = self._take(max_messages)
+                        if got:
+                            self._note_served()
+                            return got
                     await self._wait_first(conn, block_timeout)
                     got = self._take(max_messages)
                 if self._no_wait and not got:
