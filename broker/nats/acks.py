@@ -21,7 +21,6 @@ The caller tries the ERRORs again the one-at-a-time way (its backoff for a 503).
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Sequence
 
 from nats.aio.msg import Msg
@@ -62,37 +61,35 @@ async def request_all(
     this returns. Returns whether a request timed out (the connection is suspect)."""
     if not subjects:
         return False
-    try:
-        futures = await conn.request_batch([(subject, body) for subject in subjects],
-                                           timeout=timeout)
-    except ConnectionLost as error:
-        unsent = error_result(error)
-        for index in range(len(subjects)):
-            on_result(index, unsent)
-        return False
-    left = len(futures)
+    left = len(subjects)
+    reported = [False] * left
     timed_out = False
     finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def done(index: int, future: asyncio.Future[Msg]) -> None:
+    def done(index: int, outcome: Msg | BaseException) -> None:
         nonlocal left, timed_out
-        if future.cancelled():
-            return  # the caller was cancelled: nobody waits for the result
-        error = future.exception()
-        if error is None:
-            on_result(index, reply_result(future.result()))
+        reported[index] = True
+        if isinstance(outcome, BaseException):
+            timed_out = timed_out or isinstance(outcome, RequestTimeout)
+            on_result(index, error_result(outcome))
         else:
-            timed_out = timed_out or isinstance(error, RequestTimeout)
-            on_result(index, error_result(error))
+            on_result(index, reply_result(outcome))
         left -= 1
         if left == 0 and not finished.done():
             finished.set_result(None)
 
-    for index, future in enumerate(futures):
-        future.add_done_callback(functools.partial(done, index))
+    try:
+        slots = await conn.request_batch([(subject, body) for subject in subjects],
+                                         timeout=timeout, on_reply=done)
+    except ConnectionLost as error:
+        unsent = error_result(error)
+        for index in range(len(subjects)):
+            if not reported[index]:  # (closed while queued: already reported uncertain)
+                on_result(index, unsent)
+        return False
     try:
         await finished
     finally:
-        for future in futures:
-            future.cancel()  # only those still waiting: when this call was cancelled
+        for slot in slots:
+            slot.cancel()  # only those still waiting: when this call was cancelled
     return timed_out

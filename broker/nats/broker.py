@@ -364,6 +364,9 @@ class NatsBroker:
         for start in range(0, len(settlements), MAX_BATCH):  # as Redis: any number, 1,000 a go
             chunk = range(start, min(start + MAX_BATCH, len(settlements)))
             commits = [i for i in chunk if settlements[i].action is Action.COMMIT]
+            if len(commits) == len(chunk):  # the usual batch: no task for the gather
+                await self._commit_all(settlements, commits, report, settle_one)
+                continue
             await asyncio.gather(
                 self._commit_all(settlements, commits, report, settle_one),
                 *(settle_one(i) for i in chunk if settlements[i].action is not Action.COMMIT))

@@ -15,8 +15,8 @@ queue and task: the client's message hook routes them as the parser hands them o
 MSG and HMSG lines themselves are read by ``broker.nats.parser`` before nats-py's parser.
 
 ``request_batch`` sends many requests in one write (each with its own reply subject, as
-``request`` does) and returns one future each; replies are matched by token, in whatever
-order they come.
+``request`` does) and hands each reply to a callback; replies are matched by token, in
+whatever order they come.
 
 Every request keeps its own timeout, but they share one loop timer (``_Deadlines``): at
 thousands of acks per second, a timer and a done-callback per request were about a quarter
@@ -32,7 +32,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 import nats.errors
@@ -45,6 +45,53 @@ from broker.nats import tls as nats_tls
 from broker.urls import redact
 
 log = logging.getLogger("broker.nats")
+
+
+class Slot:
+    """One request of a batch whose reply goes to a callback, not a future: called in the
+    turn the reply is read, with no hop through the loop's ready queue. What the callback
+    raises is logged, never let into nats-py's read loop (which would stop reading)."""
+
+    __slots__ = ("_call", "_done", "_index")
+
+    def __init__(self, index: int, call: Callable[[int, Msg | BaseException], None]) -> None:
+        self._index = index
+        self._call = call
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, msg: Msg) -> None:
+        self._finish(msg)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._finish(error)
+
+    def cancel(self) -> bool:
+        """Forget the request: its reply, if any comes, is ignored."""
+        if self._done:
+            return False
+        self._done = True
+        return True
+
+    def _finish(self, outcome: Msg | BaseException) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._call(self._index, outcome)
+        except Exception:
+            log.exception("reply callback failed")
+
+
+class Waiter(Protocol):
+    """What waits for a reply: a future, or a Slot of a batch."""
+
+    def done(self) -> bool: ...
+    def set_result(self, msg: Msg, /) -> None: ...
+    def set_exception(self, error: BaseException, /) -> None: ...
+    def cancel(self) -> bool: ...
 
 
 class ConnectionLost(BrokerError):
@@ -90,7 +137,7 @@ class Connection:
         self._prefix = client.new_inbox() + "."
         self._prefix_bytes = self._prefix.encode()
         self._tokens = itertools.count(1)
-        self._waiting: dict[bytes, asyncio.Future[Msg]] = {}
+        self._waiting: dict[bytes, Waiter] = {}
         self._loop = asyncio.get_running_loop()
         self._deadlines = _Deadlines(self._loop, self._waiting)
         self._closed = self._loop.create_future()
@@ -174,36 +221,38 @@ class Connection:
         return token, f"{self._prefix}{number}", future
 
     async def request_batch(
-        self, requests: Sequence[tuple[str, bytes]], *, timeout: float
-    ) -> list[asyncio.Future[Msg]]:
+        self, requests: Sequence[tuple[str, bytes]], *, timeout: float,
+        on_reply: Callable[[int, Msg | BaseException], None],
+    ) -> list[Slot]:
         """Publish every ``(subject, payload)`` with its own reply subject, all in one
-        write, and return each one's reply future (failing as ``request`` would: timeout,
-        closed connection). Raises ConnectionLost(sent=False) when nothing was sent.
+        write. ``on_reply(i, reply or error)`` is called once for each request, in the turn
+        its reply is read (or its timeout or the connection's end, as ``request`` fails),
+        unless its slot was cancelled first. Raises ConnectionLost(sent=False) when nothing
+        was sent (then nothing is called).
 
         The subjects must be ones the server gave us (ack subjects): they are not checked
         as nats-py checks what it publishes."""
         if self.closed:
             raise ConnectionLost("not sent: the connection is closed", sent=False)
-        futures: list[asyncio.Future[Msg]] = []
+        slots: list[Slot] = []
         parts: list[bytes] = []
         prefix = self._prefix_bytes
         waiting, tokens, deadlines = self._waiting, self._tokens, self._deadlines
-        create_future = self._loop.create_future
-        for subject, payload in requests:
+        for index, (subject, payload) in enumerate(requests):
             token = b"%d" % next(tokens)
-            future: asyncio.Future[Msg] = create_future()
-            waiting[token] = future
-            deadlines.add(timeout, token, future, subject)
-            futures.append(future)
+            slot = Slot(index, on_reply)
+            waiting[token] = slot
+            deadlines.add(timeout, token, slot, subject)
+            slots.append(slot)
             parts.append(b"PUB %s %s%s %d\r\n%s\r\n" % (
                 subject.encode(), prefix, token, len(payload), payload))
         try:
             await self._write(b"".join(parts))
         except ConnectionLost:
-            for future in futures:
-                future.cancel()
+            for slot in slots:
+                slot.cancel()
             raise
-        return futures
+        return slots
 
     async def _write(self, command: bytes) -> None:
         """Protocol bytes to the socket: at once when nothing of nats-py's waits to be
@@ -339,7 +388,7 @@ def _simple_headers(raw: bytes) -> dict[str, str] | None:
 
 
 #: One waiting request: its deadline (loop time), reply token, future and what it was.
-_Entry = tuple[float, bytes, "asyncio.Future[Msg]", str]
+_Entry = tuple[float, bytes, "Waiter", str]
 
 
 class _Deadlines:
@@ -353,7 +402,7 @@ class _Deadlines:
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, waiting: dict[bytes, asyncio.Future[Msg]]
+        self, loop: asyncio.AbstractEventLoop, waiting: dict[bytes, Waiter]
     ) -> None:
         self._loop = loop
         self._waiting = waiting  # token -> future, shared with the Connection
@@ -361,7 +410,7 @@ class _Deadlines:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
-    def add(self, timeout: float, token: bytes, future: asyncio.Future[Msg], what: str) -> None:
+    def add(self, timeout: float, token: bytes, future: Waiter, what: str) -> None:
         deadline = self._loop.time() + timeout
         fifo = self._fifos.get(timeout)
         if fifo is None:

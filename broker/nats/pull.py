@@ -23,7 +23,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 from nats.aio.msg import Msg
@@ -54,7 +53,7 @@ class Puller:
         self._request_timeout = request_timeout
         self._on_silence = on_silence  # the server did not answer a pull: check the socket
         self._backlog: deque[Msg] = deque()
-        self._arrived = asyncio.Event()
+        self._wake: asyncio.Future[None] | None = None  # what _until waits on now
         self._lock = asyncio.Lock()
         self._no_wait = False  # stop_waiting() was called
         self._owed = 0  # asked for by requests that timed out; may still arrive
@@ -64,13 +63,19 @@ class Puller:
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
         self._backlog.append(msg)
-        self._arrived.set()
+        self._signal()
 
     def stop_waiting(self) -> None:
         """A stop began: a pull waiting for its first message returns now, and no later
         pull waits (what arrives meanwhile stays in the backlog)."""
         self._no_wait = True
-        self._arrived.set()
+        self._signal()
+
+    def _signal(self, _: object = None) -> None:
+        """Something _until waits for may have happened: it looks again."""
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def backlog(self) -> list[Msg]:
         """What arrived but was not returned yet (renewed with the held deliveries)."""
@@ -164,14 +169,15 @@ class Puller:
     ) -> None:
         """Wait until ``enough()`` or the request's status (or its timeout) arrives."""
         try:
+            if not enough() and not status.done():
+                status.add_done_callback(self._signal)
             while not enough() and not status.done():
-                self._arrived.clear()
-                waiter: asyncio.Future[Any] = asyncio.ensure_future(self._arrived.wait())
+                # One future woken by an arrival, the status or a stop: no task per wait.
+                self._wake = asyncio.get_running_loop().create_future()
                 try:
-                    pending: set[asyncio.Future[Any]] = {waiter, status}
-                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    await self._wake
                 finally:
-                    waiter.cancel()
+                    self._wake = None
             if status.done() and not status.cancelled():
                 _log_status(status.result())  # raises ConnectionLost / RequestTimeout
                 self._owed = 0  # answered: so was every request before it
