@@ -11,7 +11,7 @@ import pytest
 
 from broker.base import MAX_BATCH, Action, Outcome, Result, Settlement
 from broker.nats import NatsBroker
-from broker.nats.conn import Connection, RequestTimeout
+from broker.nats.conn import Connection, RequestTimeout, _headers
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
 from support.faultproxy import FaultProxy
@@ -239,3 +239,21 @@ async def test_acks_sent_while_the_server_is_down_are_errors_then_settle_after_i
         return info.state.messages == 0
 
     await until(drained, 30)
+
+
+@pytest.mark.parametrize("raw", [
+    b"NATS/1.0\r\nNats-Msg-Id: abc\r\nContent-Type: application/json\r\n\r\n",
+    b"NATS/1.0 503\r\n\r\n",
+    b"NATS/1.0 404 No Messages\r\n\r\n",
+    b"NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\nNats-Pending-Bytes: 9\r\n\r\n",
+    b"NATS/1.0 409 Consumer Deleted\r\n\r\n",
+    b"NATS/1.0\r\nName:Value\r\nTabbed:\tx \r\nBad Name: skipped\r\n\r\n",
+    "NATS/1.0\r\nQueue-Reason: caf\u00e9 \u2014 d\u00e9j\u00e0\r\n\r\n".encode(),
+])
+async def test_inbox_headers_are_read_as_nats_py_reads_them(nats_server, raw):
+    """The inbox's messages skip nats-py's header parsing: the result must be the same."""
+    client = await nats.connect(nats_server.url)
+    try:
+        assert _headers(raw) == await client._process_headers(raw)
+    finally:
+        await client.close()

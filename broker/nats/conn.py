@@ -11,8 +11,7 @@ pull statuses carry their request's token in the subject; pulled JetStream messa
 their original subject instead, so they cannot be matched to a pull request and are
 handed to ``on_pulled`` as they come. The inbox's messages skip nats-py's per-subscription
 queue and task: the client's message hook routes them as the parser hands them over
-(``_route``), and their headers are read by a short parser unless they carry a status line.
-MSG and HMSG lines themselves are read by ``broker.nats.parser`` before nats-py's parser.
+(``_route``), without a coroutine per message, and their headers are read here.
 
 ``request_batch`` sends many requests in one write (each with its own reply subject, as
 ``request`` does) and hands each reply to a callback; replies are matched by token, in
@@ -40,7 +39,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError, BrokerRefused
-from broker.nats import parser as nats_parser
 from broker.nats import tls as nats_tls
 from broker.urls import redact
 
@@ -175,7 +173,6 @@ class Connection:
             await conn.close()
             raise
         conn._hook(inbox._id)
-        nats_parser.install(client)
         return conn
 
     def _hook(self, sid: int) -> None:
@@ -188,7 +185,7 @@ class Connection:
             sid_: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
         ) -> None:  # headers: None when the message has none (nats-py's hint says bytes)
             if sid_ == sid:
-                await route(subject, reply, data, headers)
+                route(subject, reply, data, headers)
             else:
                 await original(sid_, subject, reply, data, headers)
 
@@ -338,19 +335,16 @@ class Connection:
                 future.set_exception(ConnectionLost(f"reply lost: {reason}", sent=True))
         self._waiting.clear()
 
-    async def _route(
-        self, subject: bytes, reply: bytes, data: bytes, raw: bytes | None
-    ) -> None:
+    def _route(self, subject: bytes, reply: bytes, data: bytes, raw: bytes | None) -> None:
         """One message of the inbox, as the parser read it: a reply resolves its request's
-        future (one that is gone, cancelled or timed out, is ignored); anything else is a
+        waiter (one that is gone, cancelled or timed out, is ignored); anything else is a
         pulled message."""
-        headers = (_simple_headers(raw) if raw.startswith(_PLAIN_HEADERS) else
-                   await self.client._process_headers(raw)) if raw else None
+        headers = _headers(raw) if raw else None
         if subject.startswith(self._prefix_bytes):
-            future = self._waiting.pop(subject[len(self._prefix_bytes):], None)
-            if future is None or future.done():
+            waiter = self._waiting.pop(subject[len(self._prefix_bytes):], None)
+            if waiter is None or waiter.done():
                 return
-            future.set_result(Msg(self.client, subject.decode(), reply.decode(), data,
+            waiter.set_result(Msg(self.client, subject.decode(), reply.decode(), data,
                                   headers))
         else:
             self._on_pulled(Msg(self.client, subject.decode(), reply.decode(), data, headers))
@@ -358,7 +352,7 @@ class Connection:
     async def _dispatch(self, msg: Msg) -> None:
         """nats-py's callback for the inbox: unused while the hook routes (kept as the
         path of a client whose hook is not installed)."""
-        await self._route(msg.subject.encode(), msg.reply.encode(), msg.data, b"")
+        self._route(msg.subject.encode(), msg.reply.encode(), msg.data, None)
 
 
 def _check_subject(subject: str) -> None:
@@ -368,15 +362,25 @@ def _check_subject(subject: str) -> None:
         raise nats.errors.BadSubjectError
 
 
-#: A header block without a status line (a pulled message's Nats-Msg-Id, Content-Type).
-_PLAIN_HEADERS = b"NATS/1.0\r\n"
+#: The version line a header block starts with; a status (``NATS/1.0 503``) may follow it.
+_VERSION = b"NATS/1.0"
 
 
-def _simple_headers(raw: bytes) -> dict[str, str] | None:
-    """``Name: value`` lines after the version line, as nats-py reads them (a name with
-    whitespace or non-ASCII bytes is skipped)."""
+def _headers(raw: bytes) -> dict[str, str] | None:
+    """A header block as nats-py reads it: the inline status as ``Status`` (when numeric)
+    and ``Description``, then ``Name: value`` lines (a name with whitespace or non-ASCII
+    bytes is skipped)."""
+    lines = raw.split(b"\r\n")
+    first = lines[0]
+    if not first.startswith(_VERSION):
+        return None
     headers: dict[str, str] = {}
-    for line in raw[len(_PLAIN_HEADERS):].split(b"\r\n"):
+    status, _, description = first[len(_VERSION):].strip().partition(b" ")
+    if status.isdigit():
+        headers["Status"] = status.decode()
+    if description.strip():
+        headers["Description"] = description.strip().decode("utf-8", "replace")
+    for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep:
             continue
