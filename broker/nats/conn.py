@@ -225,7 +225,8 @@ class Connection:
         write. ``on_reply(i, reply or error)`` is called once for each request, in the turn
         its reply is read (or its timeout or the connection's end, as ``request`` fails),
         unless its slot was cancelled first. Raises ConnectionLost(sent=False) when nothing
-        was sent (then nothing is called).
+        was sent (the connection had closed; a slot it closed on meanwhile was already
+        told ConnectionLost(sent=True): the conservative answer).
 
         The subjects must be ones the server gave us (ack subjects): they are not checked
         as nats-py checks what it publishes."""
@@ -257,12 +258,20 @@ class Connection:
         client = self.client
         if client.is_closed or not client.is_connected or client._transport is None:
             raise ConnectionLost("not sent: the connection is closed", sent=False)
-        try:
-            if client._pending_data_size == 0:
+        if client._pending_data_size == 0:
+            try:
                 client._transport.write(command)
-            else:
-                await client._send_command(command)
-                await client._flush_pending()
+            except (nats.errors.ConnectionClosedError, OSError) as error:
+                raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
+            # Backpressure as nats-py's flusher has it (a wait only past the high-water
+            # mark). The bytes may be on their way: a failure here is the connection's end,
+            # which fails the waiting requests as sent (uncertain), not as unsent.
+            with contextlib.suppress(OSError):
+                await client._transport.drain()
+            return
+        try:
+            await client._send_command(command)
+            await client._flush_pending()
         except (nats.errors.ConnectionClosedError, OSError) as error:
             raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
 
@@ -288,6 +297,8 @@ class Connection:
         """Hand bytes to the client; raises ConnectionLost(sent=False) if it refuses them."""
         if headers is None and reply:  # a request of ours: written at once (see _write)
             _check_subject(subject)
+            if len(payload) > self.client.max_payload:  # the server would close on it
+                raise nats.errors.MaxPayloadError  # as nats-py raises it: never sent
             await self._write(b"PUB %s %s %d\r\n%s\r\n" % (
                 subject.encode(), reply.encode(), len(payload), payload))
             return
