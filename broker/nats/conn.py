@@ -83,6 +83,11 @@ class Slot:
             log.exception("reply callback failed")
 
 
+#: What a Slot gets for a reply without headers or payload (a confirmed ack): one shared
+#: message, not one built per reply.
+BARE_REPLY = Msg(None)  # type: ignore[arg-type]
+
+
 class Waiter(Protocol):
     """What waits for a reply: a future, or a Slot of a batch."""
 
@@ -223,8 +228,9 @@ class Connection:
     ) -> list[Slot]:
         """Publish every ``(subject, payload)`` with its own reply subject, all in one
         write. ``on_reply(i, reply or error)`` is called once for each request, in the turn
-        its reply is read (or its timeout or the connection's end, as ``request`` fails),
-        unless its slot was cancelled first. Raises ConnectionLost(sent=False) when nothing
+        its reply is read (``BARE_REPLY`` for one without headers and payload), or its
+        timeout or the connection's end (as ``request`` fails), unless its slot was
+        cancelled first. Raises ConnectionLost(sent=False) when nothing
         was sent (the connection had closed; a slot it closed on meanwhile was already
         told ConnectionLost(sent=True): the conservative answer).
 
@@ -354,6 +360,9 @@ class Connection:
         if subject.startswith(self._prefix_bytes):
             waiter = self._waiting.pop(subject[len(self._prefix_bytes):], None)
             if waiter is None or waiter.done():
+                return
+            if not raw and not data and type(waiter) is Slot:
+                waiter.set_result(BARE_REPLY)  # an ack's confirmation: nothing to read
                 return
             waiter.set_result(Msg(self.client, subject.decode(), reply.decode(), data,
                                   headers))
