@@ -9,9 +9,10 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 - receive: a pull that waits for the first message, then no-wait top-ups for the rest of
   the room (``broker.nats.pull``). A delivery at the spare (every earlier run of it died
   unsettled) and an undecodable one go to the dead stream, then TERM, never to a handler.
-- commit: an ack sent as a request, so the server's reply confirms it. Many are in flight
-  at once; each result is reported when its own reply arrives. A reply lost to a timeout
-  or a broken connection is UNCERTAIN and is never replayed.
+- commit: an ack sent as a request, so the server's reply confirms it. The acks of a
+  settle call leave in one write (``broker.nats.acks``); each result is reported when its
+  own reply arrives. A reply lost to a timeout or a broken connection is UNCERTAIN and is
+  never replayed.
 - reject: below the budget a NAK with the backoff (the consumer's list, else
   ``retry_backoff`` doubling per delivery); at the budget the payload is published to the
   dead subject (PubAck awaited), then TERM.
