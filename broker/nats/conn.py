@@ -370,9 +370,14 @@ class Connection:
             self._on_pulled(Msg(self.client, subject.decode(), reply.decode(), data, headers))
 
     async def _dispatch(self, msg: Msg) -> None:
-        """nats-py's callback for the inbox: unused while the hook routes (kept as the
-        path of a client whose hook is not installed)."""
-        self._route(msg.subject.encode(), msg.reply.encode(), msg.data, None)
+        """nats-py's callback for the inbox: only what arrived before the hook was
+        installed takes this path (nothing: no request is made before)."""
+        if msg.subject.startswith(self._prefix):
+            waiter = self._waiting.pop(msg.subject[len(self._prefix):].encode(), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+        else:
+            self._on_pulled(msg)
 
 
 def _check_subject(subject: str) -> None:
