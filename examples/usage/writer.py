@@ -57,8 +57,8 @@ EXIT_NAME_TAKEN = 3
 PROBE_TIMEOUT = 3.0
 #: The log is moved into the engine once it holds this many bytes of rows, ...
 MOVE_BYTES = 8 << 20
-#: ... or once its oldest rows waited this many seconds.
-MOVE_AGE = 1.0
+#: ... or once its oldest rows waited this many seconds (``$STATS_USAGE_MOVE_AGE``).
+MOVE_AGE = float(os.environ.get("STATS_USAGE_MOVE_AGE") or 1.0)
 #: Bytes of rows in the log beyond which inserts go to the engine directly.
 MAX_WAITING = 256 << 20
 
