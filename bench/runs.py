@@ -57,6 +57,29 @@ USAGE_DB = {"stats-usage-sqlite": "usage.sqlite"}
 
 def usage_db(folder: Path, handler: str) -> str:
     return str(folder / USAGE_DB.get(handler, "usage.chdb"))
+
+
+def usage_totals_exact(folder: Path, handler: str, messages: int) -> bool | None:
+    """Whether a stats-usage run stored exactly the totals of the messages it was given
+    (throughput alone cannot show that it counted right); None for other handlers."""
+    if not handler.startswith("stats-usage"):
+        return None
+    from examples.stats_usage import totals
+
+    return totals(usage_db(folder, handler)) == expected_usage(messages)
+
+
+def expected_usage(messages: int) -> dict[tuple[str, str], int]:
+    """The totals of ``stats_usage_payload(n)`` for n below ``messages``."""
+    from bench.common import stats_usage_payload
+
+    expected: dict[tuple[str, str], int] = {}
+    for n in range(messages):
+        payload = stats_usage_payload(n, 0.0)
+        for metric in payload["metrics"]:
+            key = (payload["project"]["$id"], metric["key"])
+            expected[key] = expected.get(key, 0) + metric["value"]
+    return expected
 SETTLE_AFTER_START = 0.5  # seconds: handler processes ready, receive blocked on the empty queue
 
 
@@ -204,6 +227,7 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
             own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
+        own_figures["totals_exact"] = usage_totals_exact(folder, handler, messages)
     server = redis_side.delta(before, after, target.internal, probe)
     result = _figures(messages, seconds, cpu, server)
     claimed = int(client.get(KEYS.stat("total")) or 0)
@@ -278,7 +302,7 @@ def _nats_fill(jobs: int, server: dict[str, Any]) -> float | None:
 
 
 def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str, rate: float,
-                messages: int) -> dict[str, Any]:
+                messages: int, coroutines: int = 1) -> dict[str, Any]:
     """Start the supervisor on an empty queue, publish ``messages`` at ``rate``/s, and
     measure handler start minus publish time for each."""
     if isinstance(target, RedisTarget):
@@ -290,7 +314,8 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
         done = _nats_done(target)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
-        config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch)
+        config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch,
+                          coroutines=coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler),
                       BENCH_LATENCY_DIR=str(folder))
         try:
