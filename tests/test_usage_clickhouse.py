@@ -51,11 +51,12 @@ def path(tmp_path):
 def test_rows_are_one_per_message_and_metric():
     rows = rows_of([usage("a", executions=1), usage("a", executions=1),
                     Usage("b", "p2", 3600, [("k", 2), ("k", 3), ("j", -1)])])
-    assert rows.decode().splitlines() == [
-        '{"project":"p1","metric":"executions","period":0,"value":1,"pid":"a"}',
-        '{"project":"p2","metric":"k","period":3600,"value":5,"pid":"b"}',
-        '{"project":"p2","metric":"j","period":3600,"value":-1,"pid":"b"}',
+    assert rows.decode().splitlines() == [  # JSONCompactEachRow, in COLUMNS order
+        '["p1","executions",0,1,"a"]',
+        '["p2","k",3600,5,"b"]',
+        '["p2","j",3600,-1,"b"]',
     ]
+    assert rows.endswith(b"\n") and rows_of([Usage("c", "p", 0, [])]) == b""
 
 
 def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_it(path):

@@ -7,7 +7,7 @@ durable here, answers them, and moves what the log holds into the engine in one 
 INSERT now and then (``examples.usage.writer``): group commit across every handler process.
 
 The log is a folder of segments, ``<seq>.log``, appended to one at a time. A record is
-a length and a CRC-32 (4 bytes each, big-endian), then ``table`` newline JSONEachRow rows.
+a length and a CRC-32 (4 bytes each, big-endian), then ``table`` newline JSONCompactEachRow rows.
 A record is answered only after its fsync, so a torn record at the end of a segment (the
 writer died while writing it) was never acknowledged: reading stops there. A segment is
 deleted only once its rows are in the engine (an INSERT that returned: fsynced parts).

@@ -97,7 +97,7 @@ class Engine:
         self.session.query(sql)
 
     def insert(self, table: str, rows: bytes) -> None:
-        self.session.query(f"INSERT INTO {table} FORMAT JSONEachRow\n{rows.decode()}")
+        self.session.query(f"INSERT INTO {table} FORMAT JSONCompactEachRow\n{rows.decode()}")
 
     def select(self, sql: str) -> list[Any]:
         return orjson.loads(self.session.query(sql, "JSONCompact").bytes())["data"]
