@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from bench import latency, nats_side, redis_side
@@ -57,6 +58,32 @@ USAGE_DB = {"stats-usage-sqlite": "usage.sqlite"}
 
 def usage_db(folder: Path, handler: str) -> str:
     return str(folder / USAGE_DB.get(handler, "usage.chdb"))
+
+
+def usage_store_ready(folder: Path, handler: str) -> Any:
+    """The stats-usage store, once it answers (the embedded engine's writer takes 1.5 s and
+    more to start, and a run measured before it serves would time its start); None for
+    other handlers. Close it after the supervisor stopped."""
+    if not handler.startswith("stats-usage"):
+        return None
+    from examples.usage import is_sqlite, open_store
+
+    db = usage_db(folder, handler)
+    if not is_sqlite(db):  # the handlers' writer, not one of ours (its CPU is the job's)
+        deadline = time.monotonic() + 120
+        while not _writer_of(db):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no stats-usage writer started for {db}")
+            time.sleep(0.05)
+    return open_store(db)
+
+
+def _writer_of(db: str) -> bool:
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "examples.usage.writer" in cmdline and db in cmdline:
+            return True
+    return False
 
 
 def usage_totals_exact(folder: Path, handler: str, messages: int) -> bool | None:
@@ -207,8 +234,10 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
                           coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
+        store = None
         try:
             wait_until_title(child.pid, "running")
+            store = usage_store_ready(folder, handler)
             time.sleep(SETTLE_AFTER_START)
             family = Family(child.pid)
             probe = redis_side.Probe(redis.Redis.from_url(target.url))
@@ -227,6 +256,8 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
             own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
+            if store is not None:
+                store.close()
         own_figures["totals_exact"] = usage_totals_exact(folder, handler, messages)
     server = redis_side.delta(before, after, target.internal, probe)
     result = _figures(messages, seconds, cpu, server)
@@ -257,8 +288,10 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
                           coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
+        store = None
         try:
             wait_until_title(child.pid, "running")
+            store = usage_store_ready(folder, handler)
             time.sleep(SETTLE_AFTER_START)
             family = Family(child.pid)
             own_before = own.read()
@@ -275,6 +308,8 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
             own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
+            if store is not None:
+                store.close()
     jobs = messages + 1  # the message that woke the held pulls
     server = nats_side.delta(before, after, seconds)
     result = _figures(jobs, seconds, cpu, server)
@@ -318,8 +353,10 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
                           coroutines=coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler),
                       BENCH_LATENCY_DIR=str(folder))
+        store = None
         try:
             wait_until_title(child.pid, "running")
+            store = usage_store_ready(folder, handler)
             time.sleep(SETTLE_AFTER_START)
             publisher = start(["-m", "bench.publisher", target.url, "--rate", str(rate),
                                "--messages", str(messages)], capture=True)
@@ -327,6 +364,8 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
             said = publisher.communicate()[0].split()
         finally:
             stop(child)
+            if store is not None:
+                store.close()
         samples = latency.read(str(folder))
     achieved = float(said[-1].removesuffix("/s")) if said else None
     return {**percentiles(samples), "rate": rate, "messages": messages,
