@@ -446,3 +446,18 @@ def test_an_insert_after_a_statement_goes_to_the_engine_and_fails_as_it_did(path
         assert log_segments(path) == []
     finally:
         store.close()
+
+
+def test_the_writer_loads_the_engine_without_dataframe_libraries(path):
+    """chDB's Python layer imports pyarrow, pandas and numpy when installed (39 MiB of the
+    writer's memory), for results the writer never asks for: it runs without them."""
+    store = open_store(path)
+    try:
+        store.add([usage("a", executions=1)])
+        [writer] = writers(path)
+        mapped = {os.path.basename(m.path) for m in writer.memory_maps()}
+        assert any(name.startswith("_chdb") for name in mapped)
+        assert not [name for name in mapped if name.startswith(("libarrow", "_multiarray"))]
+        assert store.totals() == {("p1", "executions"): 1}
+    finally:
+        store.close()

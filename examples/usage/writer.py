@@ -172,7 +172,6 @@ class Committer:
         self._mover: threading.Thread | None = None
         self._moved: tuple[list[Batch], BaseException | None] | None = None
         self._retry_at = 0.0
-        self.inserts = self.moves = 0
 
     def recover(self) -> None:
         """Move what an earlier writer answered and did not move (it died, or was killed)."""
@@ -183,10 +182,10 @@ class Committer:
             log.info("moving %d segment(s) of the log (%d bytes of rows) into the engine",
                      len(batches), rows)
             self._move(batches)
+            self._forget(batches)
 
     def insert(self, tables: dict[str, bytes]) -> dict[str, BaseException | None]:
         """Make one round's rows durable; the error (None: done) per table."""
-        self.inserts += 1
         errors: dict[str, BaseException | None] = {}
         logged: dict[str, bytes] = {}
         for table, rows in tables.items():
@@ -246,7 +245,9 @@ class Committer:
         self._join()
         self._close_open()
         if self.closed:
-            self._move(list(self.closed))
+            batches = list(self.closed)
+            self._move(batches)
+            self._forget(batches)
 
     def _waiting(self) -> int:
         return self.open_size + sum(batch.size for batch in self.closed)
@@ -274,8 +275,11 @@ class Committer:
         for batch in batches:  # only now: in the engine, and fsynced
             if batch.segment is not None:
                 self.log.remove(batch.segment)
-        self.moves += 1
-        self.closed = [batch for batch in self.closed if batch not in batches]
+
+    def _forget(self, batches: list[Batch]) -> None:
+        """Drop moved batches from ``closed`` (in the main thread only)."""
+        moved = {id(batch) for batch in batches}
+        self.closed = [batch for batch in self.closed if id(batch) not in moved]
 
     def _join(self) -> None:
         if self._mover is not None:
@@ -287,7 +291,9 @@ class Committer:
             return
         self._mover = None
         moved, self._moved = self._moved, None
-        if moved is not None and moved[1] is not None:
+        if moved is not None and moved[1] is None:
+            self._forget(moved[0])
+        elif moved is not None:
             self._retry_at = time.monotonic() + MOVE_AGE
             log.error("the engine refused the log's rows (%s): they stay in %s and are moved "
                       "again in %.0fs; nothing is lost", moved[1], self.log.folder, MOVE_AGE)
