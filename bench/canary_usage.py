@@ -64,17 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-seconds", default="2")
     parser.add_argument("--baseline-root", type=Path,
                         help="a checkout of an older commit to run prefetch 100 and 1,000 from")
+    parser.add_argument("--baseline-done", action="store_true",
+                        help="the baseline ran already: read OUT/baseline/results.json")
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # the baseline runs in another folder
     args.out.mkdir(parents=True, exist_ok=True)
     common = ("--coroutines", COROUTINES, "--repeat", str(args.repeat),
               "--latency-seconds", args.latency_seconds)
     results: dict[str, Any] = {"command": "python -m bench.canary_usage " + " ".join(
         argv if argv is not None else sys.argv[1:])}
-    if args.baseline_root:
+    if args.baseline_done:
+        results["baseline"] = json.loads((args.out / "baseline" / "results.json").read_text()
+                                         )["runs"]
+    elif args.baseline_root:
         results["baseline"] = bench(args.baseline_root.resolve(), args.out / "baseline",
                                     "--prefetch", "100,1000", "--handlers", "noop,stats-usage",
                                     "--messages", str(args.messages), "--latency-load", "0",
                                     "--coroutines", COROUTINES, "--repeat", str(args.repeat))
+    if results.get("baseline"):
         results["after"] = bench(ROOT, args.out / "after", "--prefetch", "100,1000",
                                  "--handlers", "noop,stats-usage", "--messages",
                                  str(args.messages), "--latency-load", "0", "--coroutines",
