@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import redis
 
 from bench import latency, nats_side, redis_side
@@ -71,19 +70,26 @@ def usage_store_ready(folder: Path, handler: str) -> Any:
     db = usage_db(folder, handler)
     if not is_sqlite(db):  # the handlers' writer, not one of ours (its CPU is the job's)
         deadline = time.monotonic() + 120
-        while not _writer_of(db):
+        while not _listening(db):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no stats-usage writer started for {db}")
+                raise RuntimeError(f"no stats-usage writer listens for {db}")
             time.sleep(0.05)
     return open_store(db)
 
 
-def _writer_of(db: str) -> bool:
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "examples.usage.writer" in cmdline and db in cmdline:
+def _listening(db: str) -> bool:
+    """Whether a writer holds the database's socket name (a handler's: only they start
+    one before this); connecting to it then starts no writer of the harness's own."""
+    import socket
+
+    from examples.usage import wire
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(wire.address(db))
             return True
-    return False
+        except OSError:
+            return False
 
 
 def usage_totals_exact(folder: Path, handler: str, messages: int) -> bool | None:
