@@ -28,6 +28,8 @@ from typing import Any
 from bench.common import ROOT
 
 COROUTINES = "1,2,4"
+#: --reuse: a part whose results.json exists is read, not run again.
+REUSE = False
 SMALL, LARGE = "1,8", "32,100,1000"
 SOAK = ("--broker", "redis", "--messages", "1500", "--seconds", "16", "--gap", "2,3",
         "--faults", "handler_kill,writer_kill", "--supervisors", "1", "--work-ms", "0",
@@ -35,6 +37,9 @@ SOAK = ("--broker", "redis", "--messages", "1500", "--seconds", "16", "--gap", "
 
 
 def bench(root: Path, out: Path, *args: str) -> list[dict[str, Any]]:
+    if REUSE and (out / "results.json").exists():
+        print(f"reusing {out / 'results.json'}", file=sys.stderr, flush=True)
+        return json.loads((out / "results.json").read_text())["runs"]
     command = [sys.executable, "-m", "bench", "--broker", "redis", *args, "--out", str(out)]
     print("$ " + " ".join(command[1:]), file=sys.stderr, flush=True)
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -66,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a checkout of an older commit to run prefetch 100 and 1,000 from")
     parser.add_argument("--baseline-done", action="store_true",
                         help="the baseline ran already: read OUT/baseline/results.json")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the parts whose results.json exists instead of running them")
+    parser.add_argument("--large-repeat", type=int,
+                        help="runs per configuration at prefetch 32-1,000 (default --repeat)")
     args = parser.parse_args(argv)
+    global REUSE
+    REUSE = args.reuse
     args.out = args.out.resolve()  # the baseline runs in another folder
     args.out.mkdir(parents=True, exist_ok=True)
     common = ("--coroutines", COROUTINES, "--repeat", str(args.repeat),
@@ -89,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     results["small"] = bench(ROOT, args.out / "small", "--prefetch", SMALL, "--handlers",
                              "stats-usage", "--messages", str(args.small_messages), *common)
     results["large"] = bench(ROOT, args.out / "large", "--prefetch", LARGE, "--handlers",
-                             "noop,stats-usage", "--messages", str(args.messages), *common)
+                             "noop,stats-usage", "--messages", str(args.messages), *common,
+                             "--repeat", str(args.large_repeat or args.repeat))
     results["soaks"] = [soak(coroutines, seed) for seed, coroutines in enumerate((1, 2, 4), 1)]
     (args.out / "canary.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "README.md").write_text(report(results))
