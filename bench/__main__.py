@@ -185,13 +185,14 @@ def attempt(rows: list[dict[str, Any]], what: dict[str, Any], call) -> dict[str,
     return row
 
 
-def with_latency(args, target, row: dict[str, Any] | None, prefetch: int, handler: str) -> None:
+def with_latency(args, target, row: dict[str, Any] | None, prefetch: int, handler: str,
+                 coroutines: int = 1) -> None:
     if row is None or args.latency_load <= 0 or handler not in runs.LATENCY_HANDLERS:
         return
     rate = max(100.0, row["jobs_per_s"] * args.latency_load)
     try:
         row["latency"] = runs.latency_run(target, prefetch, handler, rate,
-                                          int(rate * args.latency_seconds))
+                                          int(rate * args.latency_seconds), coroutines)
     except Exception as error:
         traceback.print_exc()
         row["latency"] = {"error": str(error)}
@@ -218,8 +219,7 @@ def run_ours(args, target, measure, prefetches: list[int], handlers: list[str],
                              "handler": handler, "prefetch": prefetch, "coroutines": coroutines},
                       lambda p=prefetch, h=handler, c=coroutines: measure(
                           target, p, args.messages, h, coroutines=c))
-        if coroutines == 1:
-            with_latency(args, target, row, prefetch, handler)
+        with_latency(args, target, row, prefetch, handler, coroutines)
 
 
 def run_redis(args, target: runs.RedisTarget, prefetches: list[int], handlers: list[str],

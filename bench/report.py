@@ -44,6 +44,8 @@ COLUMNS = (
     ("peak RSS MiB (worker / children)", "rss",
      lambda r: f"{_num(r.get('rss_supervisor_mib'), 1)} / {_num(r.get('rss_children_mib'), 1)}"),
     ("redelivered", "redeliveries", lambda r: _num(r.get("redeliveries"))),
+    ("usage totals", "totals_exact", lambda r: {True: "exact", False: "WRONG", None: "-"}[
+        r.get("totals_exact")]),
     ("latency ms p50 / p99 / max", "latency", _latency),
     ("load after", "load_after", lambda r: _num(r.get("load_after"), 2)),
 )

@@ -57,6 +57,62 @@ USAGE_DB = {"stats-usage-sqlite": "usage.sqlite"}
 
 def usage_db(folder: Path, handler: str) -> str:
     return str(folder / USAGE_DB.get(handler, "usage.chdb"))
+
+
+def usage_store_ready(folder: Path, handler: str) -> Any:
+    """The stats-usage store, once it answers (the embedded engine's writer takes 1.5 s and
+    more to start, and a run measured before it serves would time its start); None for
+    other handlers. Close it after the supervisor stopped."""
+    if not handler.startswith("stats-usage"):
+        return None
+    from examples.usage import is_sqlite, open_store
+
+    db = usage_db(folder, handler)
+    if not is_sqlite(db):  # the handlers' writer, not one of ours (its CPU is the job's)
+        deadline = time.monotonic() + 120
+        while not _listening(db):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no stats-usage writer listens for {db}")
+            time.sleep(0.05)
+    return open_store(db)
+
+
+def _listening(db: str) -> bool:
+    """Whether a writer holds the database's socket name (a handler's: only they start
+    one before this); connecting to it then starts no writer of the harness's own."""
+    import socket
+
+    from examples.usage import wire
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(wire.address(db))
+            return True
+        except OSError:
+            return False
+
+
+def usage_totals_exact(folder: Path, handler: str, messages: int) -> bool | None:
+    """Whether a stats-usage run stored exactly the totals of the messages it was given
+    (throughput alone cannot show that it counted right); None for other handlers."""
+    if not handler.startswith("stats-usage"):
+        return None
+    from examples.stats_usage import totals
+
+    return totals(usage_db(folder, handler)) == expected_usage(messages)
+
+
+def expected_usage(messages: int) -> dict[tuple[str, str], int]:
+    """The totals of ``stats_usage_payload(n)`` for n below ``messages``."""
+    from bench.common import stats_usage_payload
+
+    expected: dict[tuple[str, str], int] = {}
+    for n in range(messages):
+        payload = stats_usage_payload(n, 0.0)
+        for metric in payload["metrics"]:
+            key = (payload["project"]["$id"], metric["key"])
+            expected[key] = expected.get(key, 0) + metric["value"]
+    return expected
 SETTLE_AFTER_START = 0.5  # seconds: handler processes ready, receive blocked on the empty queue
 
 
@@ -184,8 +240,10 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
                           coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
+        store = None
         try:
             wait_until_title(child.pid, "running")
+            store = usage_store_ready(folder, handler)
             time.sleep(SETTLE_AFTER_START)
             family = Family(child.pid)
             probe = redis_side.Probe(redis.Redis.from_url(target.url))
@@ -204,6 +262,9 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
             own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
+            if store is not None:
+                store.close()
+        own_figures["totals_exact"] = usage_totals_exact(folder, handler, messages)
     server = redis_side.delta(before, after, target.internal, probe)
     result = _figures(messages, seconds, cpu, server)
     claimed = int(client.get(KEYS.stat("total")) or 0)
@@ -233,8 +294,10 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
                           coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler))
+        store = None
         try:
             wait_until_title(child.pid, "running")
+            store = usage_store_ready(folder, handler)
             time.sleep(SETTLE_AFTER_START)
             family = Family(child.pid)
             own_before = own.read()
@@ -251,6 +314,8 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
             own_figures = OwnCounters.fill(own_before, own.read())
         finally:
             stop(child)
+            if store is not None:
+                store.close()
     jobs = messages + 1  # the message that woke the held pulls
     server = nats_side.delta(before, after, seconds)
     result = _figures(jobs, seconds, cpu, server)
@@ -278,7 +343,7 @@ def _nats_fill(jobs: int, server: dict[str, Any]) -> float | None:
 
 
 def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str, rate: float,
-                messages: int) -> dict[str, Any]:
+                messages: int, coroutines: int = 1) -> dict[str, Any]:
     """Start the supervisor on an empty queue, publish ``messages`` at ``rate``/s, and
     measure handler start minus publish time for each."""
     if isinstance(target, RedisTarget):
@@ -290,11 +355,14 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
         done = _nats_done(target)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         folder = Path(workdir)
-        config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch)
+        config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch,
+                          coroutines=coroutines)
         child = start(["-m", "supervisor", str(config)], STATS_USAGE_DB=usage_db(folder, handler),
                       BENCH_LATENCY_DIR=str(folder))
+        store = None
         try:
             wait_until_title(child.pid, "running")
+            store = usage_store_ready(folder, handler)
             time.sleep(SETTLE_AFTER_START)
             publisher = start(["-m", "bench.publisher", target.url, "--rate", str(rate),
                                "--messages", str(messages)], capture=True)
@@ -302,6 +370,8 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
             said = publisher.communicate()[0].split()
         finally:
             stop(child)
+            if store is not None:
+                store.close()
         samples = latency.read(str(folder))
     achieved = float(said[-1].removesuffix("/s")) if said else None
     return {**percentiles(samples), "rate": rate, "messages": messages,

@@ -9,6 +9,7 @@ clickhouse-connect's own chDB backend: the same client calls, without HTTP.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from examples import stats_usage
 from examples.stats_usage import make_payload
-from examples.usage import NoTotals, Usage, open_store, wire
+from examples.usage import NoTotals, Usage, open_store, wal, wire
 from examples.usage.clickhouse import rows_of
 from examples.usage.local import WriterError, WriterUnavailable
 from support.envelopes import publish
@@ -50,11 +51,12 @@ def path(tmp_path):
 def test_rows_are_one_per_message_and_metric():
     rows = rows_of([usage("a", executions=1), usage("a", executions=1),
                     Usage("b", "p2", 3600, [("k", 2), ("k", 3), ("j", -1)])])
-    assert rows.decode().splitlines() == [
-        '{"project":"p1","metric":"executions","period":0,"value":1,"pid":"a"}',
-        '{"project":"p2","metric":"k","period":3600,"value":5,"pid":"b"}',
-        '{"project":"p2","metric":"j","period":3600,"value":-1,"pid":"b"}',
+    assert rows.decode().splitlines() == [  # JSONCompactEachRow, in COLUMNS order
+        '["p1","executions",0,1,"a"]',
+        '["p2","k",3600,5,"b"]',
+        '["p2","j",3600,-1,"b"]',
     ]
+    assert rows.endswith(b"\n") and rows_of([Usage("c", "p", 0, [])]) == b""
 
 
 def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_it(path):
@@ -361,3 +363,101 @@ def test_a_store_that_cannot_start_stops_the_job_with_exit_3(redis_url, tmp_path
     supervisor = supervisors(config, redis_url, STATS_USAGE_DB=str(tmp_path / "a-file" / "db"))
     assert supervisor.wait(60) == 3, supervisor.output()
     assert "stats-usage writer" in supervisor.output()
+
+
+def log_segments(path) -> list[str]:
+    return [segment for _, segment in wal.Log(path).segments()]
+
+
+@pytest.fixture
+def unmoved(monkeypatch):
+    """The writers started from here move their log into the engine only when asked."""
+    monkeypatch.setenv("STATS_USAGE_MOVE_AGE", "600")
+
+
+def test_an_answered_insert_is_in_the_log_and_survives_a_killed_writer(path, unmoved):
+    """The writer answers once the rows are fsynced in its log and moves them into the
+    engine later; killed before the move, the next writer moves them before it answers."""
+    store = open_store(path)
+    try:
+        store.add([usage("w", executions=0)])  # the first insert goes to the engine itself
+        store.add([usage("a", executions=1), usage("b", executions=2)])
+        [writer] = writers(path)
+        writer.kill()
+        [segment] = log_segments(path)
+        assert sorted(wal.read(segment)) == ["usage"]
+        assert store.totals() == {("p1", "executions"): 3}  # a new writer, the log moved
+        assert log_segments(path) == []
+    finally:
+        store.close()
+
+
+def test_a_log_moved_twice_counts_once(path, tmp_path, unmoved):
+    """Killed between its INSERT and the segment's delete, a writer leaves rows that are
+    in the engine already: the next one moves them again, and they count once."""
+    store = open_store(path)
+    try:
+        store.add([usage("w", executions=0)])
+        store.add([usage("a", executions=1), usage("b", executions=2)])
+        [writer] = writers(path)
+        writer.kill()
+        [segment] = log_segments(path)
+        shutil.copyfile(segment, tmp_path / "kept")
+        assert store.totals() == {("p1", "executions"): 3}
+        store.close()
+        os.rename(tmp_path / "kept", segment)  # as if the delete had not happened
+        store = open_store(path)
+        store.add([usage("c", executions=4)])
+        assert store.totals() == {("p1", "executions"): 7}
+    finally:
+        store.close()
+
+
+def test_a_torn_record_at_the_end_of_the_log_is_left_out(tmp_path):
+    """A record is answered only after its fsync: one cut short (the writer died while
+    writing it) or damaged was never answered, and reading stops before it."""
+    log = wal.Log(str(tmp_path))
+    log.append([("usage", b'{"n":1}\n'), ("other", b'{"n":2}\n')])
+    log.append([("usage", b'{"n":3}\n')])
+    segment = log.rotate()
+    with open(segment, "rb") as file:
+        good = file.read()
+    for tail in (b"\x00\x00", wal._record("usage", b'{"n":4}\n')[:-3],
+                 wal.RECORD.pack(8, 0) + b'usage\n{}'):
+        with open(segment, "wb") as file:
+            file.write(good + tail)
+        assert wal.read(segment) == {"usage": [b'{"n":1}\n', b'{"n":3}\n'],
+                                     "other": [b'{"n":2}\n']}
+    assert log.rotate() is None  # nothing open: the next append opens a new segment
+    log.append([("usage", b"x\n")])
+    assert [seq for seq, _ in log.segments()] == [1, 2]
+
+
+def test_an_insert_after_a_statement_goes_to_the_engine_and_fails_as_it_did(path):
+    """After a statement (a table dropped), the first insert is the engine's own, so its
+    refusal fails the flush at once rather than sitting in the log."""
+    store = open_store(path)
+    try:
+        store.add([usage("a", executions=1)])
+        store.add([usage("b", executions=1)])  # logged
+        store.database.execute("DROP TABLE usage")  # what was logged moved first
+        with pytest.raises(WriterError, match="UNKNOWN_TABLE"):
+            store.add([usage("c", executions=1)])
+        assert log_segments(path) == []
+    finally:
+        store.close()
+
+
+def test_the_writer_loads_the_engine_without_dataframe_libraries(path):
+    """chDB's Python layer imports pyarrow, pandas and numpy when installed (39 MiB of the
+    writer's memory), for results the writer never asks for: it runs without them."""
+    store = open_store(path)
+    try:
+        store.add([usage("a", executions=1)])
+        [writer] = writers(path)
+        mapped = {os.path.basename(m.path) for m in writer.memory_maps()}
+        assert any(name.startswith("_chdb") for name in mapped)
+        assert not [name for name in mapped if name.startswith(("libarrow", "_multiarray"))]
+        assert store.totals() == {("p1", "executions"): 1}
+    finally:
+        store.close()

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the async stats-usage handler (aiosqlite), N deliveries at "
                         "once per handler process (prefetch rises to cover them); default: "
                         "the plain one")
+    parser.add_argument("--coroutines", type=int, default=2,
+                        help="handler processes per supervisor (default 2)")
     parser.add_argument("--prefetch", type=int, default=50, help="per supervisor")
     parser.add_argument("--work-ms", type=float, default=5.0,
                         help="milliseconds every handler call sleeps (default 5)")
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     low, _, high = args.gap.partition(",")
     settings = Settings(
         broker=args.broker, messages=args.messages, seconds=args.seconds, seed=args.seed,
-        supervisors=args.supervisors, gap=(float(low), float(high or low)),
+        supervisors=args.supervisors, coroutines=args.coroutines,
+        gap=(float(low), float(high or low)),
         tasks_per_process=args.async_tasks,
         prefetch=args.prefetch, work_ms=args.work_ms,
         drain_timeout=args.drain_timeout, keep=args.keep, quiet=args.quiet,

