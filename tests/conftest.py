@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from support.operator import conf, run  # noqa: F401 (fixtures: an operator command run in-process)
 from support.servers import NatsServer, RedisServer
 
 

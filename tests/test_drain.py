@@ -4,8 +4,6 @@ rollback check). A supervisor of the same queue name on another Redis is left al
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 
 import orjson
@@ -14,15 +12,9 @@ import redis
 from broker import envelope
 from broker.redis.keys import QueueKeys
 from supervisor.ops.drain import is_supervisor_of
-from support.servers import environ_without_broker
-from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
+from support.operator import command
+from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
 
-
-def command(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m supervisor ARGS`` as an operator runs it (no broker URL override)."""
-    env = {**environ_without_broker(), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
 
 def test_titles_of_supervisors_and_not_of_their_handlers():
     assert is_supervisor_of("queue-supervisor: jobs running [buffer 3/10, 1/2 busy]", "jobs")

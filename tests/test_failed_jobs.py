@@ -8,7 +8,6 @@ records are written as ``broker.failure`` encodes them. Each command runs as the
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import orjson
 import pytest
@@ -18,27 +17,13 @@ from broker.failure import Failure
 from broker.redis.keys import QueueKeys
 from supervisor import cli
 from support import envelopes
+from support.operator import listed, php_failed
 from support.supervision import NAMESPACE, QUEUE, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
 BIDI = "\u202e"  # right-to-left override: reverses what a terminal shows after it
 
-
-@pytest.fixture
-def conf(tmp_path: Path, redis_url: str) -> str:
-    return str(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
-
-
-@pytest.fixture
-def run(capsys):
-    """Run ``python -m supervisor ARGS`` in this process: returns (exit code, stdout)."""
-
-    async def runner(*args: str) -> tuple[int, str]:
-        code = await asyncio.to_thread(cli.main, list(args))
-        return code, capsys.readouterr().out
-
-    return runner
 
 
 async def fail_all(redis_client, redis_brokers, count: int, **fields) -> list[str]:
@@ -62,18 +47,6 @@ async def record(redis_client, pid: str, message: str = "boom", **fields) -> Fai
     await redis_client.set(keys().error(pid), failure.encode())
     return failure
 
-
-async def php_failed(redis_client, source: str, payload: dict) -> str:
-    """A job a PHP worker rejected: pid in the list, the record kept, no failure record."""
-    pid, raw = envelope.build(QUEUE, payload)
-    await redis_client.set(keys().job(pid), envelope.requeued(envelope.decode(raw), 3))
-    await redis_client.lpush(keys().failed if source == "failed" else keys().dead, pid)
-    return pid
-
-
-async def listed(redis_client, source: str = "failed") -> list[str]:
-    key = keys().failed if source == "failed" else keys().dead
-    return [pid.decode() for pid in reversed(await redis_client.lrange(key, 0, -1))]
 
 
 # -- list / show ------------------------------------------------------------------------------

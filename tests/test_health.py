@@ -157,8 +157,8 @@ def test_the_endpoint_answers_503_with_the_reason_when_stalled_or_not_ready():
 
 
 def test_a_nats_supervisor_serves_the_consumer_figures(tmp_path, nats_server, supervisors):
-    from tests.test_supervisor_nats import nats_config
-    from tests.test_supervisor_nats import publish as publish_nats
+    from support.nats_jobs import nats_config
+    from support.nats_jobs import publish as publish_nats
 
     publish_nats(nats_server, [{"n": n} for n in range(4)])
     port = free_port()

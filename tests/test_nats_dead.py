@@ -19,16 +19,15 @@ import pytest
 from broker import envelope
 from broker.base import Action, Settlement
 from broker.failure import NATS_HEADER, Failure
-from broker.nats.setup import QueueNames
 from supervisor import cli
 from supervisor.ops import nats_dead
 from support.brokers import receive_all
+from support.nats_dead_letters import NAMES, bury, dead_pids, work_messages
 from support.supervision import QUEUE, ROOT, write_config
 from support.waiting import until
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
-NAMES = QueueNames.of(QUEUE)
 BIDI = "\u202e"
 
 
@@ -37,41 +36,6 @@ def conf(tmp_path: Path, nats_server) -> str:
     return str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle"))
 
 
-@pytest.fixture
-def run(capsys):
-    async def runner(*args: str) -> tuple[int, str]:
-        code = await asyncio.to_thread(cli.main, list(args))
-        return code, capsys.readouterr().out
-
-    return runner
-
-
-async def bury(nats_brokers, count: int) -> tuple[object, list[str]]:
-    """``count`` jobs rejected at max_attempts = 1 by the real broker: dead letters 1..n."""
-    broker = await nats_brokers(QUEUE, max_attempts=1)
-    pids = [await broker.publish(QUEUE, {"n": n}) for n in range(count)]
-    deliveries = await receive_all(broker, count)
-    await broker.settle([Settlement(Action.REJECT, d, f"boom {d.pid}") for d in deliveries])
-    return broker, pids
-
-
-async def dead_pids(js) -> list[str]:
-    """The pids in the dead stream, oldest first."""
-    info = await js.stream_info(NAMES.dead_stream)
-    found, seq = [], info.state.first_seq
-    while info.state.messages and seq <= info.state.last_seq:
-        try:
-            msg = await js.get_msg(NAMES.dead_stream, seq=seq, subject=NAMES.dead_subject,
-                                   next=True)
-        except Exception:
-            break
-        found.append(envelope.decode(msg.data)["pid"])
-        seq = msg.seq + 1
-    return found
-
-
-async def work_messages(js) -> int:
-    return (await js.stream_info(NAMES.stream)).state.messages
 
 
 async def test_list_and_show_read_the_dead_stream(conf, run, nats_brokers, js):

@@ -102,7 +102,7 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
 
 
 async def test_zero_backoff_requeues_at_once_as_queue_5_does(redis_brokers, redis_client):
-    from tests.test_lua_args import Recorded
+    from support.lua_calls import Recorded
 
     broker = await redis_brokers(QUEUE, max_attempts=3)
     _pid, raw = envelope.build(QUEUE, {"n": 1})
@@ -238,7 +238,7 @@ async def test_a_requeue_by_recovery_writes_no_record(redis_brokers, redis_clien
 
 @pytest.mark.parametrize("bad", ["0", "-1", "1.5", "x", "", "2147483648", "9300000000000000"])
 async def test_settle_refuses_a_bad_delay_before_any_write(redis_brokers, redis_client, bad):
-    from tests.test_lua_args import Recorded, restore, snapshot
+    from support.lua_calls import Recorded, restore, snapshot
 
     broker = await redis_brokers(QUEUE, max_attempts=3, retry_backoff=5)
     for n in range(2):

@@ -10,8 +10,8 @@ import uuid
 
 from broker import envelope
 from broker.redis.keys import QueueKeys
+from support.operator import command
 from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
-from tests.test_drain import command
 
 HANDLER = "tests.handlers.fails_until:handle"
 

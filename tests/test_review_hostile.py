@@ -10,13 +10,13 @@ import pytest
 
 from supervisor import cli
 from support.envelopes import publish
+from support.operator import php_failed
 from support.supervision import counter, keys, wait_for, write_config
-from tests.test_failed_jobs import conf, listed, php_failed, run  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
 
-async def test_retry_steps_over_a_pid_that_is_not_utf8(conf, run, redis_client):  # noqa: F811
+async def test_retry_steps_over_a_pid_that_is_not_utf8(conf, run, redis_client):
     """A corrupt entry at the oldest end stopped every `retry --all` with a traceback
     (UnicodeDecodeError), so nothing behind it could ever be retried."""
     await redis_client.lpush(keys().failed, b"\xff\xfe-not-utf8")
@@ -66,7 +66,7 @@ async def test_a_lost_publish_reply_mid_retry_names_the_letter_and_what_to_do(
     import nats.errors
 
     from supervisor.ops import nats_dead
-    from tests.test_nats_dead import NAMES, bury, dead_pids, work_messages
+    from support.nats_dead_letters import NAMES, bury, dead_pids, work_messages
 
     job = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle"))
     _, pids = await bury(nats_brokers, 2)
@@ -135,7 +135,7 @@ async def test_a_dead_letter_with_a_non_ascii_digit_header_does_not_break_dead_c
     `show` and `retry` of the stream ended in a ValueError traceback until it was purged;
     so did a ``seq:²`` selector."""
     from broker import envelope
-    from tests.test_nats_dead import NAMES, dead_pids
+    from support.nats_dead_letters import NAMES, dead_pids
 
     job = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle"))
     await nats_brokers("e2e")  # the streams
@@ -204,7 +204,7 @@ def test_a_scrape_flood_renders_once_per_second_and_is_paced(monkeypatch):
     assert took >= 19 * metrics.ANSWER_GAP  # load only makes it longer
 
 
-async def test_a_mistyped_failed_or_dead_key_is_named_in_the_error(conf, redis_client,  # noqa: F811
+async def test_a_mistyped_failed_or_dead_key_is_named_in_the_error(conf, redis_client,
                                                                    capsys):
     """`failed list` over a string at the failed key said only "WRONGTYPE Operation against
     a key holding the wrong kind of value": not which key, nor what to do."""

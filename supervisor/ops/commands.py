@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
-import re
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import nats.errors
-import orjson
 import redis.exceptions
 
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
@@ -30,6 +27,7 @@ from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
 from supervisor.ops import failed_commands, inspect, program_name, version
+from supervisor.ops.opening import Unsupported, json_for_terminal, opened_broker, redis_broker
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import recover
 from supervisor.ops.retry import SOURCES, retry
@@ -41,10 +39,6 @@ LIST_AT_MOST = 20
 PAYLOAD_CHARS = 120
 
 log = logging.getLogger("supervisor.ops")
-
-
-class Unsupported(Exception):
-    """The command cannot serve this broker (yet)."""
 
 
 # -- the commands -----------------------------------------------------------------------------
@@ -243,17 +237,6 @@ def _count(value: int | str) -> str:
 
 
 #: What ``logs.escape`` escapes and orjson writes as it is (it escapes C0 controls only).
-_UNSAFE_IN_JSON = re.compile(r"[\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def json_for_terminal(state: dict[str, Any]) -> str:
-    """``state`` as indented JSON with no character a terminal acts on: DEL, C1 controls
-    and bidirectional overrides become ``\\uNNNN`` (the same JSON string: such characters
-    can only occur inside strings)."""
-    text = orjson.dumps(state, option=orjson.OPT_INDENT_2).decode()
-    return _UNSAFE_IN_JSON.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
-
-
 def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
     theirs = ([f"  (other consumers, such as queue-5 workers, hold {left.others.count} "
                "reservations and owner records: theirs to settle, not counted)"]
@@ -306,31 +289,6 @@ def envelope_limit(config: Config) -> SizeLimit:
               f"half a handler's ring: [supervisor] ring_slot_size * ring_slots / 2 = "
               f"{sup.ring_slot_size} * {sup.ring_slots} / 2, less the record header")
     return SizeLimit(config.job.queue, sup.envelope_limit(), source)
-
-
-def redis_broker(config: Config, command: str) -> contextlib.AbstractAsyncContextManager[Any]:
-    """A connected RedisBroker for the job's queue (NATS keeps no such state)."""
-    if config.broker.kind != "redis":
-        raise Unsupported(f"{command} is for Redis queues only: JetStream keeps and recovers "
-                          f"its pending deliveries itself ({config.broker.safe_url})")
-    return opened_broker(config, command)
-
-
-@contextlib.asynccontextmanager
-async def opened_broker(config: Config, command: str) -> AsyncIterator[Any]:
-    """The job's broker, connected, and closed afterwards."""
-    from supervisor.brokers import make_broker
-
-    try:
-        broker: Any = make_broker(config)
-    except ValueError as error:  # no adapter for this URL's scheme in this version
-        raise Unsupported(f"{command}: {error}") from None
-    try:
-        await broker.connect()
-        yield broker
-    finally:
-        with contextlib.suppress(Exception):  # closing must not hide the real error
-            await broker.close()
 
 
 Command = Callable[[Config, argparse.Namespace], Coroutine[Any, Any, int]]

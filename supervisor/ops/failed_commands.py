@@ -30,6 +30,7 @@ from supervisor.config import Config
 from supervisor.ops import failed as redis_lists
 from supervisor.ops import nats_dead
 from supervisor.ops.jobs import NAMED_AT_MOST, PREVIEW_CHARS, Job, list_lines, show_lines
+from supervisor.ops.opening import json_for_terminal, redis_broker
 from supervisor.ops.retry import retry
 
 #: Jobs a listing shows unless ``--limit`` says otherwise.
@@ -71,7 +72,6 @@ async def _run(config: Config, args: argparse.Namespace, source: str) -> int:
             raise UsageError(f"poison is a Redis list; NATS parks undecodable messages in the "
                              f"dead stream: use dead ({config.broker.safe_url})")
         return await _nats(config, args, source)
-    from supervisor.ops.commands import redis_broker  # (commands imports this module)
 
     async with redis_broker(config, source) as broker:
         try:
@@ -302,7 +302,6 @@ def _verb(args: argparse.Namespace, done: str) -> str:
 
 
 def _print(args: argparse.Namespace, state: dict[str, Any], lines: list[str], code: int) -> int:
-    from supervisor.ops.commands import json_for_terminal
 
     if getattr(args, "json", False):
         print(json_for_terminal(state))

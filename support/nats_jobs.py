@@ -1,0 +1,33 @@
+"""A NATS job for end-to-end tests: its config, and messages published as the job would."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from broker.nats import NatsBroker
+from support.servers import NatsServer
+from support.supervision import QUEUE, write_config
+
+
+def nats_config(directory: Path, server: NatsServer, **sections) -> Path:
+    # 3 s: renewals every lease/3 = 1 s land 2 s before it runs out (2 s left 1 s).
+    sections.setdefault("nats", {}).setdefault("ack_wait", 3.0)
+    return write_config(directory, server.url, **sections)
+
+
+def publish(
+    server: NatsServer, payloads: list[dict], ack_wait: float = 3.0, max_attempts: int = 3
+) -> list[str]:
+    """Publish through a broker set up as the job will be (it creates the stream/consumer,
+    and with it the attempt budget every worker of the queue adopts)."""
+
+    async def send() -> list[str]:
+        broker = NatsBroker(server.url, QUEUE, ack_wait=ack_wait, max_attempts=max_attempts)
+        await broker.connect()
+        try:
+            return await broker.publish_many(QUEUE, payloads)
+        finally:
+            await broker.close()
+
+    return asyncio.run(send())
