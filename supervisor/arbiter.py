@@ -367,9 +367,9 @@ class Arbiter:
             self.buffer.held(place.index, delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
             error = protocol.text_data(data) if kind == protocol.FAILED else None
-            entry = self.buffer.finished(place.index, delivery_id, error)
+            self.buffer.finished(place.index, delivery_id, error, in_order=not self.concurrent)
             jobs = place.job_finished()
-            self.metrics.handler_done(time.monotonic() - entry.started_at)
+            self.metrics.handler_done(protocol.seconds(record))
             if not place.retiring and self.should_recycle(place, jobs):
                 place.retire()  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:
@@ -381,6 +381,15 @@ class Arbiter:
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
+
+    def note_started(self, place: HandlerPlace) -> None:
+        """A plain handler reports no start: its mark on the outcome ring names the delivery
+        it runs (or ran last). Read when it matters: timeouts, the title, its death."""
+        if self.concurrent or not place.to_parent.marked:
+            return
+        if self.buffer.started_up_to(place.index, place.to_parent.marked, time.monotonic()):
+            if self.running_dry():  # all it holds started (held for flush(), say): refill
+                self.room.set()
 
     def confirm(self, entry: Entry, committed: bool) -> None:
         """Tell the handler process its message is settled (it runs on_success if committed)."""
@@ -528,6 +537,7 @@ class Arbiter:
         for place in self.places:
             if not place.alive:
                 continue
+            self.note_started(place)
             overdue = (
                 self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
             )
@@ -605,6 +615,7 @@ class Arbiter:
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
+        self.note_started(place)  # the mark outlives the process, as the ring does
         running = self.buffer.running_in(place.index)
         blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
         place.gone()

@@ -376,6 +376,54 @@ def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
     run(scenario())
 
 
+def test_a_plain_handler_killed_mid_job_is_blamed_by_its_mark_without_a_start_record():
+    async def scenario():
+        broker = MemoryBroker(max_attempts=1)  # a blamed delivery is dead at once
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(3)])
+        core = Core(core_config(prefetch=3, coroutines=1), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 3)
+        first = core.process(0)
+        first.start_next()
+        first.finish()  # the first returned
+        first.start_next()  # the second is in its handler
+        first.read()  # the third was read from the ring, not started
+        await core.wait_for(lambda: len(broker.committed) == 1)
+        first.die(-signal.SIGKILL)
+        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 1)
+        core.arbiter.buffer.check()
+        assert first.posted == ["DONE"]  # one record per delivery, no STARTED
+        assert core.process(0).work() == 1
+        await core.wait_for(lambda: len(broker.committed) == 2)
+        assert await core.stop() == exits.OK
+        assert broker.dead == [pids[1]]
+        assert set(broker.committed) == {pids[0], pids[2]}  # the third ran again: not blamed
+
+    run(scenario())
+
+
+def test_a_plain_handler_that_died_between_jobs_blames_nothing():
+    async def scenario():
+        broker = MemoryBroker(max_attempts=1)
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(2)])
+        core = Core(core_config(prefetch=2, coroutines=1), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
+        first = core.process(0)
+        first.start_next()
+        first.finish()  # returned; its mark still names it, the second was never started
+        first.die(-signal.SIGKILL)
+        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 1)
+        assert core.process(0).work() == 1
+        await core.wait_for(lambda: len(broker.committed) == 2)
+        assert await core.stop() == exits.OK
+        assert broker.dead == [] and sorted(broker.committed) == sorted(pids)
+
+    run(scenario())
+
+
 def test_a_broker_refusing_settlements_for_a_while_loses_nothing():
     async def scenario():
         broker = MemoryBroker()

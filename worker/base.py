@@ -88,6 +88,7 @@ class Runner:
         self._outcomes: list[bytes] = []  # encoded, not yet on the ring
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
+        self._began: dict[int, float] = {}  # started, no outcome yet: when (monotonic)
 
     def run(self) -> NoReturn:
         raise NotImplementedError
@@ -127,8 +128,16 @@ class Runner:
         self.send([protocol.encode_ready()])
         log.info("handler process %d ready (%s)", self._place, detail)
 
+    def _begin(self, delivery_id: int) -> None:
+        """The handler starts on this delivery now (its outcome says how long it took)."""
+        self._began[delivery_id] = time.monotonic()
+
+    def _elapsed(self, delivery_id: int) -> float:
+        began = self._began.pop(delivery_id, None)
+        return 0.0 if began is None else time.monotonic() - began
+
     def _succeed(self, delivery_id: int, message: Message) -> None:
-        self._outcomes.append(protocol.encode_done(delivery_id))
+        self._outcomes.append(protocol.encode_done(delivery_id, self._elapsed(delivery_id)))
         if self._handler.on_success is not None:
             self._unconfirmed[delivery_id] = message
 
@@ -136,7 +145,8 @@ class Runner:
         self, delivery_id: int, message: Message | None, error: BaseException, text: str
     ) -> None:
         """FAILED goes out with the next send; the caller then runs ``on_error`` its way."""
-        self._outcomes.append(protocol.encode_failed(delivery_id, text))
+        self._outcomes.append(
+            protocol.encode_failed(delivery_id, text, self._elapsed(delivery_id)))
         job = message.pid if message is not None else "?"
         log.warning("delivery %d (job %s) failed: %s%s", delivery_id, job, text, origin(error))
 

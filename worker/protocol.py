@@ -9,10 +9,18 @@ them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` fie
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
 child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
-from the handler it loaded, the one the process inherited), STARTED, DONE, FAILED (UTF-8
-error text), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD from a process running
-several deliveries at once (an ``async def`` handler): the handler returned and the delivery
-waits for ``flush()``, so it is not a suspect when the process dies.
+from the handler it loaded, the one the process inherited), STARTED, DONE (f64: seconds
+from the handler's start to this outcome), FAILED (the same f64, then UTF-8 error text),
+SKIPPED, INIT_FAILED (UTF-8 error text), and HELD from a process running several deliveries
+at once (an ``async def`` handler): the handler returned and the delivery waits for
+``flush()``, so it is not a suspect when the process dies.
+
+STARTED comes only from a process running several deliveries at once. A plain ``def``
+handler runs its ring's deliveries one at a time in ring order, so it sends no record when
+one starts: it marks the delivery's id on its outcome ring (``Ring.mark``, one store in
+shared memory) before the handler runs. The supervisor reads the mark when it needs to
+know (a handler timeout, the process died): the marked delivery and the ones before it
+without an outcome are running. That halves the records per delivery.
 """
 
 from __future__ import annotations
@@ -42,9 +50,10 @@ MAX_ERROR_BYTES = 4096
 _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
-_TEXT_KINDS = (FAILED, INIT_FAILED)
+_TIMED_HEAD = struct.Struct("<BQd")  # DONE and FAILED: _HEAD and the handler's seconds
+_SECONDS = struct.Struct("<d")
 #: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
-_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
+_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))  # DONE: see seconds()
 
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
@@ -92,12 +101,19 @@ def encode_held(delivery_id: int) -> bytes:
     return _HEAD.pack(HELD, delivery_id)
 
 
-def encode_done(delivery_id: int) -> bytes:
-    return _HEAD.pack(DONE, delivery_id)
+def encode_done(delivery_id: int, seconds: float = 0.0) -> bytes:
+    return _TIMED_HEAD.pack(DONE, delivery_id, seconds)
 
 
-def encode_failed(delivery_id: int, error: str) -> bytes:
-    return _HEAD.pack(FAILED, delivery_id) + _error_bytes(error)
+def encode_failed(delivery_id: int, error: str, seconds: float = 0.0) -> bytes:
+    return _TIMED_HEAD.pack(FAILED, delivery_id, seconds) + _error_bytes(error)
+
+
+def seconds(record: bytes) -> float:
+    """The handler's seconds a DONE or FAILED record carries (0.0 when it has none)."""
+    if len(record) < _TIMED_HEAD.size:
+        return 0.0
+    return float(_SECONDS.unpack_from(record, _HEAD.size)[0])
 
 
 def encode_skipped(delivery_id: int) -> bytes:
@@ -122,7 +138,9 @@ def decode(record: bytes) -> Decoded:
         known, attempts = _ATTEMPTS.unpack_from(record, _HEAD.size)
         raw = record[DELIVER_OVERHEAD:]
         return kind, delivery_id, (attempts if known else None, raw)
-    if kind in _TEXT_KINDS:
+    if kind == FAILED:
+        return kind, delivery_id, record[_TIMED_HEAD.size :].decode("utf-8", "replace")
+    if kind == INIT_FAILED:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
     if kind == CONFIRM:
         return kind, delivery_id, record[_HEAD.size :] == b"\x01"
