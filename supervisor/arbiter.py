@@ -387,9 +387,10 @@ class Arbiter:
         it runs (or ran last). Read when it matters: timeouts, the title, its death."""
         if self.concurrent or not place.to_parent.marked:
             return
-        if self.buffer.started_up_to(place.index, place.to_parent.marked, time.monotonic()):
-            if self.running_dry():  # all it holds started (held for flush(), say): refill
-                self.room.set()
+        promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
+                                             time.monotonic())
+        if promoted and self.running_dry():  # all it holds started (held for flush()): refill
+            self.room.set()
 
     def confirm(self, entry: Entry, committed: bool) -> None:
         """Tell the handler process its message is settled (it runs on_success if committed)."""
