@@ -71,6 +71,30 @@ def test_a_delivery_passes_through_every_state_in_its_one_place():
     assert buffer.outstanding == 2 and buffer.in_state(State.COMPLETED)[0].settle_failures == 1
 
 
+def test_a_plain_handlers_mark_starts_it_and_the_queued_ones_before_it_in_order():
+    buffer = Buffer(prefetch=5, handlers=1)
+    buffer.add(deliveries(4))
+    buffer.queue(0, 4)
+    assert buffer.started_up_to(0, 99, at=7.0) == []  # not queued here: nothing changes
+    # A DONE read before the mark was: the next queued one finished in order.
+    assert buffer.finished(0, 1, error=None, in_order=True).id == 1
+    promoted = buffer.started_up_to(0, 3, at=7.0)  # 2 was held for flush(), 3 runs
+    buffer.check()
+    assert ids(promoted) == [2, 3] and ids(buffer.running_in(0)) == [2, 3]
+    assert all(entry.started_at == 7.0 for entry in promoted)
+    assert buffer.started_up_to(0, 3, at=8.0) == []  # read twice: its start is known
+    assert ids(buffer.in_state(State.QUEUED, 0)) == [4]
+    buffer.finished(0, 2, error=None, in_order=True)
+    with pytest.raises(AccountingError):  # neither running nor next: a bug, not a guess
+        buffer.finished(0, 1, error=None, in_order=True)
+    with pytest.raises(AccountingError):  # an async handler reports STARTED first
+        buffer.finished(0, 4, error=None)
+    buffer.finished(0, 3, error=None, in_order=True)
+    buffer.finished(0, 4, error=None, in_order=True)
+    buffer.check()
+    assert ids(buffer.in_state(State.COMPLETED)) == [1, 2, 3, 4]
+
+
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
