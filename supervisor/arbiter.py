@@ -23,7 +23,7 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
-from supervisor import blame, exits, gauges, logs, systemd
+from supervisor import blame, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -366,10 +366,16 @@ class Arbiter:
         elif kind == protocol.HELD:
             self.buffer.held(place.index, delivery_id)
         elif kind == protocol.DONE or kind == protocol.FAILED:
-            error = protocol.text_data(data) if kind == protocol.FAILED else None
-            self.buffer.finished(place.index, delivery_id, error, in_order=not self.concurrent)
+            failure = protocol.failure_data(data) if kind == protocol.FAILED else None
+            entry = self.buffer.finished(place.index, delivery_id,
+                                         failure.summary if failure else None, failure,
+                                         in_order=not self.concurrent)
             jobs = place.job_finished()
-            self.metrics.handler_done(protocol.seconds(record))
+            seconds = protocol.seconds(record)  # DONE: timed by the handler process
+            if seconds is None and entry.started_at:  # FAILED, its start seen (STARTED, mark)
+                seconds = time.monotonic() - entry.started_at
+            if seconds is not None:
+                self.metrics.handler_done(seconds)
             if not place.retiring and self.should_recycle(place, jobs):
                 place.retire()  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:
@@ -617,6 +623,8 @@ class Arbiter:
             else f"exited with code {status}"
         )
         self.note_started(place)  # the mark outlives the process, as the ring does
+        failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
+                   else failures.lost(pid, status))
         running = self.buffer.running_in(place.index)
         blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
         place.gone()
@@ -626,7 +634,7 @@ class Arbiter:
             self.buffer.handler_gone(place.index, abandon=True)
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            self.buffer.handler_gone(place.index, blamed, reason)
+            self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
             if running:
                 pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
                 more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""

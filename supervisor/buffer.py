@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from broker.base import Delivery
+from broker.failure import Failure
 
 
 class State(enum.Enum):
@@ -49,6 +50,7 @@ class Entry:
     place: int | None = None  # the handler it was last given to (for on_success)
     started_at: float = 0.0
     error: str | None = None  # None: succeeded; text: failed (reject)
+    failure: Failure | None = None  # why it failed, as operators read it (with ``error``)
     release: bool = False  # completed as "never started": release, not commit/reject
     held: bool = False  # an async handler returned it to its event loop (HELD)
     settle_failures: int = 0
@@ -205,7 +207,8 @@ class Buffer:
         self._running_entry(place, entry_id).held = True
 
     def finished(
-        self, place: int, entry_id: int, error: str | None, in_order: bool = False
+        self, place: int, entry_id: int, error: str | None, failure: Failure | None = None,
+        in_order: bool = False,
     ) -> Entry:
         """An outcome. ``in_order``: the handler runs its ring's deliveries one at a time
         and reports no start, so the outcome may be of the next queued one."""
@@ -214,7 +217,7 @@ class Buffer:
             if not in_order:
                 self._running_entry(place, entry_id)  # raises: not running there
             entry = self._next_queued(place, entry_id)
-        self._complete(entry, error=error)
+        self._complete(entry, error=error, failure=failure)
         return entry
 
     def skipped(self, place: int, entry_id: int) -> Entry:
@@ -224,12 +227,13 @@ class Buffer:
         return entry
 
     def handler_gone(
-        self, place: int, blamed: Iterable[Entry] = (), reason: str = "", abandon: bool = False
+        self, place: int, blamed: Iterable[Entry] = (), reason: str = "", abandon: bool = False,
+        failure: Failure | None = None,
     ) -> None:
         """Handler ``place``'s process is gone. ``blamed`` running deliveries fail with
-        ``reason``; with ``abandon`` the rest of the running ones stay owned for recovery
-        (killed at the stop deadline); otherwise they wait to run again, ahead of the
-        deliveries it never started, in their order."""
+        ``reason`` (and ``failure``, its record); with ``abandon`` the rest of the running
+        ones stay owned for recovery (killed at the stop deadline); otherwise they wait to
+        run again, ahead of the deliveries it never started, in their order."""
         running = list(self._running[place].values())
         queued = list(self._queued[place])
         self._running[place].clear()
@@ -237,7 +241,7 @@ class Buffer:
         failed = {entry.id for entry in blamed}
         for entry in running:
             if entry.id in failed:
-                self._complete(entry, error=reason)
+                self._complete(entry, error=reason, failure=failure)
             elif abandon:
                 entry.state = State.ABANDONED
         rerun = [] if abandon else [e for e in running if e.id not in failed]
@@ -322,8 +326,14 @@ class Buffer:
             )
         return entry
 
-    def _complete(self, entry: Entry, error: str | None = None, release: bool = False) -> None:
+    def _complete(
+        self, entry: Entry, error: str | None = None, release: bool = False,
+        failure: Failure | None = None,
+    ) -> None:
         entry.state, entry.error, entry.release = State.COMPLETED, error, release
+        if failure is None and error is not None:
+            failure = Failure.from_text(error)
+        entry.failure = failure
         self._completed.append(entry)
 
     def _wait_again(self, entries: list[Entry]) -> None:

@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def start(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "dashboard":  # a web page of several jobs (its own options)
+        from supervisor.dashboard.cli import main as dashboard
+
+        return dashboard(argv[1:])
     if argv and argv[0] in COMMANDS:  # an operator command; anything else is a job file
         from supervisor.ops.commands import main as operate
 
@@ -44,7 +48,7 @@ def start(argv: Sequence[str] | None = None) -> int:
         prog=program_name(),
         description=__doc__.split("\n")[0],
         epilog=f"operator commands: {program_name()} {{{','.join(COMMANDS)}}} CONF ... "
-        "(each has --help)",
+        f"(each has --help); the web dashboard: {program_name()} dashboard CONF [CONF ...]",
     )
     parser.add_argument("config", help="the job's TOML file, e.g. conf/stats-usage.toml")
     parser.add_argument("--version", action="version", version=version())

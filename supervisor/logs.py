@@ -1,9 +1,11 @@
 """Logging set-up: one JSON object per line, or readable lines when stderr is a terminal.
 
 Every record carries ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``process`` and
-``message``; ``queue``, ``pid`` (a message's pid), ``error`` and ``consumer`` are added
-when passed with ``extra=``. A traceback goes into ``exc`` of the same object, so a record
-is always exactly one line, whatever it contains: log collectors never see half a record.
+``message``; ``queue``, ``pid`` (a message's pid), ``consumer``, ``error`` and a failed
+run's ``attempt``, ``max_attempts``, ``outcome``, ``where`` and ``traceback`` (its handler's,
+in JSON only) are added when passed with ``extra=``. A traceback goes into ``exc`` of the
+same object, so a record is always exactly one line, whatever it contains: log collectors
+never see half a record.
 
 Values put into a record (the ``%`` arguments and the extras) are data, often from a
 message (pid, queue, reason, a handler's error text, a payload excerpt): control
@@ -31,8 +33,11 @@ import orjson
 
 from broker.urls import redact
 
-#: Fields taken from ``extra=`` when present, in this order.
-EXTRA_FIELDS = ("queue", "pid", "consumer", "error")
+#: Fields taken from ``extra=`` when present, in this order (``traceback`` after them).
+EXTRA_FIELDS = ("queue", "pid", "consumer", "attempt", "max_attempts", "outcome", "error",
+                "where")
+#: What the text format leaves out: the message of a failed run's line says it already.
+_SAID_IN_THE_MESSAGE = frozenset(("error", "attempt", "max_attempts", "outcome", "where"))
 #: A value from outside (pid, queue, reason, handler error text) is cut after this many
 #: characters: it must describe the input, never carry it.
 MAX_FIELD = 200
@@ -42,6 +47,10 @@ MAX_EXPLANATION = 1000
 MAX_MESSAGE = 4000
 #: A traceback (kept on several lines inside ``exc``).
 MAX_TRACEBACK = 20_000
+#: A handler's traceback on a failed run's line: its last this many characters, each of its
+#: lines cut at MAX_FIELD (it repeats what the handler raised, often a message's data). The
+#: whole of it is in the failure record the broker keeps.
+MAX_HANDLER_TRACEBACK = 4000
 MAX_REASON = MAX_FIELD
 MALFORMED = "malformed message moved to poison: %s"
 #: ``json:info`` or ``text:debug``: how the job logs, for the processes its handlers start.
@@ -125,20 +134,42 @@ def message_of(record: logging.LogRecord) -> str:
     return clean(redact(text), MAX_MESSAGE)
 
 
-def extras_of(record: logging.LogRecord) -> dict[str, str]:
-    """The extras present, each cleaned like a ``%`` argument."""
-    found = {}
+def extras_of(record: logging.LogRecord) -> dict[str, str | int]:
+    """The extras present, each cleaned like a ``%`` argument (an int stays a number)."""
+    found: dict[str, str | int] = {}
     for name in EXTRA_FIELDS:
         value = record.__dict__.get(name)
-        if value is not None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            found[name] = value
+        elif value is not None:
             found[name] = clean(redact(_text(value)), _limit_of(value))
     return found
+
+
+def handler_traceback_of(record: logging.LogRecord) -> str | None:
+    """A failed run's traceback passed as ``extra={"traceback": ...}`` (formatted in the
+    handler process), kept on its lines like ``exc``, unsafe characters escaped, bounded."""
+    text = record.__dict__.get("traceback")
+    if not isinstance(text, str) or not text:
+        return None
+    lines = [_cut(line, MAX_FIELD) for line in redact(text).split("\n")]
+    text = _UNSAFE_IN_TRACEBACK.sub(_escaped, "\n".join(lines))
+    if len(text) > MAX_HANDLER_TRACEBACK:  # the end is where it raised
+        text = f"[cut: {len(text)} characters]...{text[-MAX_HANDLER_TRACEBACK:]}"
+    return text
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...[cut: {len(text)} characters]"
 
 
 def traceback_of(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
     if not record.exc_info:
         return None
-    text = redact(formatter.formatException(record.exc_info))
+    return _bounded_traceback(redact(formatter.formatException(record.exc_info)))
+
+
+def _bounded_traceback(text: str) -> str:
     text = _UNSAFE_IN_TRACEBACK.sub(_escaped, text)  # its own line breaks stay
     if len(text) > MAX_TRACEBACK:
         text = f"{text[:MAX_TRACEBACK]}...[cut: {len(text)} characters]"
@@ -155,6 +186,9 @@ class JsonFormatter(logging.Formatter):
             "message": message_of(record),
             **extras_of(record),
         }
+        handler_traceback = handler_traceback_of(record)
+        if handler_traceback is not None:
+            entry["traceback"] = handler_traceback
         exc = traceback_of(self, record)
         if exc is not None:
             entry["exc"] = exc
@@ -173,7 +207,7 @@ class TextFormatter(logging.Formatter):
         shown.exc_info, shown.exc_text, shown.stack_info = None, None, None
         line = super().format(shown)
         extras = [f"{name}={value}" for name, value in extras_of(record).items()
-                  if name != "error"]  # the message says it already
+                  if name not in _SAID_IN_THE_MESSAGE]
         exc = traceback_of(self, record)
         if exc is not None:  # indented, so no line of it looks like a record
             extras.append("\n" + "\n".join("    " + part for part in exc.splitlines()))

@@ -10,22 +10,29 @@ recovered by the broker if this process dies first).
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 
 from broker.base import Action, Broker, Outcome, Result, Settlement
+from supervisor import failures
 from supervisor.buffer import Buffer, Entry
 from supervisor.metrics import Metrics
 
 log = logging.getLogger("supervisor.settlement")
 
 
-def settlement_for(entry: Entry) -> Settlement:
+def settlement_for(entry: Entry, consumer: str = "") -> Settlement:
     if entry.release:
         return Settlement(Action.RELEASE, entry.delivery)
     if entry.error is None:
         return Settlement(Action.COMMIT, entry.delivery)
-    return Settlement(Action.REJECT, entry.delivery, entry.error)
+    failure = entry.failure
+    if failure is not None:  # which run failed, when, and who ran it: the broker keeps it
+        failure = failure.replace(attempt=entry.delivery.attempts + 1, at=time.time(),
+                                  consumer=failure.consumer or consumer)
+    return Settlement(Action.REJECT, entry.delivery, entry.error, failure=failure)
 
 
 class Settler:
@@ -44,10 +51,15 @@ class Settler:
         self.confirm = confirm  # tells the handler process (for on_success)
         self.metrics = metrics or Metrics()
         self.progress = progress  # room opened before the call returned (early results)
+        # Who ran a failed job, in its failure record: the Redis consumer id, or (NATS has
+        # none of ours) "<host>-<pid>" of this supervisor.
+        self.consumer = str(getattr(broker, "consumer_id", "") or "") or (
+            f"{socket.gethostname()}-{os.getpid()}")
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
-        settlements = [settlement_for(entry) for entry in batch]
+        consumer = self.consumer
+        settlements = [settlement_for(entry, consumer) for entry in batch]
         applied = [False] * len(batch)
         retry: list[Entry] = []
 
@@ -79,11 +91,19 @@ class Settler:
         outcome = result.outcome
         if outcome is Outcome.OK:
             self.metrics.settled(settlement.action)
+            if settlement.action is Action.REJECT:
+                self._log_failed_run(settlement, result)
             self.buffer.forget(entry)
             self.confirm(entry, settlement.action is Action.COMMIT)
             return True
         if outcome is Outcome.STALE:
             self.metrics.stale()
+            if settlement.action is Action.REJECT:
+                self._log_failed_run(settlement, Result(outcome, (
+                    "outcome unknown: an earlier try of this reject took effect"
+                    if entry.settle_failures else
+                    "outcome unknown: no longer ours when rejected (recovered or delivered "
+                    "again)")))
             if entry.settle_failures:  # an earlier, unconfirmed attempt of ours took effect
                 log.info("earlier %s of %s took effect", settlement.action.value,
                          entry.delivery.pid)
@@ -108,6 +128,9 @@ class Settler:
             self.metrics.uncertain()
             if not self.broker.replay_uncertain:
                 # Never replayed: the broker either applied it or redelivers the message.
+                if settlement.action is Action.REJECT:
+                    self._log_failed_run(settlement, Result(outcome, (
+                        "outcome unknown: the reject's reply was lost")))
                 log.warning(
                     "%s of %s is uncertain (%s): not replayed; the broker either applied it "
                     "or will deliver the message again", settlement.action.value,
@@ -121,3 +144,8 @@ class Settler:
             settlement.action.value, entry.delivery.pid, outcome.value, result.detail,
         )
         return False
+
+    def _log_failed_run(self, settlement: Settlement, result: Result) -> None:
+        """The one line of a failed run, once its reject is settled (see failures)."""
+        budget = getattr(self.broker, "max_attempts", 0)
+        failures.log_outcome(log, settlement, result, budget if isinstance(budget, int) else 0)

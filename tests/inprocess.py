@@ -18,6 +18,7 @@ import signal
 from collections import deque
 from collections.abc import Callable
 
+from broker.failure import Failure
 from broker.memory import MemoryBroker
 from supervisor.arbiter import Arbiter
 from supervisor.config import Config, loads
@@ -74,7 +75,8 @@ class PlayedProcess:
             return False
         delivery_id = self.running.pop(which % len(self.running))
         self.post(protocol.encode_done(delivery_id) if ok
-                  else protocol.encode_failed(delivery_id, "handler raised (played)"))
+                  else protocol.encode_failed(delivery_id,
+                                                Failure("RuntimeError", "handler raised (played)")))
         return True
 
     def hold(self, which: int = 0) -> bool:

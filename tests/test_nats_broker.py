@@ -11,7 +11,8 @@ import orjson
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
-from broker.base import Action, BrokerError, Delivery, Outcome, Poisoned, Settlement
+from broker.base import Action, BrokerError, Delivery, Outcome, Poisoned, Result, Settlement
+from broker.failure import NATS_HEADER, Failure
 from broker.nats import NatsBroker
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
@@ -226,6 +227,9 @@ async def test_malformed_payload_goes_dead_at_once(nats_brokers, js):
     assert poisoned.raw == b"{not json" and "invalid JSON" in poisoned.reason
     dead = await js.get_msg(NAMES.dead_stream, 1)
     assert dead.data == b"{not json"
+    record = Failure.decode(dead.headers[NATS_HEADER])
+    assert (record.error, record.outcome, record.attempt) == ("MalformedMessage", "dead", 1)
+    assert "invalid JSON" in record.message
     await broker.settle([Settlement(Action.COMMIT, received.deliveries[0])])
     assert await stream_messages(js, NAMES.stream) == 0  # terminated, not redelivered
 
@@ -237,24 +241,52 @@ async def test_reject_at_max_attempts_goes_to_the_dead_stream(nats_brokers, js):
     broker = await nats_brokers(QUEUE, max_attempts=2, ack_wait=2)
     pid = await broker.publish(QUEUE, {"fails": True})
     [first] = await receive_all(broker, 1)
-    assert await settle_one(broker, Action.REJECT, first) is Outcome.OK  # NAK: retried
+    [result] = await broker.settle([Settlement(Action.REJECT, first, "boom")])
+    assert result == Result(Outcome.OK, "retrying in 0 s")  # NAK: retried (no backoff)
     [second] = await receive_all(broker, 1)
     assert (second.pid, second.attempts) == (pid, 1)
-    [result] = await broker.settle([Settlement(Action.REJECT, second, "boom\nagain")])
-    assert result.outcome is Outcome.OK
+    failure = Failure(error="mymod.Boom", message="boom\nagain \u202e\u00e9",
+                      where="h.py:3 in handle", traceback="Traceback...\n  line\r\nBoom\n",
+                      attempt=2, at=1700000000.5, consumer="host-1")
+    [result] = await broker.settle([Settlement(Action.REJECT, second, "boom\nagain", failure)])
+    assert result == Result(Outcome.OK, "dead")
     dead = await js.get_msg(NAMES.dead_stream, 1)
     assert dead.data == second.raw  # the bytes as they were, as queue 5 dead-letters them
     assert dead.headers["Queue-Reason"] == "boom again"
+    header = dead.headers[NATS_HEADER]
+    assert header.isascii() and "\n" not in header and "\r" not in header  # one header line
+    assert Failure.decode(header) == failure.replace(outcome="dead")
     assert "Content-Type" not in dead.headers  # queue 5 copies it only when it parks
     assert await stream_messages(js, NAMES.stream) == 0
     assert (await broker.receive(10, 3)).deliveries == []  # terminated: past ack_wait too
+
+
+async def test_a_failure_record_shrinks_to_what_max_payload_leaves_beside_the_message(
+    nats_brokers, js
+):
+    """Headers count against the server's max_payload: the record gives way (its traceback
+    first) so the dead letter is still stored, and the connection is not refused."""
+    broker = await nats_brokers(QUEUE, max_attempts=1, max_envelope_bytes=None)
+    limit = js._nc.max_payload
+    await broker.publish(QUEUE, {"blob": "x" * (limit - 1500)})
+    [delivery] = await receive_all(broker, 1)
+    failure = Failure(error="E", message="m" * 2000, traceback="\u00e9" * 4000 + "END")
+    [result] = await broker.settle([Settlement(Action.REJECT, delivery, "E", failure)])
+    assert result == Result(Outcome.OK, "dead")
+    dead = await js.get_msg(NAMES.dead_stream, 1)
+    assert dead.data == delivery.raw
+    record = Failure.decode(dead.headers[NATS_HEADER])
+    assert record.error == "E" and record.outcome == "dead"
+    assert record.traceback.endswith("END") or not record.traceback
+    assert len(dead.headers[NATS_HEADER]) < 1500
 
 
 async def test_reject_below_the_limit_waits_for_its_backoff(nats_brokers):
     broker = await nats_brokers(QUEUE, max_attempts=5, retry_backoff=4.0, ack_wait=30)
     await broker.publish(QUEUE, {"x": 1})
     [delivery] = await receive_all(broker, 1)
-    assert await settle_one(broker, Action.REJECT, delivery) is Outcome.OK
+    [result] = await broker.settle([Settlement(Action.REJECT, delivery)])
+    assert result == Result(Outcome.OK, "retrying in 4 s")
     assert (await broker.receive(10, 0.5)).deliveries == []  # NAK delay of 4 s
     [again] = await receive_all(broker, 1, timeout=10)
     assert again.attempts == 1
@@ -391,6 +423,8 @@ async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(nats_bro
                                       "allows 2 runs")
     data, headers = await dead_letter(js)
     assert data == last.raw and headers["Queue-Attempts"] == "3"
+    record = Failure.decode(headers[NATS_HEADER])
+    assert (record.error, record.attempt, record.outcome) == ("AttemptsExhausted", 3, "dead")
     assert headers["Content-Type"] == "application/json"  # copied, as queue 5 parks
     assert await stream_messages(js, NAMES.stream) == 0
     info = await js.consumer_info(NAMES.stream, "worker")
@@ -456,6 +490,9 @@ async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(
     data, headers = await dead_letter(js)
     assert data == held.raw
     assert "max deliveries exceeded" in headers["Queue-Reason"]
+    record = Failure.decode(headers[NATS_HEADER])  # a record saying so
+    assert (record.error, record.outcome) == ("MaxDeliveriesExceeded", "dead")
+    assert "ran out of deliveries while no worker held it" in record.message
     await asyncio.gather(broker.maintain(), watcher.maintain())
     assert await stream_messages(js, NAMES.dead_stream) == 1  # one copy for the fleet
     assert await stream_messages(js, NAMES.stream) == 0

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from broker.base import Action, Settlement
+from broker.failure import NATS_HEADER, Failure
 from broker.nats import NatsBroker
 from broker.nats.setup import QueueNames
 from support.faultproxy import FaultProxy
@@ -198,7 +199,11 @@ def test_handler_that_kills_its_process_ends_dead_after_max_attempts(
     wait_for(lambda: consumer_state(nats_server)["dead"] == 1, 30, "the dead letter")
     assert [(p, attempts) for p, attempts, _ in started(tmp_path)] == [(pid, "0"), (pid, "1")]
     [(_, headers)] = dead_letters(nats_server)
-    assert "worker lost" in headers["Queue-Reason"]
+    assert "WorkerLost: handler process" in headers["Queue-Reason"]
+    record = Failure.decode(headers[NATS_HEADER])  # the record, for `show` and a dashboard
+    assert (record.error, record.attempt, record.outcome) == ("WorkerLost", 2, "dead")
+    assert record.message.endswith("killed by signal 9 (SIGKILL)")
+    assert record.consumer.endswith(f"-{supervisor.pid}")  # which supervisor ran it
     wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing left")
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0

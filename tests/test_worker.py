@@ -14,6 +14,7 @@ from types import ModuleType
 import psutil
 
 from broker import envelope
+from broker.failure import Failure
 from support.handler_child import lines
 from support.waiting import wait_until
 from worker import protocol
@@ -44,7 +45,7 @@ def test_raising_handler_fails_the_delivery_and_calls_on_error(children, tmp_pat
     child = children("tests.handlers.raises:handle")
     child.outcomes(1)
     ((delivery_id, pid),) = child.deliver({"log": str(log)})
-    assert child.outcomes(1) == [("FAILED", delivery_id, "ValueError: boom")]
+    assert summaries(child.outcomes(1)) == [("FAILED", delivery_id, "ValueError: boom")]
     wait_until(lambda: lines(log) == [f"on_error {pid} ValueError"])
 
 
@@ -54,7 +55,7 @@ def test_malformed_envelope_fails_without_reaching_the_handler(children, tmp_pat
     child.send(protocol.encode_deliver(7, b"not json"))
     (failed,) = child.outcomes(1)
     assert child.to_parent.marked == 7
-    assert failed[:2] == ("FAILED", 7) and failed[2].startswith("MalformedEnvelope")
+    assert failed[:2] == ("FAILED", 7) and failed[2].error == "broker.envelope.MalformedEnvelope"
 
 
 def test_every_attempts_value_reaches_the_handler(children, tmp_path: Path) -> None:
@@ -128,7 +129,8 @@ def test_a_failing_flush_fails_every_message_it_covered(children, tmp_path: Path
     outcomes = child.outcomes(3)
     assert [kind for kind, _, _ in outcomes] == ["FAILED"] * 3
     assert [delivery_id for _, delivery_id, _ in outcomes] == [i for i, _ in sent]
-    assert {text for _, _, text in outcomes} == {"flush() failed: RuntimeError: database down"}
+    assert {failure.summary for _, _, failure in outcomes} == {
+        "RuntimeError: flush() failed: database down"}
     wait_until(lambda: len(lines(log)) == 3)
     assert lines(log) == [f"on_error {pid} database down" for _, pid in sent]
 
@@ -237,3 +239,9 @@ def test_process_title_shows_queue_slot_and_busy_or_idle(children, tmp_path: Pat
     wait_until(lambda: title() == "queue-supervisor: tests handler 0 busy")
     gate.touch()
     wait_until(lambda: title() == "queue-supervisor: tests handler 0 idle")
+
+
+def summaries(outcomes: list) -> list:
+    """Outcomes with each FAILED record's failure read as its one-line summary."""
+    return [(kind, delivery_id, data.summary if isinstance(data, Failure) else data)
+            for kind, delivery_id, data in outcomes]

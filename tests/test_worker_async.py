@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from broker import envelope
+from broker.failure import Failure
 from support.handler_child import lines
 from support.waiting import wait_until
 from worker import protocol
@@ -47,8 +48,9 @@ def test_a_failure_is_reported_at_once_and_on_error_is_awaited(children, tmp_pat
     child.outcomes(1)
     (slow, _), (failing, pid) = child.deliver({"log": str(log), "gate": str(gate)},
                                               {"log": str(log), "fail": True})
-    assert child.outcomes(3) == [("STARTED", slow, None), ("STARTED", failing, None),
-                                 ("FAILED", failing, "ValueError: boom")]
+    assert summaries(child.outcomes(3)) == [
+        ("STARTED", slow, None), ("STARTED", failing, None),
+        ("FAILED", failing, "ValueError: boom")]
     wait_until(lambda: f"error {pid} ValueError: boom" in lines(log))
     gate.touch()
     assert child.outcomes(1) == [("DONE", slow, None)]
@@ -93,8 +95,9 @@ def test_a_failing_flush_fails_what_it_covered(children, tmp_path: Path) -> None
     child = children("tests.handlers.aio_flushing:handle", tasks=4)
     child.outcomes(1)
     ((a, _),) = child.deliver({"log": str(log), "flush_fails": True})
-    assert child.outcomes(3) == [("STARTED", a, None), ("HELD", a, None),
-                                 ("FAILED", a, "flush() failed: RuntimeError: database down")]
+    assert summaries(child.outcomes(3)) == [
+        ("STARTED", a, None), ("HELD", a, None),
+        ("FAILED", a, "RuntimeError: flush() failed: database down")]
 
 
 def test_exit_waits_for_running_tasks_then_flushes(children, tmp_path: Path) -> None:
@@ -123,8 +126,13 @@ def test_the_timeout_cancels_one_task_and_the_others_go_on(children, tmp_path: P
                                          {"log": str(log), "gate": str(gate)})
     assert child.outcomes(2) == [("STARTED", hung, None), ("STARTED", ok, None)]
     gate.touch()  # the other one finishes beside the hung one, undisturbed
-    assert child.outcomes(2) == [("DONE", ok, None),
-                                 ("FAILED", hung, "TimeoutError: handler timeout after 1.0s")]
+    outcomes = child.outcomes(2)
+    assert summaries(outcomes) == [
+        ("DONE", ok, None), ("FAILED", hung, "HandlerTimeout: handler timeout after 1.0s")]
+    # Where the handler was waiting when it was cancelled, not asyncio's sleep.
+    assert "tests/handlers/aio.py:" in outcomes[1][2].where
+    assert outcomes[1][2].where.endswith(" in handle")
+    assert "CancelledError" in outcomes[1][2].traceback
     wait_until(lambda: f"error {pid} TimeoutError: handler timeout after 1.0s" in lines(log))
 
 
@@ -137,7 +145,8 @@ def test_a_task_that_swallows_the_cancellation_still_fails_late(children, tmp_pa
     time.sleep(0.5)
     assert child.nothing_more()  # cancelled, but it goes on: the supervisor kills it later
     gate.touch()
-    assert child.outcomes(1) == [("FAILED", late, "TimeoutError: handler timeout after 0.2s")]
+    assert summaries(child.outcomes(1)) == [
+        ("FAILED", late, "HandlerTimeout: handler timeout after 0.2s")]
 
 
 def test_stop_flag_skips_what_waits_even_while_every_task_is_busy(children, tmp_path) -> None:
@@ -174,3 +183,9 @@ def test_async_hooks_beside_a_plain_handler_are_refused_before_any_process() -> 
     """The one load (the configuration check) refuses them: no process gets such a handler."""
     with pytest.raises(HandlerError, match="async hooks need an async def handler"):
         load("tests.handlers.aio_sync_handle:handle")
+
+
+def summaries(outcomes: list) -> list:
+    """Outcomes with each FAILED record's failure read as its one-line summary."""
+    return [(kind, delivery_id, data.summary if isinstance(data, Failure) else data)
+            for kind, delivery_id, data in outcomes]

@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from broker.errors import describe
-from worker import protocol
-from worker.base import BATCH, Runner, exit_if_orphaned, exit_process, log
+from broker.failure import Failure
+from worker import protocol, tracebacks
+from worker.base import BATCH, Runner, exit_if_orphaned, exit_process, failure_of, log
 from worker.handler import Handler
 from worker.message import Message
 from worker.process import CHILD_BROKEN
@@ -206,11 +206,17 @@ class AsyncRunner(Runner):
             timer = self._timers.pop(delivery_id, None)
             if timer is not None:
                 timer.cancel()
+        failure = None if error is None else failure_of(error)
         if delivery_id in self._late:  # late even if it swallowed the cancellation
             self._late.discard(delivery_id)
-            error = TimeoutError(f"handler timeout after {self._timeout}s")
-        if error is not None:
-            await self._fail(delivery_id, message, error, describe(error))
+            timeout = TimeoutError(f"handler timeout after {self._timeout}s")
+            # Where the handler was when it was cancelled (its await), if the cancellation
+            # came out of it; on_error still gets a TimeoutError.
+            failure = failure_of(error or timeout, kind="HandlerTimeout",
+                                 beside=(tracebacks.ASYNCIO,)).replace(message=str(timeout))
+            error = timeout
+        if error is not None and failure is not None:
+            await self._fail(delivery_id, message, error, failure)
         elif self._handler.flush is None:
             self._succeed(delivery_id, message)  # type: ignore[arg-type]
         else:
@@ -218,9 +224,9 @@ class AsyncRunner(Runner):
             self._outcomes.append(protocol.encode_held(delivery_id))
 
     async def _fail(
-        self, delivery_id: int, message: Message | None, error: BaseException, text: str
+        self, delivery_id: int, message: Message | None, error: BaseException, failure: Failure
     ) -> None:
-        self._failed(delivery_id, message, error, text)
+        self._failed(delivery_id, message, failure)
         self.send(self._outcomes)  # settled without waiting for on_error()
         if self._handler.on_error is None or message is None:
             return
@@ -245,9 +251,9 @@ class AsyncRunner(Runner):
         try:
             await call(self._handler.flush)  # type: ignore[arg-type]
         except Exception as error:
-            text = f"flush() failed: {describe(error)}"
+            failure = failure_of(error, "flush() failed")
             for delivery_id, message in held:
-                await self._fail(delivery_id, message, error, text)
+                await self._fail(delivery_id, message, error, failure)
             return
         for delivery_id, message in held:
             self._succeed(delivery_id, message)

@@ -29,7 +29,8 @@ from typing import NoReturn
 import setproctitle
 
 from broker.errors import describe
-from worker import protocol
+from broker.failure import Failure
+from worker import protocol, tracebacks
 from worker.handler import Handler
 from worker.message import Message
 from worker.process import CHILD_INIT_FAILED, CHILD_ORPHANED, set_parent_death_signal
@@ -89,6 +90,9 @@ class Runner:
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
         self._began: dict[int, float] = {}  # started, no outcome yet: when (monotonic)
+        # A FAILED record must fit the outcome ring (a small one in tests), header included.
+        self._failure_limit = min(protocol.MAX_FAILURE_BYTES,
+                                  outbox.capacity // 2 - Ring.RECORD_HEADER - 9)
 
     def run(self) -> NoReturn:
         raise NotImplementedError
@@ -141,14 +145,15 @@ class Runner:
         if self._handler.on_success is not None:
             self._unconfirmed[delivery_id] = message
 
-    def _failed(
-        self, delivery_id: int, message: Message | None, error: BaseException, text: str
-    ) -> None:
-        """FAILED goes out with the next send; the caller then runs ``on_error`` its way."""
-        self._outcomes.append(
-            protocol.encode_failed(delivery_id, text, self._elapsed(delivery_id)))
+    def _failed(self, delivery_id: int, message: Message | None, failure: Failure) -> None:
+        """FAILED goes out with the next send; the caller then runs ``on_error`` its way.
+        The supervisor logs the run's outcome once it is settled (retrying, failed, dead):
+        this line is for debugging the handler process."""
+        self._began.pop(delivery_id, None)  # a failure carries no seconds (see protocol)
+        self._outcomes.append(protocol.encode_failed(delivery_id, failure, self._failure_limit))
         job = message.pid if message is not None else "?"
-        log.warning("delivery %d (job %s) failed: %s%s", delivery_id, job, text, origin(error))
+        log.debug("delivery %d (job %s) failed: %s (%s)", delivery_id, job, failure.summary,
+                  failure.where)
 
     def _on_error_failed(self, error: Exception) -> None:
         log.error("on_error() failed: %s%s", describe(error), origin(error))
@@ -282,6 +287,28 @@ def heals(error: BaseException) -> bool:
         # connection (a helper process that exited with an error) says nothing of the network.
         current = current.__cause__
     return False
+
+
+def failure_of(
+    error: BaseException, context: str = "", kind: str = "", beside: tuple[str, ...] = ()
+) -> Failure:
+    """What an operator reads of a failed run: the exception's class (qualified outside
+    builtins), its message (``context`` first, e.g. "flush() failed"), the innermost frame
+    and the formatted traceback (its end kept). ``kind`` names the class instead (a
+    timeout reads "HandlerTimeout", not the CancelledError that carried it out); ``beside``:
+    folders whose frames ``where`` looks past (see ``tracebacks.where``).
+    Never raises, whatever the exception's ``__str__`` does."""
+    cls = type(error)
+    name = kind or (cls.__qualname__ if cls.__module__ == "builtins"
+                    else f"{cls.__module__}.{cls.__qualname__}")
+    try:
+        text = str(error)
+    except Exception as broken:  # a handler's exception whose __str__ raises
+        text = f"<str() raised {type(broken).__name__}>"
+    if context:
+        text = f"{context}: {text}" if text else context
+    return Failure(error=name, message=text, where=tracebacks.where(error, beside),
+                   traceback=tracebacks.format_failure(error)).bounded()
 
 
 def origin(error: BaseException | None) -> str:

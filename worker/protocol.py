@@ -9,23 +9,26 @@ them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` fie
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
 child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
-from the handler it loaded, the one the process inherited), STARTED, DONE (f64: seconds
-from the handler's start to this outcome), FAILED (the same f64, then UTF-8 error text),
-SKIPPED, INIT_FAILED (UTF-8 error text), and HELD from a process running several deliveries
-at once (an ``async def`` handler): the handler returned and the delivery waits for
-``flush()``, so it is not a suspect when the process dies.
+from the handler it loaded, the one the process inherited), STARTED, DONE (f64: seconds from
+the handler's start to this outcome; older versions sent none, read as 0), FAILED (a
+``broker.failure.Failure`` record: class, message, where, traceback; older versions sent
+UTF-8 error text, which still decodes), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD
+from a process running several deliveries at once (an ``async def`` handler): the handler
+returned and the delivery waits for ``flush()``, so it is not a suspect when the process dies.
 
 STARTED comes only from a process running several deliveries at once. A plain ``def``
 handler runs its ring's deliveries one at a time in ring order, so it sends no record when
 one starts: it marks the delivery's id on its outcome ring (``Ring.mark``, one store in
 shared memory) before the handler runs. The supervisor reads the mark when it needs to
-know (a handler timeout, the process died): the marked delivery and the ones before it
-without an outcome are running. That halves the records per delivery.
+know (a handler timeout, the process died, every watch period): the marked delivery and the
+ones before it without an outcome are running. That halves the records per delivery.
 """
 
 from __future__ import annotations
 
 import struct
+
+from broker.failure import Failure
 
 DELIVER = 1
 CONFIRM = 2
@@ -46,19 +49,23 @@ KIND_NAMES = {
 
 #: Error texts are cut to this many UTF-8 bytes (a traceback must not fill the ring).
 MAX_ERROR_BYTES = 4096
+#: A FAILED record's failure is at most this many bytes (a smaller ring takes less: see
+#: ``failure_body``); the traceback gives way first, keeping its end.
+MAX_FAILURE_BYTES = 16384
 
 _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
-_TIMED_HEAD = struct.Struct("<BQd")  # DONE and FAILED: _HEAD and the handler's seconds
+_DONE_HEAD = struct.Struct("<BQd")  # DONE: _HEAD and the handler's seconds
 _SECONDS = struct.Struct("<d")
+_TEXT_KINDS = (FAILED, INIT_FAILED)
 #: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
-_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))  # DONE: see seconds()
+_BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
 
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
 
-Decoded = tuple[int, int, tuple[int | None, bytes] | str | bool | None]
+Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
 
 
 def deliver_data(data: object) -> tuple[int | None, bytes]:
@@ -68,8 +75,18 @@ def deliver_data(data: object) -> tuple[int | None, bytes]:
 
 
 def text_data(data: object) -> str:
-    """The data ``decode`` returns for FAILED and INIT_FAILED records: the error text."""
+    """The data ``decode`` returns for INIT_FAILED records: the error text (for FAILED, the
+    failure's summary)."""
+    if isinstance(data, Failure):
+        return data.summary
     return data if isinstance(data, str) else ""
+
+
+def failure_data(data: object) -> Failure:
+    """The data ``decode`` returns for FAILED records: the failure."""
+    if isinstance(data, Failure):
+        return data
+    return Failure.from_text(data if isinstance(data, str) else None)
 
 
 def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
@@ -102,18 +119,28 @@ def encode_held(delivery_id: int) -> bytes:
 
 
 def encode_done(delivery_id: int, seconds: float = 0.0) -> bytes:
-    return _TIMED_HEAD.pack(DONE, delivery_id, seconds)
+    return _DONE_HEAD.pack(DONE, delivery_id, seconds)
 
 
-def encode_failed(delivery_id: int, error: str, seconds: float = 0.0) -> bytes:
-    return _TIMED_HEAD.pack(FAILED, delivery_id, seconds) + _error_bytes(error)
-
-
-def seconds(record: bytes) -> float:
-    """The handler's seconds a DONE or FAILED record carries (0.0 when it has none)."""
-    if len(record) < _TIMED_HEAD.size:
+def seconds(record: bytes) -> float | None:
+    """The handler's seconds a DONE record carries (0.0 from an older process that sent
+    none); None for any other kind."""
+    if record[:1] != bytes((DONE,)):
+        return None
+    if len(record) < _DONE_HEAD.size:
         return 0.0
     return float(_SECONDS.unpack_from(record, _HEAD.size)[0])
+
+
+def encode_failed(
+    delivery_id: int, failure: Failure, limit: int = MAX_FAILURE_BYTES
+) -> bytes:
+    return _HEAD.pack(FAILED, delivery_id) + failure_body(failure, limit)
+
+
+def failure_body(failure: Failure, limit: int = MAX_FAILURE_BYTES) -> bytes:
+    """``failure.encode()`` in at most ``limit`` bytes (the traceback gives way first)."""
+    return failure.encode_within(limit)
 
 
 def encode_skipped(delivery_id: int) -> bytes:
@@ -127,8 +154,9 @@ def encode_init_failed(error: str) -> bytes:
 def decode(record: bytes) -> Decoded:
     """``(kind, delivery_id, data)``; ``data`` depends on the kind.
 
-    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); FAILED and
-    INIT_FAILED: the error text (str); every other kind: None.
+    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); FAILED: the
+    ``Failure`` (from the plain error text of an older version too); INIT_FAILED: the error
+    text (str); every other kind: None.
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
@@ -139,14 +167,25 @@ def decode(record: bytes) -> Decoded:
         raw = record[DELIVER_OVERHEAD:]
         return kind, delivery_id, (attempts if known else None, raw)
     if kind == FAILED:
-        return kind, delivery_id, record[_TIMED_HEAD.size :].decode("utf-8", "replace")
-    if kind == INIT_FAILED:
+        return kind, delivery_id, _failure(record[_HEAD.size :])
+    if kind in _TEXT_KINDS:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
     if kind == CONFIRM:
         return kind, delivery_id, record[_HEAD.size :] == b"\x01"
     if kind not in KIND_NAMES:
         raise ValueError(f"unknown record kind {kind}")
     return kind, delivery_id, None
+
+
+def _failure(body: bytes) -> Failure:
+    """A failure record, or (from a handler process of an older version, during a rolling
+    upgrade of a host) the plain error text it sent instead."""
+    if body[:1] == b"{":
+        try:
+            return Failure.decode(body)
+        except ValueError:
+            pass
+    return Failure.from_text(body.decode("utf-8", "replace"))
 
 
 def _error_bytes(error: str) -> bytes:

@@ -84,6 +84,11 @@ class Ring:
         self._poller: select.poll | None = None
         self.wake_fd = wake_fd
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of its data area (a record, with its length, takes whole slots of it)."""
+        return self._slots * self._slot_size
+
     # -- writer side ---------------------------------------------------------------
 
     def put(self, record: bytes) -> bool:

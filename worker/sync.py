@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from broker.errors import describe
+from broker.failure import Failure
 from worker import protocol
-from worker.base import BATCH, Runner, exit_if_orphaned
+from worker.base import BATCH, Runner, exit_if_orphaned, failure_of
 from worker.message import Message
 
 _IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)
@@ -57,7 +57,7 @@ class SyncRunner(Runner):
             message = Message.from_raw(raw, delivery_id, attempts)
             self._handler.call(message)
         except Exception as error:
-            self._fail(delivery_id, message, error, describe(error))
+            self._fail(delivery_id, message, error, failure_of(error))
             return
         if self._handler.flush is None:
             self._succeed(delivery_id, message)
@@ -81,9 +81,9 @@ class SyncRunner(Runner):
         self._exit_done()
 
     def _fail(
-        self, delivery_id: int, message: Message | None, error: Exception, text: str
+        self, delivery_id: int, message: Message | None, error: Exception, failure: Failure
     ) -> None:
-        self._failed(delivery_id, message, error, text)
+        self._failed(delivery_id, message, failure)
         if self._handler.on_error is None or message is None:
             return
         try:
@@ -96,9 +96,9 @@ class SyncRunner(Runner):
         try:
             self._handler.flush()  # type: ignore[misc]
         except Exception as error:
-            text = f"flush() failed: {describe(error)}"
+            failure = failure_of(error, "flush() failed")
             for delivery_id, message in held:
-                self._fail(delivery_id, message, error, text)
+                self._fail(delivery_id, message, error, failure)
             return
         for delivery_id, message in held:
             self._succeed(delivery_id, message)

@@ -66,6 +66,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.failure import NATS_HEADER, Failure
 from broker.nats import api
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
@@ -109,6 +110,12 @@ NO_RESPONDERS = ("no responder: the consumer has no leader now (a JetStream clus
 RECONNECT_SETUP_TIMEOUT = 1.0
 #: First and longest pause (s) between tries of an ack answered 503.
 LEADERLESS_BACKOFF = (0.1, 1.0)
+#: The failure record in a dead letter's header (NATS_HEADER) takes at most this many bytes
+#: (ASCII JSON, no line breaks), less when the message leaves less of the server's
+#: max_payload (headers count against it): the traceback gives way first.
+MAX_FAILURE_HEADER = 16384
+#: Bytes of a header block besides its lines ("NATS/1.0\r\n" ... "\r\n"), and slack.
+_HEADER_BLOCK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +218,11 @@ class NatsBroker:
     def reconnects(self) -> int:
         """How many times the connection was replaced (for status output and tests)."""
         return max(0, self._link.generation - 1)
+
+    @property
+    def max_attempts(self) -> int:
+        """Runs a message gets: the consumer's budget (it wins over [job] max_attempts)."""
+        return self._policy.budget if self._policy else self._wanted.max_attempts
 
     @property
     def held(self) -> int:
@@ -335,8 +347,12 @@ class NatsBroker:
         """Never handed on: dead stream first (confirmed), then TERM. A dead letter that is
         not confirmed leaves the delivery alone: it comes back after ack_wait."""
         self._held.drop(receipt.stream_seq, receipt.delivered)
+        failure = Failure(error="MalformedMessage" if malformed else "AttemptsExhausted",
+                          message=reason, attempt=receipt.delivered, at=time.time(),
+                          outcome="dead")
         try:
-            await self._dead_letter(msg.data, receipt, reason, keep_content_type=True)
+            await self._dead_letter(msg.data, receipt, reason, keep_content_type=True,
+                                    failure=failure)
         except BrokerError as error:
             log.warning("stream seq %d not dead-lettered yet (%s), it comes back after "
                         "ack_wait: %s", receipt.stream_seq, reason, error)
@@ -383,6 +399,8 @@ class NatsBroker:
         else:
             delay = self._retry().delay(delivered - 1, self.policy.backoff)
             result = await self._respond(receipt, _nak_after(delay))
+            if result.ok:  # what became of the job, for the supervisor's outcome line
+                result = Result(Outcome.OK, f"retrying in {delay:g} s")
         if result.outcome is not Outcome.ERROR:  # on ERROR it is still ours: settled again
             self._held.drop(seq, delivered)
         return result
@@ -399,13 +417,15 @@ class NatsBroker:
     async def _bury(self, settlement: Settlement) -> Result:
         """Out of attempts: publish to the dead subject (PubAck awaited), then TERM."""
         receipt: NatsReceipt = settlement.delivery.receipt
+        failure = settlement.failure or Failure.from_text(settlement.error)
         try:
-            await self._dead_letter(settlement.delivery.raw, receipt, settlement.error or "")
+            await self._dead_letter(settlement.delivery.raw, receipt, settlement.error or "",
+                                    failure=failure.replace(outcome="dead"))
         except BrokerError as error:
             return Result(Outcome.ERROR, f"dead letter not stored, delivery kept: {error}")
         result = await self._respond(receipt, TERM)
         if result.ok:
-            return result
+            return Result(Outcome.OK, "dead")
         return Result(result.outcome, f"dead-lettered, but TERM: {result.detail}")
 
     async def _release(self, delivery: Delivery) -> Result:
@@ -482,8 +502,12 @@ class NatsBroker:
         raw = base64.b64decode(stored.get("data") or "")
         content_type = _stored_header(stored, CONTENT_TYPE)
         receipt = NatsReceipt("", seq, 0, stored.get("subject", ""), content_type)
-        await self._dead_letter(raw, receipt, "max deliveries exceeded (server advisory)",
-                                keep_content_type=True)
+        reason = "max deliveries exceeded (server advisory)"
+        failure = Failure(error="MaxDeliveriesExceeded", outcome="dead", at=time.time(),
+                          message=f"stream seq {seq} of {stream} ran out of deliveries while no "
+                                  f"worker held it (each run ended unsettled: a killed worker, "
+                                  f"or a release); reported by the server's advisory")
+        await self._dead_letter(raw, receipt, reason, keep_content_type=True, failure=failure)
         deleted = await self._api(api.stream_msg_delete(stream), {"seq": seq})
         if "error" in deleted and deleted["error"].get("code") != 404:
             raise BrokerError(f"dead-lettered, but not deleted: {deleted['error']}")
@@ -515,11 +539,13 @@ class NatsBroker:
         return [pid for pid, _ in built]
 
     async def _dead_letter(
-        self, raw: bytes, receipt: NatsReceipt, reason: str, keep_content_type: bool = False
+        self, raw: bytes, receipt: NatsReceipt, reason: str, keep_content_type: bool = False,
+        failure: Failure | None = None,
     ) -> None:
         """The bytes as they arrived, on the dead subject. Queue 5 copies the Content-Type
         when it parks a message; the id makes a repeated dead-lettering of the same message
-        a no-op (duplicate window); the Queue-* headers say why (queue 5 ignores them)."""
+        a no-op (duplicate window); the Queue-* headers say why, and NATS_HEADER holds the
+        failure record (queue 5 ignores them all)."""
         headers = {"Nats-Msg-Id": f"{self._names.stream}:{receipt.stream_seq}"}
         if keep_content_type and receipt.content_type is not None:
             headers[CONTENT_TYPE] = receipt.content_type
@@ -527,7 +553,29 @@ class NatsBroker:
             headers["Queue-Attempts"] = str(receipt.delivered)
         if reason:
             headers["Queue-Reason"] = _header_value(reason)
+        if failure is not None:
+            record = await self._failure_header(failure, raw, headers)
+            if record is not None:
+                headers[NATS_HEADER] = record
         await self._js_publish(self._names.dead_subject, raw, headers)
+
+    async def _failure_header(
+        self, failure: Failure, raw: bytes, headers: dict[str, str]
+    ) -> str | None:
+        """The failure record as one header value, in what the server's max_payload leaves
+        beside the message and the other headers (a larger message would be refused, and
+        the connection with it). None (logged) when not even the error class fits."""
+        conn = await self._connection(self._timeout)
+        used = len(raw) + _HEADER_BLOCK + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        room = min(MAX_FAILURE_HEADER,
+                   conn.client.max_payload - used - len(NATS_HEADER) - 4)
+        try:
+            return failure.encode_within(room, ascii=True).decode("ascii")
+        except ValueError:
+            log.warning("stream seq %d dead-lettered without its failure record (%s): the "
+                        "message leaves no room for it under the server's max_payload",
+                        receipt_seq(headers), failure.summary)
+            return None
 
     async def _js_publish(self, subject: str, raw: bytes, headers: dict[str, str]) -> None:
         """JetStream publish, PubAck awaited. Every caller sets Nats-Msg-Id, so sending
@@ -764,6 +812,11 @@ def _header_token(pid: str) -> str:
     if 0 < len(pid) <= 256 and pid.isascii() and pid.isprintable() and " " not in pid:
         return pid
     return "sha256-" + hashlib.sha256(pid.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def receipt_seq(headers: dict[str, str]) -> str:
+    """The stream seq a dead letter's id names ("<stream>:<seq>"), for a log line."""
+    return headers.get("Nats-Msg-Id", "").rpartition(":")[2] or "?"
 
 
 def _header_value(text: str) -> str:

@@ -1,0 +1,353 @@
+"""The dashboard's pages (Starlette) and its sampler.
+
+Pages are rendered by Jinja2 with autoescape on, and every text read from a broker passes
+the ``show`` filter first, which writes control and bidirectional characters as visible
+``\\uNNNN`` (``logs.escape``) and cuts long values: HTML escaping alone would let a pid with
+U+202E reorder what the operator reads. The Content-Security-Policy allows scripts from
+this server's /static only, so even a bug in escaping could not run a message's script.
+
+Live parts of a page (``data-live`` elements) are fetched again every ``refresh`` seconds
+by static/live.js and swapped in as rendered here: no JavaScript library, no build step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from broker.base import BrokerError
+from supervisor import logs
+from supervisor.config import Config
+from supervisor.dashboard import actions, plots, scrape
+from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard
+from supervisor.dashboard.history import History
+from supervisor.dashboard.sources import LISTS, NatsSource, RedisSource, make_source
+
+log = logging.getLogger("supervisor.dashboard")
+
+HERE = Path(__file__).resolve().parent
+#: Characters of a message-derived value shown in a table cell (the job page shows more).
+CELL = 200
+#: Bytes of a form body read at most.
+MAX_FORM = 16 * 1024
+#: Security headers of every answer.
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+    "base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass
+class Queue:
+    index: int
+    config: Config
+    source: RedisSource | NatsSource
+    history: History = field(default_factory=History)
+
+    @property
+    def name(self) -> str:
+        return self.config.job.queue
+
+    @property
+    def broker(self) -> str:
+        return self.config.broker.safe_url  # never with credentials
+
+
+class Dashboard:
+    def __init__(self, configs: list[Config], token: str | None, interval: float = 5.0,
+                 refresh: float = 5.0, allowed_hosts: list[str] | None = None) -> None:
+        """``allowed_hosts``: the names a request's Host header may give (None: any)."""
+        self.queues = [Queue(i, c, make_source(c)) for i, c in enumerate(configs)]
+        self.allowed_hosts = allowed_hosts
+        self.guard = Guard(token)
+        self.interval = interval
+        self.refresh = refresh
+        self.started = time.time()
+
+    async def sample_forever(self) -> None:
+        while True:
+            began = time.monotonic()
+            await asyncio.gather(*(self.sample(queue) for queue in self.queues))
+            await asyncio.sleep(max(0.1, self.interval - (time.monotonic() - began)))
+
+    async def sample(self, queue: Queue) -> None:
+        try:
+            async with asyncio.timeout(max(self.interval * 2, 5)):
+                counts = await queue.source.counts()
+        except (BrokerError, TimeoutError, OSError) as error:
+            queue.history.failed(f"{queue.name} at {queue.broker}: {error or 'no answer'}")
+            return
+        except Exception as error:  # one queue's broken state must not stop the others
+            log.exception("sampling %s failed", queue.name)
+            queue.history.failed(f"{queue.name}: {error!r}")
+            return
+        queue.history.add(counts)
+
+    async def close(self) -> None:
+        for queue in self.queues:
+            await queue.source.close()
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,  # every template, whatever its name
+        undefined=jinja2.ChainableUndefined,  # a field a broker lacks shows as nothing
+    )
+    env.filters.update(show=show, ago=ago, utc=utc, number=number, seconds=seconds)
+    return env
+
+
+def show(value: Any, limit: int = CELL) -> str:
+    """Text from a broker, safe to read: unsafe characters visible, cut past ``limit``
+    (newlines kept for tracebacks). The template's autoescape then escapes the HTML."""
+    if value is None:
+        return ""
+    lines = str(value).split("\n")
+    shown = "\n".join(logs.escape(line) for line in lines)
+    if len(shown) > limit:
+        return f"{shown[:limit]}... [cut: {len(str(value)):,} characters in all]"
+    return shown
+
+
+def ago(value: float | None) -> str:
+    return "—" if value is None else seconds(max(0.0, time.time() - value)) + " ago"
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value < 120:
+        return f"{value:.0f} s"
+    if value < 7200:
+        return f"{value / 60:.0f} min"
+    if value < 172800:
+        return f"{value / 3600:.1f} h"
+    return f"{value / 86400:.1f} d"
+
+
+def utc(value: float | None) -> str:
+    if not value:
+        return "—"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+
+
+def number(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.{digits}f}"
+
+
+def create_app(dashboard: Dashboard) -> Starlette:
+    env = environment()
+
+    def page(request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:
+        session = dashboard.guard.session(request.cookies.get(COOKIE))
+        html = env.get_template(name).render(
+            dashboard=dashboard, session=session, read_only=dashboard.guard.read_only,
+            now=time.time(), request_path=request.url.path, **values)
+        return HTMLResponse(html, status_code=status, headers=HEADERS)
+
+    def queue_of(request: Request) -> Queue | None:
+        index = request.path_params["index"]
+        return dashboard.queues[index] if index < len(dashboard.queues) else None
+
+    def not_found(request: Request, what: str) -> HTMLResponse:
+        return page(request, "message.html", 404, title="Not found", message=what)
+
+    def charts(queue: Queue, width: int, height: int) -> dict[str, plots.Chart]:
+        end = time.time()
+        first = queue.history.samples[0].at if queue.history.samples else None
+        span = plots.span(first, end, queue.history.window)
+        return {name: plots.chart(queue.history.series(name), end, span, width, height)
+                for name in ("ready", "rate")}
+
+    async def overview(request: Request) -> Response:
+        rows = [(queue, charts(queue, 200, 40)) for queue in dashboard.queues]
+        name = "overview_live.html" if request.url.path.startswith("/live") else "overview.html"
+        return page(request, name, rows=rows)
+
+    async def queue_page(request: Request) -> Response:
+        queue = queue_of(request)
+        if queue is None:
+            return not_found(request, "no such queue")
+        detail: dict[str, Any] = {}
+        error = ""
+        try:
+            detail = await queue.source.detail()
+        except (BrokerError, OSError) as failure:
+            error = f"{queue.name} at {queue.broker}: {failure}"
+        metrics = await scrape.read(queue.config)
+        name = "queue_live.html" if request.url.path.startswith("/live") else "queue.html"
+        return page(request, name, queue=queue, detail=detail, error=error, metrics=metrics,
+                    charts=charts(queue, 600, 120))
+
+    async def listing(request: Request) -> Response:
+        queue = queue_of(request)
+        kind = request.path_params["kind"]
+        if queue is None or kind not in LISTS:
+            return not_found(request, "no such queue or list")
+        pid = request.query_params.get("pid", "").strip()
+        page_number = _whole(request.query_params.get("page"))
+        error, result = "", None
+        try:
+            if isinstance(queue.source, NatsSource):
+                result = await queue.source.listing(
+                    kind, after=_whole(request.query_params.get("after")))
+            else:
+                result = await queue.source.listing(kind, page_number, pid)
+        except (BrokerError, OSError) as failure:
+            error = f"{queue.name} at {queue.broker}: {failure}"
+        return page(request, "list.html", queue=queue, kind=kind, listing=result, error=error,
+                    pid=pid)
+
+    async def job(request: Request) -> Response:
+        queue = queue_of(request)
+        if queue is None:
+            return not_found(request, "no such queue")
+        pid = request.query_params.get("pid", "")
+        error, found = "", None
+        try:
+            found = await queue.source.job(pid)
+        except (BrokerError, OSError) as failure:
+            error = f"{queue.name} at {queue.broker}: {failure}"
+        return page(request, "job.html", queue=queue, pid=pid, job=found, error=error)
+
+    async def login_form(request: Request) -> Response:
+        return page(request, "login.html", refused="")
+
+    async def login(request: Request) -> Response:
+        form = await _form(request)
+        who = form.get("who", "").strip()
+        session_id = dashboard.guard.login(form.get("token", ""), who)
+        if session_id is None:
+            log.warning("dashboard login refused from %s", _client(request))
+            refused = ("read-only: this dashboard was started without a token"
+                       if dashboard.guard.read_only else "wrong token")
+            return page(request, "login.html", 403, refused=refused)
+        log.info("dashboard login of %s from %s", logs.escape(who), _client(request))
+        answer = RedirectResponse("/", status_code=303, headers=HEADERS)
+        answer.set_cookie(COOKIE, session_id, max_age=SESSION_SECONDS, httponly=True,
+                          samesite="strict", secure=request.url.scheme == "https")
+        return answer
+
+    async def logout(request: Request) -> Response:
+        form = await _form(request)
+        session, _ = dashboard.guard.check(request.cookies.get(COOKIE), form.get("csrf"))
+        if session is not None:
+            dashboard.guard.logout(request.cookies.get(COOKIE))
+        answer = RedirectResponse("/", status_code=303, headers=HEADERS)
+        answer.delete_cookie(COOKIE)
+        return answer
+
+    async def act(request: Request) -> Response:
+        queue = queue_of(request)
+        form = await _form(request)
+        action = form.get("action", "")
+        what = (f"{action} {form.get('source', '')} {form.get('pid', '')}"
+                f"{form.get('consumer', '')}").strip()
+        session, refusal = dashboard.guard.check(request.cookies.get(COOKIE), form.get("csrf"))
+        if session is None:
+            log.warning("dashboard action refused (%s) from %s: %s of queue %s", refusal,
+                        _client(request), logs.escape(what), queue.name if queue else "?")
+            return page(request, "message.html", 403, title="Refused", message=refusal)
+        if queue is None:
+            return not_found(request, "no such queue")
+        if not isinstance(queue.source, RedisSource):
+            return page(request, "message.html", 400, title="Not available",
+                        message="actions are for Redis queues only: a JetStream dead stream "
+                        "is read-only here")
+        source = form.get("source", "")
+        try:
+            broker = await queue.source.broker()
+            if action in ("retry", "delete") and source in actions.SOURCES and form.get("pid"):
+                job_action = actions.retry_job if action == "retry" else actions.delete_job
+                result = await job_action(broker, source, form["pid"])
+            elif action == "drain" and form.get("consumer"):
+                result = await actions.drain_supervisor(broker, form["consumer"])
+            else:
+                return page(request, "message.html", 400, title="Unknown action",
+                            message=f"unknown action or missing field: {what}")
+        except (BrokerError, OSError) as failure:
+            result = f"{what} of {queue.name} failed: {failure} (nothing may have changed)"
+        log.warning("dashboard action by %s from %s: %s", logs.escape(session.who),
+                    _client(request), logs.escape(result))
+        return page(request, "message.html", title="Done", message=result, queue=queue)
+
+    async def healthz(request: Request) -> Response:
+        return Response("ok\n", media_type="text/plain")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(dashboard.sample_forever())
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            await dashboard.close()
+
+    routes = [
+        Route("/", overview),
+        Route("/live/overview", overview),
+        Route("/q/{index:int}", queue_page),
+        Route("/live/q/{index:int}", queue_page),
+        Route("/q/{index:int}/list/{kind}", listing),
+        Route("/q/{index:int}/job", job),
+        Route("/q/{index:int}/action", act, methods=["POST"]),
+        Route("/login", login_form),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        Route("/healthz", healthz),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    middleware = []
+    if dashboard.allowed_hosts:
+        # A page of another site that rebinds its own name to 127.0.0.1 (DNS rebinding)
+        # reaches a loopback dashboard under that name: answered 400, not with the queues.
+        middleware.append(Middleware(TrustedHostMiddleware,
+                                     allowed_hosts=dashboard.allowed_hosts, www_redirect=False))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """An urlencoded form's fields (the first value of each), at most MAX_FORM bytes."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM:
+            return {}
+    fields = parse_qs(body.decode(errors="replace"), max_num_fields=20)
+    return {name: values[0] for name, values in fields.items()}
+
+
+def _whole(text: str | None) -> int:
+    return int(text) if text and text.isdigit() and len(text) < 10 else 0
+
+
+def _client(request: Request) -> str:
+    client = request.client
+    agent = request.headers.get("user-agent", "")[:80]
+    return f"{client.host if client else '?'} ({logs.escape(agent)})"

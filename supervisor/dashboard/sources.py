@@ -1,0 +1,449 @@
+"""What the dashboard reads from one job's broker: counts for the sampler, and the details,
+listings and jobs of the pages.
+
+Every read is bounded (pages of ``PAGE`` entries, values read up to ``VALUE_BYTES``, lists
+searched up to ``SEARCH_DEPTH``) and none writes. The sampler's read of a Redis queue is one
+pipeline (sizes, counters, the supervisors' token registry), one ``EXISTS`` per registered
+supervisor and ``oldest.lua``: no ``SCAN``, which costs a walk of the whole keyspace; the
+queue page's supervisor list (``inspect.supervisors``) does scan, only while it is viewed.
+A broker that cannot be reached raises ``BrokerError``; the next call connects again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import orjson
+from nats.js.errors import NotFoundError
+
+from broker import envelope, errors
+from broker.base import BrokerError
+from broker.failure import NATS_HEADER, Failure
+from broker.nats import tls as nats_tls
+from broker.nats.conn import quiet_error, refusal
+from broker.nats.setup import QueueNames
+from broker.nats.tls import tls_options
+from broker.urls import redact
+from supervisor.config import Config
+from supervisor.dashboard import local
+from supervisor.ops import inspect
+
+#: Entries of a failed, dead or poison list shown per page.
+PAGE = 50
+#: Bytes of a job record, payload or poison entry read for a page (the rest is counted).
+VALUE_BYTES = 64 * 1024
+#: Bytes of a record read for a row of a listing.
+PREVIEW_BYTES = 512
+#: A poison page is read only if the whole list is at most this big (entries are raw
+#: bytes of any size, and LRANGE cannot cut them).
+POISON_LIST_BYTES = 8 << 20
+#: Entries a pid search looks at, from the newest (LPOS MAXLEN).
+SEARCH_DEPTH = 100_000
+#: Registered supervisors checked for liveness per sample.
+MAX_TOKENS = 1000
+LISTS = ("failed", "dead", "poison")
+
+
+@dataclass(slots=True)
+class Counts:
+    """One sample of a queue. None: this broker has no such thing (NATS has no failed list)."""
+
+    ready: int = 0
+    processing: int = 0
+    failed: int | None = 0
+    dead: int = 0
+    poison: int | None = 0
+    delayed: int | None = 0
+    done: int = 0  # settled so far (success + failed, or acknowledged): rates are its deltas
+    oldest_age: float | None = None
+    supervisors: int | None = None
+
+
+@dataclass(slots=True)
+class Entry:
+    """One row of a failed, dead or poison listing."""
+
+    pid: str  # or the stream sequence (NATS), or the position (poison)
+    size: int = 0
+    preview: str = ""
+    failure: Failure | None = None
+    note: str = ""  # "(no record)", the Queue-Reason header ...
+    attempts: int | None = None
+    at: float | None = None
+
+
+@dataclass(slots=True)
+class Listing:
+    kind: str
+    total: int
+    entries: list[Entry] = field(default_factory=list)
+    page: int = 0
+    next_after: int | None = None  # NATS: the sequence to continue after
+    searched: str | None = None
+    note: str = ""
+
+
+def text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def failure_of(raw: bytes | str | None) -> tuple[Failure | None, str]:
+    """A stored failure record, or None and why not."""
+    if raw is None:
+        return None, "(no record)"
+    try:
+        return Failure.decode(raw), ""
+    except ValueError as error:
+        return None, f"(unreadable record: {error})"
+
+
+def envelope_facts(raw: bytes) -> dict[str, Any]:
+    """attempts, timestamp and the payload as indented JSON, if ``raw`` is an envelope."""
+    try:
+        decoded = envelope.decode(raw, None)
+    except (envelope.MalformedEnvelope, TypeError, ValueError):
+        return {}
+    payload = decoded.get("payload")
+    try:
+        shown = orjson.dumps(payload, option=orjson.OPT_INDENT_2).decode()
+    except TypeError:
+        shown = repr(payload)
+    return {"attempts": decoded.get("attempts"), "timestamp": decoded.get("timestamp"),
+            "payload": shown, "pid": decoded.get("pid")}
+
+
+class RedisSource:
+    kind = "redis"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._broker: Any = None
+        self._lock = asyncio.Lock()
+
+    async def broker(self) -> Any:
+        async with self._lock:
+            if self._broker is None:
+                from supervisor.brokers import make_broker
+
+                broker = make_broker(self.config)
+                try:
+                    await broker.connect()
+                except BaseException:
+                    await broker.close()
+                    raise
+                self._broker = broker
+            return self._broker
+
+    async def _call(self, read: Any) -> Any:
+        """``read(broker)``; a broker that failed is dropped, to be connected again."""
+        broker = await self.broker()
+        try:
+            return await read(broker)
+        except Exception as error:
+            from broker.redis.broker import CONNECTION_ERRORS
+
+            if isinstance(error, (BrokerError, *CONNECTION_ERRORS)):
+                self._broker = None
+                await _quietly(broker.close())
+                raise BrokerError(str(error)) from error
+            raise
+
+    async def close(self) -> None:
+        if self._broker is not None:
+            broker, self._broker = self._broker, None
+            await _quietly(broker.close())
+
+    async def counts(self) -> Counts:
+        return await self._call(self._counts)
+
+    async def _counts(self, broker: Any) -> Counts:
+        client, keys = broker.client, broker.keys
+        pipe = client.pipeline(transaction=False)
+        for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
+            pipe.llen(key)
+        pipe.get(keys.stat("success"))
+        pipe.get(keys.stat("failed"))
+        pipe.zcard(keys.delayed)
+        pipe.hlen(keys.supervisor_tokens)
+        ready, processing, failed, dead, poison, success, failures, delayed, tokens = (
+            await pipe.execute())
+        counts = Counts(ready, processing, failed, dead, poison, delayed,
+                        _int(success) + _int(failures))
+        counts.supervisors = await _live_supervisors(client, keys, tokens)
+        counts.oldest_age = await broker.oldest_ready_age()
+        return counts
+
+    async def detail(self) -> dict[str, Any]:
+        async def read(broker: Any) -> dict[str, Any]:
+            client, keys = broker.client, broker.keys
+            records = await inspect.supervisors(client, keys, show=100)
+            for record in records:  # uptime and what runs now, where this host can see it
+                record["local"] = await asyncio.to_thread(
+                    local.describe, keys.queue, record["where"])
+            return {
+                "supervisors": records,
+                "reservations": await inspect.reservations(client, keys, show=20),
+            }
+
+        return await self._call(read)
+
+    async def listing(self, kind: str, page: int = 0, pid: str = "") -> Listing:
+        async def read(broker: Any) -> Listing:
+            client, keys = broker.client, broker.keys
+            key = {"failed": keys.failed, "dead": keys.dead, "poison": keys.poison}[kind]
+            total = await client.llen(key)
+            if kind == "poison":
+                return await _poison(client, key, total, page)
+            if pid:
+                found = await client.lpos(key, pid, maxlen=SEARCH_DEPTH)
+                pids = [pid] if found is not None else []
+                listing = Listing(kind, total, searched=pid)
+            else:
+                pids = [text(p) for p in
+                        await client.lrange(key, page * PAGE, page * PAGE + PAGE - 1)]
+                listing = Listing(kind, total, page=page)
+            pipe = client.pipeline(transaction=False)
+            for item in pids:
+                pipe.strlen(keys.job(item))
+                pipe.getrange(keys.job(item), 0, PREVIEW_BYTES - 1)
+                pipe.get(keys.error(item))
+            replies = await pipe.execute() if pids else []
+            for index, item in enumerate(pids):
+                size, head, error = replies[3 * index:3 * index + 3]
+                failure, note = failure_of(error)
+                facts = envelope_facts(head) if size <= PREVIEW_BYTES else {}
+                listing.entries.append(Entry(
+                    item, size, text(head), failure, note if size else "(job record expired)",
+                    attempts=facts.get("attempts"), at=facts.get("timestamp")))
+            return listing
+
+        return await self._call(read)
+
+    async def job(self, pid: str) -> dict[str, Any]:
+        async def read(broker: Any) -> dict[str, Any]:
+            client, keys = broker.client, broker.keys
+            pipe = client.pipeline(transaction=False)
+            for key in (keys.failed, keys.dead, keys.processing):
+                pipe.lpos(key, pid, maxlen=SEARCH_DEPTH)
+            pipe.strlen(keys.job(pid))
+            pipe.getrange(keys.job(pid), 0, VALUE_BYTES - 1)
+            pipe.ttl(keys.job(pid))
+            pipe.get(keys.error(pid))
+            pipe.get(keys.owner(pid))
+            pipe.pttl(keys.claim(pid))
+            failed, dead, processing, size, raw, ttl, error, owner, claim = await pipe.execute()
+            where = [name for name, at in (("failed", failed), ("dead", dead),
+                                           ("processing", processing)) if at is not None]
+            failure, note = failure_of(error)
+            return {
+                "pid": pid, "where": where, "size": size, "record": text(raw),
+                "cut": size > len(raw), "ttl": ttl, "failure": failure, "failure_note": note,
+                "owner": text(owner), "claim_ms": claim,
+                "facts": envelope_facts(raw) if size <= VALUE_BYTES else {},
+            }
+
+        return await self._call(read)
+
+
+async def _live_supervisors(client: Any, keys: Any, registered: int) -> int | None:
+    """Supervisors whose record still exists, by the token registry (None: too many to
+    check in one sample)."""
+    if registered > MAX_TOKENS:
+        return None
+    entries = await client.hgetall(keys.supervisor_tokens) if registered else {}
+    consumers = sorted({text(value).partition(" ")[2] for value in entries.values()} - {""})
+    if not consumers:
+        return 0
+    pipe = client.pipeline(transaction=False)
+    for consumer in consumers:
+        pipe.exists(keys.supervisor(consumer))
+    return sum(await pipe.execute())
+
+
+async def _poison(client: Any, key: str, total: int, page: int) -> Listing:
+    listing = Listing("poison", total, page=page)
+    size = await client.memory_usage(key, samples=0) if total else 0
+    if (size or 0) > POISON_LIST_BYTES:
+        listing.note = (f"the poison list holds {size:,} bytes: too big to page through "
+                        f"here (at most {POISON_LIST_BYTES:,}); read it with redis-cli")
+        return listing
+    raws = await client.lrange(key, page * PAGE, page * PAGE + PAGE - 1)
+    for index, raw in enumerate(raws):
+        listing.entries.append(Entry(str(page * PAGE + index), len(raw),
+                                     text(raw[:PREVIEW_BYTES])))
+    return listing
+
+
+class NatsSource:
+    """A JetStream queue: its consumer's counts and the dead stream. NATS has no failed or
+    poison list (an undecodable message is dead-lettered) and no supervisor records."""
+
+    kind = "nats"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._client: Any = None
+        self._lock = asyncio.Lock()
+        self.state: dict[str, Any] = {}
+
+    async def _js(self) -> Any:
+        async with self._lock:
+            if self._client is None or self._client.is_closed:
+                self._client = await _nats_connect(self.config)
+            return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await _quietly(client.close())
+
+    async def _read(self) -> dict[str, Any]:
+        """What ``status`` reads (its helpers), and the two figures the dashboard plots."""
+        from supervisor.ops import nats_status as status
+
+        client = await self._js()
+        names = QueueNames.of(self.config.job.queue)
+        try:
+            async with asyncio.timeout(status.STATUS_TIMEOUT):
+                js = client.jetstream(timeout=status.CONNECT_TIMEOUT)
+                work = await status._stream(js, names.stream)
+                dead = await status._stream(js, names.dead_stream)
+                consumer = await status._consumer(js, names)
+        except (TimeoutError, OSError, nats.errors.Error) as error:
+            await self.close()
+            raise BrokerError(f"NATS at {redact(self.config.broker.url)} did not answer "
+                              f"the JetStream API: {error!r}") from error
+        return {
+            "stream": names.stream if work else None,
+            "messages": work.state.messages if work else 0,
+            "ready": consumer.num_pending if consumer else 0,
+            "processing": consumer.num_ack_pending if consumer else 0,
+            "redelivered": consumer.num_redelivered if consumer else 0,
+            "waiting_pulls": consumer.num_waiting if consumer else 0,
+            "dead": dead.state.messages if dead else 0,
+            "dead_first_seq": dead.state.first_seq if dead else 0,
+            "acknowledged": consumer.ack_floor.consumer_seq
+            if consumer and consumer.ack_floor else 0,
+            "consumer": status._consumer_settings(consumer, self.config.job.max_attempts),
+        }
+
+    async def counts(self) -> Counts:
+        self.state = state = await self._read()
+        return Counts(ready=state["ready"], processing=state["processing"], failed=None,
+                      dead=state["dead"], poison=None, delayed=None,
+                      done=state["acknowledged"])
+
+    async def detail(self) -> dict[str, Any]:
+        return {"nats": self.state or await self._read()}
+
+    async def listing(self, kind: str, page: int = 0, pid: str = "", after: int = 0
+                      ) -> Listing:
+        state = await self._read()
+        listing = Listing(kind, state["dead"] if kind == "dead" else 0)
+        if kind != "dead":
+            listing.note = "JetStream queues have no such list: failures end in the dead stream"
+            return listing
+        names = QueueNames.of(self.config.job.queue)
+        js = (await self._js()).jetstream(timeout=5)
+        seq = max(after + 1, state["dead_first_seq"] or 1)
+        for _ in range(PAGE):
+            try:
+                msg = await js.get_msg(names.dead_stream, seq, subject=names.dead_subject,
+                                       next=True)
+            except NotFoundError:
+                break
+            listing.entries.append(_dead_entry(msg))
+            seq = msg.seq + 1
+            listing.next_after = msg.seq
+        if len(listing.entries) < PAGE:
+            listing.next_after = None
+        return listing
+
+    async def job(self, pid: str) -> dict[str, Any]:
+        """A dead letter by its stream sequence (the dead list's "pid" column on NATS)."""
+        names = QueueNames.of(self.config.job.queue)
+        js = (await self._js()).jetstream(timeout=5)
+        if not pid.isdigit():
+            return {"pid": pid, "where": [], "size": 0, "record": "", "missing": True}
+        try:
+            msg = await js.get_msg(names.dead_stream, int(pid))
+        except NotFoundError:
+            return {"pid": pid, "where": [], "size": 0, "record": "", "missing": True}
+        entry = _dead_entry(msg)
+        raw = msg.data or b""
+        return {
+            "pid": pid, "where": ["dead"], "size": len(raw), "record": text(raw[:VALUE_BYTES]),
+            "cut": len(raw) > VALUE_BYTES, "failure": entry.failure,
+            "failure_note": entry.note, "headers": headers_of(msg),
+            "facts": envelope_facts(raw) if len(raw) <= VALUE_BYTES else {},
+        }
+
+
+def headers_of(msg: Any) -> dict[str, str]:
+    """A stored message's headers as UTF-8 text: nats-py parses them with the email
+    package, which turns a non-ASCII value (a failure message can hold any) into an object."""
+    if not getattr(msg, "hdrs", None):
+        return {}
+    lines = base64.b64decode(msg.hdrs).decode(errors="replace").split("\r\n")[1:]
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers.setdefault(name.strip(), value.strip())
+    return headers
+
+
+def _dead_entry(msg: Any) -> Entry:
+    headers = headers_of(msg)
+    failure, note = failure_of(headers.get(NATS_HEADER))
+    if failure is None and headers.get("Queue-Reason"):
+        note = f"{note} Queue-Reason: {headers['Queue-Reason']}"
+    raw = msg.data or b""
+    facts = envelope_facts(raw) if len(raw) <= VALUE_BYTES else {}
+    attempts = headers.get("Queue-Attempts")
+    return Entry(str(msg.seq), len(raw), text(raw[:PREVIEW_BYTES]), failure, note,
+                 attempts=int(attempts) if attempts and attempts.isdigit() else None,
+                 at=msg.time.timestamp() if getattr(msg, "time", None) else facts.get(
+                     "timestamp"))
+
+
+async def _nats_connect(config: Config) -> Any:
+    """A client of the job's NATS, kept open between samples: one quick try per server,
+    as ``status`` connects (nats-py alone would retry a refused server 60 times)."""
+    from supervisor.ops import nats_status as status
+
+    options = tls_options(config.broker.url, config.broker.tls)
+    try:
+        return await nats_tls.connect(
+            config.broker.url, connect_timeout=status.CONNECT_TIMEOUT, allow_reconnect=False,
+            max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=quiet_error,
+            name=f"queue-supervisor dashboard {config.job.queue}", **options)
+    except Exception as error:  # whatever nats-py raises: say where, and why if we know
+        refused = refusal(config.broker.url, error)
+        if refused is not None:
+            raise refused from error
+        raise BrokerError(f"cannot reach NATS at {redact(config.broker.url)}: "
+                          f"{errors.describe(error)}") from error
+
+
+def make_source(config: Config) -> RedisSource | NatsSource:
+    return NatsSource(config) if config.broker.kind == "nats" else RedisSource(config)
+
+
+def _int(value: bytes | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+async def _quietly(closing: Any) -> None:
+    with contextlib.suppress(Exception):  # closing must not hide what made us close
+        await closing

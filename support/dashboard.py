@@ -1,0 +1,108 @@
+"""A running ``python -m supervisor dashboard`` for tests, and an HTTP client for it."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import http.cookiejar
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from support.servers import free_port
+from support.supervision import ROOT
+
+#: The CSRF token of a page's action forms.
+CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+class Dashboard:
+    """The dashboard process (sampling every second, pages refreshing every second)."""
+
+    def __init__(self, configs: list[Path], workdir: Path, token: str | None = None,
+                 interval: float = 1.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"dashboard-{self.port}.log"
+        environ = {k: v for k, v in os.environ.items()
+                   if k not in ("QUEUE_BROKER_URL", "QUEUE_DASHBOARD_TOKEN")}
+        environ["PYTHONPATH"] = str(ROOT)
+        if token is not None:
+            environ["QUEUE_DASHBOARD_TOKEN"] = token  # as the README advises: not in argv
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "dashboard", *map(str, configs),
+             "--listen", f"127.0.0.1:{self.port}", "--interval", str(interval),
+             "--refresh", "1"],
+            cwd=ROOT, env=environ, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        self.client = Client(self.url)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError):
+                if self.client.get("/healthz")[0] == 200:
+                    return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the dashboard did not start:\n{self.output()}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+
+
+class Client:
+    """GET and POST with cookies kept (a session after ``login``)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.cookies = http.cookiejar.CookieJar()
+        self._opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(self.cookies), _NoRedirect())
+
+    def request(self, path: str, fields: dict[str, str] | None = None) -> tuple[int, str]:
+        data = urllib.parse.urlencode(fields).encode() if fields is not None else None
+        try:
+            with self._opener.open(self.base + path, data=data, timeout=30) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def get(self, path: str) -> tuple[int, str]:
+        return self.request(path)
+
+    def post(self, path: str, fields: dict[str, str]) -> tuple[int, str]:
+        return self.request(path, fields)
+
+    def login(self, token: str, who: str = "tester") -> int:
+        status, _ = self.post("/login", {"token": token, "who": who})
+        return status
+
+    def csrf(self, path: str) -> str:
+        """The CSRF token of the action forms on ``path`` (the session's own)."""
+        _, body = self.get(path)
+        found = CSRF.search(body)
+        assert found, f"no action form on {path}"
+        return html.unescape(found.group(1))
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A login's 303 is returned as it is (its cookie is kept by the cookie processor)."""
+
+    def redirect_request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return None

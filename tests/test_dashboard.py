@@ -1,0 +1,415 @@
+"""The dashboard over HTTP (``python -m supervisor dashboard`` as a process) against private
+Redis, Redis Cluster and NATS servers: counts, escaping of hostile values, the refusal of
+actions without the token or without the CSRF token, and the actions themselves. The
+browser tests (tests/test_dashboard_browser.py) cover what a person sees."""
+
+from __future__ import annotations
+
+import html
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from broker.failure import NATS_HEADER, Failure
+from broker.redis.keys import QueueKeys
+from supervisor.dashboard import history, plots, scrape
+from supervisor.dashboard.sources import Counts
+from support import envelopes
+from support.dashboard import Dashboard
+from support.supervision import QUEUE, keys, write_config
+
+pytestmark = pytest.mark.usefixtures("no_url_override")
+
+pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+
+#: A pid and an error an attacker could choose: markup, a bidi override, a script.
+HOSTILE_PID = '<script>alert("pid")</script>\u202e'
+HOSTILE_MESSAGE = '<img src=x onerror=alert(1)> \u202egnp.exe <script>alert("msg")</script>'
+
+
+@pytest.fixture
+def dashboards(tmp_path: Path):
+    started: list[Dashboard] = []
+
+    def start(*configs: Path, token: str | None = None) -> Dashboard:
+        dashboard = Dashboard(list(configs), tmp_path, token=token)
+        started.append(dashboard)
+        return dashboard
+
+    yield start
+    for dashboard in started:
+        dashboard.stop()
+
+
+def row(body: str, index: int = 0) -> dict[str, str]:
+    """The overview row of queue ``index``: each cell's class -> its text."""
+    found = re.search(rf'<tr id="queue-{index}".*?</tr>', body, re.S)
+    assert found, body
+    cells = re.findall(r'<td class="(\w+)">(.*?)</td>', found.group(), re.S)
+    return {name: html.unescape(re.sub(r"<[^>]+>", "", text)).strip() for name, text in cells}
+
+
+def poll(condition, what: str, timeout: float = 60) -> Any:
+    """``condition()`` until true, twice a second (each try is a page the dashboard renders:
+    no need to ask more often than it samples)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)
+    return value
+
+
+def overview_shows(dashboard: Dashboard, expected: dict[str, str], index: int = 0) -> None:
+    def matches() -> bool:
+        cells = row(dashboard.client.get("/live/overview")[1], index)
+        return all(cells.get(name) == value for name, value in expected.items())
+
+    try:
+        poll(matches, f"the overview to show {expected}")
+    except AssertionError:
+        raise AssertionError(f"{row(dashboard.client.get('/live/overview')[1], index)}\n"
+                             f"{dashboard.output()}") from None
+
+
+async def fail_job(client: Any, k: QueueKeys, payload: dict[str, Any], pid: str,
+                   failure: Failure | None, source: str = "failed") -> None:
+    """A job as a supervisor leaves it when it stops retrying: pid in the list, its record
+    in jobs.{q}.{pid}, the failure record beside it (issue 25's layout)."""
+    [(_, raw)] = envelopes.of(QUEUE, [payload])
+    record = orjson.loads(raw)
+    record["pid"] = pid
+    record["attempts"] = 3
+    await client.set(k.job(pid), orjson.dumps(record))
+    await client.lpush(k.failed if source == "failed" else k.dead, pid)
+    if failure is not None:
+        await client.set(k.error(pid), failure.encode())
+
+
+# -- counts ---------------------------------------------------------------------------------
+
+
+async def test_overview_counts_every_list_of_a_redis_queue(tmp_path, redis_url, redis_client,
+                                                           dashboards):
+    k = keys()
+    await envelopes.lpush_each(redis_client, k.ready, envelopes.of(QUEUE, [{"n": 1}] * 7))
+    await redis_client.lpush(k.processing, "p1", "p2")
+    await redis_client.lpush(k.failed, "f1", "f2", "f3")
+    await redis_client.lpush(k.dead, "d1")
+    await redis_client.lpush(k.poison, b"{not json", b"\xff")
+    await redis_client.zadd(k.delayed, {b"e1": 1, b"e2": 2})
+    await redis_client.config_resetstat()
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+    overview_shows(dashboard, {"ready": "7", "processing": "2", "delayed": "2", "failed": "3",
+                               "dead": "1", "poison": "2", "supervisors": "0"})
+    assert re.search(r"oldest\">\d+ s<", dashboard.client.get("/live/overview")[1])
+    # Sampling never walks the keyspace (the cost the README states): no SCAN, no KEYS.
+    commands = await redis_client.info("commandstats")
+    assert "cmdstat_scan" not in commands and "cmdstat_keys" not in commands, commands
+
+
+async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_resumes(
+        tmp_path, redis_url, redis_client, own_redis_server, dashboards):
+    (tmp_path / "up").mkdir()
+    (tmp_path / "down").mkdir()
+    up = write_config(tmp_path / "up", redis_url, handler="examples.noop:handle")
+    down = write_config(tmp_path / "down", own_redis_server.url, handler="examples.noop:handle")
+    dashboard = dashboards(up, down)
+    overview_shows(dashboard, {"ready": "0"}, index=1)
+    own_redis_server.stop()
+    poll(lambda: "broker unreachable" in row(dashboard.client.get("/live/overview")[1], 1)
+         .get("state", ""), "the unreachable broker to be shown")
+    await redis_client.lpush(keys().ready, "x", "y")  # the other queue still moves
+    overview_shows(dashboard, {"ready": "2"}, index=0)
+    own_redis_server.start()
+    import redis
+
+    with redis.Redis.from_url(own_redis_server.url) as restarted:
+        restarted.lpush(keys().failed, "f")
+    overview_shows(dashboard, {"failed": "1", "state": "ok"}, index=1)
+
+
+async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, dashboards):
+    from redis.asyncio.cluster import RedisCluster
+
+    namespace = "{utopia-queue}"
+    k = QueueKeys(namespace, QUEUE)
+    client = RedisCluster.from_url(redis_cluster.url)
+    try:
+        await envelopes.lpush_each(client, k.ready, envelopes.of(QUEUE, [{"n": 1}] * 4))
+        await client.lpush(k.failed, "f1", "f2")
+        await fail_job(client, k, {"n": 2}, "cluster-pid", Failure("KeyError", "'x'"))
+    finally:
+        await client.aclose()
+    config = write_config(tmp_path, redis_cluster.url, handler="examples.noop:handle",
+                          broker={"cluster": True, "namespace": namespace})
+    dashboard = dashboards(config)
+    overview_shows(dashboard, {"ready": "4", "failed": "3"})
+    status, body = dashboard.client.get("/q/0/list/failed?pid=cluster-pid")
+    assert status == 200 and "KeyError: &#39;x&#39;" in body
+    status, body = dashboard.client.get("/q/0")  # SCANs every master for the records
+    assert status == 200 and "no supervisor record" in body
+
+
+async def test_a_nats_queue_shows_its_counts_and_dead_letters_with_their_errors(
+        tmp_path, nats_server, nats_brokers, dashboards):
+    broker = await nats_brokers(QUEUE)  # creates the streams and the consumer
+    for n in range(5):
+        await broker.publish(QUEUE, {"n": n})
+    failure = Failure("TimeoutError", HOSTILE_MESSAGE, attempt=3, outcome="dead")
+    import nats
+
+    connection = await nats.connect(nats_server.url)
+    try:
+        from broker.nats.setup import QueueNames
+
+        names = QueueNames.of(QUEUE)
+        [(_, raw)] = envelopes.of(QUEUE, [{"dead": True}])
+        await connection.jetstream().publish(
+            names.dead_subject, raw, headers={NATS_HEADER: failure.encode().decode(),
+                                              "Queue-Attempts": "3"})
+        await connection.jetstream().publish(names.dead_subject, raw,
+                                             headers={"Queue-Reason": "worker lost"})
+    finally:
+        await connection.close()
+    dashboard = dashboards(write_config(tmp_path, nats_server.url,
+                                        handler="examples.noop:handle"))
+    overview_shows(dashboard, {"ready": "5", "processing": "0", "dead": "2", "failed": "n/a"})
+    status, body = dashboard.client.get("/q/0/list/dead")
+    assert status == 200, body
+    main = body[body.index("<main>"):]
+    assert "TimeoutError" in body, main
+    assert "TimeoutError: &lt;img src=x onerror=alert(1)&gt; \\u202egnp.exe" in body
+    assert "<img src=x" not in body and "\u202e" not in body
+    assert "(no record) Queue-Reason: worker lost" in body
+    status, body = dashboard.client.get("/q/0/job?pid=1")
+    assert status == 200 and "outcome</dt><dd>dead" in body
+    status, body = dashboard.client.get("/q/0")
+    assert status == 200 and "waiting pulls" in body and "JetStream" in body
+
+
+# -- escaping -----------------------------------------------------------------------------
+
+
+async def test_hostile_pids_errors_and_100_kb_values_are_shown_escaped_and_bounded(
+        tmp_path, redis_url, redis_client, dashboards):
+    k = keys()
+    big = "<script>alert('big')</script>" + "\u202e" * 10 + "x" * 100_000
+    traceback = "Traceback (most recent call last):\n  <script>alert('tb')</script>\n"
+    await fail_job(redis_client, k, {"text": big}, HOSTILE_PID,
+                   Failure("ValueError", HOSTILE_MESSAGE, where="<b>h.py</b>:1",
+                           traceback=traceback, attempt=3, outcome="failed"))
+    await fail_job(redis_client, k, {"n": 1}, "plain-pid", None)
+    await redis_client.lpush(k.poison, big.encode())
+    await redis_client.set(k.supervisor("<script>alert('consumer')</script>"),
+                           "<i>host</i> 1")
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+    quoted = "%3Cscript%3Ealert%28%22pid%22%29%3C/script%3E%E2%80%AE"
+    pages = ["/", "/live/overview", "/q/0", "/live/q/0", "/q/0/list/failed",
+             "/q/0/list/poison", f"/q/0/job?pid={quoted}", f"/q/0/list/failed?pid={quoted}"]
+    for path in pages:
+        status, body = dashboard.client.get(path)
+        assert status == 200, (path, body[-2000:])
+        assert "<script>alert" not in body and "<img src=x" not in body, path
+        assert "<b>h.py" not in body and "<i>host" not in body, path
+        assert "\u202e" not in body, path  # bidi overrides shown as \u202e, never acted on
+        assert len(body) < 200_000, (path, len(body))  # 100 KB values are cut in lists
+    _, listing = dashboard.client.get("/q/0/list/failed")
+    assert "ValueError: &lt;img src=x onerror=alert(1)&gt; \\u202egnp.exe" in listing
+    assert "&lt;script&gt;alert(&#34;pid&#34;)&lt;/script&gt;\\u202e" in listing
+    assert "(no record)" in listing  # the job without a failure record
+    _, job = dashboard.client.get(f"/q/0/job?pid={quoted}")
+    assert "&lt;script&gt;alert(&#39;tb&#39;)&lt;/script&gt;" in job  # the traceback
+    assert "the first 65,536 shown" in job  # a 100 KB record is cut, and says so
+    _, queue = dashboard.client.get("/live/q/0")
+    assert "&lt;script&gt;alert(&#39;consumer&#39;)&lt;/script&gt;" in queue
+
+
+# -- actions -------------------------------------------------------------------------------
+
+
+async def test_without_a_token_the_dashboard_is_read_only_and_refuses_actions(
+        tmp_path, redis_url, redis_client, dashboards):
+    k = keys()
+    await fail_job(redis_client, k, {"n": 1}, "job-1", Failure("ValueError", "boom"))
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+    _, body = dashboard.client.get("/q/0/list/failed")
+    assert "read-only: started without a token" in body and 'name="csrf"' not in body
+    assert dashboard.client.login("anything") == 403
+    status, body = dashboard.client.post(
+        "/q/0/action", {"action": "retry", "source": "failed", "pid": "job-1", "csrf": "x"})
+    assert status == 403 and "started without --token" in body
+    status, _ = dashboard.client.get("/q/0/action")  # never by GET
+    assert status == 405
+    # Another site's name rebound to 127.0.0.1 (DNS rebinding) reads nothing.
+    rebound = urllib.request.Request(dashboard.url + "/live/overview",
+                                     headers={"Host": "attacker.example"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(rebound, timeout=30)
+    assert refused.value.code == 400
+    assert await redis_client.lrange(k.failed, 0, -1) == [b"job-1"]
+    assert await redis_client.llen(k.ready) == 0
+    assert "dashboard action refused" in dashboard.output()
+
+
+async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_delete(
+        tmp_path, redis_url, redis_client, dashboards):
+    k = keys()
+    for pid in ("job-1", "job-2"):
+        await fail_job(redis_client, k, {"pid": pid}, pid, Failure("ValueError", "boom"))
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"),
+                           token="s3cret-token")
+    retry = {"action": "retry", "source": "failed", "pid": "job-1"}
+    client = dashboard.client
+
+    status, body = client.post("/q/0/action", retry)  # not logged in
+    assert status == 403 and "not logged in" in body
+    assert client.login("wrong") == 403
+    assert client.login("s3cret-token", who="alice <ops>") == 303
+    status, body = client.post("/q/0/action", retry)  # logged in, no CSRF token
+    assert status == 403 and "CSRF token is missing or wrong" in body
+    status, body = client.post("/q/0/action", retry | {"csrf": "forged"})
+    assert status == 403
+    assert await redis_client.lrange(k.failed, 0, -1) == [b"job-2", b"job-1"]
+    assert await redis_client.llen(k.ready) == 0
+
+    csrf = client.csrf("/q/0/list/failed")
+    status, body = client.post("/q/0/action", retry | {"csrf": csrf})
+    assert status == 200 and "moved from failed back to the ready list" in body, body
+    assert await redis_client.lrange(k.failed, 0, -1) == [b"job-2"]
+    [ready] = await redis_client.lrange(k.ready, 0, -1)
+    assert b'"job-1"' in ready
+    status, body = client.post(
+        "/q/0/action", {"action": "delete", "source": "failed", "pid": "job-2", "csrf": csrf})
+    assert status == 200 and "deleted from failed" in body
+    assert await redis_client.llen(k.failed) == 0
+    assert not await redis_client.exists(k.job("job-2"), k.error("job-2"))
+    log = dashboard.output()
+    assert "dashboard action by alice <ops>" in log and "job job-1 of e2e moved" in log
+    assert "job job-2 of e2e deleted" in log
+
+    other = type(client)(dashboard.url)  # another browser: the token is per session
+    assert other.post("/q/0/action", retry | {"csrf": csrf})[0] == 403
+
+
+async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
+        tmp_path, redis_url, redis_client, dashboards, supervisors):
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    supervisor = supervisors(config, redis_url)
+    k = keys()
+
+    def recorded() -> list[bytes]:
+        import redis
+
+        with redis.Redis.from_url(redis_url) as plain:
+            return list(plain.scan_iter(match=k.supervisor("") + "*"))
+
+    [record] = poll(recorded, "the supervisor's record")
+    consumer = record.decode()[len(k.supervisor("")):]
+    dashboard = dashboards(config, token="t")
+    overview_shows(dashboard, {"supervisors": "1"})
+    # the queue page adds what this host sees of it: uptime, its and its handlers' titles
+    poll(lambda: re.search(r'class="titles">running.*?<br>handler 0 ',
+                           dashboard.client.get("/live/q/0")[1], re.S),
+         "the supervisor's process titles on the queue page")
+    assert dashboard.client.login("t") == 303
+    csrf = dashboard.client.csrf("/q/0")
+    status, body = dashboard.client.post("/q/0/action",
+                                         {"action": "drain", "consumer": consumer,
+                                          "csrf": csrf})
+    assert status == 200 and "sent SIGTERM" in body, body
+    assert supervisor.wait(30) == 0
+    overview_shows(dashboard, {"supervisors": "0", "state": "ok"})  # gone, and still sampled
+
+
+
+async def test_a_job_a_running_supervisor_failed_is_listed_with_what_is_known_of_its_error(
+        tmp_path, redis_url, redis_client, dashboards, supervisors):
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.raises:handle",
+                          job={"max_attempts": 1})
+    [(pid, raw)] = envelopes.of(QUEUE, [{"log": str(tmp_path / "errors.log")}])
+    await redis_client.lpush(keys().ready, raw)
+    supervisors(config, redis_url)
+    dashboard = dashboards(config)
+    overview_shows(dashboard, {"failed": "1", "ready": "0"})
+    status, body = dashboard.client.get("/q/0/list/failed")
+    assert status == 200 and pid in body
+    # The supervisor's failure record where it writes one (issue 25), else "(no record)".
+    assert "ValueError: boom" in body or "(no record)" in body
+    status, body = dashboard.client.get(f"/q/0/job?pid={pid}")
+    assert status == 200 and "<dt>where</dt><dd>failed</dd>" in body
+
+
+# -- parts ------------------------------------------------------------------------------------
+
+
+def test_a_queue_with_a_backlog_and_nothing_settled_for_a_minute_is_not_draining():
+    h = history.History()
+    for second in range(0, 70, 5):
+        h.add(Counts(ready=10, done=100), at=1000.0 + second)
+    assert "not draining: 10 ready" in h.draining()
+    h.add(Counts(ready=9, done=101), at=1075.0)
+    assert h.draining() == ""
+    idle = history.History()
+    for second in range(0, 70, 5):
+        idle.add(Counts(ready=0, done=5), at=1000.0 + second)
+    assert idle.draining() == ""
+
+
+def test_history_keeps_an_hour_and_rates_are_differences():
+    h = history.History()
+    for minute in range(90):
+        h.add(Counts(done=minute * 600), at=60.0 * minute)
+    assert h.samples[0].at >= 89 * 60 - 3600
+    assert h.rate(60) == pytest.approx(10.0)
+    chart = plots.chart(h.series("rate"), end=89 * 60.0)
+    assert chart.count == 61 and chart.last == pytest.approx(10.0)
+
+
+def test_histogram_quantiles_from_the_supervisors_buckets():
+    text = "\n".join([
+        "# TYPE queue_supervisor_handler_seconds histogram",
+        *(f'queue_supervisor_handler_seconds_bucket{{queue="q",le="{le}"}} {n}'
+          for le, n in (("0.01", 50), ("0.1", 90), ("1.0", 99), ("+Inf", 100))),
+        'queue_supervisor_handler_seconds_count{queue="q"} 100',
+        'queue_supervisor_handler_seconds_sum{queue="q"} 5',
+        "# TYPE queue_supervisor_buffer_prefetch gauge",
+        'queue_supervisor_buffer_prefetch{queue="q"} 10',
+        "# TYPE queue_supervisor_build_info gauge",
+        'queue_supervisor_build_info{queue="q",version="0.2.0",python="3.11.7",broker="redis"}'
+        " 1",
+    ])
+    found = scrape.figures(text)
+    assert found["handler"] == {"p50": 0.01, "p90": 0.1, "p99": 1.0}
+    assert found["prefetch"] == 10
+    assert (found["version"], found["python"]) == ("0.2.0", "3.11.7")
+    assert scrape.figures("")["version"] is None  # an older supervisor serves no build info
+
+
+def test_the_readme_shows_the_screenshots_the_script_makes():
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\((docs/dashboard/[\w-]+\.png)\)", readme)
+    assert {Path(p).stem for p in shown} == {"overview", "queue", "failed", "job"}
+    made = (root / "scripts" / "screenshots.py").read_text()
+    for path in shown:
+        assert (root / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+        assert f'"{Path(path).stem}' in made, path  # made by the script, not by hand
+
+
+def test_without_the_dashboard_extra_it_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from supervisor import cli
+
+    config = write_config(tmp_path, "redis://127.0.0.1:1/0", handler="examples.noop:handle")
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    assert cli.main(["dashboard", str(config)]) == 2
+    error = capsys.readouterr().err
+    assert "needs the extra 'dashboard' (uvicorn is not installed)" in error
+

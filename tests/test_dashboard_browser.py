@@ -1,0 +1,208 @@
+"""The dashboard in a real browser: Debian's chromium, driven by chromium-driver through
+Selenium, against a private Redis with a running supervisor. What an operator sees: the
+counts, a plot that moves as the queue drains (without reloading the page), a failed job's
+hostile error shown as text and never run, and an action that works after logging in.
+
+Skipped, saying why, only where chromium or chromium-driver is missing; ``.ci/run``
+installs both, so CI runs them. Every wait is explicit (WebDriverWait, whole seconds)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from broker.failure import Failure
+from support.dashboard import Dashboard
+from support.envelopes import lpush_batched, of
+from support.supervision import keys, write_config
+
+pytestmark = [pytest.mark.usefixtures("no_url_override")]
+pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+if not CHROMIUM or not DRIVER:
+    pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium "
+                "chromium-driver; .ci/run installs them)", allow_module_level=True)
+
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+#: Seconds any one wait may take on a loaded CI machine.
+WAIT = 60
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
+    driver.set_page_load_timeout(WAIT)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def dashboards(tmp_path: Path):
+    started: list[Dashboard] = []
+
+    def start(config: Path, token: str | None = None) -> Dashboard:
+        dashboard = Dashboard([config], tmp_path, token=token)
+        started.append(dashboard)
+        return dashboard
+
+    yield start
+    for dashboard in started:
+        dashboard.stop()
+
+
+def wait(driver, condition, what: str):
+    """Poll ``condition(driver)`` every half second; a part swapped in place by the live
+    update meanwhile (stale element) is only read again."""
+    return WebDriverWait(driver, WAIT, poll_frequency=0.5,
+                         ignored_exceptions=(NoSuchElementException,
+                                             StaleElementReferenceException)).until(
+        lambda d: condition(d), message=f"waiting for {what}")
+
+
+def text(driver, selector: str) -> str | None:
+    """The text of the first element matching ``selector``, read in one script call (the
+    live update cannot swap it between finding and reading)."""
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e && e.textContent.trim()",
+        selector)
+
+
+def attribute(driver, selector: str, name: str) -> str | None:
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e && e.getAttribute(arguments[1])",
+        selector, name)
+
+
+def cell(driver, name: str) -> str | None:
+    return text(driver, f"#queue-0 td.{name}")
+
+
+def chart_top(driver, kind: str) -> float:
+    """The largest value the chart of ``kind`` (backlog, rate) has drawn (its title)."""
+    title = text(driver, f"#queue-0 svg.{kind} title") or "top -1,"
+    return float(title.split("top ", 1)[1].split(",", 1)[0].replace(",", ""))
+
+
+def test_overview_counts_and_the_plots_move_as_a_running_supervisor_drains_the_queue(
+        tmp_path, redis_url, client, dashboards, supervisors, browser):
+    k = keys()
+    lpush_batched(client, k.ready, of("e2e", ({"n": n} for n in range(300))))
+    client.lpush(k.failed, "f1", "f2")
+    client.lpush(k.dead, "d1")
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    dashboard = dashboards(config)
+    browser.get(dashboard.url)
+    wait(browser, lambda d: cell(d, "ready") == "300", "the backlog of 300")
+    assert (cell(browser, "failed"), cell(browser, "dead"), cell(browser, "poison")) == (
+        "2", "1", "0")
+    assert "read-only" in browser.find_element(By.ID, "mode").text
+    assert attribute(browser, "#queue-0 svg.backlog", "data-last") == "300.0"
+    browser.execute_script("window.notReloaded = true")
+
+    supervisors(config, redis_url)
+    wait(browser, lambda d: cell(d, "ready") == "0", "the queue to drain")
+    wait(browser, lambda d: attribute(d, "#queue-0 svg.backlog", "data-last") == "0.0",
+         "the backlog plot to reach 0")
+    wait(browser, lambda d: chart_top(d, "rate") > 0, "the jobs/s plot to rise")
+    wait(browser, lambda d: cell(d, "supervisors") == "1", "the running supervisor")
+    assert chart_top(browser, "backlog") == 300
+    assert browser.execute_script("return window.notReloaded") is True  # updated in place
+
+
+def test_a_failed_jobs_hostile_error_is_shown_as_text_and_retry_works_after_login(
+        tmp_path, redis_url, client, dashboards, browser):
+    k = keys()
+    hostile = ('<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> '
+               '\u202egnp.exe')
+    client.set(k.job("pid-<b>1</b>"), next(iter(of("e2e", [{"n": 1}])))[1])
+    client.lpush(k.failed, "pid-<b>1</b>")
+    client.set(k.error("pid-<b>1</b>"),
+               Failure("ValueError", hostile, attempt=3, outcome="failed").encode())
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    dashboard = dashboards(config, token="browser-token")
+
+    browser.get(f"{dashboard.url}/q/0/list/failed")
+    error = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "td.error .summary"),
+                 "the failed job's error")
+    assert error.text == f"ValueError: {hostile}".replace("\u202e", "\\u202e")
+    assert browser.find_element(By.CSS_SELECTOR, "td.pid").text == "pid-<b>1</b>"
+    assert browser.execute_script("return window.pwned") is None
+    assert not browser.find_elements(By.CSS_SELECTOR, "button.retry")  # not logged in
+
+    browser.get(f"{dashboard.url}/login")
+    browser.find_element(By.ID, "who").send_keys("carol")
+    browser.find_element(By.ID, "token").send_keys("browser-token")
+    browser.find_element(By.ID, "login").click()
+    wait(browser, lambda d: "carol" in d.find_element(By.ID, "mode").text, "the login")
+    browser.get(f"{dashboard.url}/q/0/list/failed")
+    wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "button.retry"),
+         "the retry button").click()
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the answer")
+    assert "moved from failed back to the ready list" in message.text
+    assert (client.llen(k.ready), client.llen(k.failed)) == (1, 0)
+    assert "dashboard action by carol" in dashboard.output()
+
+
+def failed_job(client, pid: str) -> None:
+    k = keys()
+    client.set(k.job(pid), next(iter(of("e2e", [{"n": 1}])))[1])
+    client.lpush(k.failed, pid)
+
+
+def post_from_page(driver, fields: dict[str, str]) -> None:
+    """Submit a form the page did not offer (what a forged or stale page would send)."""
+    driver.execute_script("""
+        const form = document.createElement("form");
+        form.method = "post"; form.action = "/q/0/action";
+        for (const [name, value] of Object.entries(arguments[0])) {
+            const input = document.createElement("input");
+            input.type = "hidden"; input.name = name; input.value = value;
+            form.appendChild(input);
+        }
+        document.body.appendChild(form); form.submit();""", fields)
+
+
+def test_actions_are_refused_without_the_token_and_without_the_csrf_token(
+        tmp_path, redis_url, client, dashboards, browser):
+    k = keys()
+    failed_job(client, "job-1")
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    retry = {"action": "retry", "source": "failed", "pid": "job-1"}
+
+    read_only = dashboards(config)
+    browser.get(f"{read_only.url}/q/0/list/failed")
+    assert "read-only" in browser.find_element(By.ID, "mode").text
+    post_from_page(browser, retry | {"csrf": "guessed"})
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
+    assert "started without --token" in message.text
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"
+
+    guarded = dashboards(config, token="t0ken")
+    browser.get(f"{guarded.url}/login")
+    browser.find_element(By.ID, "who").send_keys("dave")
+    browser.find_element(By.ID, "token").send_keys("t0ken")
+    browser.find_element(By.ID, "login").click()
+    wait(browser, lambda d: "dave" in d.find_element(By.ID, "mode").text, "the login")
+    browser.get(f"{guarded.url}/q/0/list/failed")
+    browser.execute_script(  # the page's own retry form, without its CSRF token
+        "document.querySelectorAll('input[name=csrf]').forEach(i => i.remove())")
+    browser.find_element(By.CSS_SELECTOR, "button.retry").click()
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
+    assert "CSRF token is missing or wrong" in message.text
+    assert client.lrange(k.failed, 0, -1) == [b"job-1"] and client.llen(k.ready) == 0
