@@ -298,7 +298,7 @@ class Arbiter:
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
-        return self.buffer.unstarted() <= self.capacity
+        return self.buffer.unstarted(in_order=not self.concurrent) <= self.capacity
 
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""

@@ -105,9 +105,16 @@ class Buffer:
         """Deliveries given to handler ``place`` and not finished (queued or running)."""
         return len(self._queued[place]) + len(self._running[place])
 
-    def unstarted(self) -> int:
-        """Deliveries waiting or queued in a ring, not started yet."""
-        return len(self._waiting) + sum(map(len, self._queued))
+    def unstarted(self, in_order: bool = False) -> int:
+        """Deliveries waiting or queued in a ring, not started yet. ``in_order``: the
+        handlers run their rings one delivery at a time and report no start, so the first
+        queued one of a handler with nothing known to run is counted as running (it runs,
+        or starts as soon as the process reads it)."""
+        queued = sum(map(len, self._queued))
+        if in_order:
+            queued -= sum(1 for place, line in enumerate(self._queued)
+                          if line and not self._running[place])
+        return len(self._waiting) + queued
 
     def unsettled(self, place: int) -> bool:
         """Something given to handler ``place`` still waits for its on_success confirmation."""

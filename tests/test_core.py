@@ -84,12 +84,15 @@ def test_a_plain_handlers_mark_starts_it_and_the_queued_ones_before_it_in_order(
     assert all(entry.started_at == 7.0 for entry in promoted)
     assert buffer.started_up_to(0, 3, at=8.0) == []  # read twice: its start is known
     assert ids(buffer.in_state(State.QUEUED, 0)) == [4]
+    # 3 runs: 4 waits (the head counts as running only while nothing is known to run)
+    assert buffer.unstarted(in_order=True) == 1 == buffer.unstarted()
     buffer.finished(0, 2, error=None, in_order=True)
     with pytest.raises(AccountingError):  # neither running nor next: a bug, not a guess
         buffer.finished(0, 1, error=None, in_order=True)
     with pytest.raises(AccountingError):  # an async handler reports STARTED first
         buffer.finished(0, 4, error=None)
     buffer.finished(0, 3, error=None, in_order=True)
+    assert buffer.unstarted(in_order=True) == 0 and buffer.unstarted() == 1
     buffer.finished(0, 4, error=None, in_order=True)
     buffer.check()
     assert ids(buffer.in_state(State.COMPLETED)) == [1, 2, 3, 4]
