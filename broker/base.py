@@ -129,6 +129,7 @@ class MaintenanceReport:
     dead_consumers: int = 0  # deliveries whose claim (lease) lapsed: requeued or dead
     legacy: int = 0  # owner-less processing entries past the publish-age threshold
     skipped: bool = False  # another supervisor holds the maintenance lock
+    promoted: int = 0  # delayed retries whose backoff was over, moved to ready (not in total)
 
     @property
     def total(self) -> int:

@@ -7,9 +7,18 @@ without an import circle.
 
 from __future__ import annotations
 
+#: Characters of an error's message kept in a line (a handler may raise a 10 MB one).
+MAX_TEXT = 2000
+
 
 def describe(error: BaseException) -> str:
     """``Type: message``, or the type alone when the message is empty (``TimeoutError()``
-    would otherwise read as ``TimeoutError: ``)."""
-    text = str(error)
+    would otherwise read as ``TimeoutError: ``). Never raises, and never longer than a
+    line should be, whatever the exception's ``__str__`` does (a handler's own class)."""
+    try:
+        text = str(error)
+    except Exception as broken:  # the log line of a failure must not fail in its turn
+        text = f"<str() raised {type(broken).__name__}>"
+    if len(text) > MAX_TEXT:
+        text = f"{text[:MAX_TEXT]}... [cut: {len(text):,} characters]"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__

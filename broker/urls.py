@@ -135,7 +135,7 @@ def _one_url_problem(url: str) -> str | None:
     if not parts.hostname:
         return "names no host"
     database = parts.path.strip("/")
-    if parts.scheme in REDIS_SCHEMES and database and not database.isdigit():
+    if parts.scheme in REDIS_SCHEMES and database and not database.isdecimal():
         return f'names database "{database}"; a Redis database is a number'
     if parts.scheme in REDIS_SCHEMES:
         # redis-py lets URL parameters override its arguments: an ssl_cert_reqs=none there

@@ -7,7 +7,8 @@
 --                envelope (same pid, new timestamp, attempts + 1) to the producer end of
 --                ready and deletes the job record; 'd' LPUSHes the pid to dead and keeps the
 --                record (EXPIRE job_ttl if > 0), and frees a coalescing marker that still
---                names this pid.
+--                names this pid; its failure record (when not '') is SET in the item's
+--                errors key with the same expiry.
 --   'x' dangling a pid with neither job record nor owner key: LREM it (no counter changes).
 -- Deleting the owner key makes any later settle or renewal by the old owner stale.
 -- Each LREM scans from the end the caller names (1: head, -1: tail), the end nearer to
@@ -17,11 +18,13 @@
 -- KEYS[2]   dead list               {ns}.dead.{q}
 -- KEYS[3]   processing list         {ns}.processing.{q}
 -- KEYS[4]   counter                 {ns}.stats.{q}.processing
--- KEYS[1+4i..4+4i]                  item i: owners, claims, jobs key, marker key
---                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed)
+-- KEYS[5i..4+5i]                    item i: owners, claims, jobs key, marker key
+--                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed),
+--                                   failure record {ns}.supervisor-errors.{q}.{pid}
 -- ARGV[1]   job_ttl                 seconds a dead job record is kept; 0 = forever
--- ARGV[6i-4..6i+1]                  item i: mode, expected owner, pid, replacement envelope,
---                                   direction (1 or -1), keyed ('1' or '0')
+-- ARGV[7i-5..7i+1]                  item i: mode, expected owner, pid, replacement envelope,
+--                                   direction (1 or -1), keyed ('1' or '0'), failure record
+--                                   ('' = none; 'd' only)
 --
 -- Returns an array of n integers: 1 applied, 0 left alone.
 
@@ -42,10 +45,10 @@ end
 
 local MODES = {q = true, d = true, x = true}
 local ready, dead, processing, counter = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local n = (#KEYS - 4) / 4
+local n = (#KEYS - 4) / 5
 local job_ttl = whole(ARGV[1], 0, 2147483647)
-if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 6 * n or not job_ttl then
-  return redis.error_reply('QSARG reclaim needs a job_ttl in whole s, 4 keys and 6 arguments '
+if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 7 * n or not job_ttl then
+  return redis.error_reply('QSARG reclaim needs a job_ttl in whole s, 5 keys and 7 arguments '
     .. 'per item, at most 1000')
 end
 
@@ -58,7 +61,7 @@ if count and count ~= '0' and not (#count <= 18 and string.match(count, '^%-?[1-
   return redis.error_reply('QSTYPE ' .. counter .. ' is "' .. count .. '", expected an integer')
 end
 for i = 1, n do
-  local mode, direction = ARGV[6 * i - 4], ARGV[6 * i]
+  local mode, direction = ARGV[7 * i - 5], ARGV[7 * i - 1]
   if not MODES[mode] or (direction ~= '1' and direction ~= '-1') then
     return redis.error_reply('QSARG reclaim item ' .. i .. ': bad mode or direction')
   end
@@ -68,17 +71,18 @@ end
 -- the rest is EXISTS, DEL and EXPIRE, which work on any type: no write can fail halfway.
 local reads = {}
 for i = 1, n do
-  reads[2 * i - 1] = KEYS[1 + 4 * i]
-  reads[2 * i] = KEYS[4 + 4 * i]
+  reads[2 * i - 1] = KEYS[5 * i]
+  reads[2 * i] = KEYS[3 + 5 * i]
 end
 local values = n > 0 and redis.call('MGET', unpack(reads)) or {}
 
 local results, requeued, buried, records = {}, {}, {}, {}
+local failure_keys, failures = {}, {}
 local removed = 0
 for i = 1, n do
-  local mode, expected, pid = ARGV[6 * i - 4], ARGV[6 * i - 3], ARGV[6 * i - 2]
-  local direction = tonumber(ARGV[6 * i])
-  local owner, claim, job, marker = KEYS[1 + 4 * i], KEYS[2 + 4 * i], KEYS[3 + 4 * i], KEYS[4 + 4 * i]
+  local mode, expected, pid = ARGV[7 * i - 5], ARGV[7 * i - 4], ARGV[7 * i - 3]
+  local direction = tonumber(ARGV[7 * i - 1])
+  local owner, claim, job, marker = KEYS[5 * i], KEYS[1 + 5 * i], KEYS[2 + 5 * i], KEYS[3 + 5 * i]
   local done = 0
   if mode == 'x' then
     if redis.call('EXISTS', owner) == 0 and redis.call('EXISTS', job) == 0 then
@@ -91,13 +95,17 @@ for i = 1, n do
     removed = removed + 1
     redis.call('DEL', owner, claim)
     if mode == 'q' then
-      requeued[#requeued + 1] = ARGV[6 * i - 1]
+      requeued[#requeued + 1] = ARGV[7 * i - 2]
       redis.call('DEL', job)
     else
       buried[#buried + 1] = pid
       records[#records + 1] = job
-      if ARGV[6 * i + 1] == '1' and values[2 * i] == pid then
+      if ARGV[7 * i] == '1' and values[2 * i] == pid then
         redis.call('DEL', marker)
+      end
+      if ARGV[7 * i + 1] ~= '' then
+        failure_keys[#failure_keys + 1] = KEYS[4 + 5 * i]
+        failures[#failures + 1] = ARGV[7 * i + 1]
       end
     end
   end
@@ -109,6 +117,13 @@ if #buried > 0 then redis.call('LPUSH', dead, unpack(buried)) end
 -- After the push, as queue 5 orders it: the pid is listed before its record may expire.
 if job_ttl > 0 then
   for _, record in ipairs(records) do redis.call('EXPIRE', record, job_ttl) end
+end
+for k = 1, #failure_keys do
+  if job_ttl > 0 then
+    redis.call('SET', failure_keys[k], failures[k], 'EX', job_ttl)
+  else
+    redis.call('SET', failure_keys[k], failures[k])
+  end
 end
 if removed > 0 then redis.call('DECRBY', counter, removed) end
 return results

@@ -4,18 +4,23 @@
 --   'r' retry    this project's retry below max attempts: LPUSH the new envelope (same pid,
 --                new timestamp, attempts + 1) to the producer end of ready, DEL job;
 --                failed += 1 (a failed run).
+--   'd' delayed  a retry with a backoff: ZADD the new envelope to the delayed set scored
+--                TIME + delay (whole s of this server's clock), DEL job; failed += 1.
+--                promote.lua moves it to ready once due; queue 5 never reads the set.
 --   'f' reject   queue 5's reject: LPUSH pid to failed, the job record kept (EXPIRE job_ttl
---                if > 0: it starts only now); failed += 1.
+--                if > 0: it starts only now); failed += 1. The failure record (when not '')
+--                is SET in the item's errors key with the same expiry.
 --   'l' release  RPUSH the job record as stored (attempts unchanged) to the consumer end of
 --                ready, DEL job; no outcome counter.
 -- Checks in queue 5's order: owner key ~= token -> 'stale'; job record missing on 'f' or 'l'
 -- -> 'missing' (nothing changes, ownership kept); the pid not in processing -> 'stale'.
 -- Applied: claim and owner deleted, processing -= 1: 'ok'. A coalescing marker (keyed
 -- message) that still names this pid is freed by commit and reject ('c', 'f'); a retry keeps
--- it (the same pid is still pending), and so does a release.
+-- it (the same pid is still pending, delayed or not), and so does a release.
 -- Releases go back reversed, so the first released is the first consumed again.
 -- Per-message keys are only read with MGET (one of another type reads as absent: the item is
--- 'stale' or 'missing') and only deleted or expired otherwise, so no write can fail halfway.
+-- 'stale' or 'missing') and only deleted, replaced or expired otherwise, so no write can fail
+-- halfway.
 --
 -- KEYS[1]   ready list              {ns}.queue.{q}
 -- KEYS[2]   processing list         {ns}.processing.{q}
@@ -23,15 +28,21 @@
 -- KEYS[4]   counter                 {ns}.stats.{q}.processing
 -- KEYS[5]   counter                 {ns}.stats.{q}.success
 -- KEYS[6]   counter                 {ns}.stats.{q}.failed
--- KEYS[4+3i..6+3i]                  item i: claims, jobs, owners key
--- KEYS[6+3n+m]                      the m-th keyed item's marker {ns}.pending.{q}.{hex key}
+-- KEYS[7]   delayed retries (zset)  {ns}.supervisor-delayed.{q}
+-- KEYS[5+3i..7+3i]                  item i: claims, jobs, owners key
+-- KEYS[7+3n+m]                      the m-th keyed item's marker {ns}.pending.{q}.{hex key}
+-- KEYS[7+3n+k+f]                    the f-th reject's failure record
+--                                   {ns}.supervisor-errors.{q}.{pid} (k: keyed items)
 -- ARGV[1]   job_ttl                 seconds a rejected job record is kept; 0 = forever
 -- ARGV[2]   n                       items (<= 1000)
 -- ARGV[3]   ops                     n characters, item i's op (upper case: a keyed message)
 -- ARGV[4]   pid offset              length of the jobs keys' common prefix: an item's pid
 --                                   is its jobs key after it (read, not sent again)
 -- ARGV[4+i]                         item i: the owner token it was claimed with
--- ARGV[4+n+r]                       the new envelope of the r-th retry ('r' or 'R')
+-- ARGV[5+n..]                       then, in item order, what an op needs beyond its token:
+--                                   'r' the new envelope; 'd' the new envelope and its
+--                                   delay (whole s, 1 .. 2^31 - 1); 'f' the failure record
+--                                   ('' = none); 'c' and 'l' nothing
 --
 -- Returns an array of n results: 'ok', 'stale' or 'missing'.
 
@@ -63,34 +74,51 @@ local function whole(value, low, high)
 end
 
 -- Op characters by byte: the op in lower case, and whether a marker key follows.
-local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l',
-             [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l'}
-local ready, processing, failed = KEYS[1], KEYS[2], KEYS[3]
+local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l', [100] = 'd',
+             [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l', [68] = 'd'}
+local ready, processing, failed, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
 local n, job_ttl, ops = whole(ARGV[2], 0, 1000), whole(ARGV[1], 0, 2147483647), ARGV[3]
 local offset = whole(ARGV[4], 0, 2147483647)
 if not n or not job_ttl or not offset or not ops or #ops ~= n then
   return redis.error_reply('QSARG settle needs a job_ttl in whole s, a count, an op per item and a '
     .. 'pid offset')
 end
-if string.find(ops, '[^crflCRFL]') then
-  return redis.error_reply('QSARG settle ops must be c, r, f or l, not ' .. ops)
+if string.find(ops, '[^crfldCRFLD]') then
+  return redis.error_reply('QSARG settle ops must be c, r, d, f or l, not ' .. ops)
 end
 local _, keyed = string.gsub(ops, '%u', '')
 local _, retries = string.gsub(ops, '[rR]', '')
-if #KEYS ~= 6 + 3 * n + keyed or #ARGV ~= 4 + n + retries then
-  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed) and a token per item and '
-    .. 'an envelope per retry, at most 1000 items')
+local _, waits = string.gsub(ops, '[dD]', '')
+local _, rejects = string.gsub(ops, '[fF]', '')
+if #KEYS ~= 7 + 3 * n + keyed + rejects or #ARGV ~= 4 + n + retries + 2 * waits + rejects then
+  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed, 1 more per reject) and a '
+    .. 'token per item, an envelope per retry (and a delay if delayed), a record per reject, '
+    .. 'at most 1000 items')
+end
+-- Where each item's extra arguments start, and every delay checked before the first write.
+local extra_at, cursor = {}, 4 + n
+for i = 1, n do
+  local op = OPS[string.byte(ops, i)]
+  extra_at[i] = cursor + 1
+  if op == 'r' or op == 'f' then
+    cursor = cursor + 1
+  elseif op == 'd' then
+    if not whole(ARGV[cursor + 2], 1, 2147483647) then
+      return redis.error_reply('QSARG settle item ' .. i .. ': a delay must be whole s from 1')
+    end
+    cursor = cursor + 2
+  end
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(processing, 'list')
-  or wrong_type(failed, 'list') or bad_counter(KEYS[4]) or bad_counter(KEYS[5])
-  or bad_counter(KEYS[6])
+  or wrong_type(failed, 'list') or wrong_type(delayed, 'zset') or bad_counter(KEYS[4])
+  or bad_counter(KEYS[5]) or bad_counter(KEYS[6])
 if err then return err end
 
 -- One MGET for the owners; a job record is read only where a reject or release needs it,
 -- a marker only for a keyed message. An item applied earlier in this call is not owned.
 local owner_keys = {}
-for i = 1, n do owner_keys[i] = KEYS[6 + 3 * i] end
+for i = 1, n do owner_keys[i] = KEYS[7 + 3 * i] end
 local owners = redis.call('MGET', unpack(owner_keys))
 
 -- Removing the pids from processing. The oldest deliveries, the ones that complete first,
@@ -103,7 +131,7 @@ local owners = redis.call('MGET', unpack(owner_keys))
 -- one LREM each would cost each item a scan that grows with the consumers. A long list
 -- keeps a legacy history at its tail, so there every pid is removed by LREM from the head.
 local pids = {}
-for i = 1, n do pids[i] = string.sub(KEYS[5 + 3 * i], offset + 1) end
+for i = 1, n do pids[i] = string.sub(KEYS[6 + 3 * i], offset + 1) end
 local length = redis.call('LLEN', processing)
 local from, window, in_window, taken, any_taken = 1, {}, {}, {}, false
 if length <= 1000 then
@@ -129,24 +157,22 @@ if length <= 1000 then
 end
 
 local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
-local rejected_at = {}  -- the item index of each rejected pid (its jobs key is KEYS[5+3i])
-local ndoomed, nrequeued, nreleased, nrejected = 0, 0, 0, 0
-local commits, failures, applied, settled, markers, retried = 0, 0, 0, {}, 0, 0
+local rejected_at = {}  -- the item index of each rejected pid (its jobs key is KEYS[6+3i])
+local record_keys, record_values = {}, {}  -- per rejected pid: its failure record
+local waiting = {}  -- delayed retries: delay, envelope, delay, envelope ...
+local ndoomed, nrequeued, nreleased, nrejected, nwaiting = 0, 0, 0, 0, 0
+local commits, failures, applied, settled, markers, reject_no = 0, 0, 0, {}, 0, 0
 for i = 1, n do
   local code = string.byte(ops, i)
   local op, token = OPS[code], ARGV[4 + i]
-  local at = 3 + 3 * i
+  local at = 4 + 3 * i
   local claim, job, owner = KEYS[at + 1], KEYS[at + 2], KEYS[at + 3]
   local marker_at = 0  -- the index in KEYS of this item's marker (0: not keyed)
   if code < 97 then  -- upper case: keyed
     markers = markers + 1
-    marker_at = 6 + 3 * n + markers
+    marker_at = 7 + 3 * n + markers
   end
-  local envelope_at = 0
-  if op == 'r' then
-    retried = retried + 1
-    envelope_at = 4 + n + retried
-  end
+  if op == 'f' then reject_no = reject_no + 1 end
   local result = 'stale'
   if owners[i] == token and not settled[owner] then
     local record = nil
@@ -177,6 +203,8 @@ for i = 1, n do
         nrejected = nrejected + 1
         rejected_at[nrejected] = i
         rejected[nrejected] = pid
+        record_keys[nrejected] = KEYS[7 + 3 * n + keyed + reject_no]
+        record_values[nrejected] = ARGV[extra_at[i]]
         failures = failures + 1
       else
         ndoomed = ndoomed + 1
@@ -186,7 +214,12 @@ for i = 1, n do
           released[nreleased] = record
         elseif op == 'r' then
           nrequeued = nrequeued + 1
-          requeued[nrequeued] = ARGV[envelope_at]
+          requeued[nrequeued] = ARGV[extra_at[i]]
+          failures = failures + 1
+        elseif op == 'd' then
+          waiting[nwaiting + 1] = tonumber(ARGV[extra_at[i] + 1])
+          waiting[nwaiting + 2] = ARGV[extra_at[i]]
+          nwaiting = nwaiting + 2
           failures = failures + 1
         else
           commits = commits + 1
@@ -232,10 +265,24 @@ if nrejected > 0 then
   redis.call('LPUSH', failed, unpack(rejected))
   -- After the push, as queue 5 orders it: the pid is listed before its record may expire.
   if job_ttl > 0 then
-    for k = 1, nrejected do redis.call('EXPIRE', KEYS[5 + 3 * rejected_at[k]], job_ttl) end
+    for k = 1, nrejected do redis.call('EXPIRE', KEYS[6 + 3 * rejected_at[k]], job_ttl) end
+  end
+  for k = 1, nrejected do
+    if record_values[k] ~= '' then
+      if job_ttl > 0 then
+        redis.call('SET', record_keys[k], record_values[k], 'EX', job_ttl)
+      else
+        redis.call('SET', record_keys[k], record_values[k])
+      end
+    end
   end
 end
 if nrequeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
+if nwaiting > 0 then
+  local now = tonumber(redis.call('TIME')[1])
+  for k = 1, nwaiting, 2 do waiting[k] = now + waiting[k] end
+  redis.call('ZADD', delayed, unpack(waiting))
+end
 if nreleased > 0 then
   local reversed = {}
   for k = nreleased, 1, -1 do reversed[#reversed + 1] = released[k] end

@@ -28,6 +28,7 @@ from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
+from supervisor.outage import Outage, unreachable
 from supervisor.settlement import Settler
 from worker import protocol
 from worker.forkserver import SERVER_PLACE, Spawner
@@ -42,6 +43,7 @@ TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadl
 MAX_EARLY_DEATHS, RESPAWN_DELAY = 5, 0.5
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
+RETRY_EVERY = 5.0  # the longest pause between receives while the broker cannot be reached
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -78,7 +80,11 @@ class Arbiter:
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
         self.capacity = len(places) * (config.job.tasks_per_process if self.concurrent else 1)
-        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened)
+        #: The broker's reachability, told once each way (``down``, ``outages``: readable).
+        self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
+                             retry_every=RETRY_EVERY, lease=self.lease())
+        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened,
+                               self.outage)
         self.exit_code = exits.OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
@@ -129,6 +135,11 @@ class Arbiter:
             self.buffer.prefetch,
         )
         self.connected = True
+        self.outage.lease = self.lease()  # an adopted NATS consumer's ack wait is known now
+        watch = getattr(self.broker, "watch_connection", None)
+        if watch is not None:  # a broker with a connection of its own tells when it breaks
+            self.outage.by_connection = True
+            watch(self.outage.connection_lost, self.outage.connection_back)
         self.notify_ready_once()
         self.tasks = [
             self.start_task(coro)
@@ -141,6 +152,19 @@ class Arbiter:
         await self.stop_requested.wait()
         await self.shutdown()
         return self.exit_code
+
+    def lease(self) -> float:
+        """How long an unrenewed delivery stays ours (an adopted NATS consumer may hold
+        deliveries for less than our lease)."""
+        return min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
+
+    def broker_failed(self, error: Exception, began: float, line: str, *args: object) -> None:
+        """A broker call failed: an outage is told once, by ``self.outage``; anything else
+        (a refusal, a key of the wrong type) is this loop's own error line."""
+        if unreachable(error):
+            self.outage.lost(error, began)
+        else:
+            log.error(line, *args, error)
 
     # -- a failure nobody expected: one log line with the traceback, then a bounded stop ----
 
@@ -197,11 +221,16 @@ class Arbiter:
         period = self.config.supervisor.progress_interval
         while period and not self.closed:
             await asyncio.sleep(period)
+            began = self.outage.now()
             try:
                 age = await self.broker.oldest_ready_age()
             except (BrokerError, OSError) as error:
                 oldest = f"unknown ({error})"
+                if unreachable(error):
+                    self.outage.lost(error, began)
+                    oldest = "unknown (the broker is unreachable)"
             else:
+                self.outage.back(began)
                 oldest = "none waiting" if age is None else f"{age:.1f}s"
             log.info("progress: %.1f jobs/s, %s; outstanding %d/%d; oldest ready %s",
                      self.metrics.throughput.per_second(), self.metrics.summary(),
@@ -254,15 +283,17 @@ class Arbiter:
                 await self.room.wait()
                 continue
             room = min(self.receive_room(), MAX_BATCH)
+            began = self.outage.now()
             try:
                 with self.metrics.timed("receive"):
                     received = await self.broker.receive(room, self.config.broker.block_timeout)
             except (BrokerError, OSError) as error:
                 failures += 1
                 self.broker_trouble["receive"] = str(error)
-                log.error("receive failed (%d in a row): %s", failures, error)
-                await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+                self.broker_failed(error, began, "receive failed (%d in a row): %s", failures)
+                await asyncio.sleep(min(0.1 * 2**failures, RETRY_EVERY))
                 continue
+            self.outage.back(began)
             failures = 0
             self.broker_trouble.pop("receive", None)
             for poisoned in received.poisoned:
@@ -453,19 +484,20 @@ class Arbiter:
         self.progress.set()
 
     async def renew_loop(self) -> None:
-        # The broker may hold deliveries for less than our lease (an adopted NATS consumer).
-        lease = min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
-        period = lease / 3
+        period = self.lease() / 3
         while not self.closed:
             # First right away: on Redis that also writes this supervisor's record, which
             # `status` and `drain` find it by.
             entries = list(self.buffer)
+            began = self.outage.now()
             try:
                 with self.metrics.timed("extend"):
                     owned = await self.broker.extend([entry.delivery for entry in entries])
             except (BrokerError, OSError) as error:
-                log.error("renewal of %d deliveries failed: %s", len(entries), error)
+                self.broker_failed(error, began, "renewal of %d deliveries failed: %s",
+                                   len(entries))
             else:
+                self.outage.back(began)
                 for entry, still_ours in zip(entries, owned, strict=True):
                     if not still_ours:
                         self.drop_lost(entry)
@@ -481,12 +513,14 @@ class Arbiter:
 
     async def maintenance_loop(self) -> None:
         while not self.closed:
+            began = self.outage.now()
             try:
                 with self.metrics.timed("maintain"):
                     report = await self.broker.maintain()
             except (BrokerError, OSError) as error:
-                log.error("maintenance failed: %s", error)
+                self.broker_failed(error, began, "maintenance failed: %s")
             else:
+                self.outage.back(began)
                 if report.total:
                     log.info(
                         "recovered %d deliveries (%d from expired reservations, %d whose claim "

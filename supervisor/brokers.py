@@ -17,6 +17,7 @@ def make_broker(config: Config) -> Broker:
             config.broker.url, job.queue, namespace=config.broker.namespace,
             cluster=config.broker.cluster, lease=sup.lease, max_attempts=job.max_attempts,
             job_ttl=job.job_ttl, recovery_age=sup.recovery_age,
+            retry_backoff=job.retry_backoff, retry_backoff_max=job.retry_backoff_max,
             maintenance_interval=sup.maintenance_interval,
             max_envelope_bytes=sup.envelope_limit(), tls=config.broker.tls,
             replication=config.broker.replication,
@@ -27,7 +28,7 @@ def make_broker(config: Config) -> Broker:
         return NatsBroker(
             config.broker.url, job.queue, ack_wait=config.nats.ack_wait,
             max_attempts=job.max_attempts, retry_backoff=job.retry_backoff,
-            namespace=config.broker.namespace,
+            retry_backoff_max=job.retry_backoff_max, namespace=config.broker.namespace,
             max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
             replicas=config.nats.replicas, tls=config.broker.tls,
         )

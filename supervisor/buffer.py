@@ -54,6 +54,7 @@ class Entry:
     release: bool = False  # completed as "never started": release, not commit/reject
     held: bool = False  # an async handler returned it to its event loop (HELD)
     settle_failures: int = 0
+    uncertain: bool = False  # a settlement of it was uncertain once (counted once)
 
     def __repr__(self) -> str:
         return f"Entry({self.id}, {self.delivery.pid!r}, {self.state.value}, place={self.place})"

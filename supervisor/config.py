@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from broker.redis.keys import MAX_TTL, hash_tag
+from broker.retry import BACKOFF_MAX
 from broker.tls import TlsFileError, TlsSettings, check_files
 from broker.urls import broker_kind, redact, split_servers, url_problem
 from supervisor.schema import (
@@ -227,8 +228,14 @@ class JobConfig:
         100, "call the handler's flush() at least every this many messages", at_least(1)
     )
     retry_backoff: float = setting(
-        0.0, "base delay before a failed job is retried (s), doubling per delivery on NATS "
-        "(where a consumer's own backoff list wins)", at_least(0)
+        0.0, "base delay before a failed job is retried (s), doubling per run up to "
+        "retry_backoff_max; 0 = at once (Redis: queue 5's immediate requeue). Redis waits "
+        "between half and all of it (jitter); on NATS a consumer's own backoff list wins",
+        at_least(0), at_most(MAX_TTL),
+    )
+    retry_backoff_max: float = setting(
+        BACKOFF_MAX, "the longest a retry waits (s), however often the job failed",
+        above(0), at_most(MAX_TTL),
     )
 
     def __post_init__(self) -> None:
@@ -541,16 +548,6 @@ def _wait_replicas_needs_redis(values: Values) -> str | None:
     )
 
 
-def _retry_backoff_needs_nats(values: Values) -> str | None:
-    backoff = values["job.retry_backoff"]
-    if not backoff or broker_kind(values["broker.url"]) == "nats":
-        return None
-    return (
-        f"[job] retry_backoff = {show(backoff)} works on NATS only: on Redis a failed job is "
-        "requeued at once with attempts + 1, as queue 5 does (set it to 0, or remove it)"
-    )
-
-
 def _ack_wait_covers_renewal(values: Values) -> str | None:
     ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
     if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
@@ -614,7 +611,6 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),
-    CrossCheck("`[job] retry_backoff` > 0 only with a NATS URL", _retry_backoff_needs_nats),
     CrossCheck("several comma-separated Redis URLs only for a Redis Cluster (`cluster = true`)",
                _seed_list_needs_cluster),
     CrossCheck("`[broker] wait_replicas` > 0 only with a Redis URL", _wait_replicas_needs_redis),

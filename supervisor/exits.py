@@ -11,5 +11,6 @@ CONFIG = USAGE = 2
 HANDLER_INIT = 3
 #: Something broke inside (the fork server died, a loop raised): start afresh.
 BROKEN = 4
-#: The broker refused this client: credentials, permissions, a database it lacks.
+#: The broker refused this client: credentials, permissions, a database it lacks, a NATS
+#: server too old for the queue (broker.nats.version).
 REFUSED = 5

@@ -4,7 +4,9 @@ Completions that are already waiting are settled together (at most ``MAX_BATCH``
 the moment the previous call returns: there is no timer and no waiting for a full batch.
 Each delivery keeps its own result. A failed or uncertain settlement never turns a handler's
 success into a failure: the delivery stays outstanding and is settled again later (or
-recovered by the broker if this process dies first).
+recovered by the broker if this process dies first). A broker that cannot be reached is
+told by ``supervisor.outage`` once, not once per delivery and try; what else stays unconfirmed
+is one line per call.
 """
 
 from __future__ import annotations
@@ -14,13 +16,21 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from broker.base import Action, Broker, Outcome, Result, Settlement
+from broker.errors import describe
 from supervisor import failures
 from supervisor.buffer import Buffer, Entry
 from supervisor.metrics import Metrics
+from supervisor.outage import Outage, unreachable
 
 log = logging.getLogger("supervisor.settlement")
+
+#: Outcomes that leave a delivery's settlement unconfirmed.
+UNCONFIRMED = (Outcome.UNCERTAIN, Outcome.ERROR)
+#: Pids named in a line about several deliveries.
+NAMED = 5
 
 
 def settlement_for(entry: Entry, consumer: str = "") -> Settlement:
@@ -35,6 +45,17 @@ def settlement_for(entry: Entry, consumer: str = "") -> Settlement:
     return Settlement(Action.REJECT, entry.delivery, entry.error, failure=failure)
 
 
+Unsettled = list[tuple[Entry, Settlement, Result]]
+
+
+@dataclass(slots=True)
+class Left:
+    """What one settlement call left unconfirmed, told in one line each after it."""
+
+    again: Unsettled = field(default_factory=list)  # outstanding, settled again later
+    unreplayed: Unsettled = field(default_factory=list)  # uncertain, left to the broker
+
+
 class Settler:
     """Settles a batch and reports, per entry, whether its commit was confirmed."""
 
@@ -45,6 +66,7 @@ class Settler:
         confirm: Callable[[Entry, bool], None],
         metrics: Metrics | None = None,
         progress: Callable[[], None] = lambda: None,
+        outage: Outage | None = None,
     ) -> None:
         self.broker = broker
         self.buffer = buffer
@@ -55,6 +77,8 @@ class Settler:
         # none of ours) "<host>-<pid>" of this supervisor.
         self.consumer = str(getattr(broker, "consumer_id", "") or "") or (
             f"{socket.gethostname()}-{os.getpid()}")
+        self.outage = outage or Outage("the broker", lambda: buffer.outstanding,
+                                       retry_every=2.0, lease=0.0)
 
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
@@ -62,31 +86,54 @@ class Settler:
         settlements = [settlement_for(entry, consumer) for entry in batch]
         applied = [False] * len(batch)
         retry: list[Entry] = []
+        # Several calls may run at once (JetStream): what each leaves is its own.
+        left = Left()
+        began, since = time.perf_counter(), self.outage.now()
 
         def apply(index: int, result: Result) -> None:
             applied[index] = True
-            if not self._apply(batch[index], settlements[index], result):
+            if result.outcome not in UNCONFIRMED:
+                self.outage.back(since)  # it answered: told before anything is forgotten
+            if not self._apply(batch[index], settlements[index], result, left):
                 retry.append(batch[index])
 
         def apply_early(index: int, result: Result) -> None:
             apply(index, result)
             self.progress()
 
-        began = time.perf_counter()
+        told = False  # the call raised, and that was told
         try:
             results = await self.broker.settle(settlements, apply_early)
         except Exception as error:  # the broker is down or refused: keep everything outstanding
-            log.error("settlement of %d deliveries failed: %s", len(batch), error)
-            results = [Result(Outcome.ERROR, str(error))] * len(batch)
+            if unreachable(error):
+                self.outage.lost(error, since)
+            else:
+                log.error("settlement of %d deliveries failed: %s", len(batch), describe(error))
+            told = True
+            results = [Result(Outcome.ERROR, describe(error))] * len(batch)
         self.metrics.settle_batch(len(batch), time.perf_counter() - began)
         for index, result in enumerate(results):
             if not applied[index]:
                 apply(index, result)
+        self._tell(results, since, left, told)
         if retry:
             self.buffer.retry_later(retry)
         return not retry
 
-    def _apply(self, entry: Entry, settlement: Settlement, result: Result) -> bool:
+    def _tell(self, results: list[Result], since: float, left: Left, told: bool) -> None:
+        """What this call says about the broker, and one line for what stays unsettled."""
+        if not told:
+            if left.again and all(result.outcome in UNCONFIRMED for result in results):
+                self.outage.lost(left.again[0][2].detail or "no reply", since)
+            if left.again and not self.outage.down:
+                log.warning("%d of %d settlements not confirmed (%s); will settle again",
+                            len(left.again), len(results), _named(left.again))
+        if left.unreplayed:
+            log.warning("%d settlements uncertain (%s): not replayed; the broker either "
+                        "applied them or will deliver those messages again",
+                        len(left.unreplayed), _named(left.unreplayed))
+
+    def _apply(self, entry: Entry, settlement: Settlement, result: Result, left: Left) -> bool:
         """Act on one result; False when the entry stays outstanding for another try."""
         outcome = result.outcome
         if outcome is Outcome.OK:
@@ -125,27 +172,31 @@ class Settler:
             self.confirm(entry, False)
             return True
         if outcome is Outcome.UNCERTAIN:
-            self.metrics.uncertain()
+            if not entry.uncertain:  # counted per delivery, not per try
+                entry.uncertain = True
+                self.metrics.uncertain()
             if not self.broker.replay_uncertain:
                 # Never replayed: the broker either applied it or redelivers the message.
                 if settlement.action is Action.REJECT:
                     self._log_failed_run(settlement, Result(outcome, (
                         "outcome unknown: the reject's reply was lost")))
-                log.warning(
-                    "%s of %s is uncertain (%s): not replayed; the broker either applied it "
-                    "or will deliver the message again", settlement.action.value,
-                    entry.delivery.pid, result.detail,
-                )
+                left.unreplayed.append((entry, settlement, result))
                 self.buffer.forget(entry)
                 self.confirm(entry, False)
                 return True
-        log.warning(
-            "%s of %s not confirmed (%s: %s); will settle again",
-            settlement.action.value, entry.delivery.pid, outcome.value, result.detail,
-        )
+        left.again.append((entry, settlement, result))
         return False
 
     def _log_failed_run(self, settlement: Settlement, result: Result) -> None:
         """The one line of a failed run, once its reject is settled (see failures)."""
         budget = getattr(self.broker, "max_attempts", 0)
         failures.log_outcome(log, settlement, result, budget if isinstance(budget, int) else 0)
+
+
+def _named(unsettled: Unsettled) -> str:
+    """``commit of <pid>: <outcome>: <detail>`` for the first few, and how many more."""
+    named = "; ".join(
+        f"{settlement.action.value} of {entry.delivery.pid}: {result.outcome.value}: "
+        f"{result.detail}" for entry, settlement, result in unsettled[:NAMED])
+    more = len(unsettled) - NAMED
+    return named + (f"; and {more} more" if more > 0 else "")

@@ -58,11 +58,12 @@ class ClusterNode:
     """One ``redis-server`` cluster node we own."""
 
     def __init__(self, port: int, directory: Path, node_timeout: int = 5000,
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, persist: bool = False) -> None:
         self.port = port
         self.dir = directory
         self.node_timeout = node_timeout
         self.replicated = replicated
+        self.persist = persist  # appendfsync always: a killed node comes back with its data
         self.process: subprocess.Popen | None = None
         self.client = redis.Redis(port=port, socket_timeout=10)
 
@@ -70,7 +71,10 @@ class ClusterNode:
         args = [
             shutil.which("redis-server") or "redis-server", "--port", str(self.port),
             "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-            "--appendonly", "no", "--cluster-enabled", "yes",
+            *(["--appendonly", "yes", "--appendfsync", "always",
+               "--appenddirname", f"appendonly-{self.port}"] if self.persist
+              else ["--appendonly", "no"]),
+            "--cluster-enabled", "yes",
             "--cluster-config-file", str(self.dir / f"nodes-{self.port}.conf"),
             "--cluster-node-timeout", str(self.node_timeout),
             "--logfile", str(self.dir / f"{self.port}.log"),
@@ -139,12 +143,14 @@ class ClusterNode:
 class PrivateCluster:
     """Three masters (``replicas`` each), every slot covered."""
 
-    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout: int = 5000) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout: int = 5000,
+                 persist: bool = False) -> None:
         if not shutil.which("redis-server") or not shutil.which("redis-cli"):
             raise RuntimeError("needs redis-server and redis-cli (apt-get install redis-server)")
         self.masters = masters
         self.replicas = replicas
         self.node_timeout = node_timeout
+        self.persist = persist  # every node keeps its data across a kill (appendfsync always)
         self.dir = Path(tempfile.mkdtemp(prefix="qs-cluster-"))
         self.nodes: list[ClusterNode] = []
 
@@ -172,8 +178,8 @@ class PrivateCluster:
 
     def _start_once(self) -> None:
         count = self.masters * (1 + self.replicas)
-        self.nodes = [ClusterNode(port, self.dir, self.node_timeout, self.replicas > 0)
-                      for port in cluster_ports(count)]
+        self.nodes = [ClusterNode(port, self.dir, self.node_timeout, self.replicas > 0,
+                                  self.persist) for port in cluster_ports(count)]
         for node in self.nodes:
             node.start()
         subprocess.run(

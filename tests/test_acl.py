@@ -44,13 +44,14 @@ def test_the_job_runs_every_script_but_the_operators_and_each_script_has_a_user(
 
 
 def test_there_is_a_user_per_operator_command_that_talks_to_redis():
-    assert set(acl.BY_NAME) == {"job", *COMMANDS} - {"acl"}
+    assert set(acl.BY_NAME) == {"job", "dashboard", *COMMANDS} - {"acl"}
 
 
 def test_every_command_is_explained_and_every_key_pattern_exists():
     for role in acl.ROLES:
         assert role.access in ("~", "%R~", "%W~")
-        assert set(role.keys) <= set(acl.PATTERNS), role.name
+        assert set(role.keys) | set(role.read_keys) <= set(acl.PATTERNS), role.name
+        assert not set(role.keys) & set(role.read_keys), role.name
         assert len(set(role.commands)) == len(role.commands), role.name
         in_scripts = set().union(*(acl.script_commands(s) for s in role.scripts))
         unexplained = set(role.commands) - set(acl.WHY) - in_scripts
@@ -97,7 +98,8 @@ def test_acl_command_prints_the_lines_for_the_job_file(tmp_path, capsys):
         "%W~{app}.queue.mail",
         "ACL SETUSER mail-check reset on ><password> +ping +select +zcard "
         "+zrange +scan +llen +time +hscan +mget %R~{app}.reservations.mail "
-        "%R~{app}.reservations.mail.* %R~{app}.owners.mail.* %R~{app}.supervisor-tokens.mail",
+        "%R~{app}.reservations.mail.* %R~{app}.owners.mail.* %R~{app}.supervisor-tokens.mail "
+        "%R~{app}.supervisor-delayed.mail",
     ]
     assert "replace <password>" in err  # the note goes to stderr: stdout pipes into redis-cli
 

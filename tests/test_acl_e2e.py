@@ -344,3 +344,76 @@ def test_the_acl_users_on_a_redis_cluster(tmp_path, redis_cluster):
         supervisor.stop()
     assert logged() == []
     admin.close()
+
+
+@pytest.mark.timeout(180)
+def test_the_dashboard_reads_every_page_and_acts_as_its_acl_user(tmp_path, own_redis_server):
+    """The dashboard with only its user: the sampler, every page and every action; a denial
+    anywhere is in ACL LOG (and on the page as a broker error)."""
+    pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+    import html
+    import re
+
+    from broker.failure import Failure
+    from support.dashboard import Dashboard
+
+    port = own_redis_server.port
+    admin = admin_client(port)
+    queue = f"acl-{uuid.uuid4().hex[:8]}"
+    keys = QueueKeys(NAMESPACE, queue)
+    conf = job_files(tmp_path, port, queue)
+    create_users(port, conf["job"])
+    for n in range(3):
+        admin.lpush(keys.ready, envelope.build(queue, {"n": n})[1])
+    for pid, source in (("f1", keys.failed), ("f2", keys.failed), ("d1", keys.dead)):
+        admin.set(keys.job(pid), orjson.dumps({**orjson.loads(envelope.build(queue, {})[1]),
+                                               "pid": pid}))
+        admin.set(keys.error(pid), Failure("ValueError", f"boom {pid}", attempt=2).encode())
+        admin.lpush(source, pid)
+    admin.lpush(keys.poison, b"{not json")
+    admin.lpush(keys.processing, b"p1")
+    admin.set(keys.owner("p1"), "tok")
+    admin.set(keys.claim("p1"), "tok", ex=60)
+    admin.zadd(keys.delayed, {b"e": 1})
+    admin.zadd(keys.reservations, {keys.reservation("r1"): 2_000_000_000})
+    admin.lpush(keys.reservation("r1"), b"x")
+    admin.hset(keys.supervisor_tokens, "tok", f"{int(admin.time()[0])} c1")
+    admin.set(keys.supervisor("c1"), "elsewhere.example 123", ex=60)
+    admin.set(keys.stat("success"), 5)
+    admin.acl_log_reset()
+    dashboard = Dashboard([conf["dashboard"]], tmp_path, token="t")
+    try:
+        def overview() -> str:
+            assert denied(admin) == [], dashboard.output()
+            found = re.search(r'<tr id="queue-0".*?</tr>', dashboard.client.get(
+                "/live/overview")[1], re.S)
+            return html.unescape(re.sub(r"<[^>]+>", " ", found.group())) if found else ""
+
+        wait_for(lambda: " 3 " in overview() and "ok" in overview(), 30, "a sample")
+        for path in ("/", "/q/0", "/live/q/0", "/q/0/list/failed", "/q/0/list/dead",
+                     "/q/0/list/poison", "/q/0/list/failed?pid=f2", "/q/0/job?pid=f1",
+                     "/q/0/job?pid=p1"):
+            status, body = dashboard.client.get(path)
+            assert status == 200 and 'class="bad"' not in body, (path, body[-3000:])
+            assert denied(admin) == [], path
+        client = dashboard.client
+        assert client.login("t") == 303
+        csrf = client.csrf("/q/0/list/failed")
+        for fields, said in (
+                ({"action": "retry", "source": "failed", "pid": "f1"}, "moved from failed"),
+                ({"action": "delete", "source": "failed", "pid": "f2"}, "deleted from failed"),
+                ({"action": "retry", "source": "dead", "pid": "d1"}, "moved from dead"),
+                ({"action": "delete", "source": "poison", "count": "1"}, "1 oldest poison"),
+                ({"action": "drain", "consumer": "c1"}, "runs on another host")):
+            status, body = client.post("/q/0/action", fields | {"csrf": csrf})
+            assert status == 200 and said in body, (fields, body[-2000:])
+            assert denied(admin) == [], fields
+        assert admin.llen(keys.failed) == admin.llen(keys.dead) == admin.llen(keys.poison) == 0
+        assert admin.llen(keys.ready) == 5
+        admin.script_flush()  # the user loads its scripts again (SCRIPT LOAD)
+        wait_for(lambda: " 5 " in overview(), 30, "a sample after SCRIPT FLUSH")
+        assert "NOPERM" not in dashboard.output() and "permission" not in dashboard.output()
+    finally:
+        dashboard.stop()
+    assert denied(admin) == []
+    admin.close()

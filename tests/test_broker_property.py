@@ -1679,6 +1679,8 @@ class BrokerProtocol(RuleBasedStateMachine):
             *(KEYS.claim(i.pid) for i in held if i.claim and i.pid),
             *(KEYS.supervisor(a.name) for a in self.actors.values() if a.ours),
             *markers,
+            # Our failure records of the pids in failed or dead (issue 25.2).
+            *(KEYS.error(pid) for place, pid in entries if place in (FAILED, DEAD)),
         }
         assert keys <= explained, f"unexplained keys: {sorted(keys - explained)}"
 

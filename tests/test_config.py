@@ -442,14 +442,16 @@ def test_a_malformed_handler_spec_fails_even_without_import(tmp_path):
     assert "[job] handler" in error_of(tmp_path, text, import_handler=False)
 
 
-def test_retry_backoff_is_refused_where_it_cannot_work(tmp_path):
-    """On Redis a failed job is requeued at once (queue 5): a backoff there would be a
-    setting that silently does nothing."""
+def test_retry_backoff_works_on_both_brokers_with_a_cap(tmp_path):
+    """Redis delays a retry in supervisor-delayed (issue 25.1); NATS NAKs with the delay.
+    The cap defaults to an hour and bounds what a script accepts (MAX_TTL)."""
     text = with_job("retry_backoff = 2\n")
-    message = error_of(tmp_path, text)
-    assert "[job] retry_backoff = 2.0 works on NATS only" in message and "\n" not in message
+    assert load_text(tmp_path, text).job.retry_backoff == 2
     loaded = load_text(tmp_path, text, environ={"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"})
-    assert loaded.job.retry_backoff == 2
+    assert (loaded.job.retry_backoff, loaded.job.retry_backoff_max) == (2, 3600)
+    assert "[job] retry_backoff_max" in error_of(tmp_path, with_job("retry_backoff_max = 0\n"))
+    assert "[job] retry_backoff_max" in error_of(
+        tmp_path, with_job(f"retry_backoff_max = {2**31}\n"))
 
 
 # --- async handlers --------------------------------------------------------------------------

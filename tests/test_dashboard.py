@@ -189,7 +189,7 @@ async def test_a_nats_queue_shows_its_counts_and_dead_letters_with_their_errors(
     assert "TimeoutError: &lt;img src=x onerror=alert(1)&gt; \\u202egnp.exe" in body
     assert "<img src=x" not in body and "\u202e" not in body
     assert "(no record) Queue-Reason: worker lost" in body
-    status, body = dashboard.client.get("/q/0/job?pid=1")
+    status, body = dashboard.client.get("/q/0/job?pid=seq:1")
     assert status == 200 and "outcome</dt><dd>dead" in body
     status, body = dashboard.client.get("/q/0")
     assert status == 200 and "waiting pulls" in body and "JetStream" in body
@@ -297,6 +297,82 @@ async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_dele
 
     other = type(client)(dashboard.url)  # another browser: the token is per session
     assert other.post("/q/0/action", retry | {"csrf": csrf})[0] == 403
+
+
+async def test_nats_dead_letters_are_searched_by_pid_retried_and_deleted_as_dead_does(
+        tmp_path, nats_server, nats_brokers, js, dashboards):
+    from broker.nats.setup import QueueNames
+
+    await nats_brokers(QUEUE)  # creates the streams and the consumer
+    names = QueueNames.of(QUEUE)
+    letters = envelopes.of(QUEUE, [{"n": 1}, {"n": 2}])
+    for _, raw in letters:
+        await js.publish(names.dead_subject, raw, headers={
+            NATS_HEADER: Failure("ValueError", "boom", attempt=3).encode().decode()})
+    await js.publish(names.dead_subject, b"\xff not an envelope")
+    (first, _), (second, _) = letters
+
+    async def messages(stream: str) -> int:
+        return (await js.stream_info(stream)).state.messages
+
+    dashboard = dashboards(write_config(tmp_path, nats_server.url,
+                                        handler="examples.noop:handle"), token="t0ken")
+    client = dashboard.client
+    status, body = client.get(f"/q/0/list/dead?pid={second}")
+    assert status == 200 and f"pid {second}: found" in body, body
+    assert "job?pid=seq%3A2" in body and "job?pid=seq%3A1" not in body
+    _, body = client.get("/q/0/list/dead?pid=no-such-pid")
+    assert "not among the oldest 10,000 dead letters" in body
+    retry = {"action": "retry", "source": "dead", "pid": "seq:1"}
+    status, body = client.post("/q/0/action", retry)  # the Redis actions' rules: login ...
+    assert status == 403 and "not logged in" in body
+    assert client.login("t0ken", who="bob") == 303
+    status, body = client.post("/q/0/action", retry | {"csrf": "forged"})  # ... and CSRF
+    assert status == 403 and "CSRF" in body
+    assert await messages(names.dead_stream) == 3 and await messages(names.stream) == 0
+
+    csrf = client.csrf("/q/0/list/dead")
+    status, body = client.post("/q/0/action", retry | {"csrf": csrf})
+    assert status == 200 and f"dead letter {first} of e2e published again" in body, body
+    assert await messages(names.dead_stream) == 2 and await messages(names.stream) == 1
+    moved = await js.get_msg(names.stream, 1)
+    assert orjson.loads(moved.data)["pid"] == first  # the envelope, unchanged
+    status, body = client.post("/q/0/action", retry | {"csrf": csrf})  # gone meanwhile
+    assert status == 200 and "not in Q_E2E_DEAD any more: nothing done" in body
+    status, body = client.post("/q/0/action", retry | {"pid": "seq:3", "csrf": csrf})
+    assert "it is not an envelope a handler could take" in body  # left where it is
+    assert await messages(names.dead_stream) == 2
+    for seq in ("seq:2", "seq:3"):
+        status, body = client.post("/q/0/action", {"action": "delete", "source": "dead",
+                                                   "pid": seq, "csrf": csrf})
+        assert status == 200 and "deleted from Q_E2E_DEAD" in body, body
+    assert await messages(names.dead_stream) == 0 and await messages(names.stream) == 1
+    status, body = client.post("/q/0/action", {"action": "drain", "consumer": "x",
+                                               "csrf": csrf})
+    assert status == 400 and "retry and delete of a dead letter" in body
+    log = dashboard.output()
+    assert "dashboard action by bob" in log and f"dead letter {first} of e2e published" in log
+    assert "dead letter seq:3 of e2e deleted" in log
+
+
+async def test_poison_entries_are_deleted_oldest_first_keeping_those_pushed_since(
+        tmp_path, redis_url, redis_client, dashboards):
+    k = keys()
+    await redis_client.lpush(k.poison, b"old-1", b"old-2")
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"),
+                           token="t")
+    client = dashboard.client
+    assert client.login("t") == 303
+    _, body = client.get("/q/0/list/poison")
+    assert "delete the 2 oldest poison entries" in body and 'name="count" value="2"' in body
+    csrf = client.csrf("/q/0/list/poison")
+    await redis_client.lpush(k.poison, b"new")  # arrives after the page was read
+    delete = {"action": "delete", "source": "poison", "count": "2"}
+    assert client.post("/q/0/action", delete)[0] == 403  # no CSRF token
+    status, body = client.post("/q/0/action", delete | {"csrf": csrf})
+    assert status == 200 and "2 oldest poison entries of e2e deleted" in body, body
+    assert await redis_client.lrange(k.poison, 0, -1) == [b"new"]
+    assert "dashboard action by tester" in dashboard.output()
 
 
 async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(

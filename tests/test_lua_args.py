@@ -264,7 +264,7 @@ async def test_peek(redis_client):
 
 
 @pytest.mark.parametrize("name", ["reserve", "claim", "settle", "extend", "reclaim", "recover",
-                                  "expired", "oldest", "delete", "peek"])
+                                  "expired", "oldest", "delete", "peek", "promote", "retry"])
 async def test_missing_arguments_are_refused(redis_client, name):
     with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
         await redis_client.eval(lua_source(name), 1, KEYS.ready)

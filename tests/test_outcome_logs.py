@@ -140,7 +140,7 @@ def test_each_failed_run_of_a_real_job_logs_its_outcome(tmp_path, redis_url, cli
             for pid in (raising, crashing, hanging)}
     for lines in runs.values():
         assert [(r["attempt"], r["max_attempts"], r["outcome"], r["level"]) for r in lines] == [
-            (1, 2, "retrying", "warning"), (2, 2, "failed", "error")], lines
+            (1, 2, "retrying in 0 s", "warning"), (2, 2, "failed", "error")], lines
     [_, last] = runs[raising]
     assert last["error"] == f"RuntimeError: asked to fail ({raising})"
     assert last["where"].endswith(" in handle") and "e2e_record.py:" in last["where"]

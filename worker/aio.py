@@ -201,6 +201,8 @@ class AsyncRunner(Runner):
             error = cancelled
         except Exception as raised:
             error = raised
+        except BaseException as raised:  # sys.exit(), KeyboardInterrupt: the process ends
+            self._handler_exited(delivery_id, message, raised)
         finally:
             self._handling.pop(delivery_id, None)
             timer = self._timers.pop(delivery_id, None)

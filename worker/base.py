@@ -33,7 +33,12 @@ from broker.failure import Failure
 from worker import protocol, tracebacks
 from worker.handler import Handler
 from worker.message import Message
-from worker.process import CHILD_INIT_FAILED, CHILD_ORPHANED, set_parent_death_signal
+from worker.process import (
+    CHILD_BROKEN,
+    CHILD_INIT_FAILED,
+    CHILD_ORPHANED,
+    set_parent_death_signal,
+)
 from worker.ring import Ring
 
 # One logger name for every handler process line, whichever loop runs it: operators filter
@@ -90,6 +95,7 @@ class Runner:
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
         self._began: dict[int, float] = {}  # started, no outcome yet: when (monotonic)
+        self.serving = False  # READY sent: an exit from now on is never a failed init()
         # A FAILED record must fit the outcome ring (a small one in tests), header included.
         self._failure_limit = min(protocol.MAX_FAILURE_BYTES,
                                   outbox.capacity // 2 - Ring.RECORD_HEADER - 9)
@@ -130,6 +136,7 @@ class Runner:
 
     def _ready(self, detail: str) -> None:
         self.send([protocol.encode_ready()])
+        self.serving = True
         log.info("handler process %d ready (%s)", self._place, detail)
 
     def _begin(self, delivery_id: int) -> None:
@@ -154,6 +161,33 @@ class Runner:
         job = message.pid if message is not None else "?"
         log.debug("delivery %d (job %s) failed: %s (%s)", delivery_id, job, failure.summary,
                   failure.where)
+
+    def _handler_exited(
+        self, delivery_id: int, message: Message | None, error: BaseException
+    ) -> NoReturn:
+        """The handler raised what is not an Exception (``sys.exit()``, KeyboardInterrupt,
+        a framework's own BaseException): the run failed with it, and this process exits
+        to be replaced, with our code for it (a lost worker), never the handler's:
+        ``sys.exit(3)`` in one job read as a failed init() and halted the supervisor."""
+        failure = failure_of(error)
+        self._failed(delivery_id, message, failure)
+        self.send(self._outcomes)
+        job = message.pid if message is not None else "?"
+        log.error("job %s: the handler raised %s, which is not an Exception: the run "
+                  "counts as failed and handler process %d exits (the supervisor starts "
+                  "another)", job, failure.summary, self._place)
+        exit_process(CHILD_BROKEN)
+
+    def escaped(self, error: BaseException) -> NoReturn:
+        """What left the loop (a handler's ``sys.exit()`` in flush(), on_error() or
+        on_success(), KeyboardInterrupt ...). Before READY it is init()'s, and ends the
+        process as before; once serving, the process exits as a lost worker, so that
+        no exit code a handler chose reads as a failed init() (which halts)."""
+        if not self.serving:
+            raise error
+        log.error("handler process %d: %s escaped its loop: exiting (the supervisor "
+                  "starts another)", self._place, failure_of(error).summary)
+        exit_process(CHILD_BROKEN)
 
     def _on_error_failed(self, error: Exception) -> None:
         log.error("on_error() failed: %s%s", describe(error), origin(error))

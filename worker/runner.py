@@ -39,4 +39,7 @@ def run(
     else:
         runner = SyncRunner(place, to_child, to_parent, handler, parent=parent, queue=queue,
                             flush_every=flush_every)
-    runner.run()
+    try:
+        runner.run()
+    except BaseException as error:  # what a handler raised that is not an Exception
+        runner.escaped(error)

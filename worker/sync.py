@@ -59,6 +59,8 @@ class SyncRunner(Runner):
         except Exception as error:
             self._fail(delivery_id, message, error, failure_of(error))
             return
+        except BaseException as error:  # sys.exit(), KeyboardInterrupt: the process ends
+            self._handler_exited(delivery_id, message, error)
         if self._handler.flush is None:
             self._succeed(delivery_id, message)
             return

@@ -9,12 +9,13 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 - receive: a pull that waits for the first message, then no-wait top-ups for the rest of
   the room (``broker.nats.pull``). A delivery at the spare (every earlier run of it died
   unsettled) and an undecodable one go to the dead stream, then TERM, never to a handler.
-- commit: an ack sent as a request, so the server's reply confirms it. Many are in flight
-  at once; each result is reported when its own reply arrives. A reply lost to a timeout
-  or a broken connection is UNCERTAIN and is never replayed.
+- commit: an ack sent as a request, so the server's reply confirms it. The acks of a
+  settle call leave in one write (``broker.nats.acks``); each result is reported when its
+  own reply arrives. A reply lost to a timeout or a broken connection is UNCERTAIN and is
+  never replayed.
 - reject: below the budget a NAK with the backoff (the consumer's list, else
-  ``retry_backoff`` doubling per delivery); at the budget the payload is published to the
-  dead subject (PubAck awaited), then TERM.
+  ``retry_backoff`` doubling per delivery, capped by ``retry_backoff_max``); at the budget
+  the payload is published to the dead subject (PubAck awaited), then TERM.
 - release (a graceful stop hands back what never started): republished under the id
   ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
   queue 5's newest line does. On a work stream with size limits (where a republish could
@@ -43,13 +44,12 @@ import datetime
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from nats.aio.msg import Msg
-from nats.errors import NotJSMessageError
 
 from broker import envelope
 from broker.base import (
@@ -67,7 +67,8 @@ from broker.base import (
     check_receive_limit,
 )
 from broker.failure import NATS_HEADER, Failure
-from broker.nats import api
+from broker.nats import acks, api, version
+from broker.nats.acks import NO_RESPONDERS
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
@@ -86,7 +87,7 @@ from broker.nats.setup import (
     reread_consumer,
 )
 from broker.nats.tls import tls_options
-from broker.retry import RetryPolicy
+from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
@@ -103,9 +104,8 @@ MAX_EXHAUSTED = 10_000
 #: Seconds a maintenance pass trusts the consumer's budget as last read (queue 5 re-adopts
 #: at most every 30 s); a dead-letter verdict reads it again whatever its age.
 POLICY_MAX_AGE = 30.0
-#: An ack answered 503: nobody serves the consumer, so nobody applied it (certain).
-NO_RESPONDERS = ("no responder: the consumer has no leader now (a JetStream cluster electing "
-                 "one); not applied")
+#: Filler of a settle's result list until each settlement's own result is in.
+_UNSETTLED = Result(Outcome.ERROR, "not settled")
 #: Seconds each JetStream API call of a reconnection's setup may take (then tried again).
 RECONNECT_SETUP_TIMEOUT = 1.0
 #: First and longest pause (s) between tries of an ack answered 503.
@@ -143,6 +143,7 @@ class NatsBroker:
         ack_wait: float = 30.0,
         max_attempts: int = 3,
         retry_backoff: float = 0.0,
+        retry_backoff_max: float = BACKOFF_MAX,
         namespace: str = "utopia-queue",
         max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         job_ttl: float = 0.0,
@@ -174,6 +175,7 @@ class NatsBroker:
                               replicas=replicas)
         self._policy: Adopted | None = None
         self._retry_backoff = retry_backoff
+        self._retry_backoff_max = retry_backoff_max
         self._max_bytes = max_envelope_bytes
         self._timeout = request_timeout
         self._connect_timeout = connect_timeout
@@ -228,6 +230,11 @@ class NatsBroker:
     def held(self) -> int:
         """Messages with a delivery held by this broker (bounded by what is outstanding)."""
         return len(self._held)
+
+    def watch_connection(self, lost: Callable[[str], None], back: Callable[[], None]) -> None:
+        """``lost(reason)`` when the connection breaks, ``back()`` once a new one is ready
+        (the supervisor tells an outage once each way; see supervisor.outage)."""
+        self._link.watch(lost, back)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -368,19 +375,59 @@ class NatsBroker:
     async def settle(
         self, settlements: Sequence[Settlement], on_result: ResultCallback | None = None
     ) -> list[Result]:
-        async def settle_one(index: int, settlement: Settlement) -> Result:
-            result = await self._settle_one(settlement)
+        results: list[Result] = [_UNSETTLED] * len(settlements)
+
+        def report(index: int, result: Result) -> None:
+            results[index] = result
             if on_result is not None:
                 on_result(index, result)  # as soon as its own reply is in
-            return result
 
-        results: list[Result] = []
+        async def settle_one(index: int) -> None:
+            report(index, await self._settle_one(settlements[index]))
+
         for start in range(0, len(settlements), MAX_BATCH):  # as Redis: any number, 1,000 a go
-            results += await asyncio.gather(*(
-                settle_one(index, settlements[index])
-                for index in range(start, min(start + MAX_BATCH, len(settlements)))))
-        _log_unsure(results, "settle")
-        return results
+            chunk = range(start, min(start + MAX_BATCH, len(settlements)))
+            commits = [i for i in chunk if settlements[i].action is Action.COMMIT]
+            if len(commits) == len(chunk):  # the usual batch: no task for the gather
+                await self._commit_all(settlements, commits, report, settle_one)
+                continue
+            await asyncio.gather(
+                self._commit_all(settlements, commits, report, settle_one),
+                *(settle_one(i) for i in chunk if settlements[i].action is not Action.COMMIT))
+        return results  # what is unconfirmed the caller tells (once per call, not here too)
+
+    async def _commit_all(
+        self, settlements: Sequence[Settlement], indices: Sequence[int],
+        report: Callable[[int, Result], None],
+        settle_one: Callable[[int], Awaitable[None]],
+    ) -> None:
+        """The ACKs of a batch as one write (``broker.nats.acks``); what was certainly not
+        applied (never sent, or answered 503) is tried again one at a time, as
+        ``_respond`` does for a single ack."""
+        if not indices:
+            return
+        again: list[int] = []
+
+        def first_try(k: int, result: Result) -> None:
+            index = indices[k]
+            if result.outcome is Outcome.ERROR:
+                again.append(index)
+                return
+            receipt: NatsReceipt = settlements[index].delivery.receipt
+            self._held.drop(receipt.stream_seq, receipt.delivered)
+            report(index, result)
+
+        try:
+            conn = await self._connection(self._timeout)
+        except BrokerError:
+            again = list(indices)  # each gets the one-at-a-time path's own wait and verdict
+        else:
+            receipts: list[NatsReceipt] = [settlements[i].delivery.receipt for i in indices]
+            if await acks.request_all(conn, [r.reply for r in receipts], ACK, self._timeout,
+                                      first_try):
+                self._suspect(conn)
+        if again:
+            await asyncio.gather(*(settle_one(index) for index in again))
 
     async def _settle_one(self, settlement: Settlement) -> Result:
         receipt: NatsReceipt = settlement.delivery.receipt
@@ -463,11 +510,13 @@ class NatsBroker:
 
     def _retry(self) -> RetryPolicy:
         """The shared policy with the consumer's budget (which may change at a reconnect)."""
-        return RetryPolicy(self.policy.budget, self._retry_backoff)
+        return RetryPolicy(self.policy.budget, self._retry_backoff, self._retry_backoff_max)
 
     # -- extend ------------------------------------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """As Redis: raises when no connection can be had (then nothing was renewed)."""
+        await self._connection(self._timeout)
         unreturned = [r for r in map(_receipt, self._puller.backlog()) if r is not None]
         results = await asyncio.gather(
             *(self._renew(d.receipt) for d in deliveries),
@@ -606,6 +655,8 @@ class NatsBroker:
         timeout = self._timeout if self._policy is None else min(self._timeout,
                                                                  RECONNECT_SETUP_TIMEOUT)
         try:
+            # Before anything is created: an old server drops what the setup relies on.
+            version.check(conn.server, conn.server_info)
             if self._policy is None:
                 await check_renamed(conn, self.queue, self._wanted, timeout)
             policy = await adopt_queue(conn, self._names, self._wanted, timeout)
@@ -719,14 +770,11 @@ class NatsBroker:
     async def _request(self, conn: Connection, reply: str, body: bytes) -> Result:
         try:
             answer = await conn.request(reply, body, timeout=self._timeout)
-        except ConnectionLost as error:
-            return Result(Outcome.UNCERTAIN if error.sent else Outcome.ERROR, str(error))
-        except RequestTimeout as error:
-            self._suspect(conn)
-            return Result(Outcome.UNCERTAIN, str(error))
-        if (answer.headers or {}).get("Status") == "503":
-            return Result(Outcome.ERROR, NO_RESPONDERS)
-        return Result(Outcome.OK)
+        except (ConnectionLost, RequestTimeout) as error:
+            if isinstance(error, RequestTimeout):
+                self._suspect(conn)
+            return acks.error_result(error)
+        return acks.reply_result(answer)
 
     async def _consumer_gone(self) -> bool:
         """Whether the JetStream API says the consumer does not exist: one question at a
@@ -753,14 +801,27 @@ def _log_burial_failure(task: asyncio.Future[None]) -> None:
 
 
 def _receipt(msg: Msg) -> NatsReceipt | None:
-    try:
-        meta = msg.metadata
-    except (NotJSMessageError, ValueError, IndexError):
+    counters = _ack_counters(msg.reply)
+    if counters is None:
         log.warning("ignored a message without JetStream metadata on the pull inbox")
         return None
     content_type = (msg.headers or {}).get(CONTENT_TYPE)
-    return NatsReceipt(msg.reply, meta.sequence.stream, meta.num_delivered, msg.subject,
-                       content_type)
+    return NatsReceipt(msg.reply, counters[0], counters[1], msg.subject, content_type)
+
+
+def _ack_counters(reply: str) -> tuple[int, int] | None:
+    """(stream seq, num_delivered) from an ack subject, as nats-py's ``Msg.metadata``
+    reads them (``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...``, 9 tokens, or the
+    form with domain and account hash, 11 or more), without building its metadata."""
+    tokens = reply.split(".")
+    count = len(tokens)
+    if tokens[0] != "$JS" or tokens[1:2] != ["ACK"] or (count != 9 and count < 11):
+        return None
+    at = 4 if count == 9 else 6
+    try:
+        return int(tokens[at + 1]), int(tokens[at])
+    except ValueError:
+        return None
 
 
 def _delivery(msg: Msg, receipt: NatsReceipt, decoded: dict[str, Any]) -> Delivery:

@@ -9,7 +9,13 @@ server may or may not have applied it), and a new ``Connection`` is built by the
 All replies and pulled messages arrive on one wildcard inbox subscription. Replies and
 pull statuses carry their request's token in the subject; pulled JetStream messages carry
 their original subject instead, so they cannot be matched to a pull request and are
-handed to ``on_pulled`` as they come.
+handed to ``on_pulled`` as they come. The inbox's messages skip nats-py's per-subscription
+queue and task: the client's message hook routes them as the parser hands them over
+(``_route``), without a coroutine per message, and their headers are read here.
+
+``request_batch`` sends many requests in one write (each with its own reply subject, as
+``request`` does) and hands each reply to a callback; replies are matched by token, in
+whatever order they come.
 
 Every request keeps its own timeout, but they share one loop timer (``_Deadlines``): at
 thousands of acks per second, a timer and a done-callback per request were about a quarter
@@ -24,8 +30,8 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import nats
 import nats.errors
@@ -37,6 +43,58 @@ from broker.nats import tls as nats_tls
 from broker.urls import redact
 
 log = logging.getLogger("broker.nats")
+
+
+class Slot:
+    """One request of a batch whose reply goes to a callback, not a future: called in the
+    turn the reply is read, with no hop through the loop's ready queue. What the callback
+    raises is logged, never let into nats-py's read loop (which would stop reading)."""
+
+    __slots__ = ("_call", "_done", "_index")
+
+    def __init__(self, index: int, call: Callable[[int, Msg | BaseException], None]) -> None:
+        self._index = index
+        self._call = call
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, msg: Msg) -> None:
+        self._finish(msg)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._finish(error)
+
+    def cancel(self) -> bool:
+        """Forget the request: its reply, if any comes, is ignored."""
+        if self._done:
+            return False
+        self._done = True
+        return True
+
+    def _finish(self, outcome: Msg | BaseException) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._call(self._index, outcome)
+        except Exception:
+            log.exception("reply callback failed")
+
+
+#: What a Slot gets for a reply without headers or payload (a confirmed ack): one shared
+#: message, not one built per reply.
+BARE_REPLY = Msg(None)  # type: ignore[arg-type]
+
+
+class Waiter(Protocol):
+    """What waits for a reply: a future, or a Slot of a batch."""
+
+    def done(self) -> bool: ...
+    def set_result(self, msg: Msg, /) -> None: ...
+    def set_exception(self, error: BaseException, /) -> None: ...
+    def cancel(self) -> bool: ...
 
 
 class ConnectionLost(BrokerError):
@@ -78,10 +136,13 @@ class Connection:
 
     def __init__(self, client: Client, on_pulled: Callable[[Msg], None]) -> None:
         self.client = client
+        uri = client.connected_url  # None once closed: kept to name it then
+        self.server = f"{uri.hostname}:{uri.port}" if uri is not None else "the server"
         self._on_pulled = on_pulled
         self._prefix = client.new_inbox() + "."
+        self._prefix_bytes = self._prefix.encode()
         self._tokens = itertools.count(1)
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting: dict[bytes, Waiter] = {}
         self._loop = asyncio.get_running_loop()
         self._deadlines = _Deadlines(self._loop, self._waiting)
         self._closed = self._loop.create_future()
@@ -111,14 +172,36 @@ class Connection:
         holder.append(conn)
         try:
             # No pending limits: the callback only routes, and a limit would drop deliveries.
-            await client.subscribe(
+            inbox = await client.subscribe(
                 conn._prefix + "*", cb=conn._dispatch, pending_msgs_limit=0,
                 pending_bytes_limit=0,
             )
         except BaseException:
             await conn.close()
             raise
+        conn._hook(inbox._id)
         return conn
+
+    def _hook(self, sid: int) -> None:
+        """Take the inbox's messages straight from the parser (see the module docstring).
+        Every other subscription (the advisory) keeps nats-py's own path."""
+        original = self.client._process_msg
+        route = self._route
+
+        async def process_msg(
+            sid_: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+        ) -> None:  # headers: None when the message has none (nats-py's hint says bytes)
+            if sid_ == sid:
+                route(subject, reply, data, headers)
+            else:
+                await original(sid_, subject, reply, data, headers)
+
+        self.client._process_msg = process_msg  # type: ignore[method-assign,assignment]
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """The server's INFO as it greeted this connection (version, server_id...)."""
+        return dict(self.client._server_info)
 
     @property
     def closed(self) -> bool:
@@ -136,14 +219,74 @@ class Connection:
         """
         return self._expect(timeout, what)[1:]
 
-    def _expect(self, timeout: float, what: str) -> tuple[str, str, asyncio.Future[Msg]]:
+    def _expect(self, timeout: float, what: str) -> tuple[bytes, str, asyncio.Future[Msg]]:
         if self.closed:
             raise ConnectionLost("not sent: the connection is closed", sent=False)
-        token = str(next(self._tokens))
+        number = next(self._tokens)
+        token = b"%d" % number
         future: asyncio.Future[Msg] = self._loop.create_future()
         self._waiting[token] = future
         self._deadlines.add(timeout, token, future, what)
-        return token, self._prefix + token, future
+        return token, f"{self._prefix}{number}", future
+
+    async def request_batch(
+        self, requests: Sequence[tuple[str, bytes]], *, timeout: float,
+        on_reply: Callable[[int, Msg | BaseException], None],
+    ) -> list[Slot]:
+        """Publish every ``(subject, payload)`` with its own reply subject, all in one
+        write. ``on_reply(i, reply or error)`` is called once for each request, in the turn
+        its reply is read (``BARE_REPLY`` for one without headers and payload), or its
+        timeout or the connection's end (as ``request`` fails), unless its slot was
+        cancelled first. Raises ConnectionLost(sent=False) when nothing
+        was sent (the connection had closed; a slot it closed on meanwhile was already
+        told ConnectionLost(sent=True): the conservative answer).
+
+        The subjects must be ones the server gave us (ack subjects): they are not checked
+        as nats-py checks what it publishes."""
+        if self.closed:
+            raise ConnectionLost("not sent: the connection is closed", sent=False)
+        slots: list[Slot] = []
+        parts: list[bytes] = []
+        prefix = self._prefix_bytes
+        waiting, tokens, deadlines = self._waiting, self._tokens, self._deadlines
+        for index, (subject, payload) in enumerate(requests):
+            token = b"%d" % next(tokens)
+            slot = Slot(index, on_reply)
+            waiting[token] = slot
+            deadlines.add(timeout, token, slot, subject)
+            slots.append(slot)
+            parts.append(b"PUB %s %s%s %d\r\n%s\r\n" % (
+                subject.encode(), prefix, token, len(payload), payload))
+        try:
+            await self._write(b"".join(parts))
+        except ConnectionLost:
+            for slot in slots:
+                slot.cancel()
+            raise
+        return slots
+
+    async def _write(self, command: bytes) -> None:
+        """Protocol bytes to the socket: at once when nothing of nats-py's waits to be
+        written (no hop through its flusher task), else after what waits, in order."""
+        client = self.client
+        if client.is_closed or not client.is_connected or client._transport is None:
+            raise ConnectionLost("not sent: the connection is closed", sent=False)
+        if client._pending_data_size == 0:
+            try:
+                client._transport.write(command)
+            except (nats.errors.ConnectionClosedError, OSError) as error:
+                raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
+            # Backpressure as nats-py's flusher has it (a wait only past the high-water
+            # mark). The bytes may be on their way: a failure here is the connection's end,
+            # which fails the waiting requests as sent (uncertain), not as unsent.
+            with contextlib.suppress(OSError):
+                await client._transport.drain()
+            return
+        try:
+            await client._send_command(command)
+            await client._flush_pending()
+        except (nats.errors.ConnectionClosedError, OSError) as error:
+            raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
 
     async def request(
         self, subject: str, payload: bytes = b"", *, timeout: float,
@@ -165,6 +308,13 @@ class Connection:
         headers: dict[str, str] | None = None,
     ) -> None:
         """Hand bytes to the client; raises ConnectionLost(sent=False) if it refuses them."""
+        if headers is None and reply:  # a request of ours: written at once (see _write)
+            _check_subject(subject)
+            if len(payload) > self.client.max_payload:  # the server would close on it
+                raise nats.errors.MaxPayloadError  # as nats-py raises it: never sent
+            await self._write(b"PUB %s %s %d\r\n%s\r\n" % (
+                subject.encode(), reply.encode(), len(payload), payload))
+            return
         try:
             await self.client.publish(subject, payload, reply=reply, headers=headers)
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError,
@@ -209,17 +359,72 @@ class Connection:
                 future.set_exception(ConnectionLost(f"reply lost: {reason}", sent=True))
         self._waiting.clear()
 
+    def _route(self, subject: bytes, reply: bytes, data: bytes, raw: bytes | None) -> None:
+        """One message of the inbox, as the parser read it: a reply resolves its request's
+        waiter (one that is gone, cancelled or timed out, is ignored); anything else is a
+        pulled message."""
+        headers = _headers(raw) if raw else None
+        if subject.startswith(self._prefix_bytes):
+            waiter = self._waiting.pop(subject[len(self._prefix_bytes):], None)
+            if waiter is None or waiter.done():
+                return
+            if not raw and not data and type(waiter) is Slot:
+                waiter.set_result(BARE_REPLY)  # an ack's confirmation: nothing to read
+                return
+            waiter.set_result(Msg(self.client, subject.decode(), reply.decode(), data,
+                                  headers))
+        else:
+            self._on_pulled(Msg(self.client, subject.decode(), reply.decode(), data, headers))
+
     async def _dispatch(self, msg: Msg) -> None:
+        """nats-py's callback for the inbox: only what arrived before the hook was
+        installed takes this path (nothing: no request is made before)."""
         if msg.subject.startswith(self._prefix):
-            future = self._waiting.pop(msg.subject[len(self._prefix):], None)
-            if future is not None and not future.done():
-                future.set_result(msg)
+            waiter = self._waiting.pop(msg.subject[len(self._prefix):].encode(), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
         else:
             self._on_pulled(msg)
 
 
+def _check_subject(subject: str) -> None:
+    """What nats-py refuses to publish to: an empty subject, or one that would break the
+    protocol line."""
+    if not subject or len(subject.split()) != 1 or subject != subject.strip():
+        raise nats.errors.BadSubjectError
+
+
+#: The version line a header block starts with; a status (``NATS/1.0 503``) may follow it.
+_VERSION = b"NATS/1.0"
+
+
+def _headers(raw: bytes) -> dict[str, str] | None:
+    """A header block as nats-py reads it: the inline status as ``Status`` (when numeric)
+    and ``Description``, then ``Name: value`` lines (a name with whitespace or non-ASCII
+    bytes is skipped)."""
+    lines = raw.split(b"\r\n")
+    first = lines[0]
+    if not first.startswith(_VERSION):
+        return None
+    headers: dict[str, str] = {}
+    status, _, description = first[len(_VERSION):].strip().partition(b" ")
+    if status.isdigit():
+        headers["Status"] = status.decode()
+    if description.strip():
+        headers["Description"] = description.strip().decode("utf-8", "replace")
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        key = name.strip()
+        if not key.isascii() or len(key.split()) != 1:
+            continue
+        headers[key.decode()] = value.strip().decode("utf-8", "replace")
+    return headers or None
+
+
 #: One waiting request: its deadline (loop time), reply token, future and what it was.
-_Entry = tuple[float, str, "asyncio.Future[Msg]", str]
+_Entry = tuple[float, bytes, "Waiter", str]
 
 
 class _Deadlines:
@@ -233,7 +438,7 @@ class _Deadlines:
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, waiting: dict[str, asyncio.Future[Msg]]
+        self, loop: asyncio.AbstractEventLoop, waiting: dict[bytes, Waiter]
     ) -> None:
         self._loop = loop
         self._waiting = waiting  # token -> future, shared with the Connection
@@ -241,7 +446,7 @@ class _Deadlines:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
-    def add(self, timeout: float, token: str, future: asyncio.Future[Msg], what: str) -> None:
+    def add(self, timeout: float, token: bytes, future: Waiter, what: str) -> None:
         deadline = self._loop.time() + timeout
         fifo = self._fifos.get(timeout)
         if fifo is None:

@@ -66,6 +66,15 @@ class Link:
         self._closing = False
         self.generation = 0  # how many connections were built so far
         self.last_error: BaseException | None = None  # of the last failed attempt
+        # Told when a connection breaks and when the next is in place (the supervisor's
+        # outage line); without them, the link logs both itself.
+        self._on_lost: Callable[[str], None] | None = None
+        self._on_back: Callable[[], None] | None = None
+
+    def watch(self, lost: Callable[[str], None], back: Callable[[], None]) -> None:
+        """Call ``lost(reason)`` when the connection breaks and ``back()`` when a new one
+        is ready, instead of logging them."""
+        self._on_lost, self._on_back = lost, back
 
     @property
     def connection(self) -> Connection | None:
@@ -131,7 +140,8 @@ class Link:
                 if isinstance(error, BrokerError) and not isinstance(error, RETRYABLE):
                     raise  # a setup error, e.g. settings that differ: retrying cannot help
                 self.last_error = error
-                level = logging.WARNING if attempt == 1 else logging.DEBUG
+                told = self._on_lost is not None and self.generation > 0
+                level = logging.WARNING if attempt == 1 and not told else logging.DEBUG
                 log.log(level, "NATS connect attempt %d failed: %r", attempt, error)
             else:
                 self.last_error = None
@@ -153,15 +163,22 @@ class Link:
         self._conn = conn
         self.generation += 1
         if self.generation > 1:
-            log.warning("NATS reconnected (connection %d, after %d attempts)",
-                        self.generation, attempts)
+            level = logging.DEBUG if self._on_back is not None else logging.WARNING
+            log.log(level, "NATS reconnected (connection %d, after %d attempts)",
+                    self.generation, attempts)
+            if self._on_back is not None:
+                self._on_back()
         self._watcher = asyncio.get_running_loop().create_task(self._watch(conn))
 
     async def _watch(self, conn: Connection) -> None:
         """Start the next connection as soon as this one closes (re-binds the pull inbox)."""
         await conn.wait_closed()
         if not self._closing:
-            log.warning("NATS connection %d closed; building a new one", self.generation)
+            if self._on_lost is not None:
+                log.debug("NATS connection %d closed; building a new one", self.generation)
+                self._on_lost(f"the connection to {conn.server} closed")
+            else:
+                log.warning("NATS connection %d closed; building a new one", self.generation)
             self._start_building()
 
 

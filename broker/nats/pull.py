@@ -1,4 +1,5 @@
-"""Pulling from a durable JetStream consumer: one blocking request, then no-wait top-ups.
+"""Pulling from a durable JetStream consumer: a no-wait pull for the room; on an empty
+queue, one blocking request for the first message, then no-wait top-ups.
 
 nats-py exposes neither ``no_wait`` nor per-request routing, so pull requests are sent by
 hand to ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with a reply subject on the
@@ -22,7 +23,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 from nats.aio.msg import Msg
@@ -53,7 +53,7 @@ class Puller:
         self._request_timeout = request_timeout
         self._on_silence = on_silence  # the server did not answer a pull: check the socket
         self._backlog: deque[Msg] = deque()
-        self._arrived = asyncio.Event()
+        self._wake: asyncio.Future[None] | None = None  # what _until waits on now
         self._lock = asyncio.Lock()
         self._no_wait = False  # stop_waiting() was called
         self._owed = 0  # asked for by requests that timed out; may still arrive
@@ -63,13 +63,19 @@ class Puller:
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
         self._backlog.append(msg)
-        self._arrived.set()
+        self._signal()
 
     def stop_waiting(self) -> None:
         """A stop began: a pull waiting for its first message returns now, and no later
         pull waits (what arrives meanwhile stays in the backlog)."""
         self._no_wait = True
-        self._arrived.set()
+        self._signal()
+
+    def _signal(self, _: object = None) -> None:
+        """Something _until waits for may have happened: it looks again."""
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def backlog(self) -> list[Msg]:
         """What arrived but was not returned yet (renewed with the held deliveries)."""
@@ -88,6 +94,15 @@ class Puller:
             got = self._take(max_messages)
             try:
                 if not got and block_timeout > 0 and not self._no_wait:
+                    # A busy queue answers a no-wait pull at once: one round trip, not
+                    # a wait for one message and then a top-up (an idle one says 404).
+                    room = max_messages - self._still_owed()
+                    if room > 0:
+                        await self._top_up(conn, room)
+                        got = self._take(max_messages)
+                        if got:
+                            self._note_served()
+                            return got
                     await self._wait_first(conn, block_timeout)
                     got = self._take(max_messages)
                 if self._no_wait and not got:
@@ -154,14 +169,15 @@ class Puller:
     ) -> None:
         """Wait until ``enough()`` or the request's status (or its timeout) arrives."""
         try:
+            if not enough() and not status.done():
+                status.add_done_callback(self._signal)
             while not enough() and not status.done():
-                self._arrived.clear()
-                waiter: asyncio.Future[Any] = asyncio.ensure_future(self._arrived.wait())
+                # One future woken by an arrival, the status or a stop: no task per wait.
+                self._wake = asyncio.get_running_loop().create_future()
                 try:
-                    pending: set[asyncio.Future[Any]] = {waiter, status}
-                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    await self._wake
                 finally:
-                    waiter.cancel()
+                    self._wake = None
             if status.done() and not status.cancelled():
                 _log_status(status.result())  # raises ConnectionLost / RequestTimeout
                 self._owed = 0  # answered: so was every request before it

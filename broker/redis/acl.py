@@ -9,7 +9,9 @@ end-to-end test creates exactly these users and fails on any entry in ``ACL LOG`
 Key patterns name one queue's keys, never the whole namespace (``broker.redis.keys``:
 ``{ns}.{kind}.{q}`` and ``{ns}.{kind}.{q}.{suffix}``). Access is ``~`` (read and write),
 ``%R~`` (read only: status, check) or ``%W~`` (write only: publish, whose LPUSH reads
-nothing). A key handed to a script needs both: EVALSHA declares its keys read-write.
+nothing). A key handed to a script needs both: EVALSHA declares its keys read-write. A role
+may add read-only patterns to its others (``read_keys``: the dashboard reads much and
+writes only what its actions change).
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ WHY = {
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
     "scan": "find keys by prefix (owner records, reservation lists, supervisor records)",
-    "zcard": "count registered reservations; the metrics: retries waiting for their backoff",
-    "zrange": "list registered reservations and their deadlines",
+    "zcard": "count registered reservations and retries waiting for their backoff (status, "
+             "check, the metrics)",
+    "zrange": "list registered reservations and their deadlines; the next delayed retry's "
+              "due time (status)",
     "pttl": "time left of a supervisor record",
     "zadd": "a stop abandons an idle wait: its reservation is marked expired",
     "memory|usage": "status: a reservation list's size, so that its payloads are read only "
@@ -73,6 +77,11 @@ WHY = {
     "hvals": "the metrics: supervisors alive (the token registry's renewal times)",
     "lpos": "failed/dead show, and retry or delete by pid: is the pid in the list",
     "ltrim": "poison delete: drop the oldest entries (the newest are kept)",
+    "hlen": "dashboard: how many supervisors the token registry holds",
+    "hgetall": "dashboard: the token registry (at most 1,000), to count live supervisors",
+    "exists": "dashboard: which registered supervisors' records still exist",
+    "getrange": "dashboard: the first bytes of a job record (a bounded preview)",
+    "ttl": "dashboard: when a job record expires (job_ttl)",
 }
 
 
@@ -120,6 +129,7 @@ class Role:
     access: str  # "~", "%R~" or "%W~"
     keys: tuple[str, ...]  # names in PATTERNS
     scripts: tuple[str, ...] = ()  # lua/ scripts it runs: their commands are in `commands`
+    read_keys: tuple[str, ...] = ()  # names in PATTERNS it only reads (%R~), beside `keys`
 
 
 #: What recover's sweeps touch (drain runs the same sweeps, then check's reads).
@@ -127,15 +137,16 @@ _SWEEP_KEYS = (
     "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
     "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
     "reap-cursor.{q}", "supervisor-tokens.{q}", "supervisors.{q}.*", "consumers.{q}.*",
+    "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
 )
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
     "hmget", "hrandfield", "hdel",
-    # expired.lua, recover.lua, reclaim.lua, records.lua
+    # expired.lua, recover.lua, reclaim.lua, records.lua, promote.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
     "expire", "lpush", "lrem", "strlen",
 )
-_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records")
+_SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records", "promote")
 
 ROLES: tuple[Role, ...] = (
     Role(
@@ -157,7 +168,7 @@ ROLES: tuple[Role, ...] = (
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
-            "supervisor-delayed.{q}",
+            "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -169,6 +180,7 @@ ROLES: tuple[Role, ...] = (
         (
             "queue.{q}", "processing.{q}", "failed.{q}", "dead.{q}", "poison.{q}",
             "stats.{q}.*", "reservations.{q}", "reservations.{q}.*", "supervisors.{q}.*",
+            "supervisor-delayed.{q}",
         ),
     ),
     Role("recover", "python -m supervisor recover", _SWEEP_COMMANDS, "~", _SWEEP_KEYS,
@@ -197,7 +209,22 @@ ROLES: tuple[Role, ...] = (
     Role("check", "python -m supervisor check",
          ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget"),
          "%R~", ("reservations.{q}", "reservations.{q}.*", "owners.{q}.*",
-                 "supervisor-tokens.{q}")),
+                 "supervisor-tokens.{q}", "supervisor-delayed.{q}")),
+    Role("dashboard", "python -m supervisor dashboard (its reads; retry, delete and drain "
+         "when it has a token)",
+         (
+             "llen", "get", "zcard", "hlen", "hgetall", "exists", "lpos", "lrange", "strlen",
+             "getrange", "ttl", "pttl", "memory|usage", "scan", "zrange", "time", "ltrim",
+             # oldest.lua (the oldest ready message's age), records.lua, retry.lua, delete.lua
+             "evalsha", "script|load", "type", "lindex", "lrem", "lpush", "del",
+         ),
+         "~",
+         ("queue.{q}", "failed.{q}", "dead.{q}", "poison.{q}", "jobs.{q}.*",
+          "supervisor-errors.{q}.*"),
+         ("oldest", "records", "retry", "delete"),
+         read_keys=("processing.{q}", "stats.{q}.*", "supervisor-delayed.{q}",
+                    "supervisor-tokens.{q}", "supervisors.{q}.*", "reservations.{q}",
+                    "reservations.{q}.*", "owners.{q}.*", "claims.{q}.*")),
 )
 BY_NAME = {role.name: role for role in ROLES}
 
@@ -219,7 +246,8 @@ def commands(role: Role, *, select: bool = False, cluster: bool = False,
 
 def patterns(role: Role, keys: QueueKeys) -> list[str]:
     """The role's key rules for one queue, e.g. ``~utopia-queue.queue.stats-usage``."""
-    return [role.access + PATTERNS[name](keys) for name in role.keys]
+    return ([role.access + PATTERNS[name](keys) for name in role.keys]
+            + ["%R~" + PATTERNS[name](keys) for name in role.read_keys])
 
 
 def rules(role: Role, keys: QueueKeys, password: str = PASSWORD, *, select: bool = False,

@@ -22,10 +22,11 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.connection import (
@@ -53,6 +54,8 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
+from broker.errors import describe
+from broker.failure import Failure
 from broker.redis import recovery, seeds
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
@@ -60,7 +63,7 @@ from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
 from broker.redis.scripts import Scripts
 from broker.redis.wire import Oversized, Wire
-from broker.retry import RetryPolicy
+from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
 
@@ -111,6 +114,10 @@ except ImportError:  # older: the same through the arguments driver_info replace
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
 
+#: The fields of a failure record, in ``Failure.encode()``'s order.
+_FAILURE_FIELDS = tuple(item.name for item in fields(Failure))
+_APPLIED = Result(Outcome.OK)
+_FAILED = Result(Outcome.OK, "failed")
 _RESULTS = {
     b"ok": Result(Outcome.OK),
     b"stale": Result(Outcome.STALE),
@@ -210,10 +217,14 @@ class RedisBroker:
         max_envelope_bytes: int | None = envelope.MAX_ENVELOPE_BYTES,
         tls: TlsSettings | None = None,
         replication: Replication = NO_WAIT,
+        retry_backoff: float = 0.0,
+        retry_backoff_max: float = BACKOFF_MAX,
     ) -> None:
         """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked);
         ``replication``: the replicas that must confirm publishes, blocking registrations,
-        claims and settlements (``[broker] wait_replicas``; none by default)."""
+        claims and settlements (``[broker] wait_replicas``; none by default);
+        ``retry_backoff``: a failed run's retry waits in ``supervisor-delayed`` (0: it is
+        requeued at once, as queue 5 does)."""
         self.url = url
         self.tls = tls or TlsSettings()
         self.queue = queue
@@ -222,6 +233,7 @@ class RedisBroker:
         self.consumer_id = consumer_id or default_consumer_id()
         self.lease = lease
         self.max_attempts = max_attempts
+        self.retry = RetryPolicy(max_attempts, retry_backoff, retry_backoff_max)
         self.job_ttl = int(job_ttl)
         self.recovery_age = recovery_age
         self.maintenance_interval = max(1, math.ceil(maintenance_interval))
@@ -584,8 +596,9 @@ class RedisBroker:
                 self._replicated("claim", confirmed, len(plan.items))
             else:
                 reply = await self.scripts.call("claim", plan.keys, plan.args)
-        except CONNECTION_ERRORS as error:
-            # Applied or not, we cannot tell: the next receive runs the claim again.
+        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+            # Applied or not, we cannot tell (a cluster error may follow the client's retry
+            # of a call whose reply was lost): the next receive runs the claim again.
             self._unresolved.append(plan)
             raise BrokerError(f"claim of {reservation.key} lost its reply: {error}") from error
         return await self._claimed(plan, reply)
@@ -679,23 +692,28 @@ class RedisBroker:
         keys = [
             self.keys.ready, self.keys.processing, self.keys.failed,
             self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
+            self.keys.delayed,
         ]
         ops: list[str] = []
         tokens: list[str] = []
         markers: list[str] = []
-        envelopes: list[bytes] = []
+        records: list[str] = []  # the failure record key of each reject
+        extras: list[Any] = []
+        applied: list[Result] = []  # what an applied settlement did, per item
         job_prefix, claim_prefix, owner_prefix = (
             self._job_prefix, self._claim_prefix, self._owner_prefix)
+        now = time.time()
         for settlement in batch:
             delivery = settlement.delivery
             pid = delivery.pid
             keys += (claim_prefix + pid, job_prefix + pid, owner_prefix + pid)
             if settlement.action is Action.COMMIT:
-                op = "c"
+                op, result = "c", _APPLIED
             else:
-                op, new_envelope = self._settle_op(settlement)
-                if new_envelope:
-                    envelopes.append(new_envelope)
+                op, arguments, result = self._settle_op(settlement, now)
+                extras += arguments
+                if op == "f":
+                    records.append(self.keys.error(pid))
             if "key" in delivery.envelope:  # possibly keyed (coalesced)
                 marker = self.keys.marker(delivery.envelope)
                 if marker:
@@ -703,10 +721,12 @@ class RedisBroker:
                     op = op.upper()  # keyed: the marker follows the items' keys
             ops.append(op)
             tokens.append(delivery.receipt)
+            applied.append(result)
         keys += markers
+        keys += records
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args: list[Any] = [self.job_ttl, len(batch), "".join(ops), self._job_prefix_bytes,
-                           *tokens, *envelopes]
+                           *tokens, *extras]
         try:
             if self.replication.enabled:
                 # A commit a failover takes back is run again: confirm only what a replica has.
@@ -716,28 +736,52 @@ class RedisBroker:
                 self._replicated("settlement", confirmed, len(batch))
             else:
                 reply = await self.scripts.call("settle", keys, args)
-        except CONNECTION_ERRORS as error:
-            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {error!r}")
+        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+            # A cluster error too: it may follow the client's retry of a call whose reply
+            # was lost. Settled again either way (every script checks the owner token).
+            uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
-        return [_RESULTS[outcome] for outcome in reply]
+        return [done if outcome == b"ok" else _RESULTS[outcome]
+                for outcome, done in zip(reply, applied, strict=True)]
 
-    def _settle_op(self, settlement: Settlement) -> tuple[str, bytes]:
-        """The script's op for one settlement and, for a retry, the envelope to requeue."""
+    def _settle_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
+        """The script's op for one settlement, its extra arguments (a retry's envelope and
+        delay, a reject's failure record) and its result once applied (what became of the
+        job: "retrying in N s", "failed")."""
         if settlement.action is Action.COMMIT:
-            return "c", b""
+            return "c", [], _APPLIED
         if settlement.action is Action.RELEASE:
-            return "l", b""
+            return "l", [], _APPLIED
         delivery = settlement.delivery
-        if RetryPolicy(self.max_attempts).exhausted(delivery.attempts):
-            return "f", b""  # queue 5's reject: the failed list, the record kept
+        if self.retry.exhausted(delivery.attempts):
+            return self._reject_op(settlement, now)
         decoded = delivery.envelope or envelope.decode(delivery.raw)
         try:
-            return "r", envelope.requeued(decoded, RetryPolicy.next_attempts(delivery.attempts))
+            retried = envelope.requeued(decoded, RetryPolicy.next_attempts(delivery.attempts))
         except envelope.Unencodable as error:
             # This delivery alone: the batch it settles with must still go through.
             log.error("job %s failed, and its retry cannot be written as PHP would (%s): it "
                       "goes to the failed list instead", delivery.pid, error)
-            return "f", b""
+            return self._reject_op(settlement, now)
+        delay = self.retry.whole_seconds(delivery.attempts)
+        retrying = Result(Outcome.OK, f"retrying in {delay} s")
+        if delay:
+            return "d", [retried, delay], retrying  # waits in supervisor-delayed
+        return "r", [retried], retrying  # queue 5's immediate requeue
+
+    def _reject_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
+        """Queue 5's reject to the failed list (the record kept), with our failure record:
+        ``Failure.encode()``'s JSON with what this run adds (outcome, run, time, consumer),
+        built in one step (a batch of 1,000 terminal failures must stay cheap)."""
+        failure = (settlement.failure.bounded() if settlement.failure
+                   else Failure.from_text(settlement.error))  # bounded already
+        record = {name: getattr(failure, name) for name in _FAILURE_FIELDS}
+        record["outcome"] = "failed"
+        record["attempt"] = failure.attempt or RetryPolicy.next_attempts(
+            settlement.delivery.attempts)  # counted from 1
+        record["at"] = failure.at or now
+        record["consumer"] = failure.consumer or self.consumer_id
+        return "f", [orjson.dumps(record)], _FAILED
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])
@@ -781,8 +825,13 @@ class RedisBroker:
     def _own_candidate(self, delivery: Delivery, now: int) -> recovery.Candidate:
         """Recovery's verdict on one of our deliveries (requeue or dead), owner checked."""
         decoded = delivery.envelope or envelope.decode(delivery.raw)
+        lost = Failure(
+            error="WorkerLost", outcome="dead", at=float(now), consumer=self.consumer_id,
+            message=f"supervisor {self.consumer_id} exited while the job ran (its handler "
+            "was stopped)",
+        )
         return recovery.verdict(delivery.pid, decoded, delivery.receipt, keys=self.keys,
-                                now=now, max_attempts=self.max_attempts)
+                                now=now, max_attempts=self.max_attempts, lost=lost)
 
     async def _renew(self, deliveries: Sequence[Delivery], lease: int) -> list[bool]:
         owned: list[bool] = []
@@ -812,14 +861,22 @@ class RedisBroker:
             return None
 
     async def maintain(self, *, force: bool = False) -> MaintenanceReport:
-        """One bounded recovery sweep when the fleet's reap lock allows (``force``: now)."""
+        """Promote the retries due (every supervisor, every call: it costs one script call,
+        and a retry must not wait for whoever holds the lock), then one bounded recovery
+        sweep when the fleet's reap lock allows (``force``: now)."""
         async with _broker_errors("maintain"):
-            return await recovery.maintain(
+            promoted = await recovery.promote(self.scripts, self.keys)
+            report = await recovery.maintain(
                 self.client, self.scripts, self.keys, lock_seconds=self.maintenance_interval,
                 recovery_age=self.recovery_age, max_attempts=self.max_attempts,
                 job_ttl=self.job_ttl, force=force,
                 max_record_bytes=self.max_envelope_bytes or recovery.RECORD_LIMIT,
             )
+        if promoted:
+            log.debug("moved %d delayed retries whose backoff was over to the ready list",
+                      promoted)
+        report.promoted = promoted
+        return report
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         from broker.redis import publish
@@ -843,7 +900,8 @@ async def _broker_errors(operation: str) -> AsyncIterator[None]:
     try:
         yield
     except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
-        raise BrokerError(f"{operation} failed: {error!r}") from error
+        # describe: redis-py's repr is "network:ConnectionError", without server or reason
+        raise BrokerError(f"{operation} failed: {describe(error)}") from error
 
 
 def _cancelling() -> bool:

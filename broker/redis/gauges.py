@@ -50,8 +50,15 @@ def _reading(name: str, value: Any) -> Any:
             raise value
         if name not in _refused:
             _refused.add(name)
-            log.warning("metrics: %s left out, the server refused its reading: %s "
-                        "(an ACL user from before this version: run `acl` again)", name, value)
+            if isinstance(value, redis.exceptions.NoPermissionError):
+                why = "an ACL user from before this version: run `acl` again"
+            elif str(value).startswith("WRONGTYPE"):
+                # Not an ACL matter: something else wrote that key (see `check`).
+                why = "its key holds another type than this queue's; nothing here writes it"
+            else:
+                why = "it is left out of every sample of this process"
+            log.warning("metrics: %s left out, the server refused its reading: %s (%s)",
+                        name, value, why)
         return None
     return value
 

@@ -14,8 +14,12 @@ State of one message (each pid is in exactly one place at any moment):
   ``owners.{q}.{pid}`` the reservation's token (32 lowercase hex, the receipt) and
   ``claims.{q}.{pid}`` the same token with the lease as its expiry: the delivery is live
   while its claim exists. Recovery takes it only once the claim is gone.
+- delayed (this project's own, ``[job] retry_backoff`` > 0): a retry's new envelope is a
+  member of the sorted set ``supervisor-delayed.{q}``, scored by when it is due (whole
+  seconds of the server clock); ``promote.lua`` moves it to ``queue`` once due, ``drain``
+  all of it. PHP workers never read the set.
 - failed / dead: the pid is in ``failed`` or ``dead``; its record stays in ``jobs.{q}.{pid}``
-  (with job_ttl).
+  (with job_ttl), and our failure record beside it in ``supervisor-errors.{q}.{pid}``.
 - poison: the undecodable raw bytes are in ``poison``.
 - done: committed; nothing of it remains.
 
@@ -154,6 +158,7 @@ class QueueKeys:
         return [
             self.ready, self.processing, self.failed, self.dead, self.poison,
             self.reservations, self.reap_lock, self.reap_cursor, self.supervisor_tokens,
+            self.delayed,
             *(self.stat(name) for name in ("total", "processing", "success", "failed")),
         ]
 

@@ -60,6 +60,7 @@ from redis.exceptions import RedisClusterException, ResponseError
 
 from broker import envelope
 from broker.base import MAX_BATCH, MaintenanceReport, WrongTypeError
+from broker.failure import Failure
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 
 #: expired/recover rounds in one maintain() call (each moves at most MAX_BATCH payloads).
 RESERVATION_ROUNDS = 4
+#: promote.lua calls in one maintain() call (each moves at most MAX_BATCH retries).
+PROMOTE_ROUNDS = 4
 #: Seconds an expired reservation found EMPTY stays registered past its deadline (issue
 #: 23.3). It may belong to a consumer (a PHP worker) frozen after registering it and before
 #: sending its blocking move; a move that lands while it is registered is returned by the
@@ -108,6 +111,7 @@ class Candidate:
     marker: str | None = None  # the coalescing marker of a keyed message
     from_tail: bool = False  # LREM from the tail (the pid sat nearer that end)
     distance: int = 0  # entries between the pid and the end LREM starts from
+    failure: bytes = b""  # DEAD only: the failure record kept beside the job
 
 
 @dataclass(slots=True)
@@ -158,6 +162,22 @@ async def maintain(
             raise WrongTypeError(f"maintenance of queue {keys.queue!r}: {error}") from error
         raise
     return report
+
+
+async def promote(scripts: Scripts, keys: QueueKeys, *, everything: bool = False,
+                  rounds: int = PROMOTE_ROUNDS) -> int:
+    """Move delayed retries to the ready list: those due, or (``everything``, the rollback)
+    all of them; returns how many. At most ``rounds`` calls of MAX_BATCH each (0: until
+    none is left)."""
+    moved, calls = 0, 0
+    while not rounds or calls < rounds:
+        step = int(await scripts.call("promote", [keys.delayed, keys.ready],
+                                      [MAX_BATCH, "all" if everything else "due"]))
+        moved += step
+        calls += 1
+        if step < MAX_BATCH:
+            break
+    return moved
 
 
 async def recover_reservations(
@@ -266,25 +286,48 @@ def _oversized(
         return None
     log.error("queue %s: job %s is %d bytes, more than a sweep reads: recovered unread, "
               "moved to dead", keys.queue, pid, length)
-    return Candidate(DEAD, pid, owner)
+    return Candidate(DEAD, pid, owner, failure=lapsed(
+        owner, now, message=f"its job record is {length} bytes, more than a sweep reads: "
+        "recovered unread").encode())
 
 
 def verdict(
     pid: str, decoded: dict[str, Any] | None, owner: str, *,
-    keys: QueueKeys, now: int, max_attempts: int,
+    keys: QueueKeys, now: int, max_attempts: int, lost: Failure | None = None,
 ) -> Candidate:
     """Requeue (same pid, timestamp ``now``, one more attempt) or dead: the one rule for a
-    sweep's candidates and for what a supervisor still owns at exit."""
+    sweep's candidates and for what a supervisor still owns at exit. A dead one carries
+    its failure record: ``lost`` (why it was abandoned), else a lapsed lease."""
     marker = keys.marker(decoded) if decoded is not None else None
-    if decoded is None or RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
-        return Candidate(DEAD, pid, owner, marker=marker)
+    run = RetryPolicy.next_attempts(decoded["attempts"]) if decoded is not None else 0
+    failure = lost or lapsed(owner, now)
+    if decoded is None:
+        return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
+            message=failure.message + "; its job record is not an envelope: no handler "
+            "could run it").encode())
+    if RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
+        return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
+            attempt=run, message=f"{failure.message}; that was run {run} of "
+            f"{max_attempts}").encode())
     try:
-        requeued = envelope.requeued(decoded, RetryPolicy.next_attempts(decoded["attempts"]), now)
+        requeued = envelope.requeued(decoded, run, now)
     except envelope.Unencodable as error:  # this entry alone: the sweep goes on
         log.error("queue %s: job %s cannot be requeued as PHP would write it (%s): moved to "
                   "dead", keys.queue, pid, error)
-        return Candidate(DEAD, pid, owner, marker=marker)
+        return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
+            attempt=run, message=f"{failure.message}; its retry cannot be written as PHP "
+            f"would ({error})").encode())
     return Candidate(REQUEUE, pid, owner, requeued, marker)
+
+
+def lapsed(owner: str, now: float, *, message: str = "") -> Failure:
+    """The failure record of a job recovered from a consumer that stopped renewing it."""
+    holder = f"owner token {owner}" if owner else "no owner (a legacy consumer)"
+    return Failure(
+        error="LeaseLapsed", outcome="dead", at=float(now), consumer="recovery",
+        message=message or f"the claim of {holder} lapsed: its consumer stopped renewing it "
+        "(killed, frozen or cut off) while the job ran",
+    )
 
 
 def token_prefix(token: str) -> str | None:
@@ -330,7 +373,7 @@ async def holders(client: Any, keys: QueueKeys, owners: Iterable[bytes]) -> dict
 def _registered_consumer(entry: bytes | None) -> str | None:
     """The consumer id of a registry entry ``"<until> <consumer id>"`` (None: unreadable)."""
     until, _, consumer = _text(entry or b"").partition(" ")
-    return consumer if until.isdigit() and consumer else None
+    return consumer if until.isdecimal() and consumer else None
 
 
 async def forget_gone(client: Any, keys: QueueKeys, *, recovery_age: int) -> int:
@@ -347,7 +390,7 @@ async def forget_gone(client: Any, keys: QueueKeys, *, recovery_age: int) -> int
     old = {}
     for prefix, entry in zip(sample[::2], sample[1::2], strict=True):
         until, _, consumer = _text(entry).partition(" ")
-        if until.isdigit() and int(until) < now - recovery_age and consumer:
+        if until.isdecimal() and int(until) < now - recovery_age and consumer:
             old[prefix] = keys.supervisor(consumer)
     if not old:
         return 0
@@ -368,9 +411,10 @@ async def reclaim(
         args: list[Any] = [job_ttl]
         for c in part:
             job = keys.job(c.pid)
-            item_keys += [keys.owner(c.pid), keys.claim(c.pid), job, c.marker or job]
+            item_keys += [keys.owner(c.pid), keys.claim(c.pid), job, c.marker or job,
+                          keys.error(c.pid)]
             args += [c.mode, c.owner, c.pid, c.replacement, -1 if c.from_tail else 1,
-                     1 if c.marker else 0]
+                     1 if c.marker else 0, c.failure]
         applied += [flag == 1 for flag in await scripts.call("reclaim", [*fixed, *item_keys], args)]
     return applied
 

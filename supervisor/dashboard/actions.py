@@ -1,9 +1,11 @@
-"""The dashboard's actions on a Redis queue: retry or delete one failed or dead job, and
-drain (SIGTERM) a supervisor of this host. Each returns one line for the operator and the
-action log. JetStream queues take no action here (their dead stream is read-only).
+"""The dashboard's actions: on a Redis queue, retry or delete one failed or dead job, drop
+the oldest poison entries, and drain (SIGTERM) a supervisor of this host; on a JetStream
+queue, retry or delete one dead letter. Each returns one line for the operator and the
+action log.
 
-Both are the operator commands' own functions (``failed retry PID``, ``failed delete PID``):
-the job moves or goes only if it is still where and what was read.
+Each is the operator commands' own function (``failed retry PID``, ``failed delete PID``,
+``poison delete --count N``, ``dead retry PID`` and ``dead delete PID`` on NATS): the job
+moves or goes only if it is still where and what was read.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from broker.base import MAX_BATCH
 from supervisor.ops import drain as processes
-from supervisor.ops import failed, inspect
+from supervisor.ops import failed, inspect, nats_dead
 from supervisor.ops import retry as retrying
 
 SOURCES = retrying.SOURCES  # "failed", "dead"
@@ -40,6 +42,46 @@ async def delete_job(broker: Any, source: str, pid: str) -> str:
     if not report.deleted:
         return f"job {pid} of {queue} was not in {source} any more: nothing deleted"
     return f"job {pid} of {queue} deleted from {source} with its job and failure records"
+
+
+async def delete_poison(broker: Any, count: int) -> str:
+    """Drop the ``count`` oldest poison entries (those the page showed: entries pushed since
+    are at the head, and LTRIM keeps them)."""
+    queue = broker.keys.queue
+    dropped = await failed.delete_poison(broker.client, broker.keys, count)
+    return (f"{dropped} oldest poison entries of {queue} deleted (asked for {count}; entries "
+            f"pushed since the page was read are kept)")
+
+
+async def nats_dead_letter(stream: nats_dead.DeadStream, queue: str, action: str,
+                           selector: str, depth: int) -> str:
+    """Retry (publish to the work subject, acknowledged, then delete) or delete the dead
+    letter ``selector`` names (``seq:N``, or a pid: every copy among the oldest ``depth``)."""
+    dead = stream.names.dead_stream
+    letters, _ = await stream.find([selector], depth=depth)
+    if not letters:
+        return f"dead letter {selector} of {queue} is not in {dead} any more: nothing done"
+    report = nats_dead.Moved()
+    for letter in letters:
+        step = nats_dead.retry if action == "retry" else nats_dead.remove
+        await step(stream, letter, report)
+    lines = []
+    if report.done and action == "retry":
+        lines.append(f"dead letter {', '.join(report.done)} of {queue} published again to "
+                     f"{stream.names.subject} (JetStream counts its attempts afresh) and "
+                     f"deleted from {dead}")
+        if report.duplicates:
+            lines.append(f"{report.duplicates} of them had been re-driven within the last "
+                         f"2 minutes already: the server dropped the second copy")
+    elif report.done:
+        lines.append(f"dead letter {', '.join(report.done)} of {queue} deleted from {dead}")
+    if report.malformed:
+        lines.append(f"dead letter {', '.join(report.malformed)} of {queue} was left in "
+                     f"{dead}: it is not an envelope a handler could take (delete it instead)")
+    if report.missing:
+        lines.append(f"dead letter {', '.join(report.missing)} of {queue} was gone meanwhile "
+                     f"(retried or deleted by someone else): nothing done to it")
+    return "; ".join(lines)
 
 
 async def drain_supervisor(broker: Any, consumer: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import jinja2
+import nats.errors
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -37,7 +38,13 @@ from supervisor.config import Config
 from supervisor.dashboard import actions, plots, scrape
 from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard
 from supervisor.dashboard.history import History
-from supervisor.dashboard.sources import LISTS, NatsSource, RedisSource, make_source
+from supervisor.dashboard.sources import (
+    LISTS,
+    NATS_SEARCH_DEPTH,
+    NatsSource,
+    RedisSource,
+    make_source,
+)
 
 log = logging.getLogger("supervisor.dashboard")
 
@@ -196,7 +203,7 @@ def create_app(dashboard: Dashboard) -> Starlette:
         error = ""
         try:
             detail = await queue.source.detail()
-        except (BrokerError, OSError) as failure:
+        except (BrokerError, OSError, nats.errors.Error) as failure:
             error = f"{queue.name} at {queue.broker}: {failure}"
         metrics = await scrape.read(queue.config)
         name = "queue_live.html" if request.url.path.startswith("/live") else "queue.html"
@@ -214,10 +221,10 @@ def create_app(dashboard: Dashboard) -> Starlette:
         try:
             if isinstance(queue.source, NatsSource):
                 result = await queue.source.listing(
-                    kind, after=_whole(request.query_params.get("after")))
+                    kind, pid=pid, after=_whole(request.query_params.get("after")))
             else:
                 result = await queue.source.listing(kind, page_number, pid)
-        except (BrokerError, OSError) as failure:
+        except (BrokerError, OSError, nats.errors.Error) as failure:
             error = f"{queue.name} at {queue.broker}: {failure}"
         return page(request, "list.html", queue=queue, kind=kind, listing=result, error=error,
                     pid=pid)
@@ -230,7 +237,7 @@ def create_app(dashboard: Dashboard) -> Starlette:
         error, found = "", None
         try:
             found = await queue.source.job(pid)
-        except (BrokerError, OSError) as failure:
+        except (BrokerError, OSError, nats.errors.Error) as failure:
             error = f"{queue.name} at {queue.broker}: {failure}"
         return page(request, "job.html", queue=queue, pid=pid, job=found, error=error)
 
@@ -266,7 +273,7 @@ def create_app(dashboard: Dashboard) -> Starlette:
         form = await _form(request)
         action = form.get("action", "")
         what = (f"{action} {form.get('source', '')} {form.get('pid', '')}"
-                f"{form.get('consumer', '')}").strip()
+                f"{form.get('consumer', '')}{form.get('count', '')}").strip()
         session, refusal = dashboard.guard.check(request.cookies.get(COOKIE), form.get("csrf"))
         if session is None:
             log.warning("dashboard action refused (%s) from %s: %s of queue %s", refusal,
@@ -274,22 +281,29 @@ def create_app(dashboard: Dashboard) -> Starlette:
             return page(request, "message.html", 403, title="Refused", message=refusal)
         if queue is None:
             return not_found(request, "no such queue")
-        if not isinstance(queue.source, RedisSource):
-            return page(request, "message.html", 400, title="Not available",
-                        message="actions are for Redis queues only: a JetStream dead stream "
-                        "is read-only here")
-        source = form.get("source", "")
+        source, pid = form.get("source", ""), form.get("pid", "")
         try:
-            broker = await queue.source.broker()
-            if action in ("retry", "delete") and source in actions.SOURCES and form.get("pid"):
-                job_action = actions.retry_job if action == "retry" else actions.delete_job
-                result = await job_action(broker, source, form["pid"])
-            elif action == "drain" and form.get("consumer"):
-                result = await actions.drain_supervisor(broker, form["consumer"])
+            if isinstance(queue.source, NatsSource):
+                if action not in ("retry", "delete") or source != "dead" or not pid:
+                    return page(request, "message.html", 400, title="Unknown action",
+                                message=f"unknown action or missing field: {what} (a "
+                                "JetStream queue takes retry and delete of a dead letter)")
+                result = await actions.nats_dead_letter(
+                    await queue.source.dead_stream(), queue.name, action, pid,
+                    NATS_SEARCH_DEPTH)
             else:
-                return page(request, "message.html", 400, title="Unknown action",
-                            message=f"unknown action or missing field: {what}")
-        except (BrokerError, OSError) as failure:
+                broker = await queue.source.broker()
+                if action in ("retry", "delete") and source in actions.SOURCES and pid:
+                    job_action = actions.retry_job if action == "retry" else actions.delete_job
+                    result = await job_action(broker, source, pid)
+                elif action == "delete" and source == "poison" and _whole(form.get("count")):
+                    result = await actions.delete_poison(broker, _whole(form.get("count")))
+                elif action == "drain" and form.get("consumer"):
+                    result = await actions.drain_supervisor(broker, form["consumer"])
+                else:
+                    return page(request, "message.html", 400, title="Unknown action",
+                                message=f"unknown action or missing field: {what}")
+        except (BrokerError, OSError, nats.errors.Error) as failure:
             result = f"{what} of {queue.name} failed: {failure} (nothing may have changed)"
         log.warning("dashboard action by %s from %s: %s", logs.escape(session.who),
                     _client(request), logs.escape(result))
@@ -344,7 +358,7 @@ async def _form(request: Request) -> dict[str, str]:
 
 
 def _whole(text: str | None) -> int:
-    return int(text) if text and text.isdigit() and len(text) < 10 else 0
+    return int(text) if text and text.isdecimal() and len(text) < 10 else 0
 
 
 def _client(request: Request) -> str:

@@ -41,7 +41,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=version())
     args = parser.parse_args(argv)
     host, colon, port = args.listen.rpartition(":")
-    if not colon or not port.isdigit() or not host:
+    if not colon or not port.isdecimal() or not host:
         parser.error(f"--listen {args.listen!r} is not HOST:PORT")
     args.host, args.port = host.strip("[]"), int(port)
     if not 0.5 <= args.interval <= 3600 or not 0.5 <= args.refresh <= 3600:

@@ -12,18 +12,16 @@ A broker that cannot be reached raises ``BrokerError``; the next call connects a
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
 import orjson
-from nats.js.errors import NotFoundError
 
 from broker import envelope, errors
 from broker.base import BrokerError
-from broker.failure import NATS_HEADER, Failure
+from broker.failure import Failure
 from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
 from broker.nats.setup import QueueNames
@@ -31,7 +29,7 @@ from broker.nats.tls import tls_options
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
-from supervisor.ops import inspect
+from supervisor.ops import inspect, nats_dead
 
 #: Entries of a failed, dead or poison list shown per page.
 PAGE = 50
@@ -44,6 +42,8 @@ PREVIEW_BYTES = 512
 POISON_LIST_BYTES = 8 << 20
 #: Entries a pid search looks at, from the newest (LPOS MAXLEN).
 SEARCH_DEPTH = 100_000
+#: Dead letters a NATS pid search reads, from the oldest (one request each).
+NATS_SEARCH_DEPTH = 10_000
 #: Registered supervisors checked for liveness per sample.
 MAX_TOKENS = 1000
 LISTS = ("failed", "dead", "poison")
@@ -75,6 +75,7 @@ class Entry:
     note: str = ""  # "(no record)", the Queue-Reason header ...
     attempts: int | None = None
     at: float | None = None
+    seq: int | None = None  # NATS: the dead stream's sequence (actions name it: seq:N)
 
 
 @dataclass(slots=True)
@@ -304,17 +305,21 @@ class NatsSource:
             client, self._client = self._client, None
             await _quietly(client.close())
 
+    async def dead_stream(self) -> nats_dead.DeadStream:
+        """The dead stream, through ``dead``'s own reader (``supervisor.ops.nats_dead``)."""
+        return nats_dead.DeadStream(await self._js(), QueueNames.of(self.config.job.queue))
+
     async def _read(self) -> dict[str, Any]:
         """What ``status`` reads (its helpers), and the two figures the dashboard plots."""
         from supervisor.ops import nats_status as status
 
-        client = await self._js()
         names = QueueNames.of(self.config.job.queue)
         try:
             async with asyncio.timeout(status.STATUS_TIMEOUT):
-                js = client.jetstream(timeout=status.CONNECT_TIMEOUT)
+                dead_stream = await self.dead_stream()
+                js = dead_stream.client.jetstream(timeout=status.CONNECT_TIMEOUT)
                 work = await status._stream(js, names.stream)
-                dead = await status._stream(js, names.dead_stream)
+                dead = await dead_stream.info()
                 consumer = await status._consumer(js, names)
         except (TimeoutError, OSError, nats.errors.Error) as error:
             await self.close()
@@ -328,7 +333,6 @@ class NatsSource:
             "redelivered": consumer.num_redelivered if consumer else 0,
             "waiting_pulls": consumer.num_waiting if consumer else 0,
             "dead": dead.state.messages if dead else 0,
-            "dead_first_seq": dead.state.first_seq if dead else 0,
             "acknowledged": consumer.ack_floor.consumer_seq
             if consumer and consumer.ack_floor else 0,
             "consumer": status._consumer_settings(consumer, self.config.job.max_attempts),
@@ -345,73 +349,58 @@ class NatsSource:
 
     async def listing(self, kind: str, page: int = 0, pid: str = "", after: int = 0
                       ) -> Listing:
-        state = await self._read()
-        listing = Listing(kind, state["dead"] if kind == "dead" else 0)
+        """A page of the dead stream, oldest first from past sequence ``after``; or the
+        letters of one pid (or ``seq:N``) among the oldest ``NATS_SEARCH_DEPTH``."""
         if kind != "dead":
+            listing = Listing(kind, 0)
             listing.note = "JetStream queues have no such list: failures end in the dead stream"
             return listing
-        names = QueueNames.of(self.config.job.queue)
-        js = (await self._js()).jetstream(timeout=5)
-        seq = max(after + 1, state["dead_first_seq"] or 1)
-        for _ in range(PAGE):
-            try:
-                msg = await js.get_msg(names.dead_stream, seq, subject=names.dead_subject,
-                                       next=True)
-            except NotFoundError:
-                break
-            listing.entries.append(_dead_entry(msg))
-            seq = msg.seq + 1
-            listing.next_after = msg.seq
-        if len(listing.entries) < PAGE:
-            listing.next_after = None
+        stream = await self.dead_stream()
+        listing = Listing(kind, await stream.total())
+        try:
+            if pid:
+                listing.searched = pid
+                letters, _ = await stream.find([pid], depth=NATS_SEARCH_DEPTH)
+                listing.entries = [_dead_entry(letter) for letter in letters[:PAGE]]
+                return listing
+            async for letter in stream.letters(PAGE, after=after):
+                listing.entries.append(_dead_entry(letter))
+        except (OSError, nats.errors.Error) as error:
+            await self.close()
+            raise BrokerError(f"reading {stream.names.dead_stream}: {error!r}") from error
+        if len(listing.entries) == PAGE:
+            listing.next_after = listing.entries[-1].seq
         return listing
 
     async def job(self, pid: str) -> dict[str, Any]:
-        """A dead letter by its stream sequence (the dead list's "pid" column on NATS)."""
-        names = QueueNames.of(self.config.job.queue)
-        js = (await self._js()).jetstream(timeout=5)
-        if not pid.isdigit():
+        """A dead letter by ``seq:N`` (what the dead list links to), else the oldest dead
+        letter of that pid among the oldest ``NATS_SEARCH_DEPTH``."""
+        stream = await self.dead_stream()
+        letters, _ = await stream.find([pid], depth=NATS_SEARCH_DEPTH) if pid else ([], [])
+        if not letters:
             return {"pid": pid, "where": [], "size": 0, "record": "", "missing": True}
-        try:
-            msg = await js.get_msg(names.dead_stream, int(pid))
-        except NotFoundError:
-            return {"pid": pid, "where": [], "size": 0, "record": "", "missing": True}
-        entry = _dead_entry(msg)
-        raw = msg.data or b""
+        letter = letters[0]
+        entry, raw = _dead_entry(letter), letter.job.raw or b""
         return {
-            "pid": pid, "where": ["dead"], "size": len(raw), "record": text(raw[:VALUE_BYTES]),
+            "pid": letter.job.pid, "seq": letter.job.seq, "where": ["dead"],
+            "size": len(raw), "record": text(raw[:VALUE_BYTES]),
             "cut": len(raw) > VALUE_BYTES, "failure": entry.failure,
-            "failure_note": entry.note, "headers": headers_of(msg),
+            "failure_note": entry.note, "headers": letter.headers,
             "facts": envelope_facts(raw) if len(raw) <= VALUE_BYTES else {},
         }
 
 
-def headers_of(msg: Any) -> dict[str, str]:
-    """A stored message's headers as UTF-8 text: nats-py parses them with the email
-    package, which turns a non-ASCII value (a failure message can hold any) into an object."""
-    if not getattr(msg, "hdrs", None):
-        return {}
-    lines = base64.b64decode(msg.hdrs).decode(errors="replace").split("\r\n")[1:]
-    headers: dict[str, str] = {}
-    for line in lines:
-        name, colon, value = line.partition(":")
-        if colon:
-            headers.setdefault(name.strip(), value.strip())
-    return headers
-
-
-def _dead_entry(msg: Any) -> Entry:
-    headers = headers_of(msg)
-    failure, note = failure_of(headers.get(NATS_HEADER))
-    if failure is None and headers.get("Queue-Reason"):
-        note = f"{note} Queue-Reason: {headers['Queue-Reason']}"
-    raw = msg.data or b""
+def _dead_entry(letter: nats_dead.Letter) -> Entry:
+    """A row of the dead list, from ``dead``'s reading of the letter."""
+    job = letter.job
+    note = job.failure_note
+    if job.failure is None and letter.headers.get(nats_dead.REASON_HEADER):
+        note = f"(no record) {nats_dead.REASON_HEADER}: {letter.headers[nats_dead.REASON_HEADER]}"
+    raw = job.raw or b""
     facts = envelope_facts(raw) if len(raw) <= VALUE_BYTES else {}
-    attempts = headers.get("Queue-Attempts")
-    return Entry(str(msg.seq), len(raw), text(raw[:PREVIEW_BYTES]), failure, note,
-                 attempts=int(attempts) if attempts and attempts.isdigit() else None,
-                 at=msg.time.timestamp() if getattr(msg, "time", None) else facts.get(
-                     "timestamp"))
+    return Entry(job.pid, len(raw), text(raw[:PREVIEW_BYTES]), job.failure,
+                 note or "(no record)", attempts=job.deliveries,
+                 at=job.stored_at or facts.get("timestamp"), seq=job.seq)
 
 
 async def _nats_connect(config: Config) -> Any:

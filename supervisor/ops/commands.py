@@ -25,6 +25,7 @@ import redis.exceptions
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
 from broker.redis import acl as redis_acl
 from broker.redis.keys import QueueKeys
+from broker.redis.recovery import promote
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
@@ -78,6 +79,9 @@ async def recover_now(config: Config, args: argparse.Namespace) -> int:
         f"{report.expired_reservations} from expired reservations, "
         f"{report.dead_consumers} whose claim lapsed, {report.legacy} legacy"
     )
+    if report.promoted:
+        print(f"moved {report.promoted} delayed retries whose backoff was over to the ready "
+              "list")
     if not finished:
         print(f"stopped after {args.timeout:g}s: maintenance was still busy or locked")
     return exits.OK if finished else exits.LEFT
@@ -137,8 +141,10 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
             print(f"still running after {timeout:g}s: pids "
                   f"{', '.join(str(p.pid) for p in alive)}")
             return exits.LEFT
-        recovered, left = await recover_until_empty(broker, deadline)
+        recovered, promoted, left = await recover_until_empty(broker, deadline)
     print(f"recovered {recovered} deliveries")
+    print(f"moved {promoted} delayed retries to the ready list (PHP workers never read the "
+          "delayed set)")
     print("\n".join(describe_leftovers(left, config.job.queue)))
     return exits.OK if left.empty else exits.LEFT
 
@@ -167,21 +173,27 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
     return exits.OK
 
 
-async def recover_until_empty(broker: Any, deadline: float) -> tuple[int, inspect.Leftovers]:
-    """Recover until no reservation or owner record is left, or the deadline passed.
+async def recover_until_empty(
+    broker: Any, deadline: float
+) -> tuple[int, int, inspect.Leftovers]:
+    """Recover until no reservation, owner record or delayed retry is left, or the deadline
+    passed; returns what was recovered, the delayed retries moved to the ready list (all of
+    them, due or not: no supervisor is left to promote them) and what is left.
 
     Owner records of a supervisor of ours that was killed instead of stopped are only
     recoverable once its claims and its record expired (up to one lease): hence the
     retries. Other consumers' (PHP workers') records are theirs and not waited for. The
     sweeps do not wait for the fleet's reap lock (see ``supervisor.ops.recover``).
     """
-    recovered = 0
+    recovered = promoted = 0
     while True:
         report, _ = await recover(broker, max(deadline - time.monotonic(), 1.0))
         recovered += report.total
+        promoted += report.promoted
+        promoted += await promote(broker.scripts, broker.keys, everything=True, rounds=0)
         left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
         if left.empty or time.monotonic() >= deadline:
-            return recovered, left
+            return recovered, promoted, left
         await asyncio.sleep(0.5)
 
 
@@ -194,6 +206,7 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         f"queue {state['queue']} (namespace {state['namespace']})",
         f"  ready         {state['ready']}",
         f"  processing    {state['processing']} (owner records: {state['owners']})",
+        f"  delayed       {_delayed(state['delayed'])}",
         f"  reservations  {reservations['count']} lists, {reservations['payloads']} payloads, "
         f"{reservations['expired']} expired",
     ]
@@ -214,6 +227,14 @@ def describe_status(state: dict[str, Any]) -> list[str]:
                      " (stop them: see the README, upgrading)")
     lines.append("  stats         " + "  ".join(f"{k} {_count(v)}" for k, v in stats.items()))
     return lines
+
+
+def _delayed(delayed: dict[str, Any]) -> str:
+    """Retries waiting for their backoff, and when the first is due (server clock)."""
+    if not delayed["count"]:
+        return "0"
+    due = time.strftime("%H:%M:%S UTC", time.gmtime(delayed["next_due"]))
+    return f"{delayed['count']} retries waiting for their backoff (next due {due})"
 
 
 def _count(value: int | str) -> str:
@@ -239,8 +260,11 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
               if left.others.count else [])
     if left.empty:
         return [f"ok: no reservation and no owner record of {queue} remains of this "
-                "project's supervisors", *theirs]
+                "project's supervisors, and no delayed retry", *theirs]
     lines = [f"not empty: {queue} still has, of this project's supervisors"]
+    if left.delayed:
+        lines.append(f"  {left.delayed} delayed retries (waiting for their backoff; PHP "
+                     "workers never read them: `drain` moves them to the ready list)")
     for label, found in (
         ("registered reservations", left.registered),
         ("reservation lists", left.lists),
@@ -320,7 +344,8 @@ COMMANDS: dict[str, tuple[Command, str]] = {
     "poison": (failed_commands.poison, failed_commands.HELP["poison"]),
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
     "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
-    "check": (check, "exit 1 while reservations or owner records of the queue remain"),
+    "check": (check, "exit 1 while reservations, owner records or delayed retries of the "
+              "queue remain"),
     "acl": (acl, "print the Redis ACL users (ACL SETUSER) of the job and of each command"),
 }
 

@@ -50,7 +50,7 @@ def find_supervisors(
         if host != here:
             elsewhere.append(record)
             continue
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdecimal() or int(pid) == os.getpid():
             continue
         with contextlib.suppress(psutil.NoSuchProcess):
             process = psutil.Process(int(pid))

@@ -20,7 +20,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from broker.base import MAX_BATCH
+import nats.errors
+import redis.exceptions
+
+from broker.base import MAX_BATCH, BrokerError, BrokerRefused
+from broker.nats.setup import DUPLICATE_WINDOW
 from supervisor import exits, logs
 from supervisor.config import Config
 from supervisor.ops import failed as redis_lists
@@ -70,7 +74,21 @@ async def _run(config: Config, args: argparse.Namespace, source: str) -> int:
     from supervisor.ops.commands import redis_broker  # (commands imports this module)
 
     async with redis_broker(config, source) as broker:
-        return await _redis(config, args, source, broker)
+        try:
+            return await _redis(config, args, source, broker)
+        except redis.exceptions.ResponseError as error:
+            if "WRONGTYPE" not in str(error):
+                raise
+            # The server's text names no key: say which, and that nothing was changed.
+            key = redis_lists.list_key(broker.keys, source)
+            kind = _text(await broker.client.type(key))
+            if kind in ("list", "none"):
+                raise
+            raise BrokerError(
+                f"{key} holds a {kind}, not a list of pids as queue 5 writes it, so the "
+                f"command stopped there. Something other than queue 5 or this supervisor "
+                f"wrote it: look at it with redis-cli (TYPE, DUMP) before deleting it"
+            ) from error
 
 
 async def nats_retry(config: Config, args: argparse.Namespace) -> int:
@@ -91,7 +109,7 @@ async def _redis(config: Config, args: argparse.Namespace, source: str, broker: 
                                                   limit)
         return _print_list(args, source, queue, total, jobs)
     if args.action == "show":
-        if source == "poison" and not args.pid.isdigit():
+        if source == "poison" and not args.pid.isdecimal():
             raise UsageError(f"poison show takes a position (0 = the oldest), not {args.pid!r}")
         job = await redis_lists.show_job(client, scripts, keys, source, args.pid, limit)
         return _print_show(args, source, queue, job)
@@ -129,7 +147,8 @@ async def _redis(config: Config, args: argparse.Namespace, source: str, broker: 
                      f"expired (job_ttl): nothing left to run")
     if moved.malformed:
         lines.append(f"left {moved.malformed} job records where they are: undecodable, not "
-                     f"writable as PHP writes JSON, or over the job's envelope limit")
+                     f"writable as PHP writes JSON, over the job's envelope limit, or a pid "
+                     f"that is not UTF-8 text (remove those with redis-cli LREM)")
     if moved.skipped:
         lines.append(f"skipped {moved.skipped} that changed meanwhile (left in {source})")
     lines += _missing(source, moved.missing)
@@ -155,8 +174,7 @@ async def _nats(config: Config, args: argparse.Namespace, source: str) -> int:
         # One dead letter in memory at a time (each may be megabytes), unless named.
         async for letter in _selected(stream, args.pids, count, report):
             if args.action == "delete":
-                gone = not args.dry_run and not await stream.delete(letter)
-                (report.missing if gone else report.done).append(nats_dead.name(letter.job))
+                await nats_dead.remove(stream, letter, report, args.dry_run)
             else:
                 await _redrive(stream, letter, report, args.dry_run)
         if args.action == "delete":
@@ -181,18 +199,20 @@ async def _selected(stream: nats_dead.DeadStream, pids: list[str], count: int | 
 async def _redrive(stream: nats_dead.DeadStream, letter: nats_dead.Letter,
                    report: nats_dead.Moved, dry_run: bool) -> None:
     named = nats_dead.name(letter.job)
-    if not letter.job.pid:  # undecodable: a handler could not take it either
-        report.malformed.append(named)
-        return
-    if dry_run:
-        report.done.append(named)
-        return
-    outcome = await stream.redrive(letter)
-    if outcome is None:
-        report.missing.append(named)
-        return
-    report.done.append(named)
-    report.duplicates += outcome is False
+    try:
+        await nats_dead.retry(stream, letter, report, dry_run)
+    except BrokerRefused:
+        raise
+    except (BrokerError, nats.errors.Error, OSError) as error:
+        # A lost reply or a dropped connection mid-way: without this, the operator read
+        # "nats: timeout" alone, not which letter, what had moved, nor what to do.
+        raise BrokerError(
+            f"re-driving dead letter {named} (seq {letter.job.seq}) failed: {error!r}. "
+            f"{len(report.done)} moved before it{_named(report.done)}. It is still in "
+            f"{stream.names.dead_stream}, and in {stream.names.subject} too if its publish "
+            f"reached the server: run the same retry again within "
+            f"{DUPLICATE_WINDOW:g} s and the server keeps one copy of it (its message id)"
+        ) from error
 
 
 def _print_redrive(args: argparse.Namespace, source: str, queue: str, names: Any,
@@ -324,3 +344,6 @@ def add_arguments(parser: argparse.ArgumentParser, source: str, positive: Any) -
     for sub in (listing, show, *(actions.choices[a] for a in ACTIONS[source][2:])):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
 
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -53,11 +53,14 @@ class Leftovers:
     previous: Found = field(default_factory=Found)
     #: Reservation lists and owner records of other consumers (information only).
     others: Found = field(default_factory=Found)
+    #: Retries waiting for their backoff in ``supervisor-delayed.{q}``: PHP workers never
+    #: read that set, so with no supervisor left to promote them they would wait forever.
+    delayed: int = 0
 
     @property
     def empty(self) -> bool:
         return not (self.registered.count or self.lists.count or self.owners.count
-                    or self.previous.count)
+                    or self.previous.count or self.delayed)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"empty": self.empty}
@@ -83,7 +86,8 @@ async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers
     owners = await owner_records(client, keys, ours, others, show)
     previous = await scan_prefix(client, keys.legacy_consumer(""), show)
     others.names.sort()
-    return Leftovers(registered, lists, owners, previous, others)
+    delayed = await client.zcard(keys.delayed)
+    return Leftovers(registered, lists, owners, previous, others, delayed)
 
 
 #: Names kept while sorting leftovers into ours and others' (all of them).
@@ -152,15 +156,18 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
     pipe = client.pipeline(transaction=False)
     for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
         pipe.llen(key)
+    pipe.zcard(keys.delayed)
+    pipe.zrange(keys.delayed, 0, 0, withscores=True)
     for name in STATS:  # one GET each: a Redis Cluster pipeline refuses MGET
         pipe.get(keys.stat(name))
-    ready, processing, failed, dead, poison, *stats = await pipe.execute()
+    ready, processing, failed, dead, poison, delayed, first, *stats = await pipe.execute()
     owners = await scan_prefix(client, keys.owner(""), show=0)
     return {
         "queue": keys.queue,
         "namespace": keys.namespace,
         "ready": ready,
         "processing": processing,
+        "delayed": {"count": delayed, "next_due": int(first[0][1]) if first else None},
         "reservations": await reservations(client, keys, show),
         "failed": failed,
         "dead": dead,

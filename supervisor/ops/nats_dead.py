@@ -89,12 +89,14 @@ class DeadStream:
         info = await self.info()
         return info.state.messages if info else 0
 
-    async def letters(self, limit: int | None = None) -> AsyncIterator[Letter]:
-        """Oldest first, up to ``limit``, and only those stored when this began."""
+    async def letters(self, limit: int | None = None, after: int = 0
+                      ) -> AsyncIterator[Letter]:
+        """Oldest first (from the first sequence past ``after``: a page), up to ``limit``,
+        and only those stored when this began."""
         info = await self.info()
         if info is None:
             return
-        seq, last, count = info.state.first_seq, info.state.last_seq, 0
+        seq, last, count = max(info.state.first_seq, after + 1), info.state.last_seq, 0
         while seq <= last and (limit is None or count < limit):
             letter = await self.get(seq, nearest=True)
             if letter is None or (letter.job.seq or 0) > last:
@@ -126,9 +128,10 @@ class DeadStream:
                               f"{error.get('description')} (code {error.get('code')})")
         return _letter(answer["message"])
 
-    async def find(self, selectors: Sequence[str]) -> tuple[list[Letter], list[str]]:
+    async def find(self, selectors: Sequence[str], depth: int | None = None
+                   ) -> tuple[list[Letter], list[str]]:
         """The dead letters named by pid (every copy) or ``seq:N``; the selectors that
-        named none."""
+        named none. A pid is looked for in the oldest ``depth`` letters (None: all)."""
         seqs = {int(s[4:]) for s in selectors if is_seq(s)}
         pids = {s for s in selectors if not is_seq(s)}
         found: list[Letter] = []
@@ -137,7 +140,7 @@ class DeadStream:
             if letter is not None:
                 found.append(letter)
         if pids:
-            async for letter in self.letters():
+            async for letter in self.letters(depth):
                 if letter.job.pid in pids and letter.job.seq not in seqs:
                     found.append(letter)
         named = {name(letter.job) for letter in found} | {letter.job.pid for letter in found}
@@ -172,6 +175,32 @@ class DeadStream:
                                      headers=headers)
 
 
+async def retry(stream: DeadStream, letter: Letter, report: Moved, dry_run: bool = False
+                ) -> None:
+    """``dead retry``'s step for one dead letter (the dashboard's retry too): re-driven, or
+    counted as malformed (no pid: no handler could take it either) or missing."""
+    named = name(letter.job)
+    if not letter.job.pid:
+        report.malformed.append(named)
+        return
+    if dry_run:
+        report.done.append(named)
+        return
+    outcome = await stream.redrive(letter)
+    if outcome is None:
+        report.missing.append(named)
+        return
+    report.done.append(named)
+    report.duplicates += outcome is False
+
+
+async def remove(stream: DeadStream, letter: Letter, report: Moved, dry_run: bool = False
+                 ) -> None:
+    """``dead delete``'s step for one dead letter (the dashboard's delete too)."""
+    gone = not dry_run and not await stream.delete(letter)
+    (report.missing if gone else report.done).append(name(letter.job))
+
+
 @contextlib.asynccontextmanager
 async def dead_stream(config: Config, command: str) -> AsyncIterator[DeadStream]:
     async with connected(config, command) as client:
@@ -179,7 +208,7 @@ async def dead_stream(config: Config, command: str) -> AsyncIterator[DeadStream]
 
 
 def is_seq(selector: str) -> bool:
-    return selector.startswith("seq:") and selector[4:].isdigit()
+    return selector.startswith("seq:") and selector[4:].isdecimal()
 
 
 def name(job: Job) -> str:
@@ -202,7 +231,7 @@ def _letter(stored: dict[str, Any]) -> Letter:
     attempts = headers.get(ATTEMPTS_HEADER, "")
     return Letter(Job(pid=pid, raw=raw, size=len(raw), failure=failure, failure_note=note,
                       seq=stored.get("seq"), stored_at=_unix(stored.get("time")),
-                      deliveries=int(attempts) if attempts.isdigit() else None), headers)
+                      deliveries=int(attempts) if attempts.isdecimal() else None), headers)
 
 
 def parse_headers(block: bytes) -> dict[str, str]:

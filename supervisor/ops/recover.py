@@ -44,3 +44,4 @@ def _add(total: MaintenanceReport, report: MaintenanceReport) -> None:
     total.expired_reservations += report.expired_reservations
     total.dead_consumers += report.dead_consumers
     total.legacy += report.legacy
+    total.promoted += report.promoted

@@ -69,7 +69,11 @@ async def retry(
         window = await client.lrange(source_key, -(offset + take), -(offset + 1))
         if not window:
             break
-        pids = [_text(pid) for pid in reversed(window)]  # oldest first
+        # oldest first; a pid that is not UTF-8 (no PHP or supervisor writes one) names no
+        # record we could build a key for: it stays in place, counted, and is stepped over
+        pids = [pid for pid in map(_pid, reversed(window)) if pid is not None]
+        report.malformed += len(window) - len(pids)
+        offset += len(window) - len(pids)
         # records.lua answers a record over the limit with its length: it is never read here
         records = await scripts.call("records", [keys.job(pid) for pid in pids],
                                      [max_record_bytes])
@@ -173,3 +177,11 @@ async def _move(
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _pid(value: bytes | str) -> str | None:
+    """A list entry as a pid, or None when it is not UTF-8 text."""
+    try:
+        return _text(value)
+    except UnicodeDecodeError:
+        return None

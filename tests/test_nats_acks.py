@@ -1,0 +1,265 @@
+"""Batched NATS acks (``broker.nats.acks``): one write per settle batch, each ack a request
+whose own reply confirms it; lost replies, cuts and reconnects end as a single ack would."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import nats
+import pytest
+
+from broker.base import MAX_BATCH, Action, Outcome, Result, Settlement
+from broker.nats import NatsBroker
+from broker.nats.conn import Connection, RequestTimeout, _headers
+from broker.nats.setup import QueueNames
+from support.brokers import receive_all
+from support.faultproxy import FaultProxy
+from support.servers import NatsServer
+from support.waiting import until
+
+QUEUE = "acks"
+NAMES = QueueNames.of(QUEUE)
+
+
+@pytest.fixture
+async def proxy(nats_server: NatsServer):
+    fault = await FaultProxy(nats_server.port).start()
+    yield fault
+    await fault.close()
+
+
+async def pending_acks(js) -> int:
+    return (await js.consumer_info(NAMES.stream, "worker")).num_ack_pending
+
+
+async def stored(js) -> int:
+    return (await js.stream_info(NAMES.stream)).state.messages
+
+
+def count_writes(broker: NatsBroker) -> list[bytes]:
+    """Every write of the broker's current connection to its socket, from now on."""
+    conn = broker._link.connection
+    assert conn is not None
+    transport = conn.client._transport
+    written: list[bytes] = []
+    write = transport.write
+
+    def counting(data: bytes) -> None:
+        written.append(bytes(data))
+        write(data)
+
+    transport.write = counting
+    return written
+
+
+async def test_a_batch_of_max_batch_acks_is_one_write_of_confirmed_requests(nats_brokers, js):
+    broker = await nats_brokers(QUEUE)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(MAX_BATCH)])
+    held = await receive_all(broker, MAX_BATCH)
+    assert await pending_acks(js) == MAX_BATCH
+    written = count_writes(broker)
+    reported: list[int] = []
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held],
+                                  lambda index, result: reported.append(index))
+    assert results == [Result(Outcome.OK)] * MAX_BATCH
+    assert sorted(reported) == list(range(MAX_BATCH))
+    [write] = written  # the whole batch in one write
+    # Each one a typed request to its delivery's own ack subject, with a reply subject of
+    # its own (as ack_sync sends it): never AckAll, never an ack nobody answers.
+    lines = [line for line in write.split(b"\r\n") if line.startswith(b"PUB ")]
+    assert len(lines) == MAX_BATCH
+    subjects = [line.split()[1].decode() for line in lines]
+    assert subjects == [d.receipt.reply for d in held]
+    assert len({line.split()[2] for line in lines}) == MAX_BATCH
+    assert write.count(b"\r\n+ACK\r\n") == MAX_BATCH
+    assert await pending_acks(js) == 0
+    assert await stored(js) == 0
+
+
+async def request_batch(conn: Connection, requests: list[tuple[str, bytes]], timeout: float
+                        ) -> list:
+    """Each request's reply (or error), in the order of the requests."""
+    outcomes: dict[int, object] = {}
+    complete = asyncio.Event()
+
+    def on_reply(index: int, outcome: object) -> None:
+        assert index not in outcomes  # once each
+        outcomes[index] = outcome
+        if len(outcomes) == len(requests):
+            complete.set()
+
+    await conn.request_batch(requests, timeout=timeout, on_reply=on_reply)
+    await asyncio.wait_for(complete.wait(), 60)
+    return [outcomes[i] for i in range(len(requests))]
+
+
+async def test_replies_are_matched_to_their_requests_in_any_order(nats_server):
+    """A responder that answers a batch backwards, with header blocks and payloads that
+    straddle the client's reads: each future gets its own reply."""
+    responder = await nats.connect(nats_server.url)
+    batch: list = []
+    count = 300
+
+    async def collect(msg) -> None:
+        batch.append(msg)
+        if len(batch) == count:
+            for request in reversed(batch):
+                size = int(request.data)
+                await responder.publish(request.reply, b"x" * size,
+                                        headers={"Echo": request.subject})
+
+    await responder.subscribe("svc.*", cb=collect)
+    await responder.flush()
+    conn = await Connection.open(nats_server.url, lambda msg: None)
+    try:
+        sizes = [random.Random(i).choice((0, 1, 700, 40_000, 70_000)) for i in range(count)]
+        replies = await request_batch(
+            conn, [(f"svc.{i}", str(size).encode()) for i, size in enumerate(sizes)], 30)
+        assert [r.headers["Echo"] for r in replies] == [f"svc.{i}" for i in range(count)]
+        assert [len(r.data) for r in replies] == sizes
+        assert conn._waiting == {}
+    finally:
+        await conn.close()
+        await responder.close()
+
+
+async def test_a_request_of_a_batch_without_a_reply_times_out_alone(nats_server):
+    listener = await nats.connect(nats_server.url)
+
+    async def answer_all_but_one(msg) -> None:
+        if msg.subject != "svc.3":
+            await listener.publish(msg.reply, b"ok")
+
+    await listener.subscribe("svc.*", cb=answer_all_but_one)
+    await listener.flush()
+    conn = await Connection.open(nats_server.url, lambda msg: None)
+    try:
+        replies = await request_batch(conn, [(f"svc.{i}", b"") for i in range(6)], 1)
+        assert isinstance(replies[3], RequestTimeout)
+        assert str(replies[3]) == "no reply to svc.3 in 1s"
+        assert [r.data for i, r in enumerate(replies) if i != 3] == [b"ok"] * 5
+        assert conn._waiting == {}
+    finally:
+        await conn.close()
+        await listener.close()
+
+
+async def test_a_lost_ack_reply_is_uncertain_and_holds_back_nothing_of_its_batch(
+    nats_brokers, proxy, js
+):
+    broker = await nats_brokers(QUEUE, proxy.url, request_timeout=1.0)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(10)])
+    held = await receive_all(broker, 10)
+    lost = held[3]
+    proxy.drop_replies_to([lost.receipt.reply])
+    order: list[tuple[int, Outcome]] = []
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held],
+                                  lambda index, result: order.append((index, result.outcome)))
+    assert [r.outcome for r in results] == [Outcome.OK] * 3 + [Outcome.UNCERTAIN] + [
+        Outcome.OK] * 6
+    assert "no reply" in (results[3].detail or "")
+    assert order[-1] == (3, Outcome.UNCERTAIN)  # the others were reported before it
+    assert proxy.dropped == 1
+    assert proxy.published[lost.receipt.reply] == 1  # an uncertain ack is never replayed
+    # The server did get it: nothing comes back, nothing is left.
+    assert (await broker.receive(10, 2)).deliveries == []
+    assert await stored(js) == 0
+
+
+async def test_a_cut_in_the_middle_of_a_batch_loses_nothing(nats_brokers, proxy, js):
+    """The connection closes after half of a batch's acks went to the server: every ack
+    ends UNCERTAIN or OK (none replayed), the broker reconnects, what was not applied
+    comes back after the ack wait, and nothing is lost."""
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=2)
+    pids = await broker.publish_many(QUEUE, [{"i": i} for i in range(100)])
+    held = await receive_all(broker, 100)
+    proxy.cut_after(held[49].receipt.reply.encode())
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+    assert proxy.triggered.is_set()
+    assert {r.outcome for r in results} <= {Outcome.OK, Outcome.UNCERTAIN}
+    assert all(proxy.published[d.receipt.reply] == 1 for d in held[:50])
+    assert all(proxy.published[d.receipt.reply] == 0 for d in held[50:])  # never sent on
+    assert all(r.outcome is Outcome.UNCERTAIN for r in results[50:])
+
+    # The half that never reached the server comes back (so may some of the first half:
+    # the cut can drop what the server had not read yet); what was confirmed does not.
+    never_sent = {d.pid for d in held[50:]}
+    confirmed = {d.pid for d, r in zip(held, results, strict=True) if r.ok}
+    back: list = []
+
+    async def drained() -> bool:
+        received = await broker.receive(100, 1.0)  # after the ack wait, on a new connection
+        back.extend(received.deliveries)
+        assert all(r.ok for r in await broker.settle(
+            [Settlement(Action.COMMIT, d) for d in received.deliveries]))
+        return never_sent <= {d.pid for d in back} and await stored(js) == 0
+
+    await until(drained, 30)
+    assert broker.reconnects >= 1
+    assert {d.pid for d in back} <= {d.pid for d in held} - confirmed
+    assert {d.attempts for d in back} == {1}
+    assert all(proxy.published[d.receipt.reply] == 1 for d in held[:50])  # none replayed
+    assert sorted(pids) == sorted(d.pid for d in held)
+
+
+async def test_acks_sent_while_the_server_is_down_are_errors_then_settle_after_it_returns(
+    nats_brokers, nats_server
+):
+    """Never sent: certainly not applied, so ERROR (the delivery stays ours and is settled
+    again); once a new connection is up they settle (an ack the restarting server did
+    not answer in time is uncertain and comes back if it was not applied): nothing lost."""
+    broker = await nats_brokers(QUEUE, ack_wait=3, connect_timeout=1.0, request_timeout=1.0)
+    pids = set(await broker.publish_many(QUEUE, [{"i": i} for i in range(20)]))
+    held = await receive_all(broker, 20)
+    await asyncio.to_thread(nats_server.stop)
+
+    async def disconnected() -> bool:
+        return broker._link.connection is None
+
+    await until(disconnected, 20)
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+    assert {r.outcome for r in results} == {Outcome.ERROR}
+    assert all(r.detail and "not sent" in r.detail for r in results)
+    await asyncio.to_thread(nats_server.start)  # same port, same file storage
+    pending = held
+    for _ in range(30):
+        results = await broker.settle([Settlement(Action.COMMIT, d) for d in pending])
+        assert {r.outcome for r in results} <= {Outcome.OK, Outcome.UNCERTAIN, Outcome.ERROR}
+        pending = [d for d, r in zip(pending, results, strict=True)
+                   if r.outcome is Outcome.ERROR]
+        if not pending:
+            break
+    assert not pending
+    assert broker.reconnects >= 1
+
+    async def drained() -> bool:  # what an unapplied uncertain ack left comes back
+        received = await broker.receive(20, 1.0)
+        assert {d.pid for d in received.deliveries} <= pids
+        await broker.settle([Settlement(Action.COMMIT, d) for d in received.deliveries])
+        client = await nats.connect(nats_server.url)
+        try:
+            info = await client.jetstream().stream_info(NAMES.stream)
+        finally:
+            await client.close()
+        return info.state.messages == 0
+
+    await until(drained, 30)
+
+
+@pytest.mark.parametrize("raw", [
+    b"NATS/1.0\r\nNats-Msg-Id: abc\r\nContent-Type: application/json\r\n\r\n",
+    b"NATS/1.0 503\r\n\r\n",
+    b"NATS/1.0 404 No Messages\r\n\r\n",
+    b"NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\nNats-Pending-Bytes: 9\r\n\r\n",
+    b"NATS/1.0 409 Consumer Deleted\r\n\r\n",
+    b"NATS/1.0\r\nName:Value\r\nTabbed:\tx \r\nBad Name: skipped\r\n\r\n",
+    "NATS/1.0\r\nQueue-Reason: caf\u00e9 \u2014 d\u00e9j\u00e0\r\n\r\n".encode(),
+])
+async def test_inbox_headers_are_read_as_nats_py_reads_them(nats_server, raw):
+    """The inbox's messages skip nats-py's header parsing: the result must be the same."""
+    client = await nats.connect(nats_server.url)
+    try:
+        assert _headers(raw) == await client._process_headers(raw)
+    finally:
+        await client.close()
