@@ -35,9 +35,6 @@ def stats_usage_payload(n: int, published: float | None = None) -> dict[str, Any
     }
 
 
-_PROFILED: list[None] = []  # supervisors started under cProfile so far
-
-
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a process the harness starts: this checkout first on the path."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
@@ -48,16 +45,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def start(args: list[str], *, capture: bool = False, **env: str) -> subprocess.Popen:
-    """``python ARGS`` from this checkout; ``capture``: read its stdout (peers say "ready").
-
-    With BENCH_PROFILE=DIR in the environment the supervisor runs under cProfile and leaves
-    DIR/supervisor-<pid of the harness>-<n>.prof at its stop (where its CPU goes; the
-    profiler slows it, so figures of such a run are not throughput figures)."""
-    profile = os.environ.get("BENCH_PROFILE")
-    if profile and args[:2] == ["-m", "supervisor"]:
-        _PROFILED.append(None)
-        out = Path(profile) / f"supervisor-{os.getpid()}-{len(_PROFILED)}.prof"
-        args = ["-m", "cProfile", "-o", str(out), *args]
+    """``python ARGS`` from this checkout; ``capture``: read its stdout (peers say "ready")."""
     return subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, env=child_env(**env),
         stdout=subprocess.PIPE if capture else subprocess.DEVNULL, stderr=None, text=True,

@@ -71,33 +71,6 @@ def test_a_delivery_passes_through_every_state_in_its_one_place():
     assert buffer.outstanding == 2 and buffer.in_state(State.COMPLETED)[0].settle_failures == 1
 
 
-def test_a_plain_handlers_mark_starts_it_and_the_queued_ones_before_it_in_order():
-    buffer = Buffer(prefetch=5, handlers=1)
-    buffer.add(deliveries(4))
-    buffer.queue(0, 4)
-    assert buffer.started_up_to(0, 99, at=7.0) == []  # not queued here: nothing changes
-    # A DONE read before the mark was: the next queued one finished in order.
-    assert buffer.finished(0, 1, error=None, in_order=True).id == 1
-    promoted = buffer.started_up_to(0, 3, at=7.0)  # 2 was held for flush(), 3 runs
-    buffer.check()
-    assert ids(promoted) == [2, 3] and ids(buffer.running_in(0)) == [2, 3]
-    assert all(entry.started_at == 7.0 for entry in promoted)
-    assert buffer.started_up_to(0, 3, at=8.0) == []  # read twice: its start is known
-    assert ids(buffer.in_state(State.QUEUED, 0)) == [4]
-    # 3 runs: 4 waits (the head counts as running only while nothing is known to run)
-    assert buffer.unstarted(in_order=True) == 1 == buffer.unstarted()
-    buffer.finished(0, 2, error=None, in_order=True)
-    with pytest.raises(AccountingError):  # neither running nor next: a bug, not a guess
-        buffer.finished(0, 1, error=None, in_order=True)
-    with pytest.raises(AccountingError):  # an async handler reports STARTED first
-        buffer.finished(0, 4, error=None)
-    buffer.finished(0, 3, error=None, in_order=True)
-    assert buffer.unstarted(in_order=True) == 0 and buffer.unstarted() == 1
-    buffer.finished(0, 4, error=None, in_order=True)
-    buffer.check()
-    assert ids(buffer.in_state(State.COMPLETED)) == [1, 2, 3, 4]
-
-
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
@@ -399,54 +372,6 @@ def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
         assert await core.stop() == exits.OK
         assert broker.dead == [blamed_pid] and pids[1] == blamed_pid
         assert set(broker.committed) == set(pids) - {blamed_pid}
-
-    run(scenario())
-
-
-def test_a_plain_handler_killed_mid_job_is_blamed_by_its_mark_without_a_start_record():
-    async def scenario():
-        broker = MemoryBroker(max_attempts=1)  # a blamed delivery is dead at once
-        pids = await broker.publish_many("jobs", [{"n": n} for n in range(3)])
-        core = Core(core_config(prefetch=3, coroutines=1), broker)
-        await core.start()
-        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 3)
-        first = core.process(0)
-        first.start_next()
-        first.finish()  # the first returned
-        first.start_next()  # the second is in its handler
-        first.read()  # the third was read from the ring, not started
-        await core.wait_for(lambda: len(broker.committed) == 1)
-        first.die(-signal.SIGKILL)
-        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
-        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 1)
-        core.arbiter.buffer.check()
-        assert first.posted == ["DONE"]  # one record per delivery, no STARTED
-        assert core.process(0).work() == 1
-        await core.wait_for(lambda: len(broker.committed) == 2)
-        assert await core.stop() == exits.OK
-        assert broker.dead == [pids[1]]
-        assert set(broker.committed) == {pids[0], pids[2]}  # the third ran again: not blamed
-
-    run(scenario())
-
-
-def test_a_plain_handler_that_died_between_jobs_blames_nothing():
-    async def scenario():
-        broker = MemoryBroker(max_attempts=1)
-        pids = await broker.publish_many("jobs", [{"n": n} for n in range(2)])
-        core = Core(core_config(prefetch=2, coroutines=1), broker)
-        await core.start()
-        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
-        first = core.process(0)
-        first.start_next()
-        first.finish()  # returned; its mark still names it, the second was never started
-        first.die(-signal.SIGKILL)
-        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
-        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 1)
-        assert core.process(0).work() == 1
-        await core.wait_for(lambda: len(broker.committed) == 2)
-        assert await core.stop() == exits.OK
-        assert broker.dead == [] and sorted(broker.committed) == sorted(pids)
 
     run(scenario())
 
