@@ -25,11 +25,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 10.0) -> None:
+class ExitedBeforeListening(RuntimeError):
+    """The server process ended before it listened (on a loaded machine, most often: the
+    free port it was given was taken by another process in between)."""
+
+
+def wait_for_port(port: int, timeout: float = 30.0,
+                  process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
+        if process is not None and process.poll() is not None:
+            raise ExitedBeforeListening(
+                f"server exited with {process.returncode} before listening on {port}")
         time.sleep(0.02)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
@@ -81,7 +90,7 @@ class RedisServer(_ServerProcess):
         else:
             args += ["--appendonly", "no"]
         self.process = subprocess.Popen(args + self.extra, stdout=subprocess.DEVNULL)
-        wait_for_port(self.port)
+        wait_for_port(self.port, process=self.process)
         return self
 
     def cli(self, *args: str) -> str:
@@ -119,6 +128,7 @@ class NatsServer(_ServerProcess):
         self.monitor_port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="qs-nats-"))
         self.process: subprocess.Popen | None = None
+        self._started = False
 
     @property
     def url(self) -> str:
@@ -135,15 +145,25 @@ class NatsServer(_ServerProcess):
             return json.loads(answer.read())
 
     def start(self) -> NatsServer:
-        self.process = subprocess.Popen(
-            [
-                nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
-                "-m", str(self.monitor_port), "-js", "-sd", str(self.dir),
-                *(["--server_name", self.name] if self.name else []), *self.extra,
-            ],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        wait_for_port(self.port)
+        # A first start whose free ports were taken meanwhile (xdist workers and soaks pick
+        # ports at once) tries fresh ones; a restart keeps its ports: clients know them.
+        for tries_left in (2, 1, 0) if not self._started else (0,):
+            self.process = subprocess.Popen(
+                [
+                    nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+                    "-m", str(self.monitor_port), "-js", "-sd", str(self.dir),
+                    *(["--server_name", self.name] if self.name else []), *self.extra,
+                ],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            try:
+                wait_for_port(self.port, process=self.process)
+                break
+            except ExitedBeforeListening:
+                if not tries_left:
+                    raise
+                self.port, self.monitor_port = free_port(), free_port()
+        self._started = True
         return self
 
     def close(self) -> None:
