@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -22,22 +21,6 @@ from support import envelopes
 from support.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
-
-
-@pytest.fixture
-def conf(tmp_path: Path, redis_url: str) -> str:
-    return str(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
-
-
-@pytest.fixture
-def run(capsys):
-    """Run ``python -m supervisor ARGS`` in this process: returns (exit code, stdout)."""
-
-    async def runner(*args: str) -> tuple[int, str]:
-        code = await asyncio.to_thread(cli.main, list(args))
-        return code, capsys.readouterr().out
-
-    return runner
 
 
 async def push(client, *payloads: dict[str, Any]) -> list[str]:
