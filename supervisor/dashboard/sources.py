@@ -326,16 +326,9 @@ class NatsSource:
             raise BrokerError(f"NATS at {redact(self.config.broker.url)} did not answer "
                               f"the JetStream API: {error!r}") from error
         return {
-            "stream": names.stream if work else None,
-            "messages": work.state.messages if work else 0,
-            "ready": consumer.num_pending if consumer else 0,
-            "processing": consumer.num_ack_pending if consumer else 0,
-            "redelivered": consumer.num_redelivered if consumer else 0,
-            "waiting_pulls": consumer.num_waiting if consumer else 0,
-            "dead": dead.state.messages if dead else 0,
+            **status.counts(names, work, dead, consumer, self.config.job.max_attempts),
             "acknowledged": consumer.ack_floor.consumer_seq
             if consumer and consumer.ack_floor else 0,
-            "consumer": status._consumer_settings(consumer, self.config.job.max_attempts),
         }
 
     async def counts(self) -> Counts:

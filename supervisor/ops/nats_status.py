@@ -56,6 +56,17 @@ async def _queue_status(config: Config) -> dict[str, Any]:
     return {
         "queue": config.job.queue,
         "broker": "nats",
+        **counts(names, work, dead, consumer, config.job.max_attempts),
+        "earlier_stream": earlier,
+    }
+
+
+def counts(
+    names: QueueNames, work: Any, dead: Any, consumer: Any, max_attempts: int
+) -> dict[str, Any]:
+    """What ``status`` and the dashboard show of a queue, from its stream, dead stream and
+    consumer info (each None when absent)."""
+    return {
         "stream": names.stream if work else None,
         "messages": work.state.messages if work else 0,
         "ready": consumer.num_pending if consumer else 0,
@@ -63,8 +74,7 @@ async def _queue_status(config: Config) -> dict[str, Any]:
         "redelivered": consumer.num_redelivered if consumer else 0,
         "waiting_pulls": consumer.num_waiting if consumer else 0,
         "dead": dead.state.messages if dead else 0,
-        "consumer": _consumer_settings(consumer, config.job.max_attempts),
-        "earlier_stream": earlier,
+        "consumer": _consumer_settings(consumer, max_attempts),
     }
 
 
