@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import orjson
@@ -391,9 +391,9 @@ class RedisBroker:
             if not reply and block:
                 reply = await self._reserve_blocking(key, token, block_timeout, registered_at)
         # reserve.lua answers an oversized payload with its length (an integer) instead
-        payloads = [item for item in reply if isinstance(item, bytes)]
-        oversized = [int(item) for item in reply if not isinstance(item, bytes)]
-        return Reservation(key, token, payloads, oversized)
+        oversized = [int(item) for item in reply if item.__class__ is not bytes]
+        payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
+        return Reservation(key, token, cast(list[bytes], payloads), oversized)
 
     def _reserve_args(self, n: int, wait: int) -> list[int]:
         return [n, self._lease, wait, self.max_envelope_bytes or 0]
