@@ -337,6 +337,29 @@ def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
     run(scenario())
 
 
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_settlement_calls_run_in_the_loop_or_in_tasks_by_the_brokers_concurrency(concurrency):
+    """One call at a time (Redis): the settle loop makes the call itself, no task per batch;
+    several (JetStream): each call is a task of its own. Everything is committed either way."""
+    async def scenario():
+        broker = MemoryBroker(settle_concurrency=concurrency)
+        core, broker, pids = await running_core(60, 10, 1, broker)
+        tasks = 0
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                for process in core.server.living():
+                    process.start_next()
+                    process.finish()
+                await asyncio.sleep(0)
+                tasks = max(tasks, len(core.arbiter.settling))
+                await core.settle_down(2)
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+        assert (tasks == 0) == (concurrency == 1)
+
+    run(scenario())
+
+
 def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
     async def scenario():
         core, broker, _ = await running_core(300, 100, 1)
