@@ -78,11 +78,18 @@ class Delivery:
     raw: bytes
     receipt: Any
     envelope: dict[str, Any] = field(repr=False, default_factory=dict)
+    #: The broker's own per-delivery keys, built once at the claim and reused by every
+    #: settlement and renewal of it (Redis: its claims, jobs and owners key); () if none.
+    keys: tuple[str, ...] = field(repr=False, default=())
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Settlement:
-    """One requested settlement: what to do with which delivery (and why, for a reject)."""
+    """One requested settlement: what to do with which delivery (and why, for a reject).
+
+    Not changed once made, but not frozen: one is built per delivery settled, and a frozen
+    dataclass's ``__init__`` (``object.__setattr__`` per field) costs four times as much.
+    """
 
     action: Action
     delivery: Delivery

@@ -65,6 +65,9 @@ class MemoryBroker:
     max_attempts: int = 3
     replay_uncertain: bool = True
     settle_concurrency: int = 1
+    #: Tell each result as it is made (``on_result``), as JetStream does; False: only all
+    #: at once in the returned list, as Redis does.
+    early_results: bool = True
     faults: Faults = field(default_factory=Faults)
     ready: deque[_Message] = field(default_factory=deque)
     owned: dict[str, _Message] = field(default_factory=dict)  # pid -> message
@@ -155,7 +158,7 @@ class MemoryBroker:
         for index, settlement in enumerate(settlements):
             result = self._settle_one(settlement)
             results.append(result)
-            if on_result is not None:
+            if on_result is not None and self.early_results:
                 on_result(index, result)
         return results
 

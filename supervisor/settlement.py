@@ -112,9 +112,12 @@ class Settler:
             told = True
             results = [Result(Outcome.ERROR, describe(error))] * len(batch)
         self.metrics.settle_batch(len(batch), time.perf_counter() - began)
-        for index, result in enumerate(results):
-            if not applied[index]:
-                apply(index, result)
+        if any(applied):
+            for index, result in enumerate(results):
+                if not applied[index]:
+                    apply(index, result)
+        else:  # every result at once (Redis): counted and told per batch, not per entry
+            retry += self._apply_all(batch, settlements, results, since, left)
         self._tell(results, since, left, told)
         if retry:
             self.buffer.retry_later(retry)
@@ -132,6 +135,31 @@ class Settler:
             log.warning("%d settlements uncertain (%s): not replayed; the broker either "
                         "applied them or will deliver those messages again",
                         len(left.unreplayed), _named(left.unreplayed))
+
+    def _apply_all(self, batch: list[Entry], settlements: list[Settlement],
+                   results: list[Result], since: float, left: Left) -> list[Entry]:
+        """``_apply`` for a whole batch whose results came together; the entries to try
+        again. An applied commit or release (the common case) is forgotten and confirmed
+        here, counted once per action after the loop."""
+        retry: list[Entry] = []
+        confirmed = {Action.COMMIT: 0, Action.RELEASE: 0}
+        forget, confirm, ok, reject = self.buffer.forget, self.confirm, Outcome.OK, Action.REJECT
+        told_back = False  # the broker answered: told once, before anything is forgotten
+        for entry, settlement, result in zip(batch, settlements, results, strict=True):
+            if not told_back and result.outcome not in UNCONFIRMED:
+                self.outage.back(since)
+                told_back = True
+            action = settlement.action
+            if result.outcome is ok and action is not reject:
+                forget(entry)
+                confirm(entry, action is Action.COMMIT)
+                confirmed[action] += 1
+            elif not self._apply(entry, settlement, result, left):
+                retry.append(entry)
+        for action, count in confirmed.items():
+            if count:
+                self.metrics.settled(action, count)
+        return retry
 
     def _apply(self, entry: Entry, settlement: Settlement, result: Result, left: Left) -> bool:
         """Act on one result; False when the entry stays outstanding for another try."""

@@ -179,11 +179,12 @@ def test_only_the_buffer_moves_deliveries_and_only_a_place_counts_its_process():
 
 
 async def settler_with(
-    count: int, replay_uncertain: bool = True, **faults: int
+    count: int, replay_uncertain: bool = True, early: bool = True, **faults: int
 ) -> tuple[Settler, Buffer, list, MemoryBroker]:
-    """A settler over ``count`` completed successes, on a broker with ``faults`` to come:
+    """A settler over ``count`` completed successes, on a broker with ``faults`` to come
+    that tells each result as it is made (``early``, as JetStream) or all at once (as Redis):
     (settler, buffer, the confirmations it made, broker)."""
-    broker = MemoryBroker(replay_uncertain=replay_uncertain)
+    broker = MemoryBroker(replay_uncertain=replay_uncertain, early_results=early)
     for name, value in faults.items():
         setattr(broker.faults, name, value)
     await broker.publish_many("jobs", [{"n": n} for n in range(count)])
@@ -199,9 +200,10 @@ async def settler_with(
     return settler, buffer, confirmed, broker
 
 
-def test_a_confirmed_commit_is_forgotten_and_confirmed():
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_confirmed_commit_is_forgotten_and_confirmed(early):
     async def scenario():
-        settler, buffer, confirmed, broker = await settler_with(3)
+        settler, buffer, confirmed, broker = await settler_with(3, early=early)
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and sorted(confirmed) == [(1, True), (2, True), (3, True)]
         assert sum(broker.committed.values()) == 3
@@ -209,9 +211,10 @@ def test_a_confirmed_commit_is_forgotten_and_confirmed():
     run(scenario())
 
 
-def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again():
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again(early):
     async def scenario():
-        settler, buffer, confirmed, broker = await settler_with(3, settle_errors=1)
+        settler, buffer, confirmed, broker = await settler_with(3, early=early, settle_errors=1)
         assert not await settler.settle(buffer.take_completed(10))
         buffer.check()
         assert buffer.completed_count == 3 and not confirmed and not broker.committed
@@ -221,18 +224,21 @@ def test_a_failed_settle_call_keeps_everything_outstanding_to_settle_again():
     run(scenario())
 
 
-def test_one_unapplied_result_does_not_hold_back_the_others():
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_one_unapplied_result_does_not_hold_back_the_others(early):
     async def scenario():
-        settler, buffer, _, _ = await settler_with(3, unapplied=1)
+        settler, buffer, _, _ = await settler_with(3, early=early, unapplied=1)
         assert not await settler.settle(buffer.take_completed(10))
         assert ids(buffer.in_state(State.COMPLETED)) == [1] and buffer.outstanding == 1
 
     run(scenario())
 
 
-def test_a_lost_reply_is_replayed_and_the_replay_finds_it_done():
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_lost_reply_is_replayed_and_the_replay_finds_it_done(early):
     async def scenario():
-        settler, buffer, confirmed, broker = await settler_with(1, uncertain_applied=1)
+        settler, buffer, confirmed, broker = await settler_with(
+            1, early=early, uncertain_applied=1)
         assert not await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 1  # not known to be applied: kept
         assert await settler.settle(buffer.take_completed(10))  # answered stale: forgotten
@@ -242,10 +248,11 @@ def test_a_lost_reply_is_replayed_and_the_replay_finds_it_done():
     run(scenario())
 
 
-def test_without_replay_a_lost_reply_is_left_to_the_broker():
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_without_replay_a_lost_reply_is_left_to_the_broker(early):
     async def scenario():
         settler, buffer, _, broker = await settler_with(
-            1, replay_uncertain=False, uncertain_unapplied=1
+            1, replay_uncertain=False, early=early, uncertain_unapplied=1
         )
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and not broker.committed
@@ -254,13 +261,33 @@ def test_without_replay_a_lost_reply_is_left_to_the_broker():
     run(scenario())
 
 
-def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten():
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_delivery_another_consumer_recovered_is_stale_and_forgotten(early):
     async def scenario():
-        settler, buffer, confirmed, broker = await settler_with(2)
+        settler, buffer, confirmed, broker = await settler_with(2, early=early)
         broker.recover(entry(buffer, 1).delivery.pid)
         assert await settler.settle(buffer.take_completed(10))
         assert buffer.outstanding == 0 and sorted(confirmed) == [(1, False), (2, True)]
         assert len(broker.ready) == 1 and sum(broker.committed.values()) == 1
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_mixed_batch_is_settled_and_counted_per_action(early):
+    async def scenario():
+        settler, buffer, confirmed, broker = await settler_with(5, early=early)
+        batch = buffer.take_completed(10)
+        batch[1].error = "boom"  # rejected: retried by the broker
+        batch[2].release = True
+        broker.recover(batch[3].delivery.pid)  # stale
+        assert await settler.settle(batch)
+        assert buffer.outstanding == 0
+        assert sorted(confirmed) == [(1, True), (2, False), (3, False), (4, False), (5, True)]
+        counts = settler.metrics.counts
+        assert (counts["commit"], counts["reject"], counts["release"], counts["stale"]) == (
+            2, 1, 1, 1)
+        assert sum(broker.committed.values()) == 2 and len(broker.ready) == 3
 
     run(scenario())
 
@@ -306,6 +333,29 @@ def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids) and not broker.owned
         assert 0 < peak <= 10
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_settlement_calls_run_in_the_loop_or_in_tasks_by_the_brokers_concurrency(concurrency):
+    """One call at a time (Redis): the settle loop makes the call itself, no task per batch;
+    several (JetStream): each call is a task of its own. Everything is committed either way."""
+    async def scenario():
+        broker = MemoryBroker(settle_concurrency=concurrency)
+        core, broker, pids = await running_core(60, 10, 1, broker)
+        tasks = 0
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                for process in core.server.living():
+                    process.start_next()
+                    process.finish()
+                await asyncio.sleep(0)
+                tasks = max(tasks, len(core.arbiter.settling))
+                await core.settle_down(2)
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+        assert (tasks == 0) == (concurrency == 1)
 
     run(scenario())
 

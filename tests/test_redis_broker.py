@@ -148,6 +148,25 @@ async def test_php_envelopes_are_accepted(broker, redis_client):
     }
 
 
+async def test_keys_built_at_the_claim_settle_it_and_a_delivery_without_them_too(
+    broker, redis_client
+):
+    """Each delivery carries its claims, jobs and owners key from the claim on; settle and
+    extend use them, and build them for a delivery made elsewhere (without keys)."""
+    await publish_new(redis_client, 2)
+    built, bare = (await broker.receive(10, 0)).deliveries
+    assert built.keys == (claim_key(built.pid), job_key(built.pid), owner_key(built.pid))
+    bare = Delivery(bare.pid, bare.queue, bare.timestamp, bare.attempts, bare.payload,
+                    bare.raw, bare.receipt, bare.envelope)
+    assert bare.keys == ()
+    assert await broker.extend([built, bare]) == [True, True]
+    assert await redis_client.ttl(built.keys[0]) > 0
+    results = await broker.settle([Settlement(Action.COMMIT, built),
+                                   Settlement(Action.COMMIT, bare)])
+    assert [result.outcome for result in results] == [Outcome.OK, Outcome.OK]
+    assert await redis_client.exists(job_key(built.pid), job_key(bare.pid)) == 0
+
+
 async def test_malformed_envelopes_go_to_poison(broker, redis_client):
     broker.max_envelope_bytes = 512 * 1024  # a configured limit (by default none, as in PHP)
     good = await publish_new(redis_client, 1)

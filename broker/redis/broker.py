@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import orjson
@@ -391,9 +391,9 @@ class RedisBroker:
             if not reply and block:
                 reply = await self._reserve_blocking(key, token, block_timeout, registered_at)
         # reserve.lua answers an oversized payload with its length (an integer) instead
-        payloads = [item for item in reply if isinstance(item, bytes)]
-        oversized = [int(item) for item in reply if not isinstance(item, bytes)]
-        return Reservation(key, token, payloads, oversized)
+        oversized = [int(item) for item in reply if item.__class__ is not bytes]
+        payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
+        return Reservation(key, token, cast(list[bytes], payloads), oversized)
 
     def _reserve_args(self, n: int, wait: int) -> list[int]:
         return [n, self._lease, wait, self.max_envelope_bytes or 0]
@@ -622,11 +622,12 @@ class RedisBroker:
                 items.append(Poisoned(raw, str(error)))
                 continue
             pid = decoded["pid"]
-            keys += (job_prefix + pid, claim_prefix + pid, owner_prefix + pid)
+            job, claim, owner = job_prefix + pid, claim_prefix + pid, owner_prefix + pid
+            keys += (job, claim, owner)
             kinds.append("g")
             items.append(Delivery(
                 pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
-                decoded["payload"], raw, token, decoded,
+                decoded["payload"], raw, token, decoded, (claim, job, owner),
             ))
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args = [self._lease, token, len(items), "".join(kinds), self._job_prefix_bytes]
@@ -700,13 +701,11 @@ class RedisBroker:
         records: list[str] = []  # the failure record key of each reject
         extras: list[Any] = []
         applied: list[Result] = []  # what an applied settlement did, per item
-        job_prefix, claim_prefix, owner_prefix = (
-            self._job_prefix, self._claim_prefix, self._owner_prefix)
         now = time.time()
         for settlement in batch:
             delivery = settlement.delivery
             pid = delivery.pid
-            keys += (claim_prefix + pid, job_prefix + pid, owner_prefix + pid)
+            keys += delivery.keys or self._delivery_keys(pid)  # claims, jobs, owners key
             if settlement.action is Action.COMMIT:
                 op, result = "c", _APPLIED
             else:
@@ -743,6 +742,10 @@ class RedisBroker:
             return [uncertain] * len(batch)
         return [done if outcome == b"ok" else _RESULTS[outcome]
                 for outcome, done in zip(reply, applied, strict=True)]
+
+    def _delivery_keys(self, pid: str) -> tuple[str, str, str]:
+        """A delivery's claims, jobs and owners key (built at the claim: see ``Delivery``)."""
+        return self._claim_prefix + pid, self._job_prefix + pid, self._owner_prefix + pid
 
     def _settle_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
         """The script's op for one settlement, its extra arguments (a retry's envelope and
@@ -840,7 +843,8 @@ class RedisBroker:
                 batch = deliveries[start:start + MAX_BATCH]
                 keys = [self._record, self.keys.supervisor_tokens]
                 for delivery in batch:
-                    keys += (self._claim_prefix + delivery.pid, self._owner_prefix + delivery.pid)
+                    claim, _, owner = delivery.keys or self._delivery_keys(delivery.pid)
+                    keys += (claim, owner)
                 args: list[Any] = [lease, self._record_value, self.token_prefix,
                                    self.consumer_id]
                 args += [delivery.receipt for delivery in batch]
