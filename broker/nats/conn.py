@@ -39,6 +39,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError, BrokerRefused
+from broker.nats import parse
 from broker.nats import tls as nats_tls
 from broker.urls import redact
 
@@ -197,6 +198,7 @@ class Connection:
                 await original(sid_, subject, reply, data, headers)
 
         self.client._process_msg = process_msg  # type: ignore[method-assign,assignment]
+        parse.install(self.client, sid, route)
 
     @property
     def server_info(self) -> dict[str, Any]:
