@@ -68,6 +68,8 @@ async def test_a_batch_of_max_batch_acks_is_one_write_of_confirmed_requests(nats
     # Each one a typed request to its delivery's own ack subject, with a reply subject of
     # its own (as ack_sync sends it): never AckAll, never an ack nobody answers.
     lines = [line for line in write.split(b"\r\n") if line.startswith(b"PUB ")]
+    # After the acks, in the same write, the pull for the room they make (Puller.ahead).
+    assert lines.pop().startswith(b"PUB " + NAMES.next_subject.encode() + b" ")
     assert len(lines) == MAX_BATCH
     subjects = [line.split()[1].decode() for line in lines]
     assert subjects == [d.receipt.reply for d in held]
@@ -75,6 +77,41 @@ async def test_a_batch_of_max_batch_acks_is_one_write_of_confirmed_requests(nats
     assert write.count(b"\r\n+ACK\r\n") == MAX_BATCH
     assert await pending_acks(js) == 0
     assert await stored(js) == 0
+
+
+def pull_lines(write: bytes) -> list[bytes]:
+    return [line for line in write.split(b"\r\n")
+            if line.startswith(b"PUB " + NAMES.next_subject.encode() + b" ")]
+
+
+async def test_the_next_pull_rides_in_the_acks_write(nats_brokers, js):
+    """A settle of commits asks for the room its acks make in the same write (after
+    them), so the next receive finds the messages without a round trip of its own; the
+    server never counts more outstanding than before."""
+    broker = await nats_brokers(QUEUE)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(8)])
+    held = await receive_all(broker, 3)
+    written = count_writes(broker)
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, d)
+                                                   for d in held]))
+    [write] = written
+    [pull] = pull_lines(write)
+    assert write.index(pull) > write.rindex(b"+ACK")  # the acks first: room made, then used
+    await until(lambda: len(broker._puller.backlog()) == 3, 10, "the pulled-ahead messages")
+    assert await pending_acks(js) == 3
+    again = (await broker.receive(3, 1.0)).deliveries
+    assert [d.payload for d in again] == [{"i": i} for i in range(3, 6)]
+    assert len(written) == 1  # the receive needed no request
+
+    # A settle that hands a job back does not pull it (or another) back here at once.
+    await broker.settle([Settlement(Action.COMMIT, again[0]),
+                         Settlement(Action.REJECT, again[1], "boom")])
+    assert pull_lines(b"".join(written[1:])) == []
+    # Nor does one after a stop began: what it would pull only waits to be released.
+    broker.stop_waiting()
+    await broker.settle([Settlement(Action.COMMIT, again[2])])
+    assert pull_lines(b"".join(written[1:])) == []
+    assert broker._puller.backlog() == []
 
 
 async def request_batch(conn: Connection, requests: list[tuple[str, bytes]], timeout: float

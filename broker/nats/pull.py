@@ -14,11 +14,15 @@ and counted against the room of the next top-ups (so late arrivals do not push t
 outstanding count past prefetch), until a later request's status shows the server has
 answered everything before it, the connection is replaced, or twice the request timeout
 has passed.
+
+A settle call's acks carry a pull of their own (``ahead``): a no-wait request for the room
+they make, in the same write, whose messages land in the backlog for the next receive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -59,10 +63,15 @@ class Puller:
         self._owed = 0  # asked for by requests that timed out; may still arrive
         self._owed_until = 0.0
         self._leaderless_since: float | None = None  # first 503 of an outage, for the log
+        self._arrived = 0  # pulled messages seen so far (counts what a pull ahead got)
+        self._room = 0  # the most a receive asked for: what a pull ahead may fill
+        # The pull ahead in flight (see ahead()): its status, batch and _arrived when sent.
+        self._ahead: tuple[asyncio.Future[Msg], int, int] | None = None
 
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
         self._backlog.append(msg)
+        self._arrived += 1
         self._signal()
 
     def stop_waiting(self) -> None:
@@ -87,12 +96,58 @@ class Puller:
         self._backlog.clear()
         return taken
 
+    def ahead(self, conn: Connection, freed: int) -> bytes:
+        """A no-wait pull for the room ``freed`` acks make, to go in the acks' own write
+        (``request_batch``'s tail): the next receive then finds the messages here instead of
+        asking after the acks are confirmed (one round trip per job at prefetch 1, not two).
+        Its messages land in the backlog like any other (renewed, and released at close,
+        with it). b"" (nothing to send) while a receive or another pull ahead runs, after
+        a stop began, or when the backlog already holds a receive's worth.
+
+        The server applies the acks before it serves the pull (same write, in order), so it
+        counts no more deliveries outstanding than before; an ack that was not applied (no
+        reply, or a 503) leaves up to ``freed`` more out until its delivery's ack wait."""
+        if self._no_wait or self._ahead is not None or self._lock.locked():
+            return b""
+        batch = min(freed, self._room - len(self._backlog))
+        if batch <= 0:
+            return b""
+        try:
+            line, status = conn.pull_line(self._next, orjson.dumps(
+                {"batch": batch, "no_wait": True}), self._request_timeout, "pull request")
+        except ConnectionLost:
+            return b""
+        status.add_done_callback(_retrieve)  # a stop may leave it unawaited
+        self._ahead = (status, batch, self._arrived)
+        return line
+
+    async def _settle_ahead(self) -> None:
+        """Wait for the pull ahead, if one is in flight: until all it asked for arrived,
+        or its status came (404: the queue had fewer). One made on a connection that has
+        closed since brings nothing more; a 503 is for the pull that follows to meet."""
+        if self._ahead is None:
+            return
+        status, batch, mark = self._ahead
+        self._ahead = None
+
+        def served() -> bool:  # all of it came: no status follows
+            return self._arrived - mark >= batch
+
+        if served():
+            status.cancel()
+            return
+        with contextlib.suppress(ConnectionLost, NoResponders):
+            await self._until(served, status, batch)
+
     async def pull(self, conn: Connection, max_messages: int, block_timeout: float) -> list[Msg]:
         """Up to ``max_messages``: what is there at once, else wait up to ``block_timeout``
         for the first one; then top up without waiting. Never waits to fill a batch."""
         async with self._lock:  # one receive at a time: the backlog is shared
-            got = self._take(max_messages)
+            self._room = max(self._room, max_messages)
+            got: list[Msg] = []
             try:
+                await self._settle_ahead()
+                got = self._take(max_messages)
                 if not got and block_timeout > 0 and not self._no_wait:
                     # A busy queue answers a no-wait pull at once: one round trip, not
                     # a wait for one message and then a top-up (an idle one says 404).
@@ -193,6 +248,11 @@ class Puller:
         while self._backlog and len(taken) < limit:
             taken.append(self._backlog.popleft())
         return taken
+
+
+def _retrieve(status: asyncio.Future[Msg]) -> None:
+    if not status.cancelled():
+        status.exception()
 
 
 def _log_status(msg: Msg) -> None:
