@@ -92,25 +92,29 @@ async def test_the_next_pull_rides_in_the_acks_write(nats_brokers, js):
     await broker.publish_many(QUEUE, [{"i": i} for i in range(8)])
     held = await receive_all(broker, 3)
     written = count_writes(broker)
-    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, d)
-                                                   for d in held]))
-    [write] = written
-    [pull] = pull_lines(write)
-    assert write.index(pull) > write.rindex(b"+ACK")  # the acks first: room made, then used
+    # Two settle calls at once (as the supervisor makes them): each its own pull ahead.
+    settled = await asyncio.gather(broker.settle([Settlement(Action.COMMIT, held[0])]),
+                                   broker.settle([Settlement(Action.COMMIT, d)
+                                                  for d in held[1:]]))
+    assert all(r.ok for results in settled for r in results)
+    assert len(written) == 2
+    for write in written:
+        [pull] = pull_lines(write)
+        assert write.index(pull) > write.rindex(b"+ACK")  # the acks first: room made, then used
     await until(lambda: len(broker._puller.backlog()) == 3, 10, "the pulled-ahead messages")
     assert await pending_acks(js) == 3
     again = (await broker.receive(3, 1.0)).deliveries
-    assert [d.payload for d in again] == [{"i": i} for i in range(3, 6)]
-    assert len(written) == 1  # the receive needed no request
+    assert sorted(d.payload["i"] for d in again) == [3, 4, 5]
+    assert len(written) == 2  # the receive needed no request
 
     # A settle that hands a job back does not pull it (or another) back here at once.
     await broker.settle([Settlement(Action.COMMIT, again[0]),
                          Settlement(Action.REJECT, again[1], "boom")])
-    assert pull_lines(b"".join(written[1:])) == []
+    assert pull_lines(b"".join(written[2:])) == []
     # Nor does one after a stop began: what it would pull only waits to be released.
     broker.stop_waiting()
     await broker.settle([Settlement(Action.COMMIT, again[2])])
-    assert pull_lines(b"".join(written[1:])) == []
+    assert pull_lines(b"".join(written[2:])) == []
     assert broker._puller.backlog() == []
 
 

@@ -65,8 +65,9 @@ class Puller:
         self._leaderless_since: float | None = None  # first 503 of an outage, for the log
         self._arrived = 0  # pulled messages seen so far (counts what a pull ahead got)
         self._room = 0  # the most a receive asked for: what a pull ahead may fill
-        # The pull ahead in flight (see ahead()): its status, batch and _arrived when sent.
-        self._ahead: tuple[asyncio.Future[Msg], int, int] | None = None
+        # Pulls ahead in flight (see ahead()): each one's status, batch and _arrived when
+        # sent, oldest first (the server serves pull requests in order).
+        self._ahead: deque[tuple[asyncio.Future[Msg], int, int]] = deque()
 
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
@@ -101,15 +102,21 @@ class Puller:
         (``request_batch``'s tail): the next receive then finds the messages here instead of
         asking after the acks are confirmed (one round trip per job at prefetch 1, not two).
         Its messages land in the backlog like any other (renewed, and released at close,
-        with it). b"" (nothing to send) while a receive or another pull ahead runs, after
-        a stop began, or when the backlog already holds a receive's worth.
+        with it). b"" (nothing to send) after a stop began, or when the backlog and the
+        pulls ahead in flight already hold a receive's worth.
+
+        A receive under way does not stand in its way: what that receive asked for was
+        free before these acks were made (the caller counts a delivery as outstanding
+        until its settlement is confirmed). Arrivals are not told apart by request, so a
+        receive may return before all its own came: the rest wait in the backlog.
 
         The server applies the acks before it serves the pull (same write, in order), so it
         counts no more deliveries outstanding than before; an ack that was not applied (no
         reply, or a 503) leaves up to ``freed`` more out until its delivery's ack wait."""
-        if self._no_wait or self._ahead is not None or self._lock.locked():
+        if self._no_wait:
             return b""
-        batch = min(freed, self._room - len(self._backlog))
+        batch = min(freed, self._room - len(self._backlog)
+                    - sum(asked for _, asked, _ in self._ahead))
         if batch <= 0:
             return b""
         try:
@@ -118,26 +125,24 @@ class Puller:
         except ConnectionLost:
             return b""
         status.add_done_callback(_retrieve)  # a stop may leave it unawaited
-        self._ahead = (status, batch, self._arrived)
+        self._ahead.append((status, batch, self._arrived))
         return line
 
     async def _settle_ahead(self) -> None:
-        """Wait for the pull ahead, if one is in flight: until all it asked for arrived,
+        """Wait for the pulls ahead in flight: each until as many arrived as it asked for,
         or its status came (404: the queue had fewer). One made on a connection that has
         closed since brings nothing more; a 503 is for the pull that follows to meet."""
-        if self._ahead is None:
-            return
-        status, batch, mark = self._ahead
-        self._ahead = None
+        while self._ahead:
+            status, batch, mark = self._ahead.popleft()
 
-        def served() -> bool:  # all of it came: no status follows
-            return self._arrived - mark >= batch
+            def served(mark: int = mark, batch: int = batch) -> bool:  # no status follows
+                return self._arrived - mark >= batch
 
-        if served():
-            status.cancel()
-            return
-        with contextlib.suppress(ConnectionLost, NoResponders):
-            await self._until(served, status, batch)
+            if served():
+                status.cancel()
+                continue
+            with contextlib.suppress(ConnectionLost, NoResponders):
+                await self._until(served, status, batch)
 
     async def pull(self, conn: Connection, max_messages: int, block_timeout: float) -> list[Msg]:
         """Up to ``max_messages``: what is there at once, else wait up to ``block_timeout``
