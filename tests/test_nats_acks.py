@@ -118,6 +118,25 @@ async def test_the_next_pull_rides_in_the_acks_write(nats_brokers, js):
     assert broker._puller.backlog() == []
 
 
+async def test_a_pull_ahead_left_unanswered_holds_back_nothing(nats_brokers, proxy, js):
+    """The status of a pull ahead is lost (an empty queue's 404 never reaches us): the
+    next receive waits out its request timeout, keeps the connection after its health
+    check, and a message published meanwhile is still received; nothing is lost."""
+    broker = await nats_brokers(QUEUE, proxy.url)  # request timeout 2 s
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(2)])
+    held = await receive_all(broker, 2)
+    proxy.drop_replies_to_prefix(NAMES.next_subject)  # the next pull: the settle's
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, d)
+                                                   for d in held]))
+    await until(lambda: proxy.dropped == 1, 10, "the pull ahead's status dropped")
+    pid = await broker.publish(QUEUE, {"i": 2})
+    [again] = await receive_all(broker, 1, timeout=20)
+    assert again.pid == pid
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, again)]))
+    assert broker.reconnects == 0
+    assert await stored(js) == 0
+
+
 async def request_batch(conn: Connection, requests: list[tuple[str, bytes]], timeout: float
                         ) -> list:
     """Each request's reply (or error), in the order of the requests."""
