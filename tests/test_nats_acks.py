@@ -68,12 +68,72 @@ async def test_a_batch_of_max_batch_acks_is_one_write_of_confirmed_requests(nats
     # Each one a typed request to its delivery's own ack subject, with a reply subject of
     # its own (as ack_sync sends it): never AckAll, never an ack nobody answers.
     lines = [line for line in write.split(b"\r\n") if line.startswith(b"PUB ")]
+    # After the acks, in the same write, the pull for the room they make (Puller.ahead).
+    assert lines.pop().startswith(b"PUB " + NAMES.next_subject.encode() + b" ")
     assert len(lines) == MAX_BATCH
     subjects = [line.split()[1].decode() for line in lines]
     assert subjects == [d.receipt.reply for d in held]
     assert len({line.split()[2] for line in lines}) == MAX_BATCH
     assert write.count(b"\r\n+ACK\r\n") == MAX_BATCH
     assert await pending_acks(js) == 0
+    assert await stored(js) == 0
+
+
+def pull_lines(write: bytes) -> list[bytes]:
+    return [line for line in write.split(b"\r\n")
+            if line.startswith(b"PUB " + NAMES.next_subject.encode() + b" ")]
+
+
+async def test_the_next_pull_rides_in_the_acks_write(nats_brokers, js):
+    """A settle of commits asks for the room its acks make in the same write (after
+    them), so the next receive finds the messages without a round trip of its own; the
+    server never counts more outstanding than before."""
+    broker = await nats_brokers(QUEUE)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(8)])
+    held = await receive_all(broker, 3)
+    written = count_writes(broker)
+    # Two settle calls at once (as the supervisor makes them): each its own pull ahead.
+    settled = await asyncio.gather(broker.settle([Settlement(Action.COMMIT, held[0])]),
+                                   broker.settle([Settlement(Action.COMMIT, d)
+                                                  for d in held[1:]]))
+    assert all(r.ok for results in settled for r in results)
+    assert len(written) == 2
+    for write in written:
+        [pull] = pull_lines(write)
+        assert write.index(pull) > write.rindex(b"+ACK")  # the acks first: room made, then used
+    await until(lambda: len(broker._puller.backlog()) == 3, 10, "the pulled-ahead messages")
+    assert await pending_acks(js) == 3
+    again = (await broker.receive(3, 1.0)).deliveries
+    assert sorted(d.payload["i"] for d in again) == [3, 4, 5]
+    assert len(written) == 2  # the receive needed no request
+
+    # A settle that hands a job back does not pull it (or another) back here at once.
+    await broker.settle([Settlement(Action.COMMIT, again[0]),
+                         Settlement(Action.REJECT, again[1], "boom")])
+    assert pull_lines(b"".join(written[2:])) == []
+    # Nor does one after a stop began: what it would pull only waits to be released.
+    broker.stop_waiting()
+    await broker.settle([Settlement(Action.COMMIT, again[2])])
+    assert pull_lines(b"".join(written[2:])) == []
+    assert broker._puller.backlog() == []
+
+
+async def test_a_pull_ahead_left_unanswered_holds_back_nothing(nats_brokers, proxy, js):
+    """The status of a pull ahead is lost (an empty queue's 404 never reaches us): the
+    next receive waits out its request timeout, keeps the connection after its health
+    check, and a message published meanwhile is still received; nothing is lost."""
+    broker = await nats_brokers(QUEUE, proxy.url)  # request timeout 2 s
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(2)])
+    held = await receive_all(broker, 2)
+    proxy.drop_replies_to_prefix(NAMES.next_subject)  # the next pull: the settle's
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, d)
+                                                   for d in held]))
+    await until(lambda: proxy.dropped == 1, 10, "the pull ahead's status dropped")
+    pid = await broker.publish(QUEUE, {"i": 2})
+    [again] = await receive_all(broker, 1, timeout=20)
+    assert again.pid == pid
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, again)]))
+    assert broker.reconnects == 0
     assert await stored(js) == 0
 
 

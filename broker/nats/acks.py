@@ -54,11 +54,13 @@ def error_result(error: BaseException) -> Result:
 
 async def request_all(
     conn: Connection, subjects: Sequence[str], body: bytes, timeout: float,
-    on_result: Callable[[int, Result], None],
+    on_result: Callable[[int, Result], None], tail: bytes = b"",
 ) -> bool:
     """One try of ``body`` to every subject, in one write: ``on_result(i, result)`` for
     each as its reply (or its timeout, or the connection's end) comes, every one before
-    this returns. Returns whether a request timed out (the connection is suspect)."""
+    this returns. ``tail`` is written after the requests, in the same write (a pull
+    request: see ``Puller.ahead``). Returns whether a request timed out (the connection is
+    suspect)."""
     if not subjects:
         return False
     left = len(subjects)
@@ -80,7 +82,7 @@ async def request_all(
 
     try:
         slots = await conn.request_batch([(subject, body) for subject in subjects],
-                                         timeout=timeout, on_reply=done)
+                                         timeout=timeout, on_reply=done, tail=tail)
     except ConnectionLost as error:
         unsent = error_result(error)
         for index in range(len(subjects)):

@@ -10,9 +10,10 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
   the room (``broker.nats.pull``). A delivery at the spare (every earlier run of it died
   unsettled) and an undecodable one go to the dead stream, then TERM, never to a handler.
 - commit: an ack sent as a request, so the server's reply confirms it. The acks of a
-  settle call leave in one write (``broker.nats.acks``); each result is reported when its
-  own reply arrives. A reply lost to a timeout or a broken connection is UNCERTAIN and is
-  never replayed.
+  settle call leave in one write (``broker.nats.acks``), followed by a no-wait pull for the
+  room they make (``Puller.ahead``: the next receive finds those messages there); each
+  result is reported when its own reply arrives. A reply lost to a timeout or a broken
+  connection is UNCERTAIN and is never replayed.
 - reject: below the budget a NAK with the backoff (the consumer's list, else
   ``retry_backoff`` doubling per delivery, capped by ``retry_backoff_max``); at the budget
   the payload is published to the dead subject (PubAck awaited), then TERM.
@@ -389,7 +390,7 @@ class NatsBroker:
             chunk = range(start, min(start + MAX_BATCH, len(settlements)))
             commits = [i for i in chunk if settlements[i].action is Action.COMMIT]
             if len(commits) == len(chunk):  # the usual batch: no task for the gather
-                await self._commit_all(settlements, commits, report, settle_one)
+                await self._commit_all(settlements, commits, report, settle_one, ahead=True)
                 continue
             await asyncio.gather(
                 self._commit_all(settlements, commits, report, settle_one),
@@ -399,11 +400,15 @@ class NatsBroker:
     async def _commit_all(
         self, settlements: Sequence[Settlement], indices: Sequence[int],
         report: Callable[[int, Result], None],
-        settle_one: Callable[[int], Awaitable[None]],
+        settle_one: Callable[[int], Awaitable[None]], ahead: bool = False,
     ) -> None:
         """The ACKs of a batch as one write (``broker.nats.acks``); what was certainly not
         applied (never sent, or answered 503) is tried again one at a time, as
-        ``_respond`` does for a single ack."""
+        ``_respond`` does for a single ack.
+
+        ``ahead``: the next pull rides in the same write (``Puller.ahead``). Only for a
+        batch of commits: one that hands jobs back (a retry, a release) leaves them to
+        the other workers of the queue rather than pulling them back here at once."""
         if not indices:
             return
         again: list[int] = []
@@ -423,8 +428,9 @@ class NatsBroker:
             again = list(indices)  # each gets the one-at-a-time path's own wait and verdict
         else:
             receipts: list[NatsReceipt] = [settlements[i].delivery.receipt for i in indices]
+            tail = self._puller.ahead(conn, len(indices)) if ahead else b""
             if await acks.request_all(conn, [r.reply for r in receipts], ACK, self._timeout,
-                                      first_try):
+                                      first_try, tail=tail):
                 self._suspect(conn)
         if again:
             await asyncio.gather(*(settle_one(index) for index in again))

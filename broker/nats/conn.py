@@ -39,6 +39,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError, BrokerRefused
+from broker.nats import parse
 from broker.nats import tls as nats_tls
 from broker.urls import redact
 
@@ -184,7 +185,8 @@ class Connection:
 
     def _hook(self, sid: int) -> None:
         """Take the inbox's messages straight from the parser (see the module docstring).
-        Every other subscription (the advisory) keeps nats-py's own path."""
+        Every other subscription (the advisory) keeps nats-py's own path. The socket's
+        bytes go through ``broker.nats.parse`` first (MSG/HMSG without regular expressions)."""
         original = self.client._process_msg
         route = self._route
 
@@ -197,6 +199,7 @@ class Connection:
                 await original(sid_, subject, reply, data, headers)
 
         self.client._process_msg = process_msg  # type: ignore[method-assign,assignment]
+        parse.install(self.client, sid, route)
 
     @property
     def server_info(self) -> dict[str, Any]:
@@ -231,7 +234,7 @@ class Connection:
 
     async def request_batch(
         self, requests: Sequence[tuple[str, bytes]], *, timeout: float,
-        on_reply: Callable[[int, Msg | BaseException], None],
+        on_reply: Callable[[int, Msg | BaseException], None], tail: bytes = b"",
     ) -> list[Slot]:
         """Publish every ``(subject, payload)`` with its own reply subject, all in one
         write. ``on_reply(i, reply or error)`` is called once for each request, in the turn
@@ -242,7 +245,8 @@ class Connection:
         told ConnectionLost(sent=True): the conservative answer).
 
         The subjects must be ones the server gave us (ack subjects): they are not checked
-        as nats-py checks what it publishes."""
+        as nats-py checks what it publishes. ``tail``: protocol bytes written right after
+        the requests, in the same write (a pull request made with ``pull_line``)."""
         if self.closed:
             raise ConnectionLost("not sent: the connection is closed", sent=False)
         slots: list[Slot] = []
@@ -257,6 +261,7 @@ class Connection:
             slots.append(slot)
             parts.append(b"PUB %s %s%s %d\r\n%s\r\n" % (
                 subject.encode(), prefix, token, len(payload), payload))
+        parts.append(tail)
         try:
             await self._write(b"".join(parts))
         except ConnectionLost:
@@ -287,6 +292,15 @@ class Connection:
             await client._flush_pending()
         except (nats.errors.ConnectionClosedError, OSError) as error:
             raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
+
+    def pull_line(
+        self, subject: str, payload: bytes, timeout: float, what: str
+    ) -> tuple[bytes, asyncio.Future[Msg]]:
+        """A request to be written by someone else's write (``request_batch``'s tail): its
+        protocol line and the future its reply resolves, as ``expect_reply`` has it."""
+        _, reply, future = self._expect(timeout, what)
+        return b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply.encode(), len(payload),
+                                             payload), future
 
     async def request(
         self, subject: str, payload: bytes = b"", *, timeout: float,

@@ -14,11 +14,15 @@ and counted against the room of the next top-ups (so late arrivals do not push t
 outstanding count past prefetch), until a later request's status shows the server has
 answered everything before it, the connection is replaced, or twice the request timeout
 has passed.
+
+A settle call's acks carry a pull of their own (``ahead``): a no-wait request for the room
+they make, in the same write, whose messages land in the backlog for the next receive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -59,10 +63,16 @@ class Puller:
         self._owed = 0  # asked for by requests that timed out; may still arrive
         self._owed_until = 0.0
         self._leaderless_since: float | None = None  # first 503 of an outage, for the log
+        self._arrived = 0  # pulled messages seen so far (counts what a pull ahead got)
+        self._room = 0  # the most a receive asked for: what a pull ahead may fill
+        # Pulls ahead in flight (see ahead()): each one's status, batch and _arrived when
+        # sent, oldest first (the server serves pull requests in order).
+        self._ahead: deque[tuple[asyncio.Future[Msg], int, int]] = deque()
 
     def on_pulled(self, msg: Msg) -> None:
         """Connection callback for every pulled message (on any connection)."""
         self._backlog.append(msg)
+        self._arrived += 1
         self._signal()
 
     def stop_waiting(self) -> None:
@@ -87,12 +97,62 @@ class Puller:
         self._backlog.clear()
         return taken
 
+    def ahead(self, conn: Connection, freed: int) -> bytes:
+        """A no-wait pull for the room ``freed`` acks make, to go in the acks' own write
+        (``request_batch``'s tail): the next receive then finds the messages here instead of
+        asking after the acks are confirmed (one round trip per job at prefetch 1, not two).
+        Its messages land in the backlog like any other (renewed, and released at close,
+        with it). b"" (nothing to send) after a stop began, or when the backlog and the
+        pulls ahead in flight already hold a receive's worth.
+
+        A receive under way does not stand in its way: what that receive asked for was
+        free before these acks were made (the caller counts a delivery as outstanding
+        until its settlement is confirmed). Arrivals are not told apart by request, so a
+        receive may return before all its own came: the rest wait in the backlog.
+
+        The server applies the acks before it serves the pull (same write, in order), so it
+        counts no more deliveries outstanding than before; an ack that was not applied (no
+        reply, or a 503) leaves up to ``freed`` more out until its delivery's ack wait."""
+        if self._no_wait:
+            return b""
+        batch = min(freed, self._room - len(self._backlog)
+                    - sum(asked for _, asked, _ in self._ahead))
+        if batch <= 0:
+            return b""
+        try:
+            line, status = conn.pull_line(self._next, orjson.dumps(
+                {"batch": batch, "no_wait": True}), self._request_timeout, "pull request")
+        except ConnectionLost:
+            return b""
+        status.add_done_callback(_retrieve)  # a stop may leave it unawaited
+        self._ahead.append((status, batch, self._arrived))
+        return line
+
+    async def _settle_ahead(self) -> None:
+        """Wait for the pulls ahead in flight: each until as many arrived as it asked for,
+        or its status came (404: the queue had fewer). One made on a connection that has
+        closed since brings nothing more; a 503 is for the pull that follows to meet."""
+        while self._ahead:
+            status, batch, mark = self._ahead.popleft()
+
+            def served(mark: int = mark, batch: int = batch) -> bool:  # no status follows
+                return self._arrived - mark >= batch
+
+            if served():
+                status.cancel()
+                continue
+            with contextlib.suppress(ConnectionLost, NoResponders):
+                await self._until(served, status, batch)
+
     async def pull(self, conn: Connection, max_messages: int, block_timeout: float) -> list[Msg]:
         """Up to ``max_messages``: what is there at once, else wait up to ``block_timeout``
         for the first one; then top up without waiting. Never waits to fill a batch."""
         async with self._lock:  # one receive at a time: the backlog is shared
-            got = self._take(max_messages)
+            self._room = max(self._room, max_messages)
+            got: list[Msg] = []
             try:
+                await self._settle_ahead()
+                got = self._take(max_messages)
                 if not got and block_timeout > 0 and not self._no_wait:
                     # A busy queue answers a no-wait pull at once: one round trip, not
                     # a wait for one message and then a top-up (an idle one says 404).
@@ -193,6 +253,11 @@ class Puller:
         while self._backlog and len(taken) < limit:
             taken.append(self._backlog.popleft())
         return taken
+
+
+def _retrieve(status: asyncio.Future[Msg]) -> None:
+    if not status.cancelled():
+        status.exception()
 
 
 def _log_status(msg: Msg) -> None:
