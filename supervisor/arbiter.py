@@ -337,9 +337,12 @@ class Arbiter:
         """Room in prefetch for the handler processes that take work now: none is taken for
         one not ready (its init() still retried, or a replacement starting), where it would
         wait on us instead of on a queue another consumer reads."""
+        room = self.buffer.room
+        if room <= 0:  # full (at prefetch 1, most of the time): no share can be more
+            return room
         accepting = sum(place.accepting for place in self.places)
         share = -(-self.buffer.prefetch * accepting // len(self.places))
-        return min(self.buffer.room, share - self.buffer.outstanding)
+        return min(room, share - self.buffer.outstanding)
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
