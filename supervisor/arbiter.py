@@ -329,7 +329,7 @@ class Arbiter:
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
-        return self.buffer.unstarted() <= self.capacity
+        return self.buffer.unstarted(in_order=not self.concurrent) <= self.capacity
 
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""
@@ -399,13 +399,18 @@ class Arbiter:
         elif kind == protocol.DONE or kind == protocol.FAILED:
             failure = protocol.failure_data(data) if kind == protocol.FAILED else None
             entry = self.buffer.finished(place.index, delivery_id,
-                                         failure.summary if failure else None, failure)
+                                         failure.summary if failure else None, failure,
+                                         in_order=not self.concurrent)
             jobs = place.job_finished()
-            self.metrics.handler_done(time.monotonic() - entry.started_at)
+            seconds = protocol.seconds(record)  # DONE: timed by the handler process
+            if seconds is None and entry.started_at:  # FAILED, its start seen (STARTED, mark)
+                seconds = time.monotonic() - entry.started_at
+            if seconds is not None:
+                self.metrics.handler_done(seconds)
             if not place.retiring and self.should_recycle(place, jobs):
                 place.retire()  # before the next dispatch, so it gets nothing more
         elif kind == protocol.SKIPPED:
-            self.buffer.skipped(place.index, delivery_id)
+            self.buffer.skipped(place.index, delivery_id, in_order=not self.concurrent)
         elif kind == protocol.READY:
             place.became_ready()
             self.notify_ready_once()
@@ -413,6 +418,16 @@ class Arbiter:
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
+
+    def note_started(self, place: HandlerPlace) -> None:
+        """A plain handler reports no start: its mark on the outcome ring names the delivery
+        it runs (or ran last). Read when it matters: timeouts, the title, its death."""
+        if self.concurrent or not place.to_parent.marked:
+            return
+        promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
+                                             time.monotonic())
+        if promoted and self.running_dry():  # all it holds started (held for flush()): refill
+            self.room.set()
 
     def confirm(self, entry: Entry, committed: bool) -> None:
         """Tell the handler process its message is settled (it runs on_success if committed)."""
@@ -563,6 +578,7 @@ class Arbiter:
         for place in self.places:
             if not place.alive:
                 continue
+            self.note_started(place)
             overdue = (
                 self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
             )
@@ -640,6 +656,7 @@ class Arbiter:
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
+        self.note_started(place)  # the mark outlives the process, as the ring does
         failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
                    else failures.lost(pid, status))
         running = self.buffer.running_in(place.index)

@@ -7,6 +7,8 @@ writes, the other only reads; nothing here takes a lock between processes.
 Layout (all words native u64, each on its own 64-byte cache line)::
 
     [0]   write index   monotonic count of slots published by the writer
+    [8]   mark          a value the writer publishes beside the records (the handler
+                        process: the delivery its handler runs now; see ``mark``)
     [64]  read index    monotonic count of slots released by the reader
     [128] sleeping      1 while the reader is (about to be) blocked on the wake-up fd
     [192] stop          non-zero once the parent asked the child to start nothing more
@@ -31,6 +33,7 @@ from collections.abc import Iterable
 
 _HEADER_BYTES = 256
 _WRITE, _READ, _SLEEPING, _STOP = 0, 8, 16, 24  # u64 word indexes, 64 bytes apart
+_MARK = 1  # on the writer's own line: the writer stores it, the reader only loads it
 _LENGTH = struct.Struct("=I")
 _PADDING = 0xFFFFFFFF  # a length no record has: "skip to slot 0"
 
@@ -142,7 +145,17 @@ class Ring:
         self._data[offset + _LENGTH.size : offset + _LENGTH.size + size] = record
         return write + needed, True
 
+    def mark(self, value: int) -> None:
+        """Publish ``value`` beside the records: one store, no record, no wake-up. The
+        reader sees it at once, and after the writer died (the memory outlives it)."""
+        self._words[_MARK] = value
+
     # -- reader side ---------------------------------------------------------------
+
+    @property
+    def marked(self) -> int:
+        """The writer's last ``mark`` (0 until it marked something, and after ``reset``)."""
+        return self._words[_MARK]
 
     def get(self) -> bytes | None:
         """The next record, or None when none is waiting (never blocks)."""
@@ -220,7 +233,7 @@ class Ring:
 
     def reset(self) -> None:
         """Empty the ring and clear its words (only while neither side is using it)."""
-        for word in (_WRITE, _READ, _SLEEPING, _STOP):
+        for word in (_WRITE, _MARK, _READ, _SLEEPING, _STOP):
             self._words[word] = 0
         _drain(self.wake_fd)
 

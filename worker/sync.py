@@ -46,10 +46,12 @@ class SyncRunner(Runner):
         if self._inbox.stop_requested:  # stopping: leave it for the supervisor to release
             self._outcomes.append(protocol.encode_skipped(delivery_id))
             return
-        # The supervisor must know a delivery started before any of its side effects,
-        # or it might release it (attempts unchanged) after a crash.
-        self._outcomes.append(protocol.encode_started(delivery_id))
+        # Outcomes so far go out before the handler runs (it may take long). The supervisor
+        # must know a delivery started before any of its side effects, or it might release
+        # it (attempts unchanged) after a crash: the mark is that, one store and no record.
         self.send(self._outcomes)
+        self._outbox.mark(delivery_id)
+        self._begin(delivery_id)
         message = None
         try:
             message = Message.from_raw(raw, delivery_id, attempts)
