@@ -10,7 +10,8 @@ Layout (all words native u64, each on its own 64-byte cache line)::
     [8]   mark          a value the writer publishes beside the records (the handler
                         process: the delivery its handler runs now; see ``mark``)
     [64]  read index    monotonic count of slots released by the reader
-    [128] sleeping      1 while the reader is (about to be) blocked on the wake-up fd
+    [128] sleeping      non-zero while the reader is (about to be) blocked on the wake-up
+                        fd: the number of that sleep, new each time (see below)
     [192] stop          non-zero once the parent asked the child to start nothing more
     [256] data          ``slots`` slots of ``slot_size`` bytes
 
@@ -19,7 +20,12 @@ it needs. A record that would run past the end of the data area is preceded by a
 marker that sends the reader back to slot 0, so every record is contiguous.
 
 Wake-ups go through an eventfd that the writer writes only when the reader said it
-sleeps: the Dekker pattern (see ``_fence``).
+sleeps: the Dekker pattern (see ``_fence``), and once per sleep: the reader numbers its
+sleeps, and a writer that woke sleep n (its eventfd is written, the reader will drain it
+and read everything) does not write again for n. A reader that is slow to come round (the
+supervisor's event loop in a Redis call) otherwise took one write per record, each a
+system call of the handler process. A reader's sleep numbers only grow, and ``reset``
+(before a new process takes the other side) forgets the one woken last.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ class Ring:
 
     RECORD_HEADER = _LENGTH.size
 
-    __slots__ = ("_data", "_poller", "_slot_size", "_slots", "_words", "wake_fd")
+    __slots__ = ("_data", "_poller", "_sleeps", "_slot_size", "_slots", "_woken", "_words",
+                 "wake_fd")
 
     @staticmethod
     def nbytes(slots: int, slot_size: int) -> int:
@@ -82,6 +89,8 @@ class Ring:
         self._slots = slots
         self._slot_size = slot_size
         self._poller: select.poll | None = None
+        self._sleeps = 0  # reader: its sleeps so far (the next one is numbered one more)
+        self._woken = 0  # writer: the number of the reader's sleep it woke last
         self.wake_fd = wake_fd
 
     @property
@@ -112,8 +121,10 @@ class Ring:
         if write != start:
             words[_WRITE] = write
             _fence()
-            if words[_SLEEPING]:
+            sleeping = words[_SLEEPING]
+            if sleeping and sleeping != self._woken:  # asleep, and not woken yet
                 os.eventfd_write(self.wake_fd, 1)
+                self._woken = sleeping
         return placed
 
     def _place(self, record: bytes, write: int, read: int) -> tuple[int, bool]:
@@ -207,7 +218,8 @@ class Ring:
         ``clear_wakeup`` and read; on False, read again now.
         """
         words = self._words
-        words[_SLEEPING] = 1
+        self._sleeps += 1
+        words[_SLEEPING] = self._sleeps
         _fence()
         if words[_WRITE] != words[_READ]:
             words[_SLEEPING] = 0
@@ -232,9 +244,12 @@ class Ring:
         self._words[_STOP] = 1
 
     def reset(self) -> None:
-        """Empty the ring and clear its words (only while neither side is using it)."""
+        """Empty the ring and clear its words (only while neither side is using it): a new
+        process on the other side starts afresh, its sleeps numbered from where its copy
+        of this object was, so the sleep woken last is forgotten too."""
         for word in (_WRITE, _MARK, _READ, _SLEEPING, _STOP):
             self._words[word] = 0
+        self._woken = 0
         _drain(self.wake_fd)
 
 
