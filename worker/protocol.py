@@ -64,6 +64,9 @@ _BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
 
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
+#: A DELIVER record's head in one call, for a handler process's loop (one per job):
+#: (kind, delivery id, attempts known, attempts); the envelope follows at DELIVER_OVERHEAD.
+unpack_deliver = _DELIVER_HEAD.unpack_from
 
 Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
 
