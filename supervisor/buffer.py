@@ -220,7 +220,10 @@ class Buffer:
         it started then (a handler with ``flush()`` holds them: its FAILED of a later one
         comes ahead of their DONE)."""
         entry = self._running[place].pop(entry_id, None)
-        if entry is None:
+        queued = self._queued[place]
+        if entry is None and in_order and queued and queued[0].id == entry_id:
+            entry = queued.popleft()  # the usual no-op job: its start never seen, untimed
+        elif entry is None:
             if not in_order:
                 self._running_entry(place, entry_id)  # raises: not running there
             self._started_before(place, entry_id, time.monotonic())

@@ -81,10 +81,10 @@ def test_the_largest_envelope_fits_an_empty_ring_wherever_it_stands(position: in
 def test_done_carries_the_handlers_seconds_beside_what_decode_returns() -> None:
     done = protocol.encode_done(5, 1.25)
     assert protocol.decode(done) == (protocol.DONE, 5, None)
-    assert protocol.seconds(done) == 1.25
+    assert protocol.done_fields(done) == (5, 1.25)
     older = done[:9]  # a DONE from an older handler process: no seconds
-    assert protocol.decode(older) == (protocol.DONE, 5, None) and protocol.seconds(older) == 0.0
-    assert protocol.seconds(protocol.encode_skipped(7)) is None  # a kind without them
+    assert protocol.decode(older) == (protocol.DONE, 5, None)
+    assert protocol.done_fields(older) == (5, 0.0)
 
 
 def test_the_mark_is_the_writers_last_value_until_reset() -> None:

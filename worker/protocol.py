@@ -57,7 +57,6 @@ _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
 _DONE_HEAD = struct.Struct("<BQd")  # DONE: _HEAD and the handler's seconds
-_SECONDS = struct.Struct("<d")
 _TEXT_KINDS = (FAILED, INIT_FAILED)
 #: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
 _BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
@@ -125,14 +124,12 @@ def encode_done(delivery_id: int, seconds: float = 0.0) -> bytes:
     return _DONE_HEAD.pack(DONE, delivery_id, seconds)
 
 
-def seconds(record: bytes) -> float | None:
-    """The handler's seconds a DONE record carries (0.0 from an older process that sent
-    none); None for any other kind."""
-    if record[:1] != bytes((DONE,)):
-        return None
+def done_fields(record: bytes) -> tuple[int, float]:
+    """A DONE record's (delivery id, handler's seconds: 0.0 from an older process)."""
     if len(record) < _DONE_HEAD.size:
-        return 0.0
-    return float(_SECONDS.unpack_from(record, _HEAD.size)[0])
+        return _HEAD.unpack_from(record)[1], 0.0
+    _, delivery_id, handler_seconds = _DONE_HEAD.unpack_from(record)
+    return delivery_id, handler_seconds
 
 
 def encode_failed(
