@@ -101,8 +101,23 @@ class Ring:
     # -- writer side ---------------------------------------------------------------
 
     def put(self, record: bytes) -> bool:
-        """Publish one record; False (nothing visible) when there is no room yet."""
-        return self.put_many((record,)) == 1
+        """Publish one record; False (nothing visible) when there is no room yet.
+
+        The common case (it fits before the end of the data area) is written here at once:
+        a handler process publishes each outcome so, one per job."""
+        words = self._words
+        write = words[_WRITE]
+        size = len(record)
+        slots, slot_size = self._slots, self._slot_size
+        needed = -(-(size + _LENGTH.size) // slot_size)
+        position = write % slots
+        if position + needed > slots or needed > slots - (write - words[_READ]):
+            return self.put_many((record,)) == 1  # it wraps, or there is no room yet
+        offset = position * slot_size
+        _LENGTH.pack_into(self._data, offset, size)
+        self._data[offset + _LENGTH.size : offset + _LENGTH.size + size] = record
+        self._publish(write + needed)
+        return True
 
     def put_many(self, records: Iterable[bytes]) -> int:
         """Publish records in order until one does not fit; returns how many fitted.
@@ -119,13 +134,18 @@ class Ring:
                 break
             placed += 1
         if write != start:
-            words[_WRITE] = write
-            _fence()
-            sleeping = words[_SLEEPING]
-            if sleeping and sleeping != self._woken:  # asleep, and not woken yet
-                os.eventfd_write(self.wake_fd, 1)
-                self._woken = sleeping
+            self._publish(write)
         return placed
+
+    def _publish(self, write: int) -> None:
+        """Make everything up to ``write`` visible, and wake the reader if it sleeps."""
+        words = self._words
+        words[_WRITE] = write
+        _fence()
+        sleeping = words[_SLEEPING]
+        if sleeping and sleeping != self._woken:  # asleep, and not woken yet
+            os.eventfd_write(self.wake_fd, 1)
+            self._woken = sleeping
 
     def _place(self, record: bytes, write: int, read: int) -> tuple[int, bool]:
         """Copy ``record`` in at ``write`` without publishing it: (new write index, fitted).

@@ -57,8 +57,12 @@ class SyncRunner(Runner):
         # Outcomes so far go out before the handler runs (it may take long). The supervisor
         # must know a delivery started before any of its side effects, or it might release
         # it (attempts unchanged) after a crash: the mark is that, one store and no record.
-        if self._outcomes:
-            self.send(self._outcomes)
+        outcomes = self._outcomes
+        if outcomes:  # the last job's DONE, usually: one record, put at once
+            if len(outcomes) == 1 and self._outbox.put(outcomes[0]):
+                outcomes.clear()
+            else:
+                self.send(outcomes)
         self._outbox.mark(delivery_id)
         began = time.monotonic()
         message = None
