@@ -10,7 +10,8 @@ containers are private: the arbiter and the settler ask and tell through methods
     WAITING   -> the waiting line            (received, or back from a dead handler)
     QUEUED    -> its handler's ring queue     (written to the ring, not started)
     RUNNING   -> its handler's running table  (the handler reported STARTED, or a plain
-                                               handler's mark named it: see ``started_up_to``)
+                                               handler's mark named it or a later one: see
+                                               ``started_up_to``, ``_started_before``)
     COMPLETED -> the completed line           (outcome known, settlement not confirmed)
     SETTLING  -> the settling table           (in a settlement call right now)
     ABANDONED -> nowhere                      (its handler was killed at the stop deadline:
