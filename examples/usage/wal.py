@@ -23,9 +23,8 @@ and 3.19 -> 2.22 ms a round, where the virtual disk's own flush is most of it.) 
 segment is written full of zeros once, and a moved segment is kept (up to ``KEEP_FREE``) and
 reused as the next one: its records overwrite blocks that exist, which ``fdatasync`` makes
 durable without the journal (it still syncs the size when a record goes past the end). What
-a reused
-file held before is never read as records: their CRCs were seeded with another seq, and
-zeros are no record (length 0). ``<seq>.log`` segments, of writers before these, are read
+a reused file held before is never read as records: their CRCs were seeded with another seq,
+and zeros are no record (length 0). ``<seq>.log`` segments, of writers before these, are read
 with their own rule (CRC of the body alone) and never reused.
 """
 
