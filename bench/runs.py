@@ -92,11 +92,17 @@ def _listening(db: str) -> bool:
             return False
 
 
-def usage_totals_exact(folder: Path, handler: str, messages: int) -> bool | None:
+def usage_totals_exact(folder: Path, handler: str, messages: int, store: Any = None
+                       ) -> bool | None:
     """Whether a stats-usage run stored exactly the totals of the messages it was given
-    (throughput alone cannot show that it counted right); None for other handlers."""
+    (throughput alone cannot show that it counted right); None for other handlers.
+    ``store``: the run's own (``usage_store_ready``), read while the job's writer still
+    serves, once every message is acknowledged: no writer of its own to start (2 s and
+    more a run)."""
     if not handler.startswith("stats-usage"):
         return None
+    if store is not None:
+        return store.totals() == expected_usage(messages)
     from examples.stats_usage import totals
 
     return totals(usage_db(folder, handler)) == expected_usage(messages)
@@ -260,11 +266,12 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
             after = redis_side.snapshot(client)
             rss_supervisor, rss_children = family.peak_rss()
             own_figures = OwnCounters.fill(own_before, own.read())
+            # Every message is acknowledged, so flushed: read after the figures above.
+            own_figures["totals_exact"] = usage_totals_exact(folder, handler, messages, store)
         finally:
             stop(child)
             if store is not None:
                 store.close()
-        own_figures["totals_exact"] = usage_totals_exact(folder, handler, messages)
     server = redis_side.delta(before, after, target.internal, probe)
     result = _figures(messages, seconds, cpu, server)
     claimed = int(client.get(KEYS.stat("total")) or 0)

@@ -23,6 +23,7 @@ import psutil
 import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
+from broker.failure import Failure
 from supervisor import blame, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
@@ -346,7 +347,7 @@ class Arbiter:
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
-        return self.buffer.unstarted() <= self.capacity
+        return self.buffer.unstarted(in_order=not self.concurrent) <= self.capacity
 
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""
@@ -410,21 +411,19 @@ class Arbiter:
             asyncio.get_running_loop().call_soon(self.handle_outcomes, place)
 
     def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
+        if record[0] == protocol.DONE:  # one per job: first, without the general decode
+            delivery_id, seconds = protocol.done_fields(record)  # timed by the handler process
+            self.handle_finished(place, delivery_id, seconds, None)
+            return
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.STARTED:
             self.buffer.started(place.index, delivery_id)
         elif kind == protocol.HELD:
             self.buffer.held(place.index, delivery_id)
-        elif kind == protocol.DONE or kind == protocol.FAILED:
-            failure = protocol.failure_data(data) if kind == protocol.FAILED else None
-            entry = self.buffer.finished(place.index, delivery_id,
-                                         failure.summary if failure else None, failure)
-            jobs = place.job_finished()
-            self.metrics.handler_done(time.monotonic() - entry.started_at)
-            if not place.retiring and self.should_recycle(place, jobs):
-                place.retire()  # before the next dispatch, so it gets nothing more
+        elif kind == protocol.FAILED:
+            self.handle_finished(place, delivery_id, None, protocol.failure_data(data))
         elif kind == protocol.SKIPPED:
-            self.buffer.skipped(place.index, delivery_id)
+            self.buffer.skipped(place.index, delivery_id, in_order=not self.concurrent)
         elif kind == protocol.READY:
             place.became_ready()
             self.notify_ready_once()
@@ -432,6 +431,34 @@ class Arbiter:
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
+
+    def handle_finished(
+        self, place: HandlerPlace, delivery_id: int, seconds: float | None,
+        failure: Failure | None,
+    ) -> None:
+        """DONE (``seconds``: the handler's, as its process timed it) or FAILED (``failure``)."""
+        entry = self.buffer.finished(place.index, delivery_id,
+                                     failure.summary if failure else None, failure,
+                                     in_order=not self.concurrent)
+        jobs = place.job_finished()
+        if seconds is None and entry.started_at:  # FAILED, its start seen (STARTED, mark)
+            seconds = time.monotonic() - entry.started_at
+        if seconds is not None:
+            self.metrics.handler_done(seconds)
+        job = self.config.job
+        if ((job.max_jobs_per_process or job.max_rss_mb) and not place.retiring
+                and self.should_recycle(place, jobs)):
+            place.retire()  # before the next dispatch, so it gets nothing more
+
+    def note_started(self, place: HandlerPlace) -> None:
+        """A plain handler reports no start: its mark on the outcome ring names the delivery
+        it runs (or ran last). Read when it matters: timeouts, the title, its death."""
+        if self.concurrent or not place.to_parent.marked:
+            return
+        promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
+                                             time.monotonic())
+        if promoted and self.running_dry():  # all it holds started (held for flush()): refill
+            self.room.set()
 
     def confirm(self, entry: Entry, committed: bool) -> None:
         """Tell the handler process its message is settled (it runs on_success if committed)."""
@@ -585,6 +612,7 @@ class Arbiter:
         for place in self.places:
             if not place.alive:
                 continue
+            self.note_started(place)
             overdue = (
                 self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
             )
@@ -662,6 +690,7 @@ class Arbiter:
             f"killed by signal {-status}" if status is not None and status < 0
             else f"exited with code {status}"
         )
+        self.note_started(place)  # the mark outlives the process, as the ring does
         failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
                    else failures.lost(pid, status))
         running = self.buffer.running_in(place.index)

@@ -9,7 +9,9 @@ containers are private: the arbiter and the settler ask and tell through methods
 
     WAITING   -> the waiting line            (received, or back from a dead handler)
     QUEUED    -> its handler's ring queue     (written to the ring, not started)
-    RUNNING   -> its handler's running table  (the handler reported STARTED)
+    RUNNING   -> its handler's running table  (the handler reported STARTED, or a plain
+                                               handler's mark named it or a later one: see
+                                               ``started_up_to``, ``_started_before``)
     COMPLETED -> the completed line           (outcome known, settlement not confirmed)
     SETTLING  -> the settling table           (in a settlement call right now)
     ABANDONED -> nowhere                      (its handler was killed at the stop deadline:
@@ -105,9 +107,16 @@ class Buffer:
         """Deliveries given to handler ``place`` and not finished (queued or running)."""
         return len(self._queued[place]) + len(self._running[place])
 
-    def unstarted(self) -> int:
-        """Deliveries waiting or queued in a ring, not started yet."""
-        return len(self._waiting) + sum(map(len, self._queued))
+    def unstarted(self, in_order: bool = False) -> int:
+        """Deliveries waiting or queued in a ring, not started yet. ``in_order``: the
+        handlers run their rings one delivery at a time and report no start, so the first
+        queued one of a handler with nothing known to run is counted as running (it runs,
+        or starts as soon as the process reads it)."""
+        queued = sum(map(len, self._queued))
+        if in_order:
+            queued -= sum(1 for place, line in enumerate(self._queued)
+                          if line and not self._running[place])
+        return len(self._waiting) + queued
 
     def unsettled(self, place: int) -> bool:
         """Something given to handler ``place`` still waits for its on_success confirmation."""
@@ -185,19 +194,49 @@ class Buffer:
         self._running[place][entry_id] = entry
         return entry
 
+    def started_up_to(self, place: int, entry_id: int, at: float) -> list[Entry]:
+        """A handler that runs its ring's deliveries one at a time, in order, marked
+        ``entry_id`` as started: it and the queued ones before it (held for ``flush()``, or
+        finished with the outcome not read yet) are running. Nothing when it is not queued
+        (its start is known already, or it finished). ``at``: when we learnt it."""
+        promoted = self._started_before(place, entry_id, at)
+        queued = self._queued[place]
+        if not queued or queued[0].id != entry_id:
+            return promoted
+        entry = queued.popleft()
+        entry.state, entry.started_at = State.RUNNING, at
+        self._running[place][entry.id] = entry
+        promoted.append(entry)
+        return promoted
+
     def held(self, place: int, entry_id: int) -> None:
         self._running_entry(place, entry_id).held = True
 
     def finished(
-        self, place: int, entry_id: int, error: str | None, failure: Failure | None = None
+        self, place: int, entry_id: int, error: str | None, failure: Failure | None = None,
+        in_order: bool = False,
     ) -> Entry:
-        entry = self._running_entry(place, entry_id)
-        del self._running[place][entry_id]
+        """An outcome. ``in_order``: the handler runs its ring's deliveries one at a time
+        and reports no start, so the outcome may be of a queued one; the queued ones before
+        it started then (a handler with ``flush()`` holds them: its FAILED of a later one
+        comes ahead of their DONE)."""
+        entry = self._running[place].pop(entry_id, None)
+        queued = self._queued[place]
+        if entry is None and in_order and queued and queued[0].id == entry_id:
+            entry = queued.popleft()  # the usual no-op job: its start never seen, untimed
+        elif entry is None:
+            if not in_order:
+                self._running_entry(place, entry_id)  # raises: not running there
+            self._started_before(place, entry_id, time.monotonic())
+            entry = self._next_queued(place, entry_id)  # its start never seen: untimed
         self._complete(entry, error=error, failure=failure)
         return entry
 
-    def skipped(self, place: int, entry_id: int) -> Entry:
-        """Never started (the stop began first): released, attempts unchanged."""
+    def skipped(self, place: int, entry_id: int, in_order: bool = False) -> Entry:
+        """Never started (the stop began first): released, attempts unchanged.
+        ``in_order``: as in ``finished``, the queued ones before it started (held)."""
+        if in_order:
+            self._started_before(place, entry_id, time.monotonic())
         entry = self._next_queued(place, entry_id)
         self._complete(entry, release=True)
         return entry
@@ -293,6 +332,24 @@ class Buffer:
                 f"handler {place} reported delivery {entry_id}, next queued {head}"
             )
         return queued.popleft()
+
+    def _started_before(self, place: int, entry_id: int, at: float) -> list[Entry]:
+        """Handler ``place`` runs its ring in order and reached ``entry_id``: the queued
+        ones before it started (``at``) and are running now. Nothing when ``entry_id`` is
+        not queued there."""
+        queued = self._queued[place]
+        if not queued or queued[0].id == entry_id:  # the usual case: nothing before it
+            return []
+        if not any(entry.id == entry_id for entry in queued):
+            return []
+        running = self._running[place]
+        promoted: list[Entry] = []
+        while queued[0].id != entry_id:
+            entry = queued.popleft()
+            entry.state, entry.started_at = State.RUNNING, at
+            running[entry.id] = entry
+            promoted.append(entry)
+        return promoted
 
     def _running_entry(self, place: int, entry_id: int) -> Entry:
         entry = self._running[place].get(entry_id)

@@ -173,7 +173,7 @@ class Metrics:
         """One broker call (receive, settle, extend, maintain ...) took ``seconds``."""
 
     def handler_done(self, seconds: float) -> None:
-        """A handler ran for ``seconds`` (as the supervisor saw it: started to outcome)."""
+        """A handler ran for ``seconds`` (started to outcome, as its process timed it)."""
 
     @contextlib.contextmanager
     def timed(self, operation: str) -> Iterator[None]:

@@ -38,6 +38,7 @@ class PlayedProcess:
         self.running: list[int] = []  # started, in order
         self.confirmed: list[tuple[int, bool]] = []
         self.exit_asked = False
+        self.posted: list[str] = []  # kinds of the records it wrote, in order
         self.alive = True
         place.to_parent.put(protocol.encode_ready())
 
@@ -62,7 +63,10 @@ class PlayedProcess:
             self.post(protocol.encode_skipped(delivery_id))
         else:
             self.running.append(delivery_id)
-            self.post(protocol.encode_started(delivery_id))
+            if self.server.concurrent:
+                self.post(protocol.encode_started(delivery_id))
+            else:  # a plain handler's process marks the start on its ring, as worker.sync
+                self.place.to_parent.mark(delivery_id)
         return True
 
     def finish(self, ok: bool = True, which: int = 0) -> bool:
@@ -110,6 +114,7 @@ class PlayedProcess:
             self.server.post(Event("exited", self.place.index, self.pid, status))
 
     def post(self, record: bytes) -> None:
+        self.posted.append(protocol.KIND_NAMES[protocol.decode(record)[0]])
         if not self.place.to_parent.put(record):
             raise AssertionError(f"outcome ring of handler {self.place.index} full")
 
@@ -126,6 +131,7 @@ class InProcessForkServer:
         self._next_pid = FIRST_PID
         self.processes: dict[int, PlayedProcess] = {}  # place index -> current process
         self.spawned = 0
+        self.concurrent = False  # async handlers report STARTED; plain ones only mark it
         for place in places:
             place.send_signal = self.signal
 
@@ -209,6 +215,7 @@ class Core:
         # processes answer no confirmations.
         assert config.handler is not None
         handler = dataclasses.replace(config.handler, on_success=None)
+        self.server.concurrent = handler.is_async
         self.arbiter = Arbiter(config, broker, self.places, spawner, handler)
         self.run: asyncio.Task[int] | None = None
 

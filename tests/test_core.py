@@ -71,6 +71,60 @@ def test_a_delivery_passes_through_every_state_in_its_one_place():
     assert buffer.outstanding == 2 and buffer.in_state(State.COMPLETED)[0].settle_failures == 1
 
 
+def test_a_plain_handlers_mark_starts_it_and_the_queued_ones_before_it_in_order():
+    buffer = Buffer(prefetch=5, handlers=1)
+    buffer.add(deliveries(4))
+    buffer.queue(0, 4)
+    assert buffer.started_up_to(0, 99, at=7.0) == []  # not queued here: nothing changes
+    # A DONE read before the mark was: the next queued one finished in order.
+    assert buffer.finished(0, 1, error=None, in_order=True).id == 1
+    promoted = buffer.started_up_to(0, 3, at=7.0)  # 2 was held for flush(), 3 runs
+    buffer.check()
+    assert ids(promoted) == [2, 3] and ids(buffer.running_in(0)) == [2, 3]
+    assert all(entry.started_at == 7.0 for entry in promoted)
+    assert buffer.started_up_to(0, 3, at=8.0) == []  # read twice: its start is known
+    assert ids(buffer.in_state(State.QUEUED, 0)) == [4]
+    # 3 runs: 4 waits (the head counts as running only while nothing is known to run)
+    assert buffer.unstarted(in_order=True) == 1 == buffer.unstarted()
+    buffer.finished(0, 2, error=None, in_order=True)
+    with pytest.raises(AccountingError):  # neither running nor next: a bug, not a guess
+        buffer.finished(0, 1, error=None, in_order=True)
+    with pytest.raises(AccountingError):  # an async handler reports STARTED first
+        buffer.finished(0, 4, error=None)
+    buffer.finished(0, 3, error=None, in_order=True)
+    assert buffer.unstarted(in_order=True) == 0 and buffer.unstarted() == 1
+    buffer.finished(0, 4, error=None, in_order=True)
+    buffer.check()
+    assert ids(buffer.in_state(State.COMPLETED)) == [1, 2, 3, 4]
+
+
+def test_a_plain_handlers_failure_ahead_of_held_successes_starts_them():
+    # A plain handler with flush() holds 1 and 2; 3 raises and is FAILED at once, before
+    # their DONE; at a stop 4 is SKIPPED, still before their DONE. Reported in ring order,
+    # that means 1 and 2 started (the chaos soaks exited 4: 'reported delivery 41, next
+    # queued 26').
+    buffer = Buffer(prefetch=6, handlers=2)
+    buffer.add(deliveries(6))
+    buffer.queue(1, 6)
+    failed = buffer.finished(1, 3, error="boom", in_order=True)
+    buffer.check()
+    assert failed.started_at == 0.0  # its start never seen: the outcome is not timed
+    assert ids(buffer.running_in(1)) == [1, 2]
+    assert all(entry.started_at > 0 for entry in buffer.running_in(1))
+    with pytest.raises(AccountingError, match="reported delivery 5, next queued 4"):
+        buffer.skipped(1, 5)  # an async handler's process skips in order: no guess
+    for entry_id in (4, 5, 6):
+        assert buffer.skipped(1, entry_id, in_order=True).release
+    buffer.check()
+    assert ids(buffer.running_in(1)) == [1, 2]  # the exit's flush() reports them
+    for entry_id in (1, 2):
+        buffer.finished(1, entry_id, error=None, in_order=True)
+    with pytest.raises(AccountingError, match="reported delivery 3, next queued None"):
+        buffer.finished(1, 3, error=None, in_order=True)  # reported twice: a bug
+    buffer.check()
+    assert ids(buffer.in_state(State.COMPLETED)) == [3, 4, 5, 6, 1, 2]
+
+
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
@@ -452,6 +506,54 @@ def test_a_dead_handler_blames_its_newest_delivery_and_reruns_the_rest():
         assert await core.stop() == exits.OK
         assert broker.dead == [blamed_pid] and pids[1] == blamed_pid
         assert set(broker.committed) == set(pids) - {blamed_pid}
+
+    run(scenario())
+
+
+def test_a_plain_handler_killed_mid_job_is_blamed_by_its_mark_without_a_start_record():
+    async def scenario():
+        broker = MemoryBroker(max_attempts=1)  # a blamed delivery is dead at once
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(3)])
+        core = Core(core_config(prefetch=3, coroutines=1), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 3)
+        first = core.process(0)
+        first.start_next()
+        first.finish()  # the first returned
+        first.start_next()  # the second is in its handler
+        first.read()  # the third was read from the ring, not started
+        await core.wait_for(lambda: len(broker.committed) == 1)
+        first.die(-signal.SIGKILL)
+        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 1)
+        core.arbiter.buffer.check()
+        assert first.posted == ["DONE"]  # one record per delivery, no STARTED
+        assert core.process(0).work() == 1
+        await core.wait_for(lambda: len(broker.committed) == 2)
+        assert await core.stop() == exits.OK
+        assert broker.dead == [pids[1]]
+        assert set(broker.committed) == {pids[0], pids[2]}  # the third ran again: not blamed
+
+    run(scenario())
+
+
+def test_a_plain_handler_that_died_between_jobs_blames_nothing():
+    async def scenario():
+        broker = MemoryBroker(max_attempts=1)
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(2)])
+        core = Core(core_config(prefetch=2, coroutines=1), broker)
+        await core.start()
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
+        first = core.process(0)
+        first.start_next()
+        first.finish()  # returned; its mark still names it, the second was never started
+        first.die(-signal.SIGKILL)
+        await core.wait_for(lambda: core.server.spawned == 2 and core.process(0).alive)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 1)
+        assert core.process(0).work() == 1
+        await core.wait_for(lambda: len(broker.committed) == 2)
+        assert await core.stop() == exits.OK
+        assert broker.dead == [] and sorted(broker.committed) == sorted(pids)
 
     run(scenario())
 

@@ -119,6 +119,43 @@ def test_writer_wakes_the_reader_only_when_it_sleeps() -> None:
     assert wakeups(ring) == 0
 
 
+def test_a_sleeping_reader_is_woken_once_however_many_puts_come_before_it_wakes() -> None:
+    ring = make_ring()
+    assert ring.prepare_sleep()
+    for _ in range(5):  # separate puts (one per job) while the reader has not come round
+        assert ring.put(b"outcome")
+    assert wakeups(ring) == 1
+    ring.clear_wakeup()
+    assert len(ring.get_many(100)) == 5
+    assert ring.prepare_sleep()  # its next sleep is a new one: woken again
+    ring.put(b"next")
+    ring.put(b"and next")
+    assert wakeups(ring) == 1
+    ring.clear_wakeup()
+    ring.get_many(100)
+    assert ring.wait(0.01) is False  # a sleep that timed out: the next wait is another
+    ring.put(b"after a timeout")
+    assert ring.wait(5) is True
+    assert ring.get() == b"after a timeout"
+
+
+def test_reset_forgets_the_sleep_woken_last_for_a_new_reader() -> None:
+    memory = mmap.mmap(-1, Ring.nbytes(16, 64))
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    writer, reader = Ring(memoryview(memory), 16, 64, fd), Ring(memoryview(memory), 16, 64, fd)
+    assert reader.prepare_sleep()
+    writer.put(b"to the first reader")
+    assert wakeups(writer) == 1
+    # The reader process dies; its replacement starts from the same copy of the ring
+    # object (forked from the fork server), so it numbers its first sleep as the dead one
+    # did. The supervisor resets the ring before it starts.
+    writer.reset()
+    replacement = Ring(memoryview(memory), 16, 64, fd)
+    assert replacement.prepare_sleep()
+    writer.put(b"to the replacement")
+    assert wakeups(writer) == 1
+
+
 def test_prepare_sleep_refuses_when_data_waits() -> None:
     ring = make_ring()
     ring.put(b"waiting")

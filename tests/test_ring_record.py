@@ -76,3 +76,23 @@ def test_the_largest_envelope_fits_an_empty_ring_wherever_it_stands(position: in
     assert protocol.decode(ring.get()) == (protocol.DELIVER, 1, (3, raw))
     with pytest.raises(envelope.MalformedEnvelope, match="exceeds"):
         envelope.decode(b"x" * (config.envelope_limit() + 1), config.envelope_limit())
+
+
+def test_done_carries_the_handlers_seconds_beside_what_decode_returns() -> None:
+    done = protocol.encode_done(5, 1.25)
+    assert protocol.decode(done) == (protocol.DONE, 5, None)
+    assert protocol.done_fields(done) == (5, 1.25)
+    older = done[:9]  # a DONE from an older handler process: no seconds
+    assert protocol.decode(older) == (protocol.DONE, 5, None)
+    assert protocol.done_fields(older) == (5, 0.0)
+
+
+def test_the_mark_is_the_writers_last_value_until_reset() -> None:
+    ring = make_ring()
+    assert ring.marked == 0
+    ring.mark(41)
+    ring.put(b"x")
+    ring.mark(42)
+    assert ring.marked == 42 and ring.get() == b"x"  # beside the records, not one of them
+    ring.reset()
+    assert ring.marked == 0

@@ -157,6 +157,10 @@ def test_processes_sharing_the_database_count_each_pid_once(where):
         ({"projectId": "p", "metrics": [{"key": "k", "value": 2**63}]}, "64-bit"),
         ({"projectId": "p", "metrics": [{"key": "k", "value": -(2**63) - 1}]}, "64-bit"),
         ({"projectId": "p", "metrics": [{"key": "k", "value": 2**62}] * 2}, "add up beyond"),
+        ({"projectId": "p", "metrics": [{"key": "k", "value": 1}, {"key": "", "value": 1}]},
+         'metrics[1] has no "key"'),
+        ({"projectId": "p", "metrics": [{"key": "j", "value": 1}, {"key": "k", "value": -2**63},
+                                        {"key": "k", "value": -1}]}, "add up beyond"),
     ],
 )
 def test_bad_payloads_raise_value_error(sqlite_path, payload, reason):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import psutil
 import pytest
@@ -51,12 +52,21 @@ def path(tmp_path):
 def test_rows_are_one_per_message_and_metric():
     rows = rows_of([usage("a", executions=1), usage("a", executions=1),
                     Usage("b", "p2", 3600, [("k", 2), ("k", 3), ("j", -1)])])
-    assert rows.decode().splitlines() == [  # JSONCompactEachRow, in COLUMNS order
-        '["p1","executions",0,1,"a"]',
-        '["p2","k",3600,5,"b"]',
-        '["p2","j",3600,-1,"b"]',
-    ]
-    assert rows.endswith(b"\n") and rows_of([Usage("c", "p", 0, [])]) == b""
+    assert rows == (  # JSONCompactEachRow, in COLUMNS order, the rows of a batch on one line
+        b'["p1","executions",0,1,"a"],["p2","k",3600,5,"b"],["p2","j",3600,-1,"b"]\n')
+    assert rows_of([Usage("c", "p", 0, [])]) == b""
+
+
+def test_batches_of_comma_separated_rows_go_into_the_engine_together(path):
+    """The writer joins the batches of a round (and a move) end to end: one line each."""
+    store = open_store(path)
+    try:
+        store.add([usage("w", executions=0)])  # the engine's own insert
+        store.database.insert("usage", rows_of([usage("a", executions=1), usage("b", bytes=2)])
+                              + rows_of([usage("c", executions=4)]))  # logged, then moved
+        assert store.totals() == {("p1", "executions"): 5, ("p1", "bytes"): 2}
+    finally:
+        store.close()
 
 
 def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_it(path):
@@ -414,15 +424,16 @@ def test_a_log_moved_twice_counts_once(path, tmp_path, unmoved):
 
 
 def test_a_torn_record_at_the_end_of_the_log_is_left_out(tmp_path):
-    """A record is answered only after its fsync: one cut short (the writer died while
+    """A record is answered only after its sync: one cut short (the writer died while
     writing it) or damaged was never answered, and reading stops before it."""
     log = wal.Log(str(tmp_path))
     log.append([("usage", b'{"n":1}\n'), ("other", b'{"n":2}\n')])
     log.append([("usage", b'{"n":3}\n')])
     segment = log.rotate()
+    assert segment is not None and segment.endswith("000000000001.wal")
     with open(segment, "rb") as file:
-        good = file.read()
-    for tail in (b"\x00\x00", wal._record("usage", b'{"n":4}\n')[:-3],
+        good = file.read().rstrip(b"\0")
+    for tail in (b"\x00\x00", wal._record("usage", b'{"n":4}\n', 1)[:-3],
                  wal.RECORD.pack(8, 0) + b'usage\n{}'):
         with open(segment, "wb") as file:
             file.write(good + tail)
@@ -431,6 +442,48 @@ def test_a_torn_record_at_the_end_of_the_log_is_left_out(tmp_path):
     assert log.rotate() is None  # nothing open: the next append opens a new segment
     log.append([("usage", b"x\n")])
     assert [seq for seq, _ in log.segments()] == [1, 2]
+
+
+def test_a_reused_segment_shows_none_of_what_it_held_before(tmp_path):
+    """A moved segment is written over as a later one (its blocks exist: a sync without
+    the journal); its old records, seeded with another seq, are never read again, not
+    even from where the new ones end, and a restarted log never reuses a seq."""
+    log = wal.Log(str(tmp_path))
+    log.append([("usage", b'["old",1]\n' * 50)])
+    log.append([("usage", b'["old",2]\n')])
+    first = log.rotate()
+    assert os.path.getsize(first) == wal.SEGMENT_BYTES  # written full of zeros when made
+    log.remove(first)
+    assert log.segments() == [] and len(log.free()) == 1
+    log.append([("usage", b'["new",1]\n')])
+    [(seq, second)] = log.segments()
+    assert seq == 2 and log.free() == []
+    with open(second, "rb") as file:
+        assert b'["old",2]' in file.read()  # written over from its start only
+    assert wal.read(second) == {"usage": [b'["new",1]\n']}
+    # A record that ends where an old one began is followed by that old record, whole.
+    log.rotate()
+    log.remove(second)
+    log = wal.Log(str(tmp_path))  # restarted: past the seq of the kept file too
+    log.append([("usage", b'["old",1]\n' * 50)])
+    [(seq, third)] = log.segments()
+    assert seq == 3 and wal.read(third) == {"usage": [b'["old",1]\n' * 50]}
+    # Beyond KEEP_FREE, moved segments are deleted; a writer's .log segments are read
+    # with their own rule (CRC of the body alone) and never kept.
+    legacy = os.path.join(log.folder, "000000000009.log")
+    with open(legacy, "wb") as file:
+        body = b'usage\n["legacy",1]\n'
+        file.write(wal.RECORD.pack(len(body), zlib.crc32(body)) + body)
+    assert wal.read(legacy) == {"usage": [b'["legacy",1]\n']}
+    log.remove(legacy)
+    assert not os.path.exists(legacy)
+    closed = [log.rotate()]
+    for _ in range(wal.KEEP_FREE):
+        log.append([("usage", b"x\n")])
+        closed.append(log.rotate())
+    for segment in closed:  # moved together
+        log.remove(segment)
+    assert len(log.free()) == wal.KEEP_FREE and log.segments() == []
 
 
 def test_an_insert_after_a_statement_goes_to_the_engine_and_fails_as_it_did(path):

@@ -1,5 +1,6 @@
 """The handler process end to end: a real forked child, real rings, driven as the
-supervisor drives it (DELIVER, CONFIRM, EXIT; reading READY/STARTED/DONE/FAILED/...)."""
+supervisor drives it (DELIVER, CONFIRM, EXIT; reading READY/DONE/FAILED/... and the mark a
+plain handler's process leaves on its outcome ring for the delivery it runs)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from worker.handler import Handler, load
 from worker.process import CHILD_INIT_FAILED
 
 
-def test_noop_handler_reports_started_then_done_and_exits_on_request(children) -> None:
+def test_noop_handler_marks_each_start_reports_done_and_exits_on_request(children) -> None:
     child = children("tests.handlers.noop:handle")
     assert child.outcomes(1) == [("READY", 0, None)]
+    assert child.to_parent.marked == 0
     (a, _), (b, _) = child.deliver({}, {"n": 1})
-    assert child.outcomes(4) == [("STARTED", a, None), ("DONE", a, None),
-                                 ("STARTED", b, None), ("DONE", b, None)]
+    # One record per delivery: no STARTED, the mark names the last one started.
+    assert child.outcomes(2) == [("DONE", a, None), ("DONE", b, None)]
+    assert child.to_parent.marked == b
+    assert child.nothing_more()
     child.send(protocol.encode_exit())
     assert child.exit_status() == 0
 
@@ -41,8 +45,7 @@ def test_raising_handler_fails_the_delivery_and_calls_on_error(children, tmp_pat
     child = children("tests.handlers.raises:handle")
     child.outcomes(1)
     ((delivery_id, pid),) = child.deliver({"log": str(log)})
-    assert summaries(child.outcomes(2)) == [("STARTED", delivery_id, None),
-                                            ("FAILED", delivery_id, "ValueError: boom")]
+    assert summaries(child.outcomes(1)) == [("FAILED", delivery_id, "ValueError: boom")]
     wait_until(lambda: lines(log) == [f"on_error {pid} ValueError"])
 
 
@@ -50,8 +53,8 @@ def test_malformed_envelope_fails_without_reaching_the_handler(children, tmp_pat
     child = children("tests.handlers.raises:handle")
     child.outcomes(1)
     child.send(protocol.encode_deliver(7, b"not json"))
-    started, failed = child.outcomes(2)
-    assert started == ("STARTED", 7, None)
+    (failed,) = child.outcomes(1)
+    assert child.to_parent.marked == 7
     assert failed[:2] == ("FAILED", 7) and failed[2].error == "broker.envelope.MalformedEnvelope"
 
 
@@ -71,8 +74,8 @@ def test_every_attempts_value_reaches_the_handler(children, tmp_path: Path) -> N
                                "payload": [str(log)], "attempts": 2**63 - 1})
     records.append(protocol.encode_deliver(len(sent) + 1, as_list))
     child.send(*records)
-    outcomes = child.outcomes(2 * len(records))
-    assert [kind for kind, _, _ in outcomes] == ["STARTED", "DONE"] * len(records)
+    outcomes = child.outcomes(len(records))
+    assert [kind for kind, _, _ in outcomes] == ["DONE"] * len(records)
     assert lines(log) == [
         "p1 0 dict", "p2 4294967296 dict", f"p3 {2**63 - 1} dict", "p4 -1 dict",
         f"p5 {-(2**63)} dict", "p6 5 dict", f"list {2**63 - 1} list",
@@ -84,7 +87,7 @@ def test_successes_are_done_only_after_flush_returned(children, tmp_path: Path) 
     child = children("tests.handlers.flushing:handle")
     child.outcomes(1)
     ((delivery_id, pid),) = child.deliver({"log": str(log), "gate": str(gate)})
-    assert child.outcomes(1) == [("STARTED", delivery_id, None)]
+    wait_until(lambda: child.to_parent.marked == delivery_id)
     wait_until(lambda: lines(log) == ["flushing"])  # flush() is running, held by the gate
     assert child.nothing_more()
     gate.touch()
@@ -98,13 +101,7 @@ def test_flush_runs_every_n_successes_and_when_the_ring_is_empty(children, tmp_p
     child.outcomes(1)
     sent = child.deliver(*({"log": str(log)} for _ in range(5)))
     ids = [delivery_id for delivery_id, _ in sent]
-    assert child.outcomes(10) == [
-        ("STARTED", ids[0], None), ("STARTED", ids[1], None),
-        ("DONE", ids[0], None), ("DONE", ids[1], None),
-        ("STARTED", ids[2], None), ("STARTED", ids[3], None),
-        ("DONE", ids[2], None), ("DONE", ids[3], None),
-        ("STARTED", ids[4], None), ("DONE", ids[4], None),
-    ]
+    assert child.outcomes(5) == [("DONE", delivery_id, None) for delivery_id in ids]
     pids = [pid for _, pid in sent]
     assert [line for line in lines(log) if line != "flushing"] == [
         f"flush {pids[0]},{pids[1]}", f"flush {pids[2]},{pids[3]}", f"flush {pids[4]}",
@@ -119,7 +116,7 @@ def test_exit_flushes_held_successes_first(children, tmp_path: Path) -> None:
     pid_b, raw_b = envelope.build("tests", {"log": str(log)})
     child.send(protocol.encode_deliver(1, raw_a), protocol.encode_deliver(2, raw_b),
                protocol.encode_exit())
-    assert [kind for kind, _, _ in child.outcomes(4)] == ["STARTED", "STARTED", "DONE", "DONE"]
+    assert [kind for kind, _, _ in child.outcomes(2)] == ["DONE", "DONE"]
     assert child.exit_status() == 0
     assert lines(log) == ["flushing", f"flush {pid_a},{pid_b}"]
 
@@ -129,10 +126,10 @@ def test_a_failing_flush_fails_every_message_it_covered(children, tmp_path: Path
     child = children("tests.handlers.flush_raises:handle")
     child.outcomes(1)
     sent = child.deliver(*({"log": str(log)} for _ in range(3)))
-    outcomes = child.outcomes(6)
-    assert [kind for kind, _, _ in outcomes] == ["STARTED"] * 3 + ["FAILED"] * 3
-    assert [delivery_id for _, delivery_id, _ in outcomes[3:]] == [i for i, _ in sent]
-    assert {failure.summary for _, _, failure in outcomes[3:]} == {
+    outcomes = child.outcomes(3)
+    assert [kind for kind, _, _ in outcomes] == ["FAILED"] * 3
+    assert [delivery_id for _, delivery_id, _ in outcomes] == [i for i, _ in sent]
+    assert {failure.summary for _, _, failure in outcomes} == {
         "RuntimeError: flush() failed: database down"}
     wait_until(lambda: len(lines(log)) == 3)
     assert lines(log) == [f"on_error {pid} database down" for _, pid in sent]
@@ -143,7 +140,7 @@ def test_on_success_runs_only_after_a_committed_confirm(children, tmp_path: Path
     child = children("tests.handlers.confirming:handle")
     assert child.outcomes(1) == [("READY", 0, None)]
     (a, pid_a), (b, _) = child.deliver({"log": str(log)}, {"log": str(log)})
-    assert [kind for kind, _, _ in child.outcomes(4)] == ["STARTED", "DONE"] * 2
+    assert [kind for kind, _, _ in child.outcomes(2)] == ["DONE"] * 2
     assert lines(log) == []  # done is not confirmed: nothing yet
     child.send(protocol.encode_confirm(a, True), protocol.encode_confirm(b, False),
                protocol.encode_confirm(a, True),  # a duplicate is ignored
@@ -157,7 +154,7 @@ def test_stop_flag_skips_deliveries_that_did_not_start(children, tmp_path: Path)
     child = children("tests.handlers.gated:handle")
     child.outcomes(1)
     ((running, _),) = child.deliver({"gate": str(gate)})
-    assert child.outcomes(1) == [("STARTED", running, None)]
+    wait_until(lambda: child.to_parent.marked == running)
     (b, _), (c, _) = child.deliver({}, {})
     child.to_child.request_stop()
     gate.touch()
@@ -169,7 +166,7 @@ def test_sigterm_exits_without_reporting_the_running_delivery(children, tmp_path
     child = children("tests.handlers.gated:handle")
     child.outcomes(1)
     ((running, _),) = child.deliver({"gate": str(tmp_path / "never")})
-    assert child.outcomes(1) == [("STARTED", running, None)]
+    wait_until(lambda: child.to_parent.marked == running)
     os.kill(child.pid, signal.SIGTERM)
     assert child.exit_status() == -signal.SIGTERM
     assert child.nothing_more()
@@ -180,7 +177,7 @@ def test_sigint_is_ignored(children, tmp_path: Path) -> None:
     child.outcomes(1)
     os.kill(child.pid, signal.SIGINT)
     ((delivery_id, _),) = child.deliver({})
-    assert child.outcomes(2) == [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
+    assert child.outcomes(1) == [("DONE", delivery_id, None)]
 
 
 def test_failing_init_reports_and_exits_with_code_3(children) -> None:
@@ -202,7 +199,7 @@ def test_the_process_runs_the_handler_it_inherited_and_imports_nothing(children,
     child = children(stub)
     assert child.outcomes(1) == [("READY", 0, None)]
     ((delivery_id, _),) = child.deliver({"n": 7})
-    assert child.outcomes(2) == [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
+    assert child.outcomes(1) == [("DONE", delivery_id, None)]
     assert out.read_text() == "7"
 
 
@@ -218,7 +215,7 @@ def test_a_100_kib_payload_arrives_intact_through_256_byte_slots(children, tmp_p
     child = children("tests.handlers.recorder:handle", slots=1024, slot_size=256)
     child.outcomes(1)
     ((delivery_id, _),) = child.deliver({"out": str(out), "data": data})
-    assert child.outcomes(2)[1] == ("DONE", delivery_id, None)
+    assert child.outcomes(1) == [("DONE", delivery_id, None)]
     assert out.read_text(encoding="utf-8") == data
 
 
@@ -226,10 +223,7 @@ def test_a_full_outcome_ring_delays_outcomes_but_loses_none(children) -> None:
     child = children("tests.handlers.noop:handle", outcome_slots=4)  # 4 outcomes fit at a time
     child.outcomes(1)
     sent = child.deliver(*({"n": n} for n in range(200)))
-    expected = []
-    for delivery_id, _ in sent:
-        expected += [("STARTED", delivery_id, None), ("DONE", delivery_id, None)]
-    assert child.outcomes(400) == expected
+    assert child.outcomes(200) == [("DONE", delivery_id, None) for delivery_id, _ in sent]
 
 
 def test_process_title_shows_queue_slot_and_busy_or_idle(children, tmp_path: Path) -> None:

@@ -162,6 +162,7 @@ class AsyncRunner(Runner):
 
     def _start(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
         self._outcomes.append(protocol.encode_started(delivery_id))
+        self._begin(delivery_id)
         task = self._track(self._handle(delivery_id, attempts, raw))
         self._handling[delivery_id] = task
         if self._timeout:

@@ -94,6 +94,7 @@ class Runner:
         self._outcomes: list[bytes] = []  # encoded, not yet on the ring
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
+        self._began: dict[int, float] = {}  # started, no outcome yet: when (monotonic)
         self.serving = False  # READY sent: an exit from now on is never a failed init()
         # A FAILED record must fit the outcome ring (a small one in tests), header included.
         self._failure_limit = min(protocol.MAX_FAILURE_BYTES,
@@ -138,8 +139,16 @@ class Runner:
         self.serving = True
         log.info("handler process %d ready (%s)", self._place, detail)
 
+    def _begin(self, delivery_id: int) -> None:
+        """The handler starts on this delivery now (its outcome says how long it took)."""
+        self._began[delivery_id] = time.monotonic()
+
+    def _elapsed(self, delivery_id: int) -> float:
+        began = self._began.pop(delivery_id, None)
+        return 0.0 if began is None else time.monotonic() - began
+
     def _succeed(self, delivery_id: int, message: Message) -> None:
-        self._outcomes.append(protocol.encode_done(delivery_id))
+        self._outcomes.append(protocol.encode_done(delivery_id, self._elapsed(delivery_id)))
         if self._handler.on_success is not None:
             self._unconfirmed[delivery_id] = message
 
@@ -147,6 +156,7 @@ class Runner:
         """FAILED goes out with the next send; the caller then runs ``on_error`` its way.
         The supervisor logs the run's outcome once it is settled (retrying, failed, dead):
         this line is for debugging the handler process."""
+        self._began.pop(delivery_id, None)  # a failure carries no seconds (see protocol)
         self._outcomes.append(protocol.encode_failed(delivery_id, failure, self._failure_limit))
         job = message.pid if message is not None else "?"
         log.debug("delivery %d (job %s) failed: %s (%s)", delivery_id, job, failure.summary,

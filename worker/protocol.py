@@ -9,11 +9,19 @@ them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` fie
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
 child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
-from the handler it loaded, the one the process inherited), STARTED, DONE, FAILED (a
+from the handler it loaded, the one the process inherited), STARTED, DONE (f64: seconds from
+the handler's start to this outcome; older versions sent none, read as 0), FAILED (a
 ``broker.failure.Failure`` record: class, message, where, traceback; older versions sent
 UTF-8 error text, which still decodes), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD
 from a process running several deliveries at once (an ``async def`` handler): the handler
 returned and the delivery waits for ``flush()``, so it is not a suspect when the process dies.
+
+STARTED comes only from a process running several deliveries at once. A plain ``def``
+handler runs its ring's deliveries one at a time in ring order, so it sends no record when
+one starts: it marks the delivery's id on its outcome ring (``Ring.mark``, one store in
+shared memory) before the handler runs. The supervisor reads the mark when it needs to
+know (a handler timeout, the process died, every watch period): the marked delivery and the
+ones before it without an outcome are running. That halves the records per delivery.
 """
 
 from __future__ import annotations
@@ -48,12 +56,16 @@ MAX_FAILURE_BYTES = 16384
 _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
+_DONE_HEAD = struct.Struct("<BQd")  # DONE: _HEAD and the handler's seconds
 _TEXT_KINDS = (FAILED, INIT_FAILED)
 #: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
 _BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
 
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
+#: A DELIVER record's head in one call, for a handler process's loop (one per job):
+#: (kind, delivery id, attempts known, attempts); the envelope follows at DELIVER_OVERHEAD.
+unpack_deliver = _DELIVER_HEAD.unpack_from
 
 Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
 
@@ -108,8 +120,16 @@ def encode_held(delivery_id: int) -> bytes:
     return _HEAD.pack(HELD, delivery_id)
 
 
-def encode_done(delivery_id: int) -> bytes:
-    return _HEAD.pack(DONE, delivery_id)
+def encode_done(delivery_id: int, seconds: float = 0.0) -> bytes:
+    return _DONE_HEAD.pack(DONE, delivery_id, seconds)
+
+
+def done_fields(record: bytes) -> tuple[int, float]:
+    """A DONE record's (delivery id, handler's seconds: 0.0 from an older process)."""
+    if len(record) < _DONE_HEAD.size:
+        return _HEAD.unpack_from(record)[1], 0.0
+    _, delivery_id, handler_seconds = _DONE_HEAD.unpack_from(record)
+    return delivery_id, handler_seconds
 
 
 def encode_failed(

@@ -7,8 +7,11 @@ writes, the other only reads; nothing here takes a lock between processes.
 Layout (all words native u64, each on its own 64-byte cache line)::
 
     [0]   write index   monotonic count of slots published by the writer
+    [8]   mark          a value the writer publishes beside the records (the handler
+                        process: the delivery its handler runs now; see ``mark``)
     [64]  read index    monotonic count of slots released by the reader
-    [128] sleeping      1 while the reader is (about to be) blocked on the wake-up fd
+    [128] sleeping      non-zero while the reader is (about to be) blocked on the wake-up
+                        fd: the number of that sleep, new each time (see below)
     [192] stop          non-zero once the parent asked the child to start nothing more
     [256] data          ``slots`` slots of ``slot_size`` bytes
 
@@ -17,7 +20,12 @@ it needs. A record that would run past the end of the data area is preceded by a
 marker that sends the reader back to slot 0, so every record is contiguous.
 
 Wake-ups go through an eventfd that the writer writes only when the reader said it
-sleeps: the Dekker pattern (see ``_fence``).
+sleeps: the Dekker pattern (see ``_fence``), and once per sleep: the reader numbers its
+sleeps, and a writer that woke sleep n (its eventfd is written, the reader will drain it
+and read everything) does not write again for n. A reader that is slow to come round (the
+supervisor's event loop in a Redis call) otherwise took one write per record, each a
+system call of the handler process. A reader's sleep numbers only grow, and ``reset``
+(before a new process takes the other side) forgets the one woken last.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from collections.abc import Iterable
 
 _HEADER_BYTES = 256
 _WRITE, _READ, _SLEEPING, _STOP = 0, 8, 16, 24  # u64 word indexes, 64 bytes apart
+_MARK = 1  # on the writer's own line: the writer stores it, the reader only loads it
 _LENGTH = struct.Struct("=I")
 _PADDING = 0xFFFFFFFF  # a length no record has: "skip to slot 0"
 
@@ -58,7 +67,8 @@ class Ring:
 
     RECORD_HEADER = _LENGTH.size
 
-    __slots__ = ("_data", "_poller", "_slot_size", "_slots", "_words", "wake_fd")
+    __slots__ = ("_data", "_poller", "_sleeps", "_slot_size", "_slots", "_woken", "_words",
+                 "wake_fd")
 
     @staticmethod
     def nbytes(slots: int, slot_size: int) -> int:
@@ -79,6 +89,8 @@ class Ring:
         self._slots = slots
         self._slot_size = slot_size
         self._poller: select.poll | None = None
+        self._sleeps = 0  # reader: its sleeps so far (the next one is numbered one more)
+        self._woken = 0  # writer: the number of the reader's sleep it woke last
         self.wake_fd = wake_fd
 
     @property
@@ -89,8 +101,23 @@ class Ring:
     # -- writer side ---------------------------------------------------------------
 
     def put(self, record: bytes) -> bool:
-        """Publish one record; False (nothing visible) when there is no room yet."""
-        return self.put_many((record,)) == 1
+        """Publish one record; False (nothing visible) when there is no room yet.
+
+        The common case (it fits before the end of the data area) is written here at once:
+        a handler process publishes each outcome so, one per job."""
+        words = self._words
+        write = words[_WRITE]
+        size = len(record)
+        slots, slot_size = self._slots, self._slot_size
+        needed = -(-(size + _LENGTH.size) // slot_size)
+        position = write % slots
+        if position + needed > slots or needed > slots - (write - words[_READ]):
+            return self.put_many((record,)) == 1  # it wraps, or there is no room yet
+        offset = position * slot_size
+        _LENGTH.pack_into(self._data, offset, size)
+        self._data[offset + _LENGTH.size : offset + _LENGTH.size + size] = record
+        self._publish(write + needed)
+        return True
 
     def put_many(self, records: Iterable[bytes]) -> int:
         """Publish records in order until one does not fit; returns how many fitted.
@@ -107,11 +134,18 @@ class Ring:
                 break
             placed += 1
         if write != start:
-            words[_WRITE] = write
-            _fence()
-            if words[_SLEEPING]:
-                os.eventfd_write(self.wake_fd, 1)
+            self._publish(write)
         return placed
+
+    def _publish(self, write: int) -> None:
+        """Make everything up to ``write`` visible, and wake the reader if it sleeps."""
+        words = self._words
+        words[_WRITE] = write
+        _fence()
+        sleeping = words[_SLEEPING]
+        if sleeping and sleeping != self._woken:  # asleep, and not woken yet
+            os.eventfd_write(self.wake_fd, 1)
+            self._woken = sleeping
 
     def _place(self, record: bytes, write: int, read: int) -> tuple[int, bool]:
         """Copy ``record`` in at ``write`` without publishing it: (new write index, fitted).
@@ -142,7 +176,17 @@ class Ring:
         self._data[offset + _LENGTH.size : offset + _LENGTH.size + size] = record
         return write + needed, True
 
+    def mark(self, value: int) -> None:
+        """Publish ``value`` beside the records: one store, no record, no wake-up. The
+        reader sees it at once, and after the writer died (the memory outlives it)."""
+        self._words[_MARK] = value
+
     # -- reader side ---------------------------------------------------------------
+
+    @property
+    def marked(self) -> int:
+        """The writer's last ``mark`` (0 until it marked something, and after ``reset``)."""
+        return self._words[_MARK]
 
     def get(self) -> bytes | None:
         """The next record, or None when none is waiting (never blocks)."""
@@ -194,7 +238,8 @@ class Ring:
         ``clear_wakeup`` and read; on False, read again now.
         """
         words = self._words
-        words[_SLEEPING] = 1
+        self._sleeps += 1
+        words[_SLEEPING] = self._sleeps
         _fence()
         if words[_WRITE] != words[_READ]:
             words[_SLEEPING] = 0
@@ -219,9 +264,12 @@ class Ring:
         self._words[_STOP] = 1
 
     def reset(self) -> None:
-        """Empty the ring and clear its words (only while neither side is using it)."""
-        for word in (_WRITE, _READ, _SLEEPING, _STOP):
+        """Empty the ring and clear its words (only while neither side is using it): a new
+        process on the other side starts afresh, its sleeps numbered from where its copy
+        of this object was, so the sleep woken last is forgotten too."""
+        for word in (_WRITE, _MARK, _READ, _SLEEPING, _STOP):
             self._words[word] = 0
+        self._woken = 0
         _drain(self.wake_fd)
 
 

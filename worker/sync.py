@@ -7,6 +7,7 @@ no timers.
 
 from __future__ import annotations
 
+import time
 from typing import NoReturn
 
 from broker.failure import Failure
@@ -29,12 +30,19 @@ class SyncRunner(Runner):
 
     def serve(self) -> NoReturn:
         inbox = self._inbox
+        deliver, dispatch = self.deliver, self.dispatch
+        unpack, overhead, kind_deliver = protocol.unpack_deliver, protocol.DELIVER_OVERHEAD, \
+            protocol.DELIVER
         while True:
             records = inbox.get_many(BATCH)
             if records:
                 self._title.set_busy(True)
                 for record in records:
-                    self.dispatch(record)
+                    if record[0] == kind_deliver:  # the one kind per job, decoded inline
+                        _, delivery_id, known, attempts = unpack(record)
+                        deliver(delivery_id, attempts if known else None, record[overhead:])
+                    else:
+                        dispatch(record)
                 self.send(self._outcomes)
                 continue
             if self._held:  # nothing else is waiting: make the held successes durable
@@ -46,22 +54,34 @@ class SyncRunner(Runner):
         if self._inbox.stop_requested:  # stopping: leave it for the supervisor to release
             self._outcomes.append(protocol.encode_skipped(delivery_id))
             return
-        # The supervisor must know a delivery started before any of its side effects,
-        # or it might release it (attempts unchanged) after a crash.
-        self._outcomes.append(protocol.encode_started(delivery_id))
-        self.send(self._outcomes)
+        # Outcomes so far go out before the handler runs (it may take long). The supervisor
+        # must know a delivery started before any of its side effects, or it might release
+        # it (attempts unchanged) after a crash: the mark is that, one store and no record.
+        outcomes = self._outcomes
+        if outcomes:  # the last job's DONE, usually: one record, put at once
+            if len(outcomes) == 1 and self._outbox.put(outcomes[0]):
+                outcomes.clear()
+            else:
+                self.send(outcomes)
+        self._outbox.mark(delivery_id)
+        began = time.monotonic()
         message = None
+        handler = self._handler
         try:
             message = Message.from_raw(raw, delivery_id, attempts)
-            self._handler.call(message)
+            handler.call(message)
         except Exception as error:
             self._fail(delivery_id, message, error, failure_of(error))
             return
         except BaseException as error:  # sys.exit(), KeyboardInterrupt: the process ends
             self._handler_exited(delivery_id, message, error)
-        if self._handler.flush is None:
-            self._succeed(delivery_id, message)
+        if handler.flush is None:
+            # DONE carries the handler's seconds (for the supervisor's histogram).
+            self._outcomes.append(protocol.encode_done(delivery_id, time.monotonic() - began))
+            if handler.on_success is not None:
+                self._unconfirmed[delivery_id] = message
             return
+        self._began[delivery_id] = began  # its DONE comes after flush(): timed to then
         self._held.append((delivery_id, message))
         if len(self._held) >= self._flush_every:
             self._flush_held()

@@ -95,24 +95,23 @@ class ClickHouseStore:
 
 
 def rows_of(batch: list[Usage]) -> bytes:
-    """JSONCompactEachRow lines in ``COLUMNS`` order: per message, one row per metric (a
-    repeated metric summed, since two rows with one key would fold into one); a pid twice
-    in the batch, once. (Arrays, not objects: a third of the handler's CPU of JSONEachRow
-    and 40% fewer bytes to send, log and parse.)"""
+    """JSONCompactEachRow rows in ``COLUMNS`` order, comma-separated on one line (as the
+    format allows; one orjson call for the batch, not one per row): per message, one row
+    per metric (a repeated metric summed, since two rows with one key would fold into
+    one); a pid twice in the batch, once. (Arrays, not objects: a third of the handler's
+    CPU of JSONEachRow and 40% fewer bytes to send, log and parse.)"""
     latest = {usage.pid: usage for usage in batch}
-    lines = []
+    rows = []
     for usage in latest.values():
         metrics: Any = usage.metrics
-        if len(metrics) > 1:
+        if len(metrics) > 1 and len({metric for metric, _ in metrics}) < len(metrics):
             sums: dict[str, int] = {}
             for metric, value in metrics:
                 sums[metric] = sums.get(metric, 0) + value
             metrics = sums.items()
         project, period, pid = usage.project, usage.period, usage.pid
-        lines += [orjson.dumps((project, metric, period, value, pid))
-                  for metric, value in metrics]
-    lines.append(b"")
-    return b"\n".join(lines) if len(lines) > 1 else b""
+        rows += [(project, metric, period, value, pid) for metric, value in metrics]
+    return orjson.dumps(rows)[1:-1] + b"\n" if rows else b""
 
 
 class ServerDatabase:

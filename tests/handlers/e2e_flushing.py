@@ -1,7 +1,8 @@
 """A buffering handler for end-to-end tests of the durability barrier (SPEC §3).
 
 handle() buffers pids; flush() writes them to E2E_DIR/flushed, or raises when E2E_FLUSH_FAIL
-is set. on_success() records the pid to E2E_DIR/succeeded.
+is set. on_success() records the pid to E2E_DIR/succeeded. A payload with "fail" raises in
+handle(): its FAILED goes out at once, ahead of the DONE of the earlier ones still held.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ _pending: list[str] = []
 
 
 def handle(message) -> None:
+    if message.payload.get("fail"):
+        raise ValueError(f"{message.pid} fails on purpose")
     _pending.append(message.pid)
 
 
