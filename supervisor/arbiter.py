@@ -326,7 +326,7 @@ class Arbiter:
         """Wake the receive loop if ``receive_due`` would now say yes. Only the loop changes
         ``topped_up`` (as it goes to sleep), so this is the answer it would find: a wake-up
         that finds no receive due would cost a turn of the event loop, and at prefetch 1
-        each job made three (its start, its outcome, its settlement) for the one needed."""
+        every read of a job's outcomes made one before the settlement made the one needed."""
         if self.room.is_set():
             return
         room = self.receive_room()

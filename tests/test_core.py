@@ -440,10 +440,10 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
 
 
 def test_at_prefetch_1_the_receive_loop_wakes_only_when_a_receive_is_due():
-    """A job's start, outcome and settlement each used to wake the receive loop, which found
-    prefetch still full two times in three: a turn of the event loop per wake-up, the main
-    cost of a job at prefetch 1. Now it sleeps once per job (prefetch full after the
-    receive) and wakes once (the settlement freed the room)."""
+    """Every read of a job's outcomes (its start, its end) and its settlement each woke the
+    receive loop, which found prefetch still full until the settlement: a turn of the event
+    loop per wake-up, per job at prefetch 1. Now it sleeps once per job (prefetch full after
+    the receive) and wakes once (the settlement freed the room)."""
     async def scenario():
         core, broker, pids = await running_core(40, 1, 1)
         arbiter = core.arbiter
