@@ -81,6 +81,9 @@ class Delivery:
     #: The broker's own per-delivery keys, built once at the claim and reused by every
     #: settlement and renewal of it (Redis: its claims, jobs and owners key); () if none.
     keys: tuple[str, ...] = field(repr=False, default=())
+    #: ``raw`` is plain (``envelope.decode_flagged``): its handler process may read it with
+    #: orjson alone. False (decode it fully) is always right.
+    plain: bool = field(repr=False, default=False)
 
 
 @dataclass(slots=True)

@@ -116,7 +116,7 @@ class MemoryBroker:
         while self.ready and len(received.deliveries) < max_messages:
             message = self.ready.popleft()
             try:
-                fields = envelope.decode(message.raw)
+                fields, plain = envelope.decode_flagged(message.raw)
             except envelope.MalformedEnvelope as error:
                 # Never handed out, and kept (a real broker keeps poison in a list/stream).
                 self.poisoned.append(message.raw)
@@ -129,7 +129,7 @@ class MemoryBroker:
             self.runs[message.pid] += 1
             received.deliveries.append(Delivery(
                 message.pid, self.queue, fields["timestamp"], message.attempts,
-                fields["payload"], message.raw, message.owner, fields,
+                fields["payload"], message.raw, message.owner, fields, plain=plain,
             ))
         return received
 

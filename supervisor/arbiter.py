@@ -376,7 +376,8 @@ class Arbiter:
                 continue
             entries = buffer.next_waiting(count)
             records = [
-                protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts)
+                protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts,
+                                        e.delivery.plain)
                 for e in entries
             ]
             # A full ring takes fewer: the rest waits for the next dispatch.

@@ -35,6 +35,7 @@ class PlayedProcess:
     def __init__(self, server: InProcessForkServer, place: HandlerPlace, pid: int) -> None:
         self.server, self.place, self.pid = server, place, pid
         self.inbox: deque[int] = deque()  # delivery ids read from the ring, not started
+        self.plain: dict[int, bool] = {}  # each delivery read: flagged plain?
         self.running: list[int] = []  # started, in order
         self.confirmed: list[tuple[int, bool]] = []
         self.exit_asked = False
@@ -48,6 +49,7 @@ class PlayedProcess:
                 kind, delivery_id, data = protocol.decode(record)
                 if kind == protocol.DELIVER:
                     self.inbox.append(delivery_id)
+                    self.plain[delivery_id] = protocol.deliver_plain(record)
                 elif kind == protocol.CONFIRM:
                     self.confirmed.append((delivery_id, bool(data)))
                 elif kind == protocol.EXIT:

@@ -238,6 +238,17 @@ async def test_malformed_messages_are_poisoned_and_never_delivered(kit):
     assert await nothing_comes(broker)
 
 
+async def test_a_delivery_says_whether_its_envelope_is_plain(kit):
+    # Plain: the claim's decode took its fast path, so the handler process may read the
+    # envelope with orjson alone (worker.message). One that PHP's typing had to coerce is not.
+    broker = await kit.make()
+    pid = await broker.publish(QUEUE, {"fine": True})
+    await kit.push_raw(b'{"pid":12,"queue":"contract","timestamp":"5","payload":{"a":1}}')
+    got = await receive_all(broker, 2)
+    assert {d.pid: d.plain for d in got} == {pid: True, "12": False}
+    assert await settle(broker, Action.COMMIT, got) == [Outcome.OK] * 2
+
+
 async def test_the_oldest_ready_age_is_read_without_failing_on_what_waits(kit):
     broker = await kit.make()
     assert await broker.oldest_ready_age() is None  # nothing waits

@@ -391,6 +391,21 @@ def test_every_message_runs_and_is_committed_within_the_prefetch_bound():
     run(scenario())
 
 
+def test_each_delivery_tells_its_handler_process_whether_the_envelope_is_plain():
+    # What the broker's decode at the claim read by its fast path goes out flagged plain
+    # (the handler process reads it with orjson alone); what PHP's typing coerced does not.
+    async def scenario():
+        broker = MemoryBroker()
+        broker.push_raw(b'{"pid":12,"queue":"jobs","timestamp":"5","payload":{"a":1}}')
+        core, broker, _ = await running_core(1, 10, 1, broker)
+        process = core.process(0)
+        await core.wait_for(lambda: process.read() or len(process.plain) == 2)
+        assert list(process.plain.values()) == [False, True]
+        assert await core.stop() == exits.OK
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_settlement_calls_run_in_the_loop_or_in_tasks_by_the_brokers_concurrency(concurrency):
     """One call at a time (Redis): the settle loop makes the call itself, no task per batch;

@@ -3,6 +3,7 @@ exactly what a PHP queue-5 worker accepts when it reads (see the truth table at 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from broker import envelope
 from broker.envelope import MalformedEnvelope
+from worker.message import Message
 
 # Written by utopia-php/queue 1.x (PHP json_encode): "\/" escapes, [] for an empty payload.
 PHP = (
@@ -2526,3 +2528,106 @@ def test_the_queue5_model_reads_and_writes_as_php(row):
     if isinstance(php["requeue"], dict):  # INF
         return
     assert queue5.php_json_encode(retry) == php["requeue"]
+
+
+# --- plain envelopes: what a handler process reads with orjson alone ---------------------------
+# The supervisor flags an envelope plain when decode took its fast path; its handler process
+# then builds the Message from orjson.loads(raw) without decode's checks. Both must give the
+# same Message, value and type, whatever the envelope.
+
+
+def message_fields(message: Message) -> tuple[Any, ...]:
+    return (message.pid, message.queue, message.timestamp, message.attempts, message.payload)
+
+
+def flagged(raw: bytes) -> bool | None:
+    """Whether decode_flagged calls raw plain (None: malformed), having checked that a plain
+    envelope makes the same Message read either way, and that the flag changes nothing else."""
+    try:
+        decoded, plain = envelope.decode_flagged(raw)
+    except MalformedEnvelope:
+        return None
+    assert same(decoded, envelope.decode(raw))
+    # As the NATS broker decodes at the claim: the same flag, when it accepts raw too.
+    with contextlib.suppress(MalformedEnvelope):
+        assert envelope.decode_flagged(raw, cast_timestamp=False)[1] is plain
+    if plain:
+        for attempts in (None, 0, -(2**63), 7):  # unknown: the envelope's own counts
+            fast = Message.from_raw(raw, 1, attempts, plain=True)
+            assert same(message_fields(fast), message_fields(Message.from_raw(raw, 1, attempts)))
+    return plain
+
+
+def mostly(right: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Usually a value of the type PHP's Message wants, else any JSON value."""
+    return st.integers(0, 4).flatmap(lambda n: right if n else any_json)
+
+
+# Envelopes that are often plain and often one step from it: each field of the right type
+# or of any other, optional fields present or not.
+near_plain = st.fixed_dictionaries(
+    {"pid": mostly(st.text(max_size=8)), "queue": mostly(st.text(max_size=8)),
+     "timestamp": mostly(st.integers(INT64_MIN, INT64_MAX)),
+     "payload": mostly(st.dictionaries(st.text(max_size=3), any_json, max_size=4))},
+    optional={"attempts": mostly(st.none() | st.integers(INT64_MIN, INT64_MAX)),
+              "sequence": any_json, "key": any_json, "x": any_json},
+)
+
+
+@settings(max_examples=1000)
+@given(document=near_plain | envelopes, ensure_ascii=st.booleans(),
+       edits=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(b'{}[]",:\\ 0e.-\xff9')),
+                      max_size=2))
+def test_a_plain_envelope_makes_the_same_message_read_with_orjson_alone(
+    document, ensure_ascii, edits
+):
+    raw = json.dumps(document, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
+    flagged(raw)
+    flagged(mutate(raw, edits))
+
+
+@settings(max_examples=300)
+@given(payload=st.dictionaries(st.text(), json_values, max_size=6))
+def test_what_producers_write_is_plain_when_short(payload):
+    _, raw = envelope.build("q", payload)
+    # Plain unless long, with a run of 19 digits, or with a payload PHP writes as an array.
+    assert flagged(raw) is (len(raw) <= 2 * envelope.MAX_NESTING
+                            and not re.search(rb"[0-9]{19}", raw)
+                            and type(orjson.loads(raw)["payload"]) is dict)
+
+
+@pytest.mark.parametrize(("raw", "expected"), TRUTH_TABLE, ids=[row_id(r) for r, _ in TRUTH_TABLE])
+def test_every_truth_table_row_reads_the_same_when_plain(raw, expected):
+    assert (flagged(raw) is None) is (expected is None)
+
+
+@pytest.mark.parametrize("raw", [
+    PHP, with_fields(payload='{"a":1}'), with_fields(payload='{"a":1}', attempts="null"),
+    with_fields(payload='{"a":[1.5,null,"\\u00e9"]}', attempts="-3", key='"k"', extra="[]"),
+    with_fields(timestamp=str(10**18 - 1), payload='{"a":1}', attempts=str(1 - 10**18)),
+    with_fields(payload='{"n":123456789012345678}'),  # 18 digits: orjson reads it as PHP does
+])
+def test_these_are_plain(raw):
+    assert flagged(raw) is True
+
+
+@pytest.mark.parametrize("raw", [
+    with_fields(payload='{"n":1234567890123456789}'),  # 19 digits: decode's reference path
+    with_fields(timestamp=str(INT64_MAX), payload='{"a":1}'),  # in range, 19 digits all the same
+    with_fields(payload='{"f":0.12345678901234567890}'),
+    with_fields(payload='{"s":"%s"}' % ("x" * 1100)),  # longer than the fast path reads
+    with_fields(pid="12", payload='{"a":1}'),  # "12" for PHP, 12 for orjson
+    with_fields(queue="1.5", payload='{"a":1}'),
+    with_fields(timestamp='"5"', payload='{"a":1}'),
+    with_fields(timestamp="1.5", payload='{"a":1}'),
+    with_fields(timestamp="true", payload='{"a":1}'),
+    with_fields(payload="[]"), with_fields(payload="[1]"), with_fields(payload="null"),
+    with_fields(),  # no payload
+    with_fields(payload='{"a":1}', attempts='"2"'),
+    with_fields(payload='{"a":1}', attempts="2.0"),
+    with_fields(payload='{"a":1}', attempts="false"),
+    with_fields(payload='{"a":1}', sequence="3"),
+    with_fields(payload='{"a":1}', sequence="null"),
+])
+def test_envelopes_decode_changes_or_reads_slowly_are_not_plain(raw):
+    assert flagged(raw) is False

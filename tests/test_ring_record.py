@@ -46,6 +46,41 @@ def test_unknown_is_not_a_value_attempts_can_take() -> None:
                for n in (0, -1, INT64_MIN, INT64_MAX, 0xFFFFFFFF))
 
 
+@pytest.mark.parametrize("attempts", [0, 5, INT64_MAX, INT64_MIN])
+def test_plain_travels_in_the_flag_byte_and_changes_nothing_else(attempts: int) -> None:
+    _, raw = envelope.build("q", {"n": 1})
+    plain = through_ring(protocol.encode_deliver(3, raw, attempts, plain=True))
+    other = through_ring(protocol.encode_deliver(3, raw, attempts))
+    assert protocol.deliver_plain(plain) and not protocol.deliver_plain(other)
+    # decode leaves the flag out: a reader that ignores it decodes the envelope fully.
+    assert protocol.decode(plain) == protocol.decode(other) == (
+        protocol.DELIVER, 3, (attempts, raw))
+    # The handler process's loop reads the head in one call.
+    assert protocol.unpack_deliver(plain) == (
+        protocol.DELIVER, 3, protocol.KNOWN | protocol.PLAIN, attempts)
+    assert plain[protocol.DELIVER_OVERHEAD:] == raw
+
+
+def test_plain_goes_only_with_known_attempts() -> None:
+    # An older handler process took any non-zero flag byte for "attempts known": plain
+    # without them would read as attempts 0. Unknown attempts drop the flag (always safe).
+    raw = envelope.build("q", {"n": 1})[1]
+    record = protocol.encode_deliver(1, raw, None, plain=True)
+    assert record == protocol.encode_deliver(1, raw, None)
+    assert not protocol.deliver_plain(record)
+    assert protocol.decode(record) == (protocol.DELIVER, 1, (None, raw))
+
+
+def test_a_record_of_an_older_supervisor_is_not_plain() -> None:
+    # Its flag byte was 0 or 1 (attempts known); the same bytes as today without plain.
+    raw = b'{"pid":"p","queue":"q","timestamp":1,"payload":{"a":1}}'
+    head = protocol.DELIVER.to_bytes(1, "little") + (9).to_bytes(8, "little")
+    older = head + b"\x01" + (4).to_bytes(8, "little", signed=True) + raw
+    assert older == protocol.encode_deliver(9, raw, 4)
+    assert not protocol.deliver_plain(older)
+    assert protocol.decode(older) == (protocol.DELIVER, 9, (4, raw))
+
+
 @pytest.mark.parametrize("attempts", [INT64_MAX + 1, INT64_MIN - 1, 2**64])
 def test_attempts_outside_signed_64_bit_are_refused_by_name(attempts: int) -> None:
     with pytest.raises(ValueError, match="outside the signed 64-bit range"):

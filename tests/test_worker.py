@@ -4,6 +4,7 @@ plain handler's process leaves on its outcome ring for the delivery it runs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import psutil
+import pytest
 
 from broker import envelope
 from broker.failure import Failure
@@ -79,6 +81,36 @@ def test_every_attempts_value_reaches_the_handler(children, tmp_path: Path) -> N
     assert lines(log) == [
         "p1 0 dict", "p2 4294967296 dict", f"p3 {2**63 - 1} dict", "p4 -1 dict",
         f"p5 {-(2**63)} dict", "p6 5 dict", f"list {2**63 - 1} list",
+    ]
+
+
+@pytest.mark.parametrize(("handler", "tasks"), [
+    ("tests.handlers.fields:handle", 1), ("tests.handlers.fields:handle_async", 2),
+])
+def test_an_envelope_flagged_plain_is_read_with_orjson_alone(
+    children, tmp_path: Path, handler: str, tasks: int
+) -> None:
+    # The supervisor flags an envelope plain when its decode took the fast path: orjson
+    # alone reads it the same, so the handler gets the same message with the flag or without.
+    log = tmp_path / "log"
+    child = children(handler, tasks=tasks)
+    child.outcomes(1)
+    pid, raw = envelope.build("tests", {"log": str(log), "v": [1.5, -0.0, "é/", None, {}]})
+    # A timestamp decode would cast (never flagged plain by a supervisor) shows that the
+    # process trusts the flag and does not decode a flagged envelope again.
+    probe = b'{"pid":"p","queue":"tests","timestamp":"5","payload":{"log":%s}}' % (
+        json.dumps(str(log)).encode())
+    child.send(protocol.encode_deliver(1, raw, 3, plain=True),
+               protocol.encode_deliver(2, raw, 3),
+               protocol.encode_deliver(3, probe, 0, plain=True),
+               protocol.encode_deliver(4, probe, 0))
+    outcomes = child.outcomes(8 if tasks > 1 else 4)  # with STARTED from an async one
+    assert [kind for kind, _, _ in outcomes if kind != "STARTED"] == ["DONE"] * 4
+    decoded = envelope.decode(raw)
+    built = repr((pid, "tests", decoded["timestamp"], 3, decoded["payload"]))
+    assert lines(log) == [
+        built, built, repr(("p", "tests", "5", 0, {"log": str(log)})),
+        repr(("p", "tests", 5, 0, {"log": str(log)})),
     ]
 
 

@@ -71,7 +71,7 @@ class AsyncRunner(Runner):
         self._timeout = timeout
         self._loop = _new_loop()
         asyncio.set_event_loop(self._loop)
-        self._waiting: deque[tuple[int, int | None, bytes]] = deque()  # not started
+        self._waiting: deque[tuple[int, int | None, bytes, bool]] = deque()  # not started
         self._tasks: set[asyncio.Task] = set()  # everything that counts against capacity
         self._handling: dict[int, asyncio.Task] = {}  # delivery id -> task in handle()
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -129,8 +129,10 @@ class AsyncRunner(Runner):
                 break
         self._pump()
 
-    def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
-        self._waiting.append((delivery_id, attempts, raw))  # started by _pump, in order
+    def deliver(
+        self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool = False
+    ) -> None:
+        self._waiting.append((delivery_id, attempts, raw, plain))  # started by _pump, in order
 
     def exit_asked(self) -> None:
         self._exiting = True
@@ -160,10 +162,10 @@ class AsyncRunner(Runner):
 
     # -- one delivery --------------------------------------------------------------------
 
-    def _start(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+    def _start(self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool) -> None:
         self._outcomes.append(protocol.encode_started(delivery_id))
         self._begin(delivery_id)
-        task = self._track(self._handle(delivery_id, attempts, raw))
+        task = self._track(self._handle(delivery_id, attempts, raw, plain))
         self._handling[delivery_id] = task
         if self._timeout:
             self._timers[delivery_id] = self._loop.call_later(
@@ -191,11 +193,13 @@ class AsyncRunner(Runner):
         self._late.add(delivery_id)
         task.cancel()
 
-    async def _handle(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+    async def _handle(
+        self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool
+    ) -> None:
         message: Message | None = None
         error: BaseException | None = None
         try:
-            message = Message.from_raw(raw, delivery_id, attempts)
+            message = Message.from_raw(raw, delivery_id, attempts, plain)
             await call(self._handler.call, message)
         except asyncio.CancelledError as cancelled:  # ours (the timeout) or the handler's
             error = cancelled

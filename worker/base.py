@@ -103,7 +103,9 @@ class Runner:
     def run(self) -> NoReturn:
         raise NotImplementedError
 
-    def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+    def deliver(
+        self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool = False
+    ) -> None:
         raise NotImplementedError
 
     def confirm(self, delivery_id: int, committed: bool) -> None:
@@ -118,7 +120,7 @@ class Runner:
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.DELIVER:
             attempts, raw = protocol.deliver_data(data)
-            self.deliver(delivery_id, attempts, raw)
+            self.deliver(delivery_id, attempts, raw, protocol.deliver_plain(record))
         elif kind == protocol.CONFIRM:
             self.confirm(delivery_id, bool(data))
         elif kind == protocol.EXIT:

@@ -3,11 +3,16 @@
 Every record starts with a 9-byte header: kind (u8) and delivery id (u64, 0 when the kind
 has none), followed by a kind-specific body.
 
-parent -> child: DELIVER (u8 attempts known, i64 attempts, then the raw envelope), CONFIRM
+parent -> child: DELIVER (u8 flags, i64 attempts, then the raw envelope), CONFIRM
 (1 byte: committed), EXIT. The attempts travel beside the envelope because a broker may count
 them elsewhere (JetStream's delivery count): the envelope's own ``attempts`` field is only a
 fallback. They are any signed 64-bit value, as any one is a valid ``attempts`` of an envelope
 (PHP's ``int``, negative included), so "unknown" is the flag byte, not a reserved value.
+DELIVER's flags: bit 0 (``KNOWN``) the attempts are known; bit 1 (``PLAIN``) the supervisor
+found the envelope plain (``broker.envelope.decode_flagged``), so the handler process may
+read it with ``orjson.loads`` alone. PLAIN is only sent with KNOWN (a process of an older
+version read any non-zero flags as known), and a reader may ignore it: decoding the
+envelope fully is always right, only slower (``decode`` below drops it).
 child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
 from the handler it loaded, the one the process inherited), STARTED, DONE (f64: seconds from
 the handler's start to this outcome; older versions sent none, read as 0), FAILED (a
@@ -54,7 +59,7 @@ MAX_ERROR_BYTES = 4096
 MAX_FAILURE_BYTES = 16384
 
 _HEAD = struct.Struct("<BQ")
-_ATTEMPTS = struct.Struct("<Bq")  # known (0: take them from the envelope), attempts
+_ATTEMPTS = struct.Struct("<Bq")  # flags (KNOWN 0: take them from the envelope), attempts
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
 _DONE_HEAD = struct.Struct("<BQd")  # DONE: _HEAD and the handler's seconds
 _TEXT_KINDS = (FAILED, INIT_FAILED)
@@ -64,8 +69,12 @@ _BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
 #: Bytes a DELIVER record adds to its envelope.
 DELIVER_OVERHEAD = _HEAD.size + _ATTEMPTS.size
 #: A DELIVER record's head in one call, for a handler process's loop (one per job):
-#: (kind, delivery id, attempts known, attempts); the envelope follows at DELIVER_OVERHEAD.
+#: (kind, delivery id, flags, attempts); the envelope follows at DELIVER_OVERHEAD.
 unpack_deliver = _DELIVER_HEAD.unpack_from
+#: DELIVER's flags: the attempts are known; the envelope is plain (see above).
+KNOWN = 1
+PLAIN = 2
+_FLAGS_AT = _HEAD.size
 
 Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
 
@@ -91,13 +100,23 @@ def failure_data(data: object) -> Failure:
     return Failure.from_text(data if isinstance(data, str) else None)
 
 
-def encode_deliver(delivery_id: int, raw: bytes, attempts: int | None = None) -> bytes:
-    """Raises ValueError for attempts outside signed 64-bit (``decode`` never yields one)."""
+def encode_deliver(
+    delivery_id: int, raw: bytes, attempts: int | None = None, plain: bool = False
+) -> bytes:
+    """``plain``: ``raw`` is plain (``broker.envelope.decode_flagged``), sent only with
+    known attempts. Raises ValueError for attempts outside signed 64-bit (``decode`` never
+    yields one)."""
     if attempts is None:
         return _DELIVER_HEAD.pack(DELIVER, delivery_id, 0, 0) + raw
     if -(2**63) <= attempts < 2**63:
-        return _DELIVER_HEAD.pack(DELIVER, delivery_id, 1, attempts) + raw
+        flags = KNOWN | PLAIN if plain else KNOWN
+        return _DELIVER_HEAD.pack(DELIVER, delivery_id, flags, attempts) + raw
     raise ValueError(f"attempts {attempts} is outside the signed 64-bit range")
+
+
+def deliver_plain(record: bytes) -> bool:
+    """A DELIVER record says its envelope is plain (``decode`` leaves that out)."""
+    return bool(record[_FLAGS_AT] & PLAIN)
 
 
 def encode_confirm(delivery_id: int, committed: bool) -> bytes:
@@ -154,18 +173,18 @@ def encode_init_failed(error: str) -> bytes:
 def decode(record: bytes) -> Decoded:
     """``(kind, delivery_id, data)``; ``data`` depends on the kind.
 
-    DELIVER: ``(attempts or None, raw envelope)``; CONFIRM: committed (bool); FAILED: the
-    ``Failure`` (from the plain error text of an older version too); INIT_FAILED: the error
-    text (str); every other kind: None.
+    DELIVER: ``(attempts or None, raw envelope)`` (``deliver_plain`` reads its PLAIN flag);
+    CONFIRM: committed (bool); FAILED: the ``Failure`` (from the plain error text of an
+    older version too); INIT_FAILED: the error text (str); every other kind: None.
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
     if kind in _BARE_KINDS:
         return kind, delivery_id, None
     if kind == DELIVER:
-        known, attempts = _ATTEMPTS.unpack_from(record, _HEAD.size)
+        flags, attempts = _ATTEMPTS.unpack_from(record, _HEAD.size)
         raw = record[DELIVER_OVERHEAD:]
-        return kind, delivery_id, (attempts if known else None, raw)
+        return kind, delivery_id, (attempts if flags & KNOWN else None, raw)
     if kind == FAILED:
         return kind, delivery_id, _failure(record[_HEAD.size :])
     if kind in _TEXT_KINDS:

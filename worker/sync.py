@@ -33,14 +33,16 @@ class SyncRunner(Runner):
         deliver, dispatch = self.deliver, self.dispatch
         unpack, overhead, kind_deliver = protocol.unpack_deliver, protocol.DELIVER_OVERHEAD, \
             protocol.DELIVER
+        known, plain = protocol.KNOWN, protocol.PLAIN
         while True:
             records = inbox.get_many(BATCH)
             if records:
                 self._title.set_busy(True)
                 for record in records:
                     if record[0] == kind_deliver:  # the one kind per job, decoded inline
-                        _, delivery_id, known, attempts = unpack(record)
-                        deliver(delivery_id, attempts if known else None, record[overhead:])
+                        _, delivery_id, flags, attempts = unpack(record)
+                        deliver(delivery_id, attempts if flags & known else None,
+                                record[overhead:], flags & plain != 0)
                     else:
                         dispatch(record)
                 self.send(self._outcomes)
@@ -50,7 +52,9 @@ class SyncRunner(Runner):
                 self.send(self._outcomes)
             self._sleep()
 
-    def deliver(self, delivery_id: int, attempts: int | None, raw: bytes) -> None:
+    def deliver(
+        self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool = False
+    ) -> None:
         if self._inbox.stop_requested:  # stopping: leave it for the supervisor to release
             self._outcomes.append(protocol.encode_skipped(delivery_id))
             return
@@ -68,7 +72,7 @@ class SyncRunner(Runner):
         message = None
         handler = self._handler
         try:
-            message = Message.from_raw(raw, delivery_id, attempts)
+            message = Message.from_raw(raw, delivery_id, attempts, plain)
             handler.call(message)
         except Exception as error:
             self._fail(delivery_id, message, error, failure_of(error))

@@ -340,12 +340,13 @@ class NatsBroker:
                     self._poison(msg, receipt, reason, malformed=False)))
                 continue
             try:
-                decoded = envelope.decode_nats(msg.data, self._max_bytes)
+                decoded, plain = envelope.decode_flagged(
+                    msg.data, self._max_bytes, cast_timestamp=False)  # as decode_nats
             except envelope.MalformedEnvelope as error:
                 poison.append(asyncio.ensure_future(
                     self._poison(msg, receipt, f"malformed: {error}")))
                 continue
-            received.deliveries.append(_delivery(msg, receipt, decoded))
+            received.deliveries.append(_delivery(msg, receipt, decoded, plain))
         received.poisoned = [p for p in await asyncio.gather(*poison) if p is not None]
         return received
 
@@ -830,11 +831,13 @@ def _ack_counters(reply: str) -> tuple[int, int] | None:
         return None
 
 
-def _delivery(msg: Msg, receipt: NatsReceipt, decoded: dict[str, Any]) -> Delivery:
+def _delivery(
+    msg: Msg, receipt: NatsReceipt, decoded: dict[str, Any], plain: bool = False
+) -> Delivery:
     return Delivery(
         pid=decoded["pid"], queue=decoded["queue"], timestamp=decoded["timestamp"],
         attempts=receipt.delivered - 1, payload=decoded["payload"], raw=msg.data,
-        receipt=receipt, envelope=decoded,
+        receipt=receipt, envelope=decoded, plain=plain,
     )
 
 

@@ -616,7 +616,7 @@ class RedisBroker:
         max_bytes = self.max_envelope_bytes
         for raw in reservation.payloads:
             try:
-                decoded = envelope.decode(raw, max_bytes)
+                decoded, plain = envelope.decode_flagged(raw, max_bytes)
             except envelope.MalformedEnvelope as error:
                 kinds.append("p")
                 items.append(Poisoned(raw, str(error)))
@@ -627,7 +627,7 @@ class RedisBroker:
             kinds.append("g")
             items.append(Delivery(
                 pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
-                decoded["payload"], raw, token, decoded, (claim, job, owner),
+                decoded["payload"], raw, token, decoded, (claim, job, owner), plain,
             ))
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args = [self._lease, token, len(items), "".join(kinds), self._job_prefix_bytes]
