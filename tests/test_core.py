@@ -469,7 +469,7 @@ def test_at_prefetch_1_the_receive_loop_wakes_only_when_a_receive_is_due():
             answers.append(due())
             return answers[-1]
 
-        arbiter.receive_due = counted  # type: ignore[method-assign]
+        arbiter.receive_due = counted
         handler = core.process(0)
         async with asyncio.timeout(10):
             while len(broker.committed) < len(pids):
