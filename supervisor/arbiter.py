@@ -322,13 +322,28 @@ class Arbiter:
         self.topped_up = False
         return True
 
+    def wake_receiver(self) -> None:
+        """Wake the receive loop if ``receive_due`` would now say yes. Only the loop changes
+        ``topped_up`` (as it goes to sleep), so this is the answer it would find: a wake-up
+        that finds no receive due would cost a turn of the event loop, and at prefetch 1
+        every read of a job's outcomes made one before the settlement made the one needed."""
+        if self.room.is_set():
+            return
+        room = self.receive_room()
+        if room > 0 and not (self.topped_up and room < self.refill_at
+                             and not self.running_dry()):
+            self.room.set()
+
     def receive_room(self) -> int:
         """Room in prefetch for the handler processes that take work now: none is taken for
         one not ready (its init() still retried, or a replacement starting), where it would
         wait on us instead of on a queue another consumer reads."""
+        room = self.buffer.room
+        if room <= 0:  # full (at prefetch 1, most of the time): no share can be more
+            return room
         accepting = sum(place.accepting for place in self.places)
         share = -(-self.buffer.prefetch * accepting // len(self.places))
-        return min(self.buffer.room, share - self.buffer.outstanding)
+        return min(room, share - self.buffer.outstanding)
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
@@ -337,9 +352,11 @@ class Arbiter:
     def dispatch(self) -> None:
         """Move waiting deliveries into the rings of the least loaded ready handlers."""
         buffer = self.buffer
-        ready = [place for place in self.places if place.accepting]
         waiting = buffer.waiting_count
-        if not ready or not waiting or self.stopping:
+        if not waiting or self.stopping:  # most outcomes leave nothing waiting: no list
+            return
+        ready = [place for place in self.places if place.accepting]
+        if not ready:
             return
         depth = -(-buffer.prefetch // len(self.places))  # fair share per handler
         share = {place: buffer.load(place.index) for place in ready}
@@ -382,7 +399,7 @@ class Arbiter:
         self.progress.set()
         self.dispatch()
         if self.running_dry():
-            self.room.set()
+            self.wake_receiver()
 
     def read_outcomes(self, place: HandlerPlace) -> None:
         while records := place.to_parent.get_many(1024):
@@ -498,7 +515,7 @@ class Arbiter:
 
     def opened(self) -> None:
         """Settlements were confirmed: room for receiving, progress for the stop sequence."""
-        self.room.set()
+        self.wake_receiver()
         self.progress.set()
 
     async def renew_loop(self) -> None:

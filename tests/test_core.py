@@ -454,6 +454,36 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
     run(scenario())
 
 
+def test_at_prefetch_1_the_receive_loop_wakes_only_when_a_receive_is_due():
+    """Every read of a job's outcomes (its start, its end) and its settlement each woke the
+    receive loop, which found prefetch still full until the settlement: a turn of the event
+    loop per wake-up, per job at prefetch 1. Now it sleeps once per job (prefetch full after
+    the receive) and wakes once (the settlement freed the room)."""
+    async def scenario():
+        core, broker, pids = await running_core(40, 1, 1)
+        arbiter = core.arbiter
+        due = arbiter.receive_due
+        answers: list[bool] = []
+
+        def counted() -> bool:
+            answers.append(due())
+            return answers[-1]
+
+        arbiter.receive_due = counted
+        handler = core.process(0)
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                handler.start_next()
+                await core.settle_down(2)  # the start is read on its own
+                handler.finish()
+                await core.settle_down(2)
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+        assert answers.count(False) <= len(pids) + 2, answers.count(False)
+
+    run(scenario())
+
+
 def test_handlers_about_to_run_dry_are_refilled_whatever_the_room():
     async def scenario():
         core, _, _ = await running_core(150, 100, 1)
