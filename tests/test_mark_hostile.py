@@ -1,0 +1,91 @@
+"""Hostile end-to-end checks of the STARTED-free handler path (issue 26): a plain handler
+marks the delivery it starts on its outcome ring instead of sending STARTED. Real
+processes, real Redis: kills at the mark, a frozen supervisor, long runs of tiny jobs."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import signal
+
+import orjson
+import pytest
+
+from support.envelopes import publish
+from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
+
+
+@pytest.fixture
+def start(supervisors, redis_url: str):
+    return functools.partial(supervisors, redis_url=redis_url)
+
+
+def starts(tmp_path) -> list[tuple[str, int, int]]:
+    """(job pid, attempts, handler process) per handler call, in order."""
+    return [(pid, int(attempts), int(process)) for pid, attempts, process
+            in (line.split() for line in lines(tmp_path / "started"))]
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "supervisor-frozen"])
+def test_a_kill_between_the_mark_and_the_outcome_blames_only_the_marked_delivery(
+    tmp_path, redis_url, client, start, frozen
+):
+    # Five quick jobs, then one that hangs (marked, no outcome ever), then four queued behind
+    # it in the same ring. SIGKILL the handler process while it is in the hanging job; with
+    # the supervisor frozen (SIGSTOP) the quick ones' DONE and the kill are both waiting for
+    # it when it comes back. The hanging one counts an attempt (max_attempts 1: failed); the
+    # quick ones ran once and succeeded; the queued ones run once, attempts unchanged.
+    payloads = [{"n": n} for n in range(5)] + [{"n": 5, "hang": True}] + [
+        {"n": n} for n in range(6, 10)]
+    pids = publish(client, payloads)
+    hanging = pids[5]
+    config = write_config(tmp_path, redis_url, job={"prefetch": 10, "coroutines": 1,
+                                                    "max_attempts": 1})
+    supervisor = start(config)
+    wait_for(lambda: any(pid == hanging for pid, _, _ in starts(tmp_path)), 20,
+             "the hanging job to start")
+    wait_for(lambda: outstanding(client) == 5, 10, "the quick ones settled")
+    [(_, _, process)] = [s for s in starts(tmp_path) if s[0] == hanging]
+    if frozen:
+        supervisor.signal(signal.SIGSTOP)
+    try:
+        os.kill(process, signal.SIGKILL)
+    finally:
+        if frozen:
+            supervisor.signal(signal.SIGCONT)
+    wait_for(lambda: client.lrange(keys().failed, 0, -1) == [hanging.encode()], 30,
+             "the hanging job to fail")
+    wait_for(lambda: counter(client, "success") == 9, 30, "every other job to succeed")
+    assert supervisor.process.poll() is None, supervisor.output()
+    runs = collections.Counter(pid for pid, _, _ in starts(tmp_path))
+    assert all(count == 1 for count in runs.values()), runs
+    assert all(attempts == 0 for _, attempts, _ in starts(tmp_path))
+    assert sorted(lines(tmp_path / "handled")) == sorted(set(pids) - {hanging})
+    record = orjson.loads(client.get(keys().job(hanging)))
+    assert record.get("attempts", 0) == 0  # the killed run, counted: it went to failed
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0, supervisor.output()
+    assert "AccountingError" not in supervisor.output()
+
+
+# prefetch >= coroutines (the config says so): at prefetch = coroutines each process holds
+# one delivery at a time, the tightest ring traffic there is.
+@pytest.mark.parametrize(("prefetch", "coroutines"),
+                         [(1, 1), (8, 1), (2, 2), (8, 2), (4, 4), (8, 4)])
+def test_thousands_of_tiny_jobs_never_stall_on_a_lost_wake_up(
+    tmp_path, redis_url, client, start, prefetch, coroutines
+):
+    # The ring writer wakes a sleeping reader once per sleep: a wake-up lost there leaves
+    # the supervisor asleep with outcomes in a ring, and the run never finishes.
+    total = 3000
+    publish(client, [{"n": n} for n in range(total)])
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.noop:handle",
+                          job={"prefetch": prefetch, "coroutines": coroutines})
+    supervisor = start(config)
+    wait_for(lambda: counter(client, "success") == total
+             or supervisor.process.poll() is not None, 240, "every job handled")
+    assert supervisor.process.poll() is None, supervisor.output()
+    assert outstanding(client) == 0
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0, supervisor.output()
