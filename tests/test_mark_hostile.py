@@ -89,3 +89,63 @@ def test_thousands_of_tiny_jobs_never_stall_on_a_lost_wake_up(
     assert outstanding(client) == 0
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0, supervisor.output()
+
+
+TINY_RINGS = {"ring_slot_size": 64, "ring_slots": 16}  # 1 KiB: full after a few records
+
+
+@pytest.mark.parametrize("coroutines", [2, 4])
+def test_handlers_that_kill_themselves_among_others_blame_exactly_the_killers(
+    tmp_path, redis_url, client, start, coroutines
+):
+    # Every 9th job SIGKILLs its own process inside handle() (after the mark, before any
+    # outcome), among ordinary ones, in rings so small they fill. Exact blame: each killer
+    # runs once and fails (max_attempts 1); every other job runs exactly once with its
+    # attempts unchanged (the ones queued behind a killer were never started).
+    payloads = [{"n": n, "crash": n % 9 == 4} for n in range(300)]
+    pids = publish(client, payloads)
+    killers = {pid for pid, payload in zip(pids, payloads, strict=True) if payload["crash"]}
+    config = write_config(tmp_path, redis_url,
+                          job={"prefetch": 32, "coroutines": coroutines, "max_attempts": 1},
+                          supervisor=TINY_RINGS)
+    supervisor = start(config)
+    wait_for(lambda: (counter(client, "success") == len(pids) - len(killers)
+             and client.llen(keys().failed) == len(killers))
+             or supervisor.process.poll() is not None, 180, "every job settled")
+    assert supervisor.process.poll() is None, supervisor.output()
+    assert sorted(x.decode() for x in client.lrange(keys().failed, 0, -1)) == sorted(killers)
+    runs = collections.Counter(pid for pid, _, _ in starts(tmp_path))
+    assert runs == collections.Counter(pids), {p: c for p, c in runs.items() if c != 1}
+    assert all(attempts == 0 for _, attempts, _ in starts(tmp_path))
+    assert sorted(lines(tmp_path / "handled")) == sorted(set(pids) - killers)
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0, supervisor.output()
+
+
+def test_a_flushing_handler_with_failures_and_confirmations_through_tiny_rings(
+    tmp_path, redis_url, client, start
+):
+    # Held successes, FAILED ahead of their DONE, CONFIRM records back for on_success, all
+    # through rings that fill in both directions: no AccountingError, nothing lost or twice.
+    # (A CONFIRM that finds the ring full is dropped with a warning, by design: on_success
+    # runs at most once, so only "never twice, never for a failure" is checked for it.)
+    payloads = [{"n": n, "fail": n % 7 == 3} for n in range(600)]
+    pids = publish(client, payloads)
+    failing = {pid for pid, payload in zip(pids, payloads, strict=True) if payload["fail"]}
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_flushing:handle",
+                          job={"prefetch": 64, "coroutines": 2, "flush_every": 20,
+                               "max_attempts": 1},
+                          supervisor=TINY_RINGS)
+    supervisor = start(config)
+    wait_for(lambda: (counter(client, "success") == len(pids) - len(failing)
+             and client.llen(keys().failed) == len(failing))
+             or supervisor.process.poll() is not None, 120, "every job settled")
+    assert supervisor.process.poll() is None, supervisor.output()
+    assert outstanding(client) == 0
+    assert sorted(lines(tmp_path / "flushed")) == sorted(set(pids) - failing)
+    confirmed = lines(tmp_path / "succeeded")
+    assert len(confirmed) == len(set(confirmed)) and not set(confirmed) & failing
+    assert sorted(x.decode() for x in client.lrange(keys().failed, 0, -1)) == sorted(failing)
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0, supervisor.output()
+    assert "AccountingError" not in supervisor.output()
