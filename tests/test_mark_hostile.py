@@ -27,21 +27,25 @@ def starts(tmp_path) -> list[tuple[str, int, int]]:
             in (line.split() for line in lines(tmp_path / "started"))]
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["running", "supervisor-frozen"])
+@pytest.mark.parametrize("how", ["kill", "kill-supervisor-frozen", "timeout-handler-stopped"])
 def test_a_kill_between_the_mark_and_the_outcome_blames_only_the_marked_delivery(
-    tmp_path, redis_url, client, start, frozen
+    tmp_path, redis_url, client, start, how
 ):
     # Five quick jobs, then one that hangs (marked, no outcome ever), then four queued behind
     # it in the same ring. SIGKILL the handler process while it is in the hanging job; with
     # the supervisor frozen (SIGSTOP) the quick ones' DONE and the kill are both waiting for
     # it when it comes back. The hanging one counts an attempt (max_attempts 1: failed); the
     # quick ones ran once and succeeded; the queued ones run once, attempts unchanged.
+    # timeout-handler-stopped: no kill of ours; the handler process is SIGSTOPped between
+    # its mark and its outcome and the supervisor's handler_timeout kills it.
+    frozen = how == "kill-supervisor-frozen"
+    timeout = {"handler_timeout": 3} if how.startswith("timeout") else {}
     payloads = [{"n": n} for n in range(5)] + [{"n": 5, "hang": True}] + [
         {"n": n} for n in range(6, 10)]
     pids = publish(client, payloads)
     hanging = pids[5]
     config = write_config(tmp_path, redis_url, job={"prefetch": 10, "coroutines": 1,
-                                                    "max_attempts": 1})
+                                                    "max_attempts": 1, **timeout})
     supervisor = start(config)
     wait_for(lambda: any(pid == hanging for pid, _, _ in starts(tmp_path)), 20,
              "the hanging job to start")
@@ -50,7 +54,7 @@ def test_a_kill_between_the_mark_and_the_outcome_blames_only_the_marked_delivery
     if frozen:
         supervisor.signal(signal.SIGSTOP)
     try:
-        os.kill(process, signal.SIGKILL)
+        os.kill(process, signal.SIGSTOP if timeout else signal.SIGKILL)
     finally:
         if frozen:
             supervisor.signal(signal.SIGCONT)
@@ -149,3 +153,29 @@ def test_a_flushing_handler_with_failures_and_confirmations_through_tiny_rings(
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0, supervisor.output()
     assert "AccountingError" not in supervisor.output()
+
+
+@pytest.mark.parametrize("coroutines", [1, 2])
+def test_a_stop_mid_run_releases_exactly_the_unstarted(
+    tmp_path, redis_url, client, start, coroutines
+):
+    # SIGTERM while plain handlers work through full rings: what ran is committed once,
+    # what never started goes back with its attempts unchanged (SKIPPED, or never read),
+    # nothing both, nothing lost.
+    pids = publish(client, [{"n": n, "sleep": 0.005} for n in range(1500)])
+    config = write_config(tmp_path, redis_url,
+                          job={"prefetch": 64, "coroutines": coroutines},
+                          supervisor={"shutdown_deadline": 30})
+    supervisor = start(config)
+    wait_for(lambda: len(lines(tmp_path / "handled")) >= 200, 60, "work under way")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
+    ran = [pid for pid, _, _ in starts(tmp_path)]
+    assert len(ran) == len(set(ran))
+    assert sorted(lines(tmp_path / "handled")) == sorted(ran)
+    back = [orjson.loads(raw) for raw in client.lrange(keys().ready, 0, -1)]
+    assert all(entry.get("attempts", 0) == 0 for entry in back)
+    assert not set(ran) & {entry["pid"] for entry in back}
+    assert sorted(ran + [entry["pid"] for entry in back]) == sorted(pids)
+    assert counter(client, "success") == len(ran)
+    assert outstanding(client) == 0 and counter(client, "processing") == 0
