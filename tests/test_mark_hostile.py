@@ -234,3 +234,35 @@ def test_random_kills_under_a_frozen_supervisor_keep_every_attempt_exact(
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0, supervisor.output()
     assert "AccountingError" not in supervisor.output()
+
+
+@pytest.mark.parametrize("how", ["max-jobs", "sighup"])
+def test_recycling_and_reloads_mid_run_run_every_job_once_unchanged(
+    tmp_path, redis_url, client, start, how
+):
+    # Processes replaced while their rings hold work (every 7 jobs, or a SIGHUP now and
+    # then): each job runs exactly once with attempts 0 (nothing blamed, nothing released
+    # as if unstarted after it started), in several processes, all committed.
+    total = 1200
+    pids = publish(client, [{"n": n, "sleep": 0.002} for n in range(total)])
+    job = {"prefetch": 16, "coroutines": 2}
+    if how == "max-jobs":
+        job["max_jobs_per_process"] = 7
+    supervisor = start(write_config(tmp_path, redis_url, job=job))
+    # A SIGHUP before the supervisor installed its handlers would end it (the default).
+    wait_for(lambda: lines(tmp_path / "started"), 30, "work under way")
+    while how == "sighup" and counter(client, "success") < total * 0.8:
+        assert supervisor.process.poll() is None, supervisor.output()
+        time.sleep(0.3)
+        supervisor.signal(signal.SIGHUP)
+    wait_for(lambda: counter(client, "success") == total
+             or supervisor.process.poll() is not None, 120, "every job committed")
+    assert supervisor.process.poll() is None, supervisor.output()
+    seen = starts(tmp_path)
+    assert sorted(pid for pid, _, _ in seen) == sorted(pids)
+    assert all(attempts == 0 for _, attempts, _ in seen)
+    assert len({process for _, _, process in seen}) > 4
+    assert outstanding(client) == 0
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(15) == 0, supervisor.output()
+    assert "AccountingError" not in supervisor.output()
