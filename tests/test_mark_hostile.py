@@ -276,3 +276,26 @@ def test_recycling_and_reloads_mid_run_run_every_job_once_unchanged(
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0, supervisor.output()
     assert "AccountingError" not in supervisor.output()
+
+
+def test_a_stop_deadline_abandons_the_marked_delivery_and_releases_the_queued_unchanged(
+    tmp_path, redis_url, client, start
+):
+    # A hung plain handler at the stop deadline: killed; the marked delivery is requeued
+    # with attempts + 1 (its run counts, as recovery would count it); the ones queued behind
+    # it in its ring never started and go back unchanged.
+    payloads = [{"n": 0}, {"n": 1, "hang": True}] + [{"n": n} for n in range(2, 7)]
+    pids = publish(client, payloads)
+    config = write_config(tmp_path, redis_url, job={"prefetch": 10},
+                          supervisor={"shutdown_deadline": 3})
+    supervisor = start(config)
+    wait_for(lambda: any(pid == pids[1] for pid, _, _ in starts(tmp_path)), 20,
+             "the hanging job to start")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(20) == 0, supervisor.output()
+    assert [pid for pid, _, _ in starts(tmp_path)] == pids[:2]
+    back = {entry["pid"]: entry.get("attempts", 0) for entry in
+            (orjson.loads(raw) for raw in client.lrange(keys().ready, 0, -1))}
+    assert back == {pids[1]: 1, **{pid: 0 for pid in pids[2:]}}
+    assert counter(client, "success") == 1
+    assert outstanding(client) == 0 and counter(client, "processing") == 0
