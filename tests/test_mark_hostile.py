@@ -299,3 +299,33 @@ def test_a_stop_deadline_abandons_the_marked_delivery_and_releases_the_queued_un
     assert back == {pids[1]: 1, **{pid: 0 for pid in pids[2:]}}
     assert counter(client, "success") == 1
     assert outstanding(client) == 0 and counter(client, "processing") == 0
+
+
+def test_a_stop_and_a_handler_death_seen_together_after_a_freeze(
+    tmp_path, redis_url, client, start
+):
+    # Frozen supervisor; SIGTERM for it and a SIGKILL of its hung handler both wait for it
+    # when it thaws: the marked delivery fails (max_attempts 1), the queued ones go back
+    # unchanged, the one that finished is committed, and the stop is clean.
+    payloads = [{"n": 0}, {"n": 1, "hang": True}] + [{"n": n} for n in range(2, 7)]
+    pids = publish(client, payloads)
+    config = write_config(tmp_path, redis_url, job={"prefetch": 10, "max_attempts": 1})
+    supervisor = start(config)
+    wait_for(lambda: any(pid == pids[1] for pid, _, _ in starts(tmp_path)), 20,
+             "the hanging job to start")
+    [(_, _, process)] = [s for s in starts(tmp_path) if s[0] == pids[1]]
+    supervisor.signal(signal.SIGSTOP)
+    try:
+        supervisor.signal(signal.SIGTERM)
+        os.kill(process, signal.SIGKILL)
+    finally:
+        supervisor.signal(signal.SIGCONT)
+    assert supervisor.wait(20) == 0, supervisor.output()
+    assert [pid for pid, _, _ in starts(tmp_path)] == pids[:2]
+    assert client.lrange(keys().failed, 0, -1) == [pids[1].encode()]
+    back = {entry["pid"]: entry.get("attempts", 0) for entry in
+            (orjson.loads(raw) for raw in client.lrange(keys().ready, 0, -1))}
+    assert back == {pid: 0 for pid in pids[2:]}
+    assert counter(client, "success") == 1
+    assert outstanding(client) == 0 and counter(client, "processing") == 0
+    assert "AccountingError" not in supervisor.output()
