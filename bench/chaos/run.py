@@ -204,8 +204,11 @@ class Fleet:
         state = "busy" if busy else "idle"
         return f"SIGKILL {state} handler {process.pid} of supervisor {supervisor.pid}"
 
-    def pick(self, rng: random.Random) -> Supervisor | None:
-        return rng.choice(self.members) if self.members else None
+    def pick(self, rng: random.Random, consuming: bool = False) -> Supervisor | None:
+        """A member at random; ``consuming``: only one whose loop runs (a SIGTERM before
+        the supervisor installed its handlers ends it by the default action, -15)."""
+        members = [m for m in self.members if running(m)] if consuming else self.members
+        return rng.choice(members) if members else None
 
     def kill_supervisor(self, victim: Supervisor) -> str:
         family = victim.family()[1:]
@@ -451,7 +454,7 @@ class Soak:
             if kind == "writer_kill":
                 return kill_writer(self.db)
             if kind in ("supervisor_kill", "supervisor_term"):
-                victim = self.fleet.pick(self.rng)
+                victim = self.fleet.pick(self.rng, consuming=kind == "supervisor_term")
                 if victim is None:
                     return "skipped: no supervisor running"
                 consumer = await self.side.consumer_of(victim.pid)
