@@ -16,15 +16,17 @@ live); peak RSS is each process's VmHWM just before it is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from bench import latency, nats_side, redis_side
@@ -228,6 +230,21 @@ def _figures(jobs: int, seconds: float, client_cpu: float | None, server: dict[s
     }
 
 
+@contextlib.contextmanager
+def run_folder() -> Iterator[str]:
+    """A run's temporary folder, removed only once no process names it any more: the
+    stats-usage writer is the handlers' child, not ours, and after the stop it still moves
+    its log into the engine there for a moment (removing the folder under it failed the
+    cleanup and lost that configuration's latency row)."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        try:
+            yield workdir
+        finally:
+            users = [process for process in psutil.process_iter(["cmdline"])
+                     if any(workdir in part for part in process.info["cmdline"] or ())]
+            psutil.wait_procs(users, timeout=15)
+
+
 # -- the supervisor ----------------------------------------------------------------------------
 
 
@@ -240,7 +257,7 @@ def supervisor_redis(target: RedisTarget, prefetch: int, messages: int, handler:
 
         fill_history(client)
     redis_side.fill(client, STAGING, messages)
-    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+    with run_folder() as workdir:
         folder = Path(workdir)
         own = OwnCounters()
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
@@ -295,7 +312,7 @@ def supervisor_nats(run: NatsTargetRun, prefetch: int, messages: int, handler: s
                     coroutines: int = 1) -> dict[str, Any]:
     target = run.target
     run.control.prepare(messages)
-    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+    with run_folder() as workdir:
         folder = Path(workdir)
         own = OwnCounters()
         config = job_file(folder, target.url, HANDLERS[handler], prefetch, own.port,
@@ -360,7 +377,7 @@ def latency_run(target: RedisTarget | NatsTargetRun, prefetch: int, handler: str
         target.control.prepare(0)
         target.control.run(_unpause(target))
         done = _nats_done(target)
-    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+    with run_folder() as workdir:
         folder = Path(workdir)
         config = job_file(folder, target.url, LATENCY_HANDLERS[handler], prefetch,
                           coroutines=coroutines)
