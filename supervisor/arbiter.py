@@ -687,13 +687,10 @@ class Arbiter:
             else:
                 self.fail("reading a dead handler's outcomes failed", error)
         expected, was_ready = place.exit_sent, place.ready
-        reason = place.kill_reason or f"worker lost: handler process {pid} " + (
-            f"killed by signal {-status}" if status is not None and status < 0
-            else f"exited with code {status}"
-        )
-        self.note_started(place)  # the mark outlives the process, as the ring does
         failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
                    else failures.lost(pid, status))
+        reason = place.kill_reason or f"worker lost: {failure.message}"
+        self.note_started(place)  # the mark outlives the process, as the ring does
         running = self.buffer.running_in(place.index)
         blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
         place.gone()
@@ -704,12 +701,15 @@ class Arbiter:
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
             self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
+            replaced = ("" if self.stopping or status == CHILD_INIT_FAILED
+                        else "; a new handler process takes its place")
             if running:
                 pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
                 more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
-                log.error("%s while handling %s%s", reason, pids, more)
+                log.error("%s while handling %s%s: that run failed (the job's outcome line "
+                          "says what follows)%s", reason, pids, more, replaced)
             elif not expected and not self.stopping and was_ready:
-                log.error("%s", reason)
+                log.error("%s%s", reason, replaced)
         if self.stopping:  # nothing is dispatched any more: what came back is released
             self.release_waiting()
         elif status == CHILD_INIT_FAILED:

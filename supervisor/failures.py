@@ -16,6 +16,7 @@ import signal
 
 from broker.base import Result, Settlement
 from broker.failure import Failure
+from worker.process import CHILD_BROKEN
 
 #: The classes of failures the supervisor records itself (no exception was raised).
 TIMEOUT = "HandlerTimeout"
@@ -39,6 +40,8 @@ def lost(pid: int, status: int | None) -> Failure:
         except ValueError:
             name = ""
         how = f"killed by signal {-status}{name}"
+    elif status == CHILD_BROKEN:
+        how = f"exited with code {status} (broken: the error it logged before says why)"
     else:
         how = f"exited with code {status}"
     return Failure(error=LOST, message=f"handler process {pid} {how}")

@@ -129,6 +129,9 @@ def test_a_timeout_and_a_lost_handler_process_are_failures() -> None:
     assert failures.lost(4321, -9).summary == (
         "WorkerLost: handler process 4321 killed by signal 9 (SIGKILL)")
     assert failures.lost(4321, 1).summary == "WorkerLost: handler process 4321 exited with code 1"
+    assert failures.lost(4321, 70).summary == (  # worker.process.CHILD_BROKEN
+        "WorkerLost: handler process 4321 exited with code 70 (broken: the error it logged "
+        "before says why)")
     assert failures.lost(4321, -200).summary == (
         "WorkerLost: handler process 4321 killed by signal 200")
 

@@ -145,7 +145,12 @@ def test_killed_handler_is_replaced_and_its_message_ends_in_failed(
     # The replacement handles ordinary work.
     [ok] = publish(client, [{"n": 1}])
     wait_for(lambda: handled(tmp_path) == [ok], 10, "work after the crashes")
-    assert "worker lost" in supervisor.output()
+    # Each death is told with the job it hit and what follows, in one line.
+    told = [line for line in supervisor.output().splitlines() if "worker lost" in line]
+    assert told and all(
+        f"while handling {crasher}: that run failed" in line
+        and "a new handler process takes its place" in line for line in told
+    ), told
 
 
 def test_failing_handler_is_rejected_by_policy_and_malformed_never_reaches_it(
