@@ -36,9 +36,11 @@ from bench.common import ROOT
 COROUTINES = "1,2,4"
 #: --reuse: a part whose results.json exists is read, not run again.
 REUSE = False
-#: Messages per run at each prefetch: 5-8 s each on a quiet 2-core machine.
-MESSAGES = "1:2500,8:5000,32:30000,100:40000,1000:50000"
-#: The no-op at prefetch 1,000 (the ratio's denominator), some 3x as fast.
+#: Messages per run at each prefetch: 5-8 s each on a quiet 2-core machine (sized from the
+#: quiet run of bench/results/2026-12-01-2core-issue26-final/usage, where 8, 100 and 1,000
+#: lasted 2.2-4.5 s with 5,000, 40,000 and 50,000).
+MESSAGES = "1:2500,8:12000,32:30000,100:60000,1000:85000"
+#: The no-op at prefetch 1,000 (the ratio's denominator): 7.7-8.4 s there.
 NOOP_MESSAGES = 150000
 #: Runs shorter than this (seconds) are marked: their rate is mostly the machine's noise.
 MIN_SECONDS = 5.0
