@@ -117,11 +117,13 @@ class Runner:
     # -- records in --------------------------------------------------------------------------
 
     def dispatch(self, record: bytes) -> None:
+        if record[0] == protocol.DELIVER:  # the one kind per job: its head in one unpack
+            _, delivery_id, flags, attempts = protocol.unpack_deliver(record)
+            self.deliver(delivery_id, attempts if flags & protocol.KNOWN else None,
+                         record[protocol.DELIVER_OVERHEAD:], bool(flags & protocol.PLAIN))
+            return
         kind, delivery_id, data = protocol.decode(record)
-        if kind == protocol.DELIVER:
-            attempts, raw = protocol.deliver_data(data)
-            self.deliver(delivery_id, attempts, raw, protocol.deliver_plain(record))
-        elif kind == protocol.CONFIRM:
+        if kind == protocol.CONFIRM:
             self.confirm(delivery_id, bool(data))
         elif kind == protocol.EXIT:
             self.exit_asked()
@@ -149,8 +151,12 @@ class Runner:
         began = self._began.pop(delivery_id, None)
         return 0.0 if began is None else time.monotonic() - began
 
-    def _succeed(self, delivery_id: int, message: Message) -> None:
-        self._outcomes.append(protocol.encode_done(delivery_id, self._elapsed(delivery_id)))
+    def _succeed(self, delivery_id: int, message: Message, seconds: float | None = None) -> None:
+        """DONE goes out with the next send, with the handler's ``seconds`` (by default
+        since ``_begin``)."""
+        if seconds is None:
+            seconds = self._elapsed(delivery_id)
+        self._outcomes.append(protocol.encode_done(delivery_id, seconds))
         if self._handler.on_success is not None:
             self._unconfirmed[delivery_id] = message
 

@@ -79,12 +79,6 @@ _FLAGS_AT = _HEAD.size
 Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
 
 
-def deliver_data(data: object) -> tuple[int | None, bytes]:
-    """The data ``decode`` returns for a DELIVER record: (attempts or None, raw envelope)."""
-    assert isinstance(data, tuple), "not the data of a DELIVER record"
-    return data
-
-
 def text_data(data: object) -> str:
     """The data ``decode`` returns for INIT_FAILED records: the error text (for FAILED, the
     failure's summary)."""

@@ -29,22 +29,13 @@ class SyncRunner(Runner):
         self.serve()
 
     def serve(self) -> NoReturn:
-        inbox = self._inbox
-        deliver, dispatch = self.deliver, self.dispatch
-        unpack, overhead, kind_deliver = protocol.unpack_deliver, protocol.DELIVER_OVERHEAD, \
-            protocol.DELIVER
-        known, plain = protocol.KNOWN, protocol.PLAIN
+        inbox, dispatch = self._inbox, self.dispatch
         while True:
             records = inbox.get_many(BATCH)
             if records:
                 self._title.set_busy(True)
                 for record in records:
-                    if record[0] == kind_deliver:  # the one kind per job, decoded inline
-                        _, delivery_id, flags, attempts = unpack(record)
-                        deliver(delivery_id, attempts if flags & known else None,
-                                record[overhead:], flags & plain != 0)
-                    else:
-                        dispatch(record)
+                    dispatch(record)
                 self.send(self._outcomes)
                 continue
             if self._held:  # nothing else is waiting: make the held successes durable
@@ -81,9 +72,7 @@ class SyncRunner(Runner):
             self._handler_exited(delivery_id, message, error)
         if handler.flush is None:
             # DONE carries the handler's seconds (for the supervisor's histogram).
-            self._outcomes.append(protocol.encode_done(delivery_id, time.monotonic() - began))
-            if handler.on_success is not None:
-                self._unconfirmed[delivery_id] = message
+            self._succeed(delivery_id, message, time.monotonic() - began)
             return
         self._began[delivery_id] = began  # its DONE comes after flush(): timed to then
         self._held.append((delivery_id, message))
