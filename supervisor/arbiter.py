@@ -317,10 +317,15 @@ class Arbiter:
         if room <= 0:
             self.topped_up = True
             return False
-        if self.topped_up and room < self.refill_at and not self.running_dry():
+        if self.refill_waits(room):
             return False
         self.topped_up = False
         return True
+
+    def refill_waits(self, room: int) -> bool:
+        """Prefetch was full and less than a batch is free, while the handlers still have
+        started work: the receive waits for more room."""
+        return self.topped_up and room < self.refill_at and not self.running_dry()
 
     def wake_receiver(self) -> None:
         """Wake the receive loop if ``receive_due`` would now say yes. Only the loop changes
@@ -330,8 +335,7 @@ class Arbiter:
         if self.room.is_set():
             return
         room = self.receive_room()
-        if room > 0 and not (self.topped_up and room < self.refill_at
-                             and not self.running_dry()):
+        if room > 0 and not self.refill_waits(room):
             self.room.set()
 
     def receive_room(self) -> int:

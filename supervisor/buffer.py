@@ -190,8 +190,7 @@ class Buffer:
 
     def started(self, place: int, entry_id: int) -> Entry:
         entry = self._next_queued(place, entry_id)
-        entry.state, entry.started_at = State.RUNNING, time.monotonic()
-        self._running[place][entry_id] = entry
+        self._run(place, entry, time.monotonic())
         return entry
 
     def started_up_to(self, place: int, entry_id: int, at: float) -> list[Entry]:
@@ -204,8 +203,7 @@ class Buffer:
         if not queued or queued[0].id != entry_id:
             return promoted
         entry = queued.popleft()
-        entry.state, entry.started_at = State.RUNNING, at
-        self._running[place][entry.id] = entry
+        self._run(place, entry, at)
         promoted.append(entry)
         return promoted
 
@@ -342,14 +340,17 @@ class Buffer:
             return []
         if not any(entry.id == entry_id for entry in queued):
             return []
-        running = self._running[place]
         promoted: list[Entry] = []
         while queued[0].id != entry_id:
             entry = queued.popleft()
-            entry.state, entry.started_at = State.RUNNING, at
-            running[entry.id] = entry
+            self._run(place, entry, at)
             promoted.append(entry)
         return promoted
+
+    def _run(self, place: int, entry: Entry, at: float) -> None:
+        """``entry``, off handler ``place``'s queue, started at ``at``: running there."""
+        entry.state, entry.started_at = State.RUNNING, at
+        self._running[place][entry.id] = entry
 
     def _running_entry(self, place: int, entry_id: int) -> Entry:
         entry = self._running[place].get(entry_id)
