@@ -611,8 +611,6 @@ class RedisBroker:
         token = reservation.token
         kinds: list[str] = []
         items: list[Delivery | Poisoned] = []
-        job_prefix, claim_prefix, owner_prefix = (
-            self._job_prefix, self._claim_prefix, self._owner_prefix)
         max_bytes = self.max_envelope_bytes
         for raw in reservation.payloads:
             try:
@@ -622,12 +620,12 @@ class RedisBroker:
                 items.append(Poisoned(raw, str(error)))
                 continue
             pid = decoded["pid"]
-            job, claim, owner = job_prefix + pid, claim_prefix + pid, owner_prefix + pid
-            keys += (job, claim, owner)
+            claim, job, owner = delivery_keys = self._delivery_keys(pid)
+            keys += (job, claim, owner)  # claim.lua's order
             kinds.append("g")
             items.append(Delivery(
                 pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
-                decoded["payload"], raw, token, decoded, (claim, job, owner), plain,
+                decoded["payload"], raw, token, decoded, delivery_keys, plain,
             ))
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args = [self._lease, token, len(items), "".join(kinds), self._job_prefix_bytes]
