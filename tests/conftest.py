@@ -50,6 +50,16 @@ def nats_server():
 
 
 @pytest.fixture
+async def proxy(nats_server: NatsServer):
+    """A fault proxy in front of this test's NATS (support.faultproxy): cut, stall, drop."""
+    from support.faultproxy import FaultProxy
+
+    fault = await FaultProxy(nats_server.port).start()
+    yield fault
+    await fault.close()
+
+
+@pytest.fixture
 async def js(nats_server: NatsServer):
     """A plain nats-py JetStream context on this test's NATS, for setting up and inspecting."""
     import nats

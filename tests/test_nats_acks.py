@@ -14,19 +14,10 @@ from broker.nats import NatsBroker
 from broker.nats.conn import Connection, RequestTimeout, _headers
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
-from support.faultproxy import FaultProxy
-from support.servers import NatsServer
 from support.waiting import until
 
 QUEUE = "acks"
 NAMES = QueueNames.of(QUEUE)
-
-
-@pytest.fixture
-async def proxy(nats_server: NatsServer):
-    fault = await FaultProxy(nats_server.port).start()
-    yield fault
-    await fault.close()
 
 
 async def pending_acks(js) -> int:

@@ -18,20 +18,12 @@ from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
-from support.faultproxy import FaultProxy
 from support.servers import NatsServer
 from support.waiting import until
 from tests.queue5_nats import php_queue
 
 QUEUE = "stats-usage"
 NAMES = QueueNames.of(QUEUE)
-
-
-@pytest.fixture
-async def proxy(nats_server: NatsServer):
-    fault = await FaultProxy(nats_server.port).start()
-    yield fault
-    await fault.close()
 
 
 async def stream_messages(js, stream: str) -> int:
