@@ -4,6 +4,7 @@ once per pid (ClickHouse-specific behaviour: tests/test_usage_clickhouse.py)."""
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 import subprocess
 import sys
 from typing import Any
@@ -265,3 +266,30 @@ def test_the_command_answers_help_with_its_usage(tmp_path):
     assert done.stdout.startswith("usage: python -m examples.stats_usage [-h] [db]")
     assert stats_usage.ENV_DB in done.stdout and ".sqlite" in done.stdout
     assert done.stderr == ""
+
+
+def _open_at_once(path: str, barrier: Any) -> None:
+    from examples.usage import sqlite
+
+    barrier.wait()
+    sqlite.connect(path).close()
+
+
+def test_processes_opening_a_new_sqlite_store_at_once_all_start(tmp_path):
+    # Each finds the new database not WAL yet and switches it; all but one are refused at
+    # once ("database is locked", no busy wait) and must try again, not fail init() (a
+    # Cluster soak's supervisors halted with HANDLER_INIT so).
+    path = str(tmp_path / "usage.sqlite")
+    context = multiprocessing.get_context("fork")
+    for _ in range(5):  # the race is narrow: a fresh database each round
+        barrier = context.Barrier(6)
+        workers = [context.Process(target=_open_at_once, args=(path, barrier)) for _ in range(6)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        assert [worker.exitcode for worker in workers] == [0] * 6
+        assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        for suffix in ("", "-wal", "-shm"):
+            if (tmp_path / f"usage.sqlite{suffix}").exists():
+                (tmp_path / f"usage.sqlite{suffix}").unlink()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,12 +75,26 @@ def connect(path: str) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=BUSY_TIMEOUT, isolation_level=None)
     # WAL: readers never block the writer. Switching to it takes a lock without waiting on
     # the busy timeout, so it is done only when the mode is not WAL yet (the first process).
-    if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-        db.execute("PRAGMA journal_mode = WAL")
+    _switch_to_wal(db)
     # FULL: a commit is on disk when flush() returns, before the messages are acknowledged.
     db.execute("PRAGMA synchronous = FULL")
     db.executescript(SCHEMA)
     return db
+
+
+def _switch_to_wal(db: sqlite3.Connection) -> None:
+    """Make the database WAL. Processes that open a new database at once (the handler
+    processes of several supervisors) may all find it not WAL yet; the switch of all but
+    one is refused at once ("database is locked", no busy wait), so each tries again until
+    the mode reads WAL, for up to BUSY_TIMEOUT."""
+    deadline = time.monotonic() + BUSY_TIMEOUT
+    while db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _open_existing(path: str) -> sqlite3.Connection:
