@@ -855,15 +855,17 @@ class Arbiter:
 
 def plan(loads: list[int], depth: int, waiting: int, fill: bool) -> list[int]:
     """How many of ``waiting`` deliveries each ready handler gets (``loads``: what each holds
-    now, queued or running), none beyond ``depth`` in all.
+    now, queued or running), none to hold more than ``depth``.
 
     Spread (``fill`` false): each next delivery to the least loaded, the first on a tie, so
     every process starts work at once. Fill (a handler with ``flush()``): the most loaded
     with room first, the first on a tie, up to ``depth``, then the next: what one process
     holds is flushed together once its ring is empty, so spreading a batch would cut it into
     several flushes, each paying the store's write and sync."""
+    if len(loads) == 1:  # the usual single process: one slice, nothing to choose
+        return [max(0, min(depth - loads[0], waiting))]
     counts = [0] * len(loads)
-    if len(loads) == 1 or fill:  # slices, not a choice per delivery
+    if fill:  # slices, not a choice per delivery
         # sorted() is stable: on a tie the first place keeps its turn.
         for index in sorted(range(len(loads)), key=lambda i: -loads[i]):
             counts[index] = max(0, min(depth - loads[index], waiting))

@@ -491,8 +491,8 @@ def test_a_small_prefetch_for_a_handler_with_flush_goes_to_one_process(handler, 
             assert [buffer.load(index) for index in range(4)] == loads, batch
             for process in core.server.living():
                 process.work()
-            settled = 8 * (batch + 1)
-            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+            await core.wait_for(lambda settled=8 * (batch + 1):
+                                sum(broker.committed.values()) == settled)
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
 
