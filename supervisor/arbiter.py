@@ -46,6 +46,10 @@ SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
 RETRY_EVERY = 5.0  # the longest pause between receives while the broker cannot be reached
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+#: A handler with ``flush()`` makes what its process holds durable in one flush once its ring
+#: is empty: each process is given at least this many (or its fair share of prefetch, if
+#: more) before the next gets any, so a small prefetch is not cut into flushes of 2-8.
+FLUSH_BATCH = 16
 
 
 def rss_bytes(pid: int) -> int:
@@ -80,6 +84,7 @@ class Arbiter:
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
+        self.fills = handler.flush is not None  # dispatch fills a process before the next
         self.capacity = len(places) * (config.job.tasks_per_process if self.concurrent else 1)
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
@@ -354,7 +359,7 @@ class Arbiter:
         return self.buffer.unstarted(in_order=not self.concurrent) <= self.capacity
 
     def dispatch(self) -> None:
-        """Move waiting deliveries into the rings of the least loaded ready handlers."""
+        """Move waiting deliveries into the rings of the ready handlers: see ``plan``."""
         buffer = self.buffer
         waiting = buffer.waiting_count
         if not waiting or self.stopping:  # most outcomes leave nothing waiting: no list
@@ -363,19 +368,10 @@ class Arbiter:
         if not ready:
             return
         depth = -(-buffer.prefetch // len(self.places))  # fair share per handler
-        share = {place: buffer.load(place.index) for place in ready}
-        plan: dict[HandlerPlace, int] = {}
-        if len(ready) == 1:  # one slice, not a choice per delivery
-            [place] = ready
-            plan[place] = max(0, min(depth - share[place], waiting))
-        else:  # each next delivery to the least loaded (the first on a tie), up to its share
-            for _ in range(waiting):
-                place = min(ready, key=share.__getitem__)
-                if share[place] >= depth:
-                    break
-                share[place] += 1
-                plan[place] = plan.get(place, 0) + 1
-        for place, count in plan.items():
+        if self.fills:
+            depth = max(depth, FLUSH_BATCH)
+        loads = [buffer.load(place.index) for place in ready]
+        for place, count in zip(ready, plan(loads, depth, waiting, self.fills), strict=True):
             if not count:
                 continue
             entries = buffer.next_waiting(count)
@@ -855,3 +851,31 @@ class Arbiter:
 
     def task(self, name: str) -> asyncio.Task | None:
         return next((task for task in self.tasks if task.get_name() == name), None)
+
+
+def plan(loads: list[int], depth: int, waiting: int, fill: bool) -> list[int]:
+    """How many of ``waiting`` deliveries each ready handler gets (``loads``: what each holds
+    now, queued or running), none to hold more than ``depth``.
+
+    Spread (``fill`` false): each next delivery to the least loaded, the first on a tie, so
+    every process starts work at once. Fill (a handler with ``flush()``): the most loaded
+    with room first, the first on a tie, up to ``depth``, then the next: what one process
+    holds is flushed together once its ring is empty, so spreading a batch would cut it into
+    several flushes, each paying the store's write and sync."""
+    if len(loads) == 1:  # the usual single process: one slice, nothing to choose
+        return [max(0, min(depth - loads[0], waiting))]
+    counts = [0] * len(loads)
+    if fill:  # slices, not a choice per delivery
+        # sorted() is stable: on a tie the first place keeps its turn.
+        for index in sorted(range(len(loads)), key=lambda i: -loads[i]):
+            counts[index] = max(0, min(depth - loads[index], waiting))
+            waiting -= counts[index]
+        return counts
+    share = list(loads)
+    for _ in range(waiting):
+        index = min(range(len(share)), key=share.__getitem__)
+        if share[index] >= depth:
+            break
+        share[index] += 1
+        counts[index] += 1
+    return counts

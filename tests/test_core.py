@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from broker.base import Delivery
 from broker.memory import MemoryBroker
 from supervisor import exits
+from supervisor.arbiter import plan
 from supervisor.buffer import AccountingError, Buffer, Entry, State
 from supervisor.settlement import Settler
 from tests.inprocess import Core, InProcessForkServer, core_config
@@ -454,6 +455,50 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
     run(scenario())
 
 
+def test_dispatch_spreads_to_the_least_loaded_and_fills_for_a_handler_with_flush():
+    # Spread: each next delivery to the least loaded, the first on a tie, up to the depth.
+    assert plan([0, 0, 0, 0], 2, 8, fill=False) == [2, 2, 2, 2]
+    assert plan([1, 0, 0, 0], 2, 5, fill=False) == [1, 2, 1, 1]
+    assert plan([2, 2], 2, 3, fill=False) == [0, 0]
+    # Fill: the most loaded with room first (the first on a tie), up to the depth, then
+    # the next, so what each process flushes together stays one batch.
+    assert plan([0, 0, 0, 0], 16, 8, fill=True) == [8, 0, 0, 0]
+    assert plan([0, 0, 0, 0], 16, 40, fill=True) == [16, 16, 8, 0]
+    assert plan([3, 10, 0, 16], 16, 12, fill=True) == [6, 6, 0, 0]
+    assert plan([4, 0, 4, 0], 16, 14, fill=True) == [12, 0, 2, 0]
+    assert plan([16, 16], 16, 5, fill=True) == [0, 0]
+    # One handler: a slice up to the depth either way.
+    assert plan([3], 4, 5, fill=False) == plan([3], 4, 5, fill=True) == [1]
+
+
+@pytest.mark.parametrize(("handler", "loads"), [
+    ("tests.handlers.noop:handle", [2, 2, 2, 2]),  # without flush(): spread
+    ("tests.handlers.flushing:handle", [8, 0, 0, 0]),  # flush(): one batch, one process
+])
+def test_a_small_prefetch_for_a_handler_with_flush_goes_to_one_process(handler, loads):
+    """Prefetch 8 over 4 processes: with flush() each would get 2 and flush them alone (one
+    write and sync of the store each); now one process gets the 8 and flushes them at once,
+    up to FLUSH_BATCH. Settled, the next batch goes to one process again."""
+    async def scenario():
+        broker = MemoryBroker()
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(24)])
+        core = Core(core_config(prefetch=8, coroutines=4, handler=handler), broker)
+        await core.start()
+        buffer = core.arbiter.buffer
+        for batch in range(3):
+            await core.wait_for(lambda: buffer.outstanding == 8 and not buffer.waiting_count)
+            buffer.check()
+            assert [buffer.load(index) for index in range(4)] == loads, batch
+            for process in core.server.living():
+                process.work()
+            await core.wait_for(lambda settled=8 * (batch + 1):
+                                sum(broker.committed.values()) == settled)
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
 def test_at_prefetch_1_the_receive_loop_wakes_only_when_a_receive_is_due():
     """Every read of a job's outcomes (its start, its end) and its settlement each woke the
     receive loop, which found prefetch still full until the settlement: a turn of the event
@@ -702,11 +747,13 @@ async def play(steps: list[tuple], work_at_stop: bool, handler: str) -> None:
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(steps=st.lists(actions, max_size=40), work_at_stop=st.booleans())
-@pytest.mark.parametrize("handler", ["tests.handlers.noop:handle", "tests.handlers.aio:handle"])
+@pytest.mark.parametrize("handler", ["tests.handlers.noop:handle", "tests.handlers.aio:handle",
+                                     "tests.handlers.flushing:handle"])
 def test_any_order_of_outcomes_deaths_faults_and_a_stop_keeps_the_accounting(
     handler, steps, work_at_stop
 ):
-    """Plain handlers (one delivery at a time) and async ones (several, reporting HELD)."""
+    """Plain handlers (one delivery at a time) and async ones (several, reporting HELD);
+    with flush(), dispatch fills one process before the next instead of spreading."""
     asyncio.run(play(steps, work_at_stop, handler))
 
 

@@ -233,10 +233,18 @@ def test_a_failing_flush_leaves_its_messages_uncommitted(tmp_path, redis_url, cl
     assert not lines(tmp_path / "flushed")
 
 
-def test_flush_barrier_commits_after_flush(tmp_path, redis_url, client, start):
+@pytest.mark.parametrize("job", [
+    {"prefetch": 100, "flush_every": 50},
+    # Dispatch fills one process before the next for a handler with flush() (16 of 8 or
+    # 32 here): the same messages flushed and committed, each once, also when flush_every
+    # is below what one process is given.
+    {"prefetch": 8, "coroutines": 4},
+    {"prefetch": 32, "coroutines": 4, "flush_every": 5},
+])
+def test_flush_barrier_commits_after_flush(tmp_path, redis_url, client, start, job):
     pids = publish(client, [{"n": n} for n in range(300)])
     config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_flushing:handle",
-                          job={"prefetch": 100, "flush_every": 50})
+                          job=job)
     start(config)
     wait_for(lambda: len(lines(tmp_path / "succeeded")) == len(pids), 30, "on_success calls")
     assert sorted(lines(tmp_path / "flushed")) == sorted(pids)

@@ -332,14 +332,16 @@ def test_a_server_url_goes_to_clickhouse_connect():
     assert type(raised.value).__module__.startswith("clickhouse_connect")
 
 
-def test_the_job_counts_exactly_on_the_default_store_with_two_handler_processes(
-        redis_url, client, tmp_path, supervisors):
-    """The quick start's job, end to end on the embedded engine: two handler processes
-    share one writer; a message published twice (a redelivery as the handler sees it)
-    counts once; the stop leaves no writer; the command prints the totals."""
+@pytest.mark.parametrize(("coroutines", "prefetch"), [(2, 20), (4, 8)])
+def test_the_job_counts_exactly_on_the_default_store_with_several_handler_processes(
+        redis_url, client, tmp_path, supervisors, coroutines, prefetch):
+    """The quick start's job, end to end on the embedded engine: the handler processes
+    share one writer (at prefetch 8 over 4, dispatch gives one process the whole batch);
+    a message published twice (a redelivery as the handler sees it) counts once; the stop
+    leaves no writer; the command prints the totals."""
     db = tmp_path / "usage.chdb"
     config = write_config(tmp_path, redis_url, handler="examples.stats_usage:handle",
-                          job={"coroutines": 2, "prefetch": 20})
+                          job={"coroutines": coroutines, "prefetch": prefetch})
     payloads = [make_payload(f"p{n % 3}", {"executions": 1, "bandwidth": n}) for n in range(300)]
     supervisor = supervisors(config, redis_url, STATS_USAGE_DB=str(db))
     publish(client, payloads)
