@@ -17,7 +17,8 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import psutil
 import setproctitle
@@ -102,6 +103,8 @@ class Arbiter:
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
+        #: Settlement calls that may run at once (several on JetStream: see settle_loop).
+        self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
@@ -399,7 +402,7 @@ class Arbiter:
             if not records and ring.prepare_sleep():
                 break
         if self.buffer.completed_count:
-            self.settle_wanted.set()
+            self.settle_soon()
         self.progress.set()
         self.dispatch()
         if self.running_dry():
@@ -483,7 +486,7 @@ class Arbiter:
         call takes them all; a broker whose calls are many independent requests (JetStream)
         allows several, so one lost reply holds back nothing that completed after it.
         """
-        calls = asyncio.Semaphore(self.broker.settle_concurrency)
+        calls = self.settle_calls
         while not self.closed:
             await self.settle_wanted.wait()
             self.settle_wanted.clear()
@@ -496,10 +499,31 @@ class Arbiter:
                 if self.broker.settle_concurrency == 1:  # no task of its own to make
                     await self.settle_batch(batch, calls)
                     continue
-                task = asyncio.create_task(self.settle_batch(batch, calls))
-                task.add_done_callback(self.task_ended)
-                self.settling.add(task)
-                task.add_done_callback(self.settling.discard)
+                self.settle_in_task(self.settle_batch(batch, calls))
+
+    def settle_soon(self) -> None:
+        """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
+        and one may start now, its task is made here, in the turn the outcomes were read:
+        the settle loop, woken to make it, would cost a turn of the event loop more before
+        the acks leave (at prefetch 1, one per job). Otherwise the settle loop does it."""
+        calls = self.settle_calls
+        if self.broker.settle_concurrency == 1 or calls.locked() or self.closed:
+            self.settle_wanted.set()
+            return
+        batch = self.buffer.take_completed(MAX_BATCH)
+        if batch:
+            self.settle_in_task(self.settle_acquired(batch))
+
+    async def settle_acquired(self, batch: list[Entry]) -> None:
+        """settle_batch with a permit taken first (free when settle_soon looked: no wait)."""
+        await self.settle_calls.acquire()
+        await self.settle_batch(batch, self.settle_calls)
+
+    def settle_in_task(self, call: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(call)
+        task.add_done_callback(self.task_ended)
+        self.settling.add(task)
+        task.add_done_callback(self.settling.discard)
 
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
         try:

@@ -429,6 +429,36 @@ def test_settlement_calls_run_in_the_loop_or_in_tasks_by_the_brokers_concurrency
     run(scenario())
 
 
+def test_with_calls_in_tasks_an_outcome_starts_its_settle_call_without_the_settle_loop():
+    """Where settle calls run in tasks (JetStream), the read of a job's outcome makes the
+    task itself: waking the settle loop to make it was a turn of the event loop more per
+    job at prefetch 1. Everything is still committed, one call per job."""
+    async def scenario():
+        broker = MemoryBroker(settle_concurrency=3)
+        core, broker, pids = await running_core(20, 1, 1, broker)
+        arbiter = core.arbiter
+        wakes = 0
+        wake = arbiter.settle_wanted.set
+
+        def counted() -> None:
+            nonlocal wakes
+            wakes += 1
+            wake()
+
+        arbiter.settle_wanted.set = counted  # type: ignore[method-assign]
+        handler = core.process(0)
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                handler.start_next()
+                handler.finish()
+                await core.settle_down(2)
+        assert wakes == 0
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
 def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
     async def scenario():
         core, broker, _ = await running_core(300, 100, 1)
