@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import setproctitle
 
-from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
+from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
 from broker.failure import Failure
 from supervisor import blame, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
@@ -108,6 +108,7 @@ class Arbiter:
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
+        self.receiving = False  # a receive call is in flight (its deliveries not counted yet)
         self.settle_failures = 0  # in a row: the back-off before the next try
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
@@ -144,6 +145,9 @@ class Arbiter:
         if watch is not None:  # a broker with a connection of its own tells when it breaks
             self.outage.by_connection = True
             watch(self.outage.connection_lost, self.outage.connection_back)
+        arrivals = getattr(self.broker, "on_arrival", None)
+        if arrivals is not None:  # a broker that is pushed what it pulled (NATS)
+            arrivals(self.guarded(self.take_arrivals))
         self.notify_ready_once()
         self.tasks = [
             self.start_task(coro)
@@ -288,6 +292,7 @@ class Arbiter:
                 continue
             room = min(self.receive_room(), MAX_BATCH)
             began, timed = self.outage.now(), time.perf_counter()
+            self.receiving = True  # take_arrivals must not fill the room this call fills
             try:
                 # Timed without metrics.timed: a generator context manager costs, per receive.
                 received = await self.broker.receive(room, self.config.broker.block_timeout)
@@ -299,19 +304,41 @@ class Arbiter:
                 self.broker_failed(error, began, "receive failed (%d in a row): %s", failures)
                 await asyncio.sleep(min(0.1 * 2**failures, RETRY_EVERY))
                 continue
+            finally:
+                self.receiving = False
             self.outage.back(began)
             failures = 0
             self.broker_trouble.pop("receive", None)
-            for poisoned in received.poisoned:
-                if poisoned.malformed:
-                    logs.log_malformed(log, self.config.job.queue, poisoned.reason)
-                    self.metrics.malformed()
-                else:
-                    log.warning("dead-lettered without running: %s", poisoned.reason)
-            if received.deliveries:
-                self.metrics.received(len(received.deliveries))
-                self.buffer.add(received.deliveries)
-                self.dispatch()
+            self.took(received)
+
+    def took(self, received: Received) -> None:
+        """What a receive brought: the poisoned told, the deliveries buffered and dispatched."""
+        for poisoned in received.poisoned:
+            if poisoned.malformed:
+                logs.log_malformed(log, self.config.job.queue, poisoned.reason)
+                self.metrics.malformed()
+            else:
+                log.warning("dead-lettered without running: %s", poisoned.reason)
+        if received.deliveries:
+            self.metrics.received(len(received.deliveries))
+            self.buffer.add(received.deliveries)
+            self.dispatch()
+
+    def take_arrivals(self) -> None:
+        """The broker read pulled messages (NATS: those a settle call's pull ahead asked
+        for). When a receive is due and none is in flight, they are taken here, in the
+        turn they were read, and dispatched: the receive loop, woken for a receive of its
+        own, would cost a turn of the event loop more before the handler gets its job (at
+        prefetch 1, one per job). The broker gives them only when that takes no request
+        and no wait; otherwise the receive loop's receive does it."""
+        if (self.stopping or self.receiving or not self.first_renewal.is_set()
+                or not self.receive_due()):
+            return
+        room = min(self.receive_room(), MAX_BATCH)
+        received = self.broker.receive_nowait(room)  # type: ignore[attr-defined]
+        if received is not None:
+            self.metrics.broker_call("receive", 0.0)  # counted as the receive it replaces
+            self.took(received)
 
     def receive_due(self) -> bool:
         """Filling up to prefetch; once full, room for a batch again (or for anything when
@@ -331,10 +358,11 @@ class Arbiter:
         return self.topped_up and room < self.refill_at and not self.running_dry()
 
     def wake_receiver(self) -> None:
-        """Wake the receive loop if ``receive_due`` would now say yes. Only the loop changes
-        ``topped_up`` (as it goes to sleep), so this is the answer it would find: a wake-up
-        that finds no receive due would cost a turn of the event loop, and at prefetch 1
-        every read of a job's outcomes made one before the settlement made the one needed."""
+        """Wake the receive loop if ``receive_due`` would now say yes. Only the loop (and
+        take_arrivals, receiving in its stead) changes ``topped_up``, so this is the answer
+        it would find: a wake-up that finds no receive due would cost a turn of the event
+        loop, and at prefetch 1 every read of a job's outcomes made one before the
+        settlement made the one needed."""
         if self.room.is_set():
             return
         room = self.receive_room()

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from broker.base import Delivery
+from broker.base import Delivery, Received
 from broker.memory import MemoryBroker
 from supervisor import exits
 from supervisor.buffer import AccountingError, Buffer, Entry, State
@@ -455,6 +457,83 @@ def test_with_calls_in_tasks_an_outcome_starts_its_settle_call_without_the_settl
         assert wakes == 0
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
+@dataclasses.dataclass
+class PushingBroker(MemoryBroker):
+    """Tells when messages arrived, as the NATS broker does after a read that brought
+    pulled messages; ``receive_nowait`` hands them out without a wait."""
+
+    arrival: Callable[[], None] | None = None
+    taken: int = 0
+
+    def on_arrival(self, callback: Callable[[], None]) -> None:
+        self.arrival = callback
+
+    def receive_nowait(self, max_messages: int) -> Received | None:
+        if not self.ready:
+            return None
+        self.taken += 1
+        receiving = self.receive(max_messages, 0.0)
+        try:
+            receiving.send(None)  # something is ready: it ends without a wait
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("receive waited")
+
+
+def test_arrivals_are_taken_and_dispatched_in_the_turn_the_broker_tells_them():
+    """NATS reads the pulled message in the same read as the ack that made room for it:
+    the arbiter takes it there and hands it to the handler, instead of waking the receive
+    loop for a receive of its own (a turn of the event loop more, per job at prefetch 1)."""
+    async def scenario():
+        broker = PushingBroker(settle_concurrency=3)
+        core, broker, pids = await running_core(12, 1, 1, broker)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 1)
+        receives = broker.calls["receive"]
+        opened = arbiter.opened
+
+        def opened_then_arrived() -> None:  # the ack's reply, then the pulled message
+            opened()
+            assert broker.arrival is not None
+            broker.arrival()
+
+        arbiter.opened = opened_then_arrived  # type: ignore[method-assign]
+        handler = core.process(0)
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                handler.start_next()
+                handler.finish()
+                await core.settle_down(2)
+                arbiter.buffer.check()
+        assert broker.taken == len(pids) - 1
+        assert broker.calls["receive"] - receives == len(pids) - 1  # receive_nowait's own
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
+def test_arrivals_are_left_to_a_receive_in_flight():
+    """A receive under way fills the room it saw: arrivals taken meanwhile would push the
+    outstanding deliveries past prefetch, so they wait for it."""
+    async def scenario():
+        broker = PushingBroker(settle_concurrency=3)
+        core, broker, _ = await running_core(0, 1, 1, broker)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.receiving)  # waiting on an empty queue
+        await broker.publish_many("jobs", [{"n": 1}, {"n": 2}])  # wakes it at the next turn
+        assert broker.arrival is not None
+        broker.arrival()  # this turn: the receive is still under way
+        assert broker.taken == 0 and arbiter.buffer.outstanding == 0
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 1)
+        await core.settle_down()
+        assert broker.taken == 0 and arbiter.buffer.outstanding == 1
+        arbiter.buffer.check()
+        assert await core.stop(work=False) == exits.OK
 
     run(scenario())
 

@@ -23,13 +23,21 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE
 Route = Callable[[bytes, bytes, bytes, "bytes | None"], None]
 
 
-def install(client: Client, sid: int, route: Route) -> None:
-    """Read ``client``'s socket with ``parse_messages`` first (see the module docstring)."""
+def install(
+    client: Client, sid: int, route: Route, after: Callable[[], None] | None = None
+) -> None:
+    """Read ``client``'s socket with ``parse_messages`` first (see the module docstring).
+    ``after()`` is called once each read's messages were all handed on (not if it failed)."""
     parser = client._ps
     original: Callable[[bytes], Awaitable[None]] = parser.parse
     stats = client.stats
 
     async def parse(data: bytes = b"") -> None:
+        await parse_all(data)
+        if after is not None:
+            after()
+
+    async def parse_all(data: bytes) -> None:
         buf = parser.buf  # reset() replaces it: read it every time
         buf.extend(data)
         while parser.state == AWAITING_CONTROL_LINE:
