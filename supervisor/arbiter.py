@@ -25,7 +25,7 @@ import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
 from broker.failure import Failure
-from supervisor import blame, exits, failures, gauges, logs, systemd
+from supervisor import blame, eager, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -531,16 +531,19 @@ class Arbiter:
 
     def settle_soon(self) -> None:
         """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
-        and one may start now, its task is made here, in the turn the outcomes were read:
-        the settle loop, woken to make it, would cost a turn of the event loop more before
-        the acks leave (at prefetch 1, one per job). Otherwise the settle loop does it."""
+        and one may start now, it starts here, in the turn the outcomes were read, up to
+        its first wait (its acks written: ``eager``): the settle loop, woken to make its
+        task, and the task's first turn would come after whatever the loop has queued
+        (at prefetch 1, per job). Otherwise the settle loop does it."""
         calls = self.settle_calls
         if self.broker.settle_concurrency == 1 or calls.locked() or self.closed:
             self.settle_wanted.set()
             return
         batch = self.buffer.take_completed(MAX_BATCH)
         if batch:
-            self.settle_in_task(self.settle_acquired(batch))
+            task = eager.start(self.settle_acquired(batch))
+            if task is not None:
+                self.settling_task(task)
 
     async def settle_acquired(self, batch: list[Entry]) -> None:
         """settle_batch with a permit taken first (free when settle_soon looked: no wait)."""
@@ -548,7 +551,9 @@ class Arbiter:
         await self.settle_batch(batch, self.settle_calls)
 
     def settle_in_task(self, call: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(call)
+        self.settling_task(asyncio.create_task(call))
+
+    def settling_task(self, task: asyncio.Task) -> None:
         task.add_done_callback(self.task_ended)
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)

@@ -431,10 +431,11 @@ def test_settlement_calls_run_in_the_loop_or_in_tasks_by_the_brokers_concurrency
     run(scenario())
 
 
-def test_with_calls_in_tasks_an_outcome_starts_its_settle_call_without_the_settle_loop():
-    """Where settle calls run in tasks (JetStream), the read of a job's outcome makes the
-    task itself: waking the settle loop to make it was a turn of the event loop more per
-    job at prefetch 1. Everything is still committed, one call per job."""
+def test_with_calls_in_tasks_the_outcome_read_starts_the_settle_call_itself():
+    """Where settle calls run in tasks (JetStream), the read of a job's outcome starts the
+    call, up to its first wait, without the settle loop: waking that loop to make a task,
+    then the task's first turn, came after whatever the event loop had queued, per job at
+    prefetch 1. Everything is still committed, one call per job."""
     async def scenario():
         broker = MemoryBroker(settle_concurrency=3)
         core, broker, pids = await running_core(20, 1, 1, broker)
@@ -448,13 +449,25 @@ def test_with_calls_in_tasks_an_outcome_starts_its_settle_call_without_the_settl
             wake()
 
         arbiter.settle_wanted.set = counted  # type: ignore[method-assign]
+        # The call itself starts in that read, not a turn later (its acks leave at once).
+        started_in_the_read: list[bool] = []
+        read = arbiter.handle_outcomes
+
+        def reading(place) -> None:
+            calls = broker.calls["settle"]
+            read(place)
+            started_in_the_read.append(broker.calls["settle"] == calls + 1)
+
         handler = core.process(0)
+        asyncio.get_running_loop().add_reader(  # replaces the arbiter's reader of the ring
+            handler.place.to_parent.wake_fd, arbiter.guarded(reading), handler.place)
         async with asyncio.timeout(10):
             while len(broker.committed) < len(pids):
                 handler.start_next()
                 handler.finish()
                 await core.settle_down(2)
         assert wakes == 0
+        assert started_in_the_read.count(True) == len(pids)
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
 
