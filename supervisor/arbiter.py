@@ -17,14 +17,15 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import psutil
 import setproctitle
 
-from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused
+from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
 from broker.failure import Failure
-from supervisor import blame, exits, failures, gauges, logs, systemd
+from supervisor import blame, eager, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -107,9 +108,12 @@ class Arbiter:
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
+        #: Settlement calls that may run at once (several on JetStream: see settle_loop).
+        self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
+        self.receiving = False  # a receive call is in flight (its deliveries not counted yet)
         self.settle_failures = 0  # in a row: the back-off before the next try
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
@@ -146,6 +150,9 @@ class Arbiter:
         if watch is not None:  # a broker with a connection of its own tells when it breaks
             self.outage.by_connection = True
             watch(self.outage.connection_lost, self.outage.connection_back)
+        arrivals = getattr(self.broker, "on_arrival", None)
+        if arrivals is not None:  # a broker that is pushed what it pulled (NATS)
+            arrivals(self.guarded(self.take_arrivals))
         self.notify_ready_once()
         self.tasks = [
             self.start_task(coro)
@@ -290,6 +297,7 @@ class Arbiter:
                 continue
             room = min(self.receive_room(), MAX_BATCH)
             began, timed = self.outage.now(), time.perf_counter()
+            self.receiving = True  # take_arrivals must not fill the room this call fills
             try:
                 # Timed without metrics.timed: a generator context manager costs, per receive.
                 received = await self.broker.receive(room, self.config.broker.block_timeout)
@@ -301,19 +309,41 @@ class Arbiter:
                 self.broker_failed(error, began, "receive failed (%d in a row): %s", failures)
                 await asyncio.sleep(min(0.1 * 2**failures, RETRY_EVERY))
                 continue
+            finally:
+                self.receiving = False
             self.outage.back(began)
             failures = 0
             self.broker_trouble.pop("receive", None)
-            for poisoned in received.poisoned:
-                if poisoned.malformed:
-                    logs.log_malformed(log, self.config.job.queue, poisoned.reason)
-                    self.metrics.malformed()
-                else:
-                    log.warning("dead-lettered without running: %s", poisoned.reason)
-            if received.deliveries:
-                self.metrics.received(len(received.deliveries))
-                self.buffer.add(received.deliveries)
-                self.dispatch()
+            self.took(received)
+
+    def took(self, received: Received) -> None:
+        """What a receive brought: the poisoned told, the deliveries buffered and dispatched."""
+        for poisoned in received.poisoned:
+            if poisoned.malformed:
+                logs.log_malformed(log, self.config.job.queue, poisoned.reason)
+                self.metrics.malformed()
+            else:
+                log.warning("dead-lettered without running: %s", poisoned.reason)
+        if received.deliveries:
+            self.metrics.received(len(received.deliveries))
+            self.buffer.add(received.deliveries)
+            self.dispatch()
+
+    def take_arrivals(self) -> None:
+        """The broker read pulled messages (NATS: those a settle call's pull ahead asked
+        for). When a receive is due and none is in flight, they are taken here, in the
+        turn they were read, and dispatched: the receive loop, woken for a receive of its
+        own, would cost a turn of the event loop more before the handler gets its job (at
+        prefetch 1, one per job). The broker gives them only when that takes no request
+        and no wait; otherwise the receive loop's receive does it."""
+        if (self.stopping or self.receiving or not self.first_renewal.is_set()
+                or not self.receive_due()):
+            return
+        room = min(self.receive_room(), MAX_BATCH)
+        received = self.broker.receive_nowait(room)  # type: ignore[attr-defined]
+        if received is not None:
+            self.metrics.broker_call("receive", 0.0)  # counted as the receive it replaces
+            self.took(received)
 
     def receive_due(self) -> bool:
         """Filling up to prefetch; once full, room for a batch again (or for anything when
@@ -333,10 +363,11 @@ class Arbiter:
         return self.topped_up and room < self.refill_at and not self.running_dry()
 
     def wake_receiver(self) -> None:
-        """Wake the receive loop if ``receive_due`` would now say yes. Only the loop changes
-        ``topped_up`` (as it goes to sleep), so this is the answer it would find: a wake-up
-        that finds no receive due would cost a turn of the event loop, and at prefetch 1
-        every read of a job's outcomes made one before the settlement made the one needed."""
+        """Wake the receive loop if ``receive_due`` would now say yes. Only the loop (and
+        take_arrivals, receiving in its stead) changes ``topped_up``, so this is the answer
+        it would find: a wake-up that finds no receive due would cost a turn of the event
+        loop, and at prefetch 1 every read of a job's outcomes made one before the
+        settlement made the one needed."""
         if self.room.is_set():
             return
         room = self.receive_room()
@@ -395,7 +426,7 @@ class Arbiter:
             if not records and ring.prepare_sleep():
                 break
         if self.buffer.completed_count:
-            self.settle_wanted.set()
+            self.settle_soon()
         self.progress.set()
         self.dispatch()
         if self.running_dry():
@@ -479,7 +510,7 @@ class Arbiter:
         call takes them all; a broker whose calls are many independent requests (JetStream)
         allows several, so one lost reply holds back nothing that completed after it.
         """
-        calls = asyncio.Semaphore(self.broker.settle_concurrency)
+        calls = self.settle_calls
         while not self.closed:
             await self.settle_wanted.wait()
             self.settle_wanted.clear()
@@ -492,10 +523,36 @@ class Arbiter:
                 if self.broker.settle_concurrency == 1:  # no task of its own to make
                     await self.settle_batch(batch, calls)
                     continue
-                task = asyncio.create_task(self.settle_batch(batch, calls))
-                task.add_done_callback(self.task_ended)
-                self.settling.add(task)
-                task.add_done_callback(self.settling.discard)
+                self.settle_in_task(self.settle_batch(batch, calls))
+
+    def settle_soon(self) -> None:
+        """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
+        and one may start now, it starts here, in the turn the outcomes were read, up to
+        its first wait (its acks written: ``eager``): the settle loop, woken to make its
+        task, and the task's first turn would come after whatever the loop has queued
+        (at prefetch 1, per job). Otherwise the settle loop does it."""
+        calls = self.settle_calls
+        if self.broker.settle_concurrency == 1 or calls.locked() or self.closed:
+            self.settle_wanted.set()
+            return
+        batch = self.buffer.take_completed(MAX_BATCH)
+        if batch:
+            task = eager.start(self.settle_acquired(batch))
+            if task is not None:
+                self.settling_task(task)
+
+    async def settle_acquired(self, batch: list[Entry]) -> None:
+        """settle_batch with a permit taken first (free when settle_soon looked: no wait)."""
+        await self.settle_calls.acquire()
+        await self.settle_batch(batch, self.settle_calls)
+
+    def settle_in_task(self, call: Coroutine[Any, Any, None]) -> None:
+        self.settling_task(asyncio.create_task(call))
+
+    def settling_task(self, task: asyncio.Task) -> None:
+        task.add_done_callback(self.task_ended)
+        self.settling.add(task)
+        task.add_done_callback(self.settling.discard)
 
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
         try:

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from broker.base import Delivery
+from broker.base import Delivery, Received
 from broker.memory import MemoryBroker
 from supervisor import exits
 from supervisor.arbiter import plan
@@ -426,6 +428,126 @@ def test_settlement_calls_run_in_the_loop_or_in_tasks_by_the_brokers_concurrency
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
         assert (tasks == 0) == (concurrency == 1)
+
+    run(scenario())
+
+
+def test_with_calls_in_tasks_the_outcome_read_starts_the_settle_call_itself():
+    """Where settle calls run in tasks (JetStream), the read of a job's outcome starts the
+    call, up to its first wait, without the settle loop: waking that loop to make a task,
+    then the task's first turn, came after whatever the event loop had queued, per job at
+    prefetch 1. Everything is still committed, one call per job."""
+    async def scenario():
+        broker = MemoryBroker(settle_concurrency=3)
+        core, broker, pids = await running_core(20, 1, 1, broker)
+        arbiter = core.arbiter
+        wakes = 0
+        wake = arbiter.settle_wanted.set
+
+        def counted() -> None:
+            nonlocal wakes
+            wakes += 1
+            wake()
+
+        arbiter.settle_wanted.set = counted  # type: ignore[method-assign]
+        # The call itself starts in that read, not a turn later (its acks leave at once).
+        started_in_the_read: list[bool] = []
+        read = arbiter.handle_outcomes
+
+        def reading(place) -> None:
+            calls = broker.calls["settle"]
+            read(place)
+            started_in_the_read.append(broker.calls["settle"] == calls + 1)
+
+        handler = core.process(0)
+        asyncio.get_running_loop().add_reader(  # replaces the arbiter's reader of the ring
+            handler.place.to_parent.wake_fd, arbiter.guarded(reading), handler.place)
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                handler.start_next()
+                handler.finish()
+                await core.settle_down(2)
+        assert wakes == 0
+        assert started_in_the_read.count(True) == len(pids)
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
+@dataclasses.dataclass
+class PushingBroker(MemoryBroker):
+    """Tells when messages arrived, as the NATS broker does after a read that brought
+    pulled messages; ``receive_nowait`` hands them out without a wait."""
+
+    arrival: Callable[[], None] | None = None
+    taken: int = 0
+
+    def on_arrival(self, callback: Callable[[], None]) -> None:
+        self.arrival = callback
+
+    def receive_nowait(self, max_messages: int) -> Received | None:
+        if not self.ready:
+            return None
+        self.taken += 1
+        receiving = self.receive(max_messages, 0.0)
+        try:
+            receiving.send(None)  # something is ready: it ends without a wait
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("receive waited")
+
+
+def test_arrivals_are_taken_and_dispatched_in_the_turn_the_broker_tells_them():
+    """NATS reads the pulled message in the same read as the ack that made room for it:
+    the arbiter takes it there and hands it to the handler, instead of waking the receive
+    loop for a receive of its own (a turn of the event loop more, per job at prefetch 1)."""
+    async def scenario():
+        broker = PushingBroker(settle_concurrency=3)
+        core, broker, pids = await running_core(12, 1, 1, broker)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 1)
+        receives = broker.calls["receive"]
+        opened = arbiter.opened
+
+        def opened_then_arrived() -> None:  # the ack's reply, then the pulled message
+            opened()
+            assert broker.arrival is not None
+            broker.arrival()
+
+        arbiter.opened = opened_then_arrived  # type: ignore[method-assign]
+        handler = core.process(0)
+        async with asyncio.timeout(10):
+            while len(broker.committed) < len(pids):
+                handler.start_next()
+                handler.finish()
+                await core.settle_down(2)
+                arbiter.buffer.check()
+        assert broker.taken == len(pids) - 1
+        assert broker.calls["receive"] - receives == len(pids) - 1  # receive_nowait's own
+        assert await core.stop() == exits.OK
+        assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
+def test_arrivals_are_left_to_a_receive_in_flight():
+    """A receive under way fills the room it saw: arrivals taken meanwhile would push the
+    outstanding deliveries past prefetch, so they wait for it."""
+    async def scenario():
+        broker = PushingBroker(settle_concurrency=3)
+        core, broker, _ = await running_core(0, 1, 1, broker)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.receiving)  # waiting on an empty queue
+        await broker.publish_many("jobs", [{"n": 1}, {"n": 2}])  # wakes it at the next turn
+        assert broker.arrival is not None
+        broker.arrival()  # this turn: the receive is still under way
+        assert broker.taken == 0 and arbiter.buffer.outstanding == 0
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 1)
+        await core.settle_down()
+        assert broker.taken == 0 and arbiter.buffer.outstanding == 1
+        arbiter.buffer.check()
+        assert await core.stop(work=False) == exits.OK
 
     run(scenario())
 

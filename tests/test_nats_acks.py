@@ -109,6 +109,38 @@ async def test_the_next_pull_rides_in_the_acks_write(nats_brokers, js):
     assert broker._puller.backlog() == []
 
 
+async def test_what_a_pull_ahead_brought_is_taken_in_the_turn_it_was_read(nats_brokers, js):
+    """The broker tells after a read that brought pulled messages; receive_nowait then
+    gives what a receive would, with no request and no wait, or None when that would take
+    one: fewer there than asked, or one that must go to the dead stream first."""
+    broker = await nats_brokers(QUEUE)
+    told: list[int] = []
+    broker.on_arrival(lambda: told.append(len(broker._puller.backlog())))
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(4)])
+    held = await receive_all(broker, 2)
+    assert broker.receive_nowait(1) is None  # nothing arrived beyond what was received
+    written = count_writes(broker)
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, d)
+                                                   for d in held]))
+    await until(lambda: len(broker._puller.backlog()) == 2, 10, "the pulled-ahead messages")
+    assert told and told[-1] == 2  # told in the read that brought them
+    assert broker.receive_nowait(3) is None  # a receive of 3 would ask for the third
+    taken = broker.receive_nowait(2)
+    assert taken is not None and sorted(d.payload["i"] for d in taken.deliveries) == [2, 3]
+    assert broker.held == 2 and broker._puller.backlog() == []
+    assert len(written) == 1  # the settle's write: the take needed no request
+
+    # Undecodable: left for the receive, which dead-letters it (never to a handler).
+    await js.publish(NAMES.subject, b"not json")
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, d)
+                                                   for d in taken.deliveries]))
+    await until(lambda: len(broker._puller.backlog()) == 1, 10, "the pulled-ahead message")
+    assert broker.receive_nowait(1) is None and len(broker._puller.backlog()) == 1
+    received = await broker.receive(1, 5.0)
+    assert received.deliveries == [] and len(received.poisoned) == 1
+    assert await stored(js) == 0
+
+
 async def test_a_pull_ahead_left_unanswered_holds_back_nothing(nats_brokers, proxy, js):
     """The status of a pull ahead is lost (an empty queue's 404 never reaches us): the
     next receive waits out its request timeout, keeps the connection after its health

@@ -4,7 +4,9 @@ every other message and protocol line to the client as before."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -144,3 +146,72 @@ async def test_a_malformed_message_line_is_a_protocol_error():
     fast(recorder)
     with pytest.raises(ProtocolError):
         await feed(recorder, [b"MSG subject 7 notanumber\r\n"])
+
+
+class Streamed(Recorder):
+    """A client whose socket is read as nats-py reads it: a stream reader, fed by the
+    transport, and a read loop task that parses what each read returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._transport = SimpleNamespace(_io_reader=asyncio.StreamReader())
+
+    async def read_loop(self) -> None:
+        while chunk := await self._transport._io_reader.read(65536):
+            await self._ps.parse(chunk)
+
+
+def streamed() -> tuple[Streamed, list[tuple[Any, ...]], list[int]]:
+    """A Streamed client on the fast path: what it saw, and len(seen) at each ``after``."""
+    client = Streamed()
+    seen = fast(client)
+    reads: list[int] = []
+    parse.install(client, INBOX, lambda *message: seen.append(("msg", INBOX, *message)),
+                  after=lambda: reads.append(len(seen)))
+    return client, seen, reads
+
+
+async def test_inbox_messages_are_read_in_the_turn_their_bytes_arrive():
+    """Bytes fed while the read loop waits with nothing of its own: the inbox's complete
+    messages at their front are routed at once, by the feed itself (no turn of the read
+    loop's task), and told done; the rest goes to the read loop, in order."""
+    client, seen, reads = streamed()
+    reader = client._transport._io_reader
+    loop = asyncio.get_running_loop().create_task(client.read_loop())
+    await asyncio.sleep(0)  # the read loop waits for bytes
+    reader.feed_data(STREAM)
+    assert [m[2] for m in seen] == [b"_INBOX.x.1", b"work.jobs"] and reads == [2]
+    reader.feed_eof()
+    await loop
+    assert seen == await expected()
+
+
+@pytest.mark.parametrize("most", [1, 7, 40, len(STREAM)])
+async def test_reads_at_once_or_by_the_read_loop_keep_nats_pys_order(most: int):
+    want = await expected()
+    rng = random.Random(most)
+    for _ in range(10):
+        client, seen, _ = streamed()
+        reader = client._transport._io_reader
+        loop = asyncio.get_running_loop().create_task(client.read_loop())
+        for chunk in cuts(STREAM, rng, most):
+            await asyncio.sleep(0)  # the read loop parses what it has, then waits again
+            reader.feed_data(chunk)
+        reader.feed_eof()
+        await loop
+        assert seen == want
+
+
+async def test_bytes_the_read_loop_has_not_parsed_yet_keep_their_place():
+    """A message fed while the read loop still holds bytes (its task not run yet) waits
+    behind them, even an inbox message that is complete."""
+    client, routed, _ = streamed()
+    reader = client._transport._io_reader
+    loop = asyncio.get_running_loop().create_task(client.read_loop())
+    await asyncio.sleep(0)
+    reader.feed_data(msg("advisory.x", 3, b"first"))  # another subscription: the loop's
+    reader.feed_data(msg("_INBOX.x.1", INBOX, b"second"))  # must not overtake it
+    assert routed == []
+    reader.feed_eof()
+    await loop
+    assert [seen[4] for seen in routed] == [b"first", b"second"]

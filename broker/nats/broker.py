@@ -192,7 +192,9 @@ class NatsBroker:
         self._tls = tls or TlsSettings()
         self._tls_on = connect_options.get("tls") is not None
         self._link = Link(url, on_pulled=self._puller.on_pulled, prepare=self._prepare,
-                          options=connect_options)
+                          options=connect_options, on_read=self._read_done)
+        self._arrival: Callable[[], None] | None = None  # see on_arrival
+        self._arrived_seen = 0  # the puller's arrivals when _read_done last looked
         self._held = Holdings()
         self._exhausted: collections.deque[int] = collections.deque(maxlen=MAX_EXHAUSTED)
         self._burying: asyncio.Future[None] | None = None  # see _bury_announced
@@ -349,6 +351,47 @@ class NatsBroker:
             received.deliveries.append(_delivery(msg, receipt, decoded, plain))
         received.poisoned = [p for p in await asyncio.gather(*poison) if p is not None]
         return received
+
+    def on_arrival(self, callback: Callable[[], None]) -> None:
+        """``callback()`` after a read of the socket brought pulled messages (in that read's
+        turn of the event loop): they may be taken with ``receive_nowait``."""
+        self._arrival = callback
+
+    def _read_done(self) -> None:
+        arrived = self._puller.arrived
+        if arrived != self._arrived_seen:
+            self._arrived_seen = arrived
+            if self._arrival is not None:
+                self._arrival()
+
+    def receive_nowait(self, max_messages: int) -> Received | None:
+        """What ``receive(max_messages, ...)`` would return, when it is there already and
+        needs nothing awaited: ``max_messages`` arrived (no pull request of its own), each
+        one a delivery to hand on (none at the spare delivery, whose verdict reads the
+        consumer first, none undecodable, which goes to the dead stream), a connection up.
+        None otherwise: ``receive`` does it. Repeats receive()'s per-message steps because
+        they are few and this path must not await (see Arbiter.take_arrivals)."""
+        check_receive_limit(max_messages)
+        msgs = self._puller.ready(max_messages)
+        if msgs is None or self._link.connection is None or self._policy is None:
+            return None
+        spare = self._policy.spare
+        deliveries: list[Delivery] = []
+        for msg in msgs:
+            receipt = _receipt(msg)
+            if receipt is None or (spare is not None and receipt.delivered >= spare):
+                return None
+            try:
+                decoded, plain = envelope.decode_flagged(
+                    msg.data, self._max_bytes, cast_timestamp=False)  # as decode_nats
+            except envelope.MalformedEnvelope:
+                return None
+            deliveries.append(_delivery(msg, receipt, decoded, plain))
+        self._puller.take_ready(max_messages)
+        for delivery in deliveries:
+            self._held.add(delivery.receipt.stream_seq, delivery.receipt.delivered)
+        self._bury_announced()
+        return Received(deliveries)
 
     async def _poison(
         self, msg: Msg, receipt: NatsReceipt, reason: str, malformed: bool = True

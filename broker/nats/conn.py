@@ -135,11 +135,15 @@ async def quiet_error(error: Exception) -> None:
 class Connection:
     """A connected nats-py client (``allow_reconnect=False``) and its reply inbox."""
 
-    def __init__(self, client: Client, on_pulled: Callable[[Msg], None]) -> None:
+    def __init__(
+        self, client: Client, on_pulled: Callable[[Msg], None],
+        on_read: Callable[[], None] | None = None,
+    ) -> None:
         self.client = client
         uri = client.connected_url  # None once closed: kept to name it then
         self.server = f"{uri.hostname}:{uri.port}" if uri is not None else "the server"
         self._on_pulled = on_pulled
+        self._on_read = on_read  # after each read of the socket (see _read_done)
         self._prefix = client.new_inbox() + "."
         self._prefix_bytes = self._prefix.encode()
         self._tokens = itertools.count(1)
@@ -150,10 +154,12 @@ class Connection:
 
     @classmethod
     async def open(
-        cls, url: str, on_pulled: Callable[[Msg], None], **options: Any
+        cls, url: str, on_pulled: Callable[[Msg], None],
+        on_read: Callable[[], None] | None = None, **options: Any,
     ) -> Connection:
         """Connect and subscribe the inbox; raises ``BrokerRefused`` when the server refuses
-        the credentials, otherwise whatever nats-py raises."""
+        the credentials, otherwise whatever nats-py raises. ``on_pulled(msg)`` for each
+        pulled message, ``on_read()`` after each read of the socket was handed on."""
         holder: list[Connection] = []
 
         async def closed_cb() -> None:
@@ -169,7 +175,7 @@ class Connection:
             if refused is not None:
                 raise refused from error  # final: the link does not retry a BrokerError
             raise
-        conn = cls(client, on_pulled)
+        conn = cls(client, on_pulled, on_read)
         holder.append(conn)
         try:
             # No pending limits: the callback only routes, and a limit would drop deliveries.
@@ -199,7 +205,15 @@ class Connection:
                 await original(sid_, subject, reply, data, headers)
 
         self.client._process_msg = process_msg  # type: ignore[method-assign,assignment]
-        parse.install(self.client, sid, route)
+        parse.install(self.client, sid, route, self._read_done if self._on_read else None)
+
+    def _read_done(self) -> None:
+        """What the read brought was handed on: tell ``on_read`` (in the read's turn). What
+        it raises is logged, never let into nats-py's read loop (which would stop reading)."""
+        try:
+            self._on_read()  # type: ignore[misc]
+        except Exception:
+            log.exception("read callback failed")
 
     @property
     def server_info(self) -> dict[str, Any]:

@@ -53,9 +53,11 @@ class Link:
         prepare: Callable[[Connection], Awaitable[None]],
         options: dict[str, Any] | None = None,
         backoff: tuple[float, float] = (0.05, 2.0),
+        on_read: Callable[[], None] | None = None,
     ) -> None:
         self._url = url
         self._on_pulled = on_pulled
+        self._on_read = on_read  # see Connection.open
         self._prepare = prepare
         self._options = options or {}
         self._backoff = backoff
@@ -151,7 +153,8 @@ class Link:
             delay = min(delay * 2, cap)
 
     async def _open_prepared(self) -> Connection:
-        conn = await Connection.open(self._url, self._on_pulled, **self._options)
+        conn = await Connection.open(self._url, self._on_pulled, self._on_read,
+                                     **self._options)
         try:
             await self._prepare(conn)
         except BaseException:

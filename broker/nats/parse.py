@@ -14,6 +14,7 @@ middle of, is left to nats-py's parser, unchanged.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client
@@ -23,13 +24,21 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE
 Route = Callable[[bytes, bytes, bytes, "bytes | None"], None]
 
 
-def install(client: Client, sid: int, route: Route) -> None:
-    """Read ``client``'s socket with ``parse_messages`` first (see the module docstring)."""
+def install(
+    client: Client, sid: int, route: Route, after: Callable[[], None] | None = None
+) -> None:
+    """Read ``client``'s socket with ``parse_messages`` first (see the module docstring).
+    ``after()`` is called once each read's messages were all handed on (not if it failed)."""
     parser = client._ps
     original: Callable[[bytes], Awaitable[None]] = parser.parse
     stats = client.stats
 
     async def parse(data: bytes = b"") -> None:
+        await parse_all(data)
+        if after is not None:
+            after()
+
+    async def parse_all(data: bytes) -> None:
         buf = parser.buf  # reset() replaces it: read it every time
         buf.extend(data)
         while parser.state == AWAITING_CONTROL_LINE:
@@ -52,6 +61,37 @@ def install(client: Client, sid: int, route: Route) -> None:
         await original(b"")
 
     parser.parse = parse  # type: ignore[method-assign]
+    _read_at_once(client, sid, route, after)
+
+
+def _read_at_once(
+    client: Client, sid: int, route: Route, after: Callable[[], None] | None
+) -> None:
+    """The inbox's messages read in the turn their bytes arrive: nats-py's read loop is a
+    task that the stream reader wakes for each read, a turn of the event loop later (at
+    prefetch 1, one per job). When that loop waits for bytes with nothing of its own left
+    to parse, a read's complete inbox messages at its front are routed here, straight from
+    the stream reader's ``feed_data``; what follows them (anything else, or a message not
+    all there) is fed to the reader as before, in order, for the read loop to parse."""
+    reader = getattr(getattr(client, "_transport", None), "_io_reader", None)
+    if not isinstance(reader, asyncio.StreamReader):
+        return  # another transport (websocket): the read loop's path only
+    parser = client._ps
+    feed = reader.feed_data
+    stats = client.stats
+
+    def feed_data(data: bytes) -> None:
+        if (reader._waiter is None or reader._buffer or parser.buf  # type: ignore[attr-defined]
+                or parser.state != AWAITING_CONTROL_LINE):
+            feed(data)  # the read loop is busy, or has bytes of its own: after them
+            return
+        taken, _ = scan(data, 0, sid, route, stats)
+        if taken and after is not None:
+            after()
+        if taken < len(data):
+            feed(data[taken:] if taken else data)
+
+    reader.feed_data = feed_data  # type: ignore[method-assign,assignment]
 
 
 async def parse_messages(
@@ -63,7 +103,30 @@ async def parse_messages(
 ) -> int:
     """Hand on every complete MSG/HMSG at the front of ``buf``; returns how many bytes they
     took (the caller trims them). Stops at anything else, or at a message not all there."""
-    pos, size = 0, len(buf)
+    pos = 0
+    while True:
+        pos, other = scan(buf, pos, sid, route, stats)
+        if other is None:
+            return pos
+        if other is MALFORMED:
+            raise ProtocolError("nats: malformed MSG")
+        their_sid, subject, reply, payload, headers, pos = other
+        await process(their_sid, subject, reply, payload, headers)  # nats-py counts these
+
+
+#: What ``scan`` returns for a MSG/HMSG line it cannot read (the connection's end).
+MALFORMED = (0, b"", b"", b"", None, 0)
+Other = tuple[int, bytes, bytes, bytes, "bytes | None", int]
+
+
+def scan(
+    buf: bytes | bytearray, pos: int, sid: int, route: Route, stats: dict[str, int]
+) -> tuple[int, Other | None]:
+    """Route every complete MSG/HMSG of subscription ``sid`` from ``pos`` on; stop at
+    anything else. Returns where it stopped and, when that is a complete message of
+    another subscription, its fields and where it ends (``MALFORMED`` for a line that
+    cannot be read): the caller hands it on, or leaves it (and what follows) unread."""
+    size = len(buf)
     view = memoryview(buf)
     try:
         while True:
@@ -72,12 +135,12 @@ async def parse_messages(
             elif buf.startswith(b"HMSG ", pos):
                 headed = True
             else:
-                return pos
+                return pos, None
             end = buf.find(b"\r\n", pos, pos + MAX_CONTROL_LINE_SIZE)
             if end < 0:
                 if size - pos >= MAX_CONTROL_LINE_SIZE:
-                    raise ProtocolError("nats: malformed MSG")
-                return pos
+                    return pos, MALFORMED
+                return pos, None
             args = bytes(view[pos:end]).split()
             try:
                 if headed:  # HMSG <subject> <sid> [reply] <header bytes> <total bytes>
@@ -89,19 +152,18 @@ async def parse_messages(
                 their_sid = int(args[2])
                 subject = args[1]
             except (IndexError, ValueError):
-                raise ProtocolError("nats: malformed MSG") from None
+                return pos, MALFORMED
             start = end + 2
             stop = start + total
             if stop + 2 > size:
-                return pos  # the payload is not all here yet
+                return pos, None  # the payload is not all here yet
             headers = bytes(view[start:start + head]) if head else None
             payload = bytes(view[start + head:stop])
+            if their_sid != sid:
+                return pos, (their_sid, subject, reply, payload, headers, stop + 2)
             pos = stop + 2
-            if their_sid == sid:
-                stats["in_msgs"] += 1
-                stats["in_bytes"] += len(payload)
-                route(subject, reply, payload, headers)
-            else:  # nats-py's own path (it counts the stats)
-                await process(their_sid, subject, reply, payload, headers)
+            stats["in_msgs"] += 1
+            stats["in_bytes"] += len(payload)
+            route(subject, reply, payload, headers)
     finally:
         view.release()

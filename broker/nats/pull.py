@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -96,6 +97,33 @@ class Puller:
         taken = list(self._backlog)
         self._backlog.clear()
         return taken
+
+    @property
+    def arrived(self) -> int:
+        """Pulled messages seen so far (a count that only grows)."""
+        return self._arrived
+
+    def ready(self, max_messages: int) -> list[Msg] | None:
+        """The first ``max_messages`` of the backlog, left there, when it holds that many
+        and no receive is under way: what ``pull`` would return at once, with no request
+        of its own (no room left for a top-up). None otherwise."""
+        if self._lock.locked() or len(self._backlog) < max_messages or max_messages <= 0:
+            return None
+        return list(itertools.islice(self._backlog, max_messages))
+
+    def take_ready(self, max_messages: int) -> list[Msg]:
+        """Take what ``ready`` showed (same turn), with the bookkeeping ``pull`` does: the
+        room a pull ahead may fill, and the pulls ahead that were served dropped. One not
+        served yet stays for the next ``pull`` to wait for (its messages come to the
+        backlog, or its status says there were fewer)."""
+        self._room = max(self._room, max_messages)
+        while self._ahead:
+            status, batch, mark = self._ahead[0]
+            if self._arrived - mark < batch:
+                break
+            self._ahead.popleft()
+            status.cancel()
+        return self._take(max_messages)
 
     def ahead(self, conn: Connection, freed: int) -> bytes:
         """A no-wait pull for the room ``freed`` acks make, to go in the acks' own write
