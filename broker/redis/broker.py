@@ -40,6 +40,7 @@ from redis.connection import HiredisRespSerializer
 
 from broker import envelope
 from broker.base import (
+    APPLIED,
     MAX_BATCH,
     Action,
     BrokerError,
@@ -116,10 +117,10 @@ CONNECT_TIMEOUT = 5.0
 
 #: The fields of a failure record, in ``Failure.encode()``'s order.
 _FAILURE_FIELDS = tuple(item.name for item in fields(Failure))
-_APPLIED = Result(Outcome.OK)
+_COMMIT = Action.COMMIT
 _FAILED = Result(Outcome.OK, "failed")
 _RESULTS = {
-    b"ok": Result(Outcome.OK),
+    b"ok": APPLIED,
     b"stale": Result(Outcome.STALE),
     b"missing": Result(Outcome.MISSING),
 }
@@ -272,6 +273,12 @@ class RedisBroker:
         self._claim_prefix = self.keys.claim("")
         self._record = self.keys.supervisor(self.consumer_id)
         self._record_value = f"{socket.gethostname()} {os.getpid()}"
+        #: settle.lua's keys before the items' own (the same for every call).
+        self._settle_keys = (
+            self.keys.ready, self.keys.processing, self.keys.failed,
+            self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
+            self.keys.delayed,
+        )
         #: Every owner token of this supervisor starts with it; ``extend`` registers it in
         #: ``supervisor-tokens`` with the record (the supervisor's first renewal runs at
         #: start), so recovery can tell our deliveries, and whether we are alive, from a
@@ -688,41 +695,22 @@ class RedisBroker:
         return results
 
     async def _settle_batch(self, batch: Sequence[Settlement]) -> list[Result]:
-        keys = [
-            self.keys.ready, self.keys.processing, self.keys.failed,
-            self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
-            self.keys.delayed,
-        ]
-        ops: list[str] = []
-        tokens: list[str] = []
-        markers: list[str] = []
-        records: list[str] = []  # the failure record key of each reject
-        extras: list[Any] = []
-        applied: list[Result] = []  # what an applied settlement did, per item
-        now = time.time()
+        keys = list(self._settle_keys)
+        tokens = [settlement.delivery.receipt for settlement in batch]
+        usual = True  # every one an unkeyed commit: no op, extra or result to build per item
         for settlement in batch:
             delivery = settlement.delivery
-            pid = delivery.pid
-            keys += delivery.keys or self._delivery_keys(pid)  # claims, jobs, owners key
-            if settlement.action is Action.COMMIT:
-                op, result = "c", _APPLIED
-            else:
-                op, arguments, result = self._settle_op(settlement, now)
-                extras += arguments
-                if op == "f":
-                    records.append(self.keys.error(pid))
-            if "key" in delivery.envelope:  # possibly keyed (coalesced)
-                marker = self.keys.marker(delivery.envelope)
-                if marker:
-                    markers.append(marker)
-                    op = op.upper()  # keyed: the marker follows the items' keys
-            ops.append(op)
-            tokens.append(delivery.receipt)
-            applied.append(result)
-        keys += markers
-        keys += records
+            keys += delivery.keys or self._delivery_keys(delivery.pid)  # claims, jobs, owners
+            if settlement.action is not _COMMIT or "key" in delivery.envelope:
+                usual = False
+        applied: list[Result] | None = None  # what an applied settlement did, per item
+        extras: list[Any] = []
+        if usual:
+            ops = "c" * len(batch)
+        else:
+            ops, extras, applied = self._settle_ops(batch, keys)
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
-        args: list[Any] = [self.job_ttl, len(batch), "".join(ops), self._job_prefix_bytes,
+        args: list[Any] = [self.job_ttl, len(batch), ops, self._job_prefix_bytes,
                            *tokens, *extras]
         try:
             if self.replication.enabled:
@@ -738,8 +726,45 @@ class RedisBroker:
             # was lost. Settled again either way (every script checks the owner token).
             uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
+        if applied is None:
+            if reply.count(b"ok") == len(batch):  # the usual reply: one shared result
+                return [APPLIED] * len(batch)
+            return [APPLIED if outcome == b"ok" else _RESULTS[outcome] for outcome in reply]
         return [done if outcome == b"ok" else _RESULTS[outcome]
                 for outcome, done in zip(reply, applied, strict=True)]
+
+    def _settle_ops(
+        self, batch: Sequence[Settlement], keys: list[str]
+    ) -> tuple[str, list[Any], list[Result]]:
+        """A batch with more than unkeyed commits: the script's op per item, the extra
+        arguments (a retry's envelope and delay, a reject's failure record), the result of
+        each once applied; the keyed items' markers and the rejects' failure record keys are
+        added to ``keys``, in that order, after every item's own."""
+        ops: list[str] = []
+        markers: list[str] = []
+        records: list[str] = []  # the failure record key of each reject
+        extras: list[Any] = []
+        applied: list[Result] = []
+        now = time.time()
+        for settlement in batch:
+            delivery = settlement.delivery
+            if settlement.action is _COMMIT:
+                op, result = "c", APPLIED
+            else:
+                op, arguments, result = self._settle_op(settlement, now)
+                extras += arguments
+                if op == "f":
+                    records.append(self.keys.error(delivery.pid))
+            if "key" in delivery.envelope:  # possibly keyed (coalesced)
+                marker = self.keys.marker(delivery.envelope)
+                if marker:
+                    markers.append(marker)
+                    op = op.upper()  # keyed: the marker follows the items' keys
+            ops.append(op)
+            applied.append(result)
+        keys += markers
+        keys += records
+        return "".join(ops), extras, applied
 
     def _delivery_keys(self, pid: str) -> tuple[str, str, str]:
         """A delivery's claims, jobs and owners key (built at the claim: see ``Delivery``)."""
@@ -750,9 +775,9 @@ class RedisBroker:
         delay, a reject's failure record) and its result once applied (what became of the
         job: "retrying in N s", "failed")."""
         if settlement.action is Action.COMMIT:
-            return "c", [], _APPLIED
+            return "c", [], APPLIED
         if settlement.action is Action.RELEASE:
-            return "l", [], _APPLIED
+            return "l", [], APPLIED
         delivery = settlement.delivery
         if self.retry.exhausted(delivery.attempts):
             return self._reject_op(settlement, now)
