@@ -84,8 +84,9 @@ class Arbiter:
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
                              retry_every=RETRY_EVERY, lease=self.lease())
-        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened,
-                               self.outage)
+        self.settler = Settler(broker, self.buffer,
+                               self.confirm if self.wants_confirm else None, self.metrics,
+                               self.opened, self.outage)
         self.exit_code = exits.OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting

@@ -346,6 +346,35 @@ def test_a_mixed_batch_is_settled_and_counted_per_action(early):
     run(scenario())
 
 
+def test_a_batch_whose_commits_and_releases_all_applied_is_settled_per_action():
+    async def scenario():
+        settler, buffer, confirmed, _ = await settler_with(4, early=False)
+        batch = buffer.take_completed(10)
+        batch[1].release = True
+        assert await settler.settle(batch)
+        buffer.check()
+        assert buffer.outstanding == 0
+        assert sorted(confirmed) == [(1, True), (2, False), (3, True), (4, True)]
+        counts = settler.metrics.counts
+        assert (counts["commit"], counts["release"]) == (3, 1)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_settler_without_a_listener_confirms_nothing_and_settles_all(early):
+    async def scenario():
+        _, buffer, _, broker = await settler_with(3, early=early)
+        # No handler defines on_success: the arbiter gives no confirm callback.
+        quiet = Settler(broker, buffer, None)
+        batch = buffer.take_completed(10)
+        batch[0].error = "boom"
+        assert await quiet.settle(batch)
+        assert buffer.outstanding == 0 and sum(broker.committed.values()) == 2
+
+    run(scenario())
+
+
 # -- the arbiter ---------------------------------------------------------------------------------
 
 
