@@ -62,7 +62,7 @@ from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import Scripts, call_then
 from broker.redis.wire import Oversized, Wire
 from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
@@ -267,6 +267,13 @@ class RedisBroker:
         self.scripts = Scripts(self.client, self._wire)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
+        #: Reserving ahead (see ``reserve_ahead``): the room the next settle call reserves in
+        #: its own write, the reservation it got (for the next receive), and the key of one
+        #: whose reply was lost (given back before anything else is reserved).
+        self._ahead_wanted = 0
+        self._ahead_sending = False
+        self._ahead: Reservation | None = None
+        self._ahead_lost: str | None = None
         self._job_prefix = self.keys.job("")
         self._job_prefix_bytes = len(self._job_prefix.encode())
         self._owner_prefix = self.keys.owner("")
@@ -361,7 +368,9 @@ class RedisBroker:
             received = await self._resolve_lost_claim()
             if received.deliveries or received.poisoned:
                 return received
-        reservation = await self.reserve(max_messages, block_timeout)
+        reservation = await self._reserved_ahead(max_messages)  # hook: see reserve_ahead
+        if reservation is None:
+            reservation = await self.reserve(max_messages, block_timeout)
         poisoned = [Poisoned(b"", f"envelope of {length} bytes exceeds "
                              f"{self.max_envelope_bytes}: moved to poison unread")
                     for length in reservation.oversized]
@@ -682,6 +691,86 @@ class RedisBroker:
         self._unresolved.pop(0)
         return received
 
+    # -- reserving ahead, in a settle call's write --------------------------------------
+
+    def reserve_ahead(self, room: int) -> None:
+        """The next settle call, once applied, makes ``room`` for a receive: reserve that in
+        the call's own write, so that the receive after it claims at once instead of waiting
+        a round trip for its reserve. The receive takes the reservation only if it asks for
+        as many (every settlement applied); else it goes back to the ready list first.
+        A plain Redis without replica confirmation only (one connection, in order)."""
+        if self._wire is not None and not self.replication.enabled and not self._no_wait:
+            self._ahead_wanted = min(max(room, 0), MAX_BATCH)
+
+    def _ahead_command(self) -> tuple[str, list[str], list[Any]] | None:
+        """The reserve to send with this settle call (taken once), or None."""
+        wanted, self._ahead_wanted = self._ahead_wanted, 0
+        if (not wanted or self._ahead is not None or self._ahead_lost is not None
+                or self._ahead_sending or self._no_wait or self._unresolved):
+            return None
+        token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
+        key = self.keys.reservation(token)
+        return "reserve", [self.keys.ready, self.keys.reservations, key, self.keys.poison], (
+            self._reserve_args(wanted, 0))
+
+    async def _settle_and_reserve(
+        self, keys: list[str], args: list[Any], ahead: tuple[str, list[str], list[Any]]
+    ) -> Any:
+        """settle.lua's reply; the reserve sent in the same write is kept for the next
+        receive, or, if its reply is lost with the settle's, given back by it."""
+        self._ahead_sending = True
+        try:
+            reply, reserved = await call_then(
+                self.scripts, cast(Wire, self._wire), ("settle", keys, args), ahead)
+        except BaseException:
+            self._ahead_lost = ahead[1][2]  # applied or not, unknown
+            raise
+        finally:
+            self._ahead_sending = False
+        self._ahead_reply(ahead, reserved)
+        return reply
+
+    def _ahead_reply(self, command: tuple[str, list[str], list[Any]], reply: Any) -> None:
+        """What the reserve sent ahead got: the reservation for the next receive."""
+        key = command[1][2]
+        if isinstance(reply, redis.exceptions.ResponseError):  # NOSCRIPT: not run
+            log.debug("reserve ahead not run: %s", reply)
+            return
+        if reply:  # nothing ready: nothing reserved, nothing registered (no timeout)
+            oversized = [int(item) for item in reply if item.__class__ is not bytes]
+            payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
+            token = key[len(self.keys.reservation("")):]
+            self._ahead = Reservation(key, token, payloads, oversized)
+
+    async def _reserved_ahead(self, max_messages: int) -> Reservation | None:
+        """The reservation a settle call made ahead, if it fits in ``max_messages``; one
+        that does not (a settlement was not applied: the room it was made for is not
+        there), or whose reply was lost, goes back to the ready list first."""
+        lost, ahead, self._ahead = self._ahead_lost, self._ahead, None
+        if lost is not None:
+            await self._give_back(lost)  # raises while unreachable: kept for the next try
+            self._ahead_lost = None
+        if ahead is None or len(ahead.payloads) <= max_messages:
+            return ahead
+        self._ahead_lost = ahead.key
+        await self._give_back(ahead.key)
+        self._ahead_lost = None
+        return None
+
+    async def _return_ahead(self) -> None:
+        """At exit: a reservation made ahead and never claimed goes back to the ready list
+        now. If that fails it stays registered: recovery returns it after its deadline."""
+        key = self._ahead_lost or (self._ahead.key if self._ahead is not None else None)
+        if key is None:
+            return
+        self._ahead = None
+        try:
+            await self._give_back(key)
+        except BrokerError as error:
+            log.warning("reservation %s made ahead not given back (%s): recovery returns its "
+                        "payloads after its deadline", key, error)
+        self._ahead_lost = None
+
     # -- settling -----------------------------------------------------------------------
 
     async def settle(
@@ -719,11 +808,14 @@ class RedisBroker:
                     "settle", keys, args, self.replication
                 )
                 self._replicated("settlement", confirmed, len(batch))
+            elif (ahead := self._ahead_command()) is not None:
+                reply = await self._settle_and_reserve(keys, args, ahead)
             else:
                 reply = await self.scripts.call("settle", keys, args)
         except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
             # A cluster error too: it may follow the client's retry of a call whose reply
             # was lost. Settled again either way (every script checks the owner token).
+            # A reserve sent ahead is lost with it: given back by the next receive.
             uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
         if applied is None:
@@ -838,6 +930,7 @@ class RedisBroker:
         that failed, a claim whose reply was lost) is ours and gone: the next sweep of ours,
         or ``recover``, takes it at once."""
         await self._renew(deliveries, 0)
+        await self._return_ahead()
         if not deliveries:
             return
         async with _broker_errors("requeue at exit"):
