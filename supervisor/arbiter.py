@@ -103,6 +103,8 @@ class Arbiter:
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
+        #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
+        self.reserve_ahead: Callable[[int], None] | None = getattr(broker, "reserve_ahead", None)
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
@@ -339,16 +341,17 @@ class Arbiter:
         if room > 0 and not self.refill_waits(room):
             self.room.set()
 
-    def receive_room(self) -> int:
+    def receive_room(self, freed: int = 0) -> int:
         """Room in prefetch for the handler processes that take work now: none is taken for
         one not ready (its init() still retried, or a replacement starting), where it would
-        wait on us instead of on a queue another consumer reads."""
-        room = self.buffer.room
+        wait on us instead of on a queue another consumer reads. ``freed``: once that many
+        more are settled."""
+        room = self.buffer.room + freed
         if room <= 0:  # full (at prefetch 1, most of the time): no share can be more
             return room
         accepting = sum(place.accepting for place in self.places)
         share = -(-self.buffer.prefetch * accepting // len(self.places))
-        return min(room, share - self.buffer.outstanding)
+        return min(room, share - self.buffer.outstanding + freed)
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
@@ -504,6 +507,7 @@ class Arbiter:
 
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
         try:
+            self.reserve_for(len(batch))
             ok = await self.settler.settle(batch)
             self.opened()
             for place in self.places:
@@ -517,6 +521,18 @@ class Arbiter:
             calls.release()
         if self.buffer.completed_count:
             self.settle_wanted.set()
+
+    def reserve_for(self, freed: int) -> None:
+        """The receive loop sleeps until there is room, and this settle call makes enough
+        for a receive: the broker reserves it in the call's own write (``reserve_ahead``),
+        so the receive that follows claims at once. Not before the first renewal (it
+        registers our reservations' token prefix), nor while stopping."""
+        ahead = self.reserve_ahead
+        if ahead is None or self.room.is_set() or self.stopping or not self.first_renewal.is_set():
+            return
+        room = self.receive_room(freed)
+        if room > 0 and not self.refill_waits(room):
+            ahead(min(room, MAX_BATCH))
 
     def opened(self) -> None:
         """Settlements were confirmed: room for receiving, progress for the stop sequence."""

@@ -483,6 +483,45 @@ def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
     run(scenario())
 
 
+def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_it_ahead():
+    """A broker with ``reserve_ahead`` reserves, in a settle call's write, the room that
+    call frees, when the receive loop sleeps waiting for it: asked for exactly the room the
+    next receive takes (never more), and only when a receive will be due."""
+    async def scenario():
+        core, broker, _ = await running_core(300, 100, 1)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        await core.settle_down()
+        asked: list[int] = []
+        arbiter.reserve_ahead = asked.append
+        rooms: list[int] = []
+        receive = broker.receive
+
+        async def receive_noted(room: int, timeout: float):
+            rooms.append(room)
+            return await receive(room, timeout)
+
+        broker.receive = receive_noted  # type: ignore[method-assign]
+        handler = core.process(0)
+
+        async def finish(jobs: int) -> None:
+            for _ in range(jobs):
+                handler.start_next()
+                handler.finish()
+            settled = sum(broker.committed.values()) + jobs
+            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+            await core.settle_down()
+
+        await finish(24)  # less than a quarter free: no receive due, nothing reserved
+        assert asked == [] and rooms == []
+        await finish(1)  # a quarter: the receive after it takes what was reserved
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        assert asked == [25] and rooms == [25]
+        assert await core.stop(work=False) == exits.OK
+
+    run(scenario())
+
+
 def test_at_prefetch_1_the_receive_loop_wakes_only_when_a_receive_is_due():
     """Every read of a job's outcomes (its start, its end) and its settlement each woke the
     receive loop, which found prefetch still full until the settlement: a turn of the event
