@@ -104,7 +104,9 @@ class Arbiter:
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
         #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
-        self.reserve_ahead: Callable[[int], None] | None = getattr(broker, "reserve_ahead", None)
+        self.reserve_ahead: Callable[[int], bool] | None = getattr(broker, "reserve_ahead", None)
+        self.ahead_settling: asyncio.Event | None = None  # a settle call reserving ahead runs
+        self.receiving = 0  # the room asked for by the receive under way (0: none)
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
@@ -286,13 +288,18 @@ class Arbiter:
                 self.room.clear()
                 await self.room.wait()
                 continue
-            room = min(self.receive_room(), MAX_BATCH)
+            if self.ahead_settling is not None:  # the room it makes, and reserved: see reserve_for
+                await self.ahead_settling.wait()
+                continue
+            room = self.receiving = min(self.receive_room(), MAX_BATCH)
             began, timed = self.outage.now(), time.perf_counter()
             try:
                 # Timed without metrics.timed: a generator context manager costs, per receive.
                 received = await self.broker.receive(room, self.config.broker.block_timeout)
+                self.receiving = 0
                 self.metrics.broker_call("receive", time.perf_counter() - timed)
             except (BrokerError, OSError) as error:
+                self.receiving = 0
                 self.metrics.broker_call("receive", time.perf_counter() - timed)
                 failures += 1
                 self.broker_trouble["receive"] = str(error)
@@ -506,9 +513,10 @@ class Arbiter:
                 task.add_done_callback(self.settling.discard)
 
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
+        ahead = self.reserve_for(len(batch))
         try:
-            self.reserve_for(len(batch))
             ok = await self.settler.settle(batch)
+            self.ahead_settled(ahead)
             self.opened()
             for place in self.places:
                 self.retire_if_idle(place)
@@ -519,20 +527,34 @@ class Arbiter:
                 await asyncio.sleep(min(0.05 * 2**self.settle_failures, 2.0))
         finally:
             calls.release()
+            self.ahead_settled(ahead)
         if self.buffer.completed_count:
             self.settle_wanted.set()
 
-    def reserve_for(self, freed: int) -> None:
-        """The receive loop sleeps until there is room, and this settle call makes enough
-        for a receive: the broker reserves it in the call's own write (``reserve_ahead``),
-        so the receive that follows claims at once. Not before the first renewal (it
-        registers our reservations' token prefix), nor while stopping."""
+    def reserve_for(self, freed: int) -> asyncio.Event | None:
+        """This settle call makes room for a receive: the broker reserves it in the call's
+        own write (``reserve_ahead``), and the receive loop's next receive waits for the
+        call (the room and the reservation come with its reply) and claims at once. The
+        room is what the next receive will ask for once ``freed`` are settled, less what
+        the receive under way asked for (it may take what is free now). Not when the loop
+        was woken to receive that room itself, nor before the first renewal (it registers
+        our reservations' token prefix), nor while stopping. The event the loop waits on."""
         ahead = self.reserve_ahead
-        if ahead is None or self.room.is_set() or self.stopping or not self.first_renewal.is_set():
-            return
-        room = self.receive_room(freed)
-        if room > 0 and not self.refill_waits(room):
-            ahead(min(room, MAX_BATCH))
+        if (ahead is None or self.stopping or not self.first_renewal.is_set()
+                or self.ahead_settling is not None or (self.room.is_set() and not self.receiving)):
+            return None
+        room = self.receive_room(freed) - self.receiving
+        if room <= 0 or self.refill_waits(room) or not ahead(min(room, MAX_BATCH)):
+            return None
+        self.ahead_settling = asyncio.Event()
+        return self.ahead_settling
+
+    def ahead_settled(self, ahead: asyncio.Event | None) -> None:
+        """The settle call that reserved ahead returned: the receive waiting for its room
+        and reservation goes on (before any back-off of a failed call)."""
+        if ahead is not None and self.ahead_settling is ahead:
+            self.ahead_settling = None
+            ahead.set()
 
     def opened(self) -> None:
         """Settlements were confirmed: room for receiving, progress for the stop sequence."""

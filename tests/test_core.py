@@ -493,7 +493,12 @@ def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_
         await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
         await core.settle_down()
         asked: list[int] = []
-        arbiter.reserve_ahead = asked.append
+
+        def reserve_ahead(room: int) -> bool:
+            asked.append(room)
+            return True
+
+        arbiter.reserve_ahead = reserve_ahead
         rooms: list[int] = []
         receive = broker.receive
 
@@ -517,6 +522,54 @@ def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_
         await finish(1)  # a quarter: the receive after it takes what was reserved
         await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
         assert asked == [25] and rooms == [25]
+        assert await core.stop(work=False) == exits.OK
+
+    run(scenario())
+
+
+def test_a_settle_call_during_a_receive_reserves_ahead_only_what_that_receive_left():
+    """The receive under way may take all the room free now: a settle call during it asks
+    to reserve ahead only the room it frees beyond that, and the next receive waits for the
+    call, then asks for exactly that."""
+    async def scenario():
+        core, broker, _ = await running_core(300, 100, 1)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        await core.settle_down()
+        asked: list[int] = []
+
+        def reserve_ahead(room: int) -> bool:
+            asked.append(room)
+            return True
+
+        arbiter.reserve_ahead = reserve_ahead
+        rooms: list[int] = []
+        gate = asyncio.Event()
+        receive = broker.receive
+
+        async def receive_held(room: int, timeout: float):
+            rooms.append(room)
+            await gate.wait()
+            return await receive(room, timeout)
+
+        broker.receive = receive_held  # type: ignore[method-assign]
+        handler = core.process(0)
+
+        async def finish(jobs: int) -> None:
+            for _ in range(jobs):
+                handler.start_next()
+                handler.finish()
+            settled = sum(broker.committed.values()) + jobs
+            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+            await core.settle_down()
+
+        await finish(30)  # the loop slept: the room freed, reserved ahead, then received
+        await core.wait_for(lambda: arbiter.receiving == 30)
+        await finish(30)  # while that receive is under way: only the 30 it did not ask for
+        assert asked == [30, 30]
+        gate.set()
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        assert rooms == [30, 30]
         assert await core.stop(work=False) == exits.OK
 
     run(scenario())

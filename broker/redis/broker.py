@@ -693,20 +693,26 @@ class RedisBroker:
 
     # -- reserving ahead, in a settle call's write --------------------------------------
 
-    def reserve_ahead(self, room: int) -> None:
+    def reserve_ahead(self, room: int) -> bool:
         """The next settle call, once applied, makes ``room`` for a receive: reserve that in
         the call's own write, so that the receive after it claims at once instead of waiting
         a round trip for its reserve. The receive takes the reservation only if it asks for
         as many (every settlement applied); else it goes back to the ready list first.
-        A plain Redis without replica confirmation only (one connection, in order)."""
-        if self._wire is not None and not self.replication.enabled and not self._no_wait:
-            self._ahead_wanted = min(max(room, 0), MAX_BATCH)
+        A plain Redis without replica confirmation only (one connection, in order), and one
+        reservation ahead at a time. False: not done (the next settle call reserves nothing)."""
+        if room <= 0 or not self._ahead_allowed():
+            return False
+        self._ahead_wanted = min(room, MAX_BATCH)
+        return True
 
-    def _ahead_command(self) -> tuple[str, list[str], list[Any]] | None:
-        """The reserve to send with this settle call (taken once), or None."""
-        wanted, self._ahead_wanted = self._ahead_wanted, 0
-        if (not wanted or self._ahead is not None or self._ahead_lost is not None
-                or self._ahead_sending or self._no_wait or self._unresolved):
+    def _ahead_allowed(self) -> bool:
+        return not (self._wire is None or self.replication.enabled or self._no_wait
+                    or self._ahead is not None or self._ahead_lost is not None
+                    or self._ahead_sending or self._unresolved)
+
+    def _ahead_command(self, wanted: int) -> tuple[str, list[str], list[Any]] | None:
+        """The reserve to send with this settle call, or None."""
+        if not wanted or not self._ahead_allowed():
             return None
         token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
         key = self.keys.reservation(token)
@@ -779,11 +785,13 @@ class RedisBroker:
         # One script answers for a whole group at once: results arrive together, so the
         # caller applies the returned list (``on_result`` has nothing to report earlier).
         results: list[Result] = []
+        ahead, self._ahead_wanted = self._ahead_wanted, 0  # this call's, or none
         for start in range(0, len(settlements), MAX_BATCH):
-            results += await self._settle_batch(settlements[start:start + MAX_BATCH])
+            results += await self._settle_batch(settlements[start:start + MAX_BATCH], ahead)
+            ahead = 0
         return results
 
-    async def _settle_batch(self, batch: Sequence[Settlement]) -> list[Result]:
+    async def _settle_batch(self, batch: Sequence[Settlement], ahead: int = 0) -> list[Result]:
         keys = list(self._settle_keys)
         tokens = [settlement.delivery.receipt for settlement in batch]
         usual = True  # every one an unkeyed commit: no op, extra or result to build per item
@@ -808,8 +816,8 @@ class RedisBroker:
                     "settle", keys, args, self.replication
                 )
                 self._replicated("settlement", confirmed, len(batch))
-            elif (ahead := self._ahead_command()) is not None:
-                reply = await self._settle_and_reserve(keys, args, ahead)
+            elif (command := self._ahead_command(ahead)) is not None:
+                reply = await self._settle_and_reserve(keys, args, command)
             else:
                 reply = await self.scripts.call("settle", keys, args)
         except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
