@@ -754,14 +754,25 @@ class RedisBroker:
         there), or whose reply was lost, goes back to the ready list first."""
         lost, ahead, self._ahead = self._ahead_lost, self._ahead, None
         if lost is not None:
-            await self._give_back(lost)  # raises while unreachable: kept for the next try
+            await self._return_reserved(lost)  # raises while unreachable: kept for the next try
             self._ahead_lost = None
         if ahead is None or len(ahead.payloads) <= max_messages:
             return ahead
         self._ahead_lost = ahead.key
-        await self._give_back(ahead.key)
+        await self._return_reserved(ahead.key)
         self._ahead_lost = None
         return None
+
+    async def _return_reserved(self, key: str) -> None:
+        """A reservation made ahead goes back to the ready list unclaimed: marked expired,
+        then recover.lua moves its payloads (in their order) and unregisters it; one never
+        made is not registered and nothing happens. Over the scripts' connection, as the
+        reserve went: redis-py's pool may still hold a connection a restart closed."""
+        wire = cast(Wire, self._wire)
+        async with _broker_errors("give back a reservation made ahead"):
+            await wire.call("ZADD", self.keys.reservations, "XX", 0, key)
+            await self.scripts.call("recover", [self.keys.reservations, self.keys.ready, key],
+                                    [MAX_BATCH, 0])
 
     async def _return_ahead(self) -> None:
         """At exit: a reservation made ahead and never claimed goes back to the ready list
@@ -771,7 +782,7 @@ class RedisBroker:
             return
         self._ahead = None
         try:
-            await self._give_back(key)
+            await self._return_reserved(key)
         except BrokerError as error:
             log.warning("reservation %s made ahead not given back (%s): recovery returns its "
                         "payloads after its deadline", key, error)
