@@ -15,7 +15,6 @@ import pytest
 
 from broker.base import APPLIED, Outcome
 from broker.redis import RedisBroker
-from broker.redis.scripts import lua_source
 from support import envelopes
 from support.brokers import count_script_calls
 
@@ -25,9 +24,12 @@ READY = f"{NS}.queue.{QUEUE}"
 RESERVATIONS = f"{NS}.reservations.{QUEUE}"
 
 
-async def new_broker(url: str, **options: Any) -> RedisBroker:
+async def new_broker(url: str, client, **options: Any) -> RedisBroker:
+    """A broker whose scripts' connection ran settle.lua once (what reserving ahead needs)."""
     broker = RedisBroker(url, QUEUE, consumer_id="tester", **options)
     await broker.connect()
+    await publish(client, 1)
+    assert await broker.commit((await broker.receive(1, 0)).deliveries) == [APPLIED]
     return broker
 
 
@@ -36,7 +38,7 @@ async def publish(client, count: int) -> list[str]:
 
 
 async def test_the_receive_after_a_settle_claims_what_it_reserved_ahead(redis_url, redis_client):
-    broker = await new_broker(redis_url)
+    broker = await new_broker(redis_url, redis_client)
     try:
         pids = await publish(redis_client, 6)
         first = (await broker.receive(3, 0)).deliveries
@@ -58,7 +60,7 @@ async def test_the_receive_after_a_settle_claims_what_it_reserved_ahead(redis_ur
 async def test_a_reservation_ahead_larger_than_the_receive_goes_back_first(
     redis_url, redis_client,
 ):
-    broker = await new_broker(redis_url)
+    broker = await new_broker(redis_url, redis_client)
     try:
         pids = await publish(redis_client, 6)
         first = (await broker.receive(3, 0)).deliveries
@@ -76,11 +78,10 @@ async def test_a_reservation_ahead_larger_than_the_receive_goes_back_first(
 async def test_a_lost_reply_loses_the_reserve_ahead_too_and_it_goes_back_before_more(
     redis_url, redis_client,
 ):
-    broker = await new_broker(redis_url)
+    broker = await new_broker(redis_url, redis_client)
     try:
         pids = await publish(redis_client, 6)
         first = (await broker.receive(3, 0)).deliveries
-        await redis_client.script_load(lua_source("settle"))  # both run in the write below
         replies = broker._wire._replies  # type: ignore[union-attr]
         # Redis runs both scripts; their replies are lost on the way back.
         replies.data_received = lambda data: replies.abort("reply lost (test)")
@@ -107,7 +108,7 @@ async def test_a_lost_reply_loses_the_reserve_ahead_too_and_it_goes_back_before_
 
 
 async def test_a_reserve_ahead_the_server_did_not_know_reserved_nothing(redis_url, redis_client):
-    broker = await new_broker(redis_url)
+    broker = await new_broker(redis_url, redis_client)
     try:
         pids = await publish(redis_client, 4)
         first = (await broker.receive(2, 0)).deliveries
@@ -123,15 +124,37 @@ async def test_a_reserve_ahead_the_server_did_not_know_reserved_nothing(redis_ur
         await broker.close()
 
 
+async def test_no_reserve_ahead_before_settle_ran_on_the_connection(redis_url, redis_client):
+    """A new connection may be to a restarted server, its script cache empty: settle.lua
+    would answer NOSCRIPT (not run) while the reserve behind it ran, reserving room that
+    was not freed. Its first settle call goes alone."""
+    broker = RedisBroker(redis_url, QUEUE, consumer_id="tester")
+    await broker.connect()
+    try:
+        await publish(redis_client, 4)
+        first = (await broker.receive(2, 0)).deliveries
+        assert not broker.reserve_ahead(2)
+        assert await broker.commit(first[:1]) == [APPLIED]
+        assert await redis_client.zcard(RESERVATIONS) == 0
+        assert broker.reserve_ahead(2)  # settle.lua ran on this connection
+        assert await broker.commit(first[1:]) == [APPLIED]
+        assert await redis_client.zcard(RESERVATIONS) == 1
+        broker._wire.close()  # type: ignore[union-attr]  # the next call: a new connection
+        then = (await broker.receive(2, 0)).deliveries
+        assert len(then) == 2 and not broker.reserve_ahead(2)
+        await broker.commit(then)
+    finally:
+        await broker.close()
+
+
 @pytest.mark.parametrize("lost", [False, True], ids=["kept", "reply-lost"])
 async def test_a_reservation_ahead_never_claimed_goes_back_at_exit(
     redis_url, redis_client, lost,
 ):
-    broker = await new_broker(redis_url)
+    broker = await new_broker(redis_url, redis_client)
     try:
         pids = await publish(redis_client, 4)
         first = (await broker.receive(2, 0)).deliveries
-        await redis_client.script_load(lua_source("settle"))
         if lost:
             replies = broker._wire._replies  # type: ignore[union-attr]
             replies.data_received = lambda data: replies.abort("reply lost (test)")

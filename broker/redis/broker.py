@@ -274,6 +274,11 @@ class RedisBroker:
         self._ahead_sending = False
         self._ahead: Reservation | None = None
         self._ahead_lost: str | None = None
+        #: The scripts' connection (``Wire.connects``) on which settle.lua last ran: a
+        #: reserve goes ahead only on it. On a new one (a restarted server: its script cache
+        #: empty) settle.lua could answer NOSCRIPT, not run, while the reserve behind it ran:
+        #: reserved beyond prefetch until it is run again.
+        self._settled_on = -1
         self._job_prefix = self.keys.job("")
         self._job_prefix_bytes = len(self._job_prefix.encode())
         self._owner_prefix = self.keys.owner("")
@@ -707,6 +712,7 @@ class RedisBroker:
 
     def _ahead_allowed(self) -> bool:
         return not (self._wire is None or self.replication.enabled or self._no_wait
+                    or self._settled_on != self._wire.connects
                     or self._ahead is not None or self._ahead_lost is not None
                     or self._ahead_sending or self._unresolved)
 
@@ -831,6 +837,8 @@ class RedisBroker:
                 reply = await self._settle_and_reserve(keys, args, command)
             else:
                 reply = await self.scripts.call("settle", keys, args)
+                if self._wire is not None:
+                    self._settled_on = self._wire.connects  # settle.lua is loaded there
         except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
             # A cluster error too: it may follow the client's retry of a call whose reply
             # was lost. Settled again either way (every script checks the owner token).
