@@ -112,6 +112,11 @@ class Result:
         return self.outcome is Outcome.OK
 
 
+#: The result of an applied settlement that has nothing more to say (a commit, a release):
+#: one shared object, so that a batch of them is checked by identity (``list.count``).
+APPLIED = Result(Outcome.OK)
+
+
 @dataclass(slots=True)
 class Poisoned:
     """A message that is never handed to a handler (kept in poison/dead): malformed, or

@@ -90,8 +90,9 @@ class Arbiter:
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
                              retry_every=RETRY_EVERY, lease=self.lease())
-        self.settler = Settler(broker, self.buffer, self.confirm, self.metrics, self.opened,
-                               self.outage)
+        self.settler = Settler(broker, self.buffer,
+                               self.confirm if self.wants_confirm else None, self.metrics,
+                               self.opened, self.outage)
         self.exit_code = exits.OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
@@ -110,10 +111,15 @@ class Arbiter:
         self.settle_wanted = asyncio.Event()
         #: Settlement calls that may run at once (several on JetStream: see settle_loop).
         self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
+        #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
+        self.reserve_ahead: Callable[[int], bool] | None = getattr(broker, "reserve_ahead", None)
+        self.ahead_settling: asyncio.Event | None = None  # a settle call reserving ahead runs
+        #: The room asked for by the receive under way (0: none). Its deliveries are not
+        #: counted yet: take_arrivals must not fill that room, reserve_for must not ask again.
+        self.receiving = 0
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
         self.tasks: list[asyncio.Task] = []
         self.settling: set[asyncio.Task] = set()  # settlement calls in flight
-        self.receiving = False  # a receive call is in flight (its deliveries not counted yet)
         self.settle_failures = 0  # in a row: the back-off before the next try
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
@@ -295,9 +301,11 @@ class Arbiter:
                 self.room.clear()
                 await self.room.wait()
                 continue
-            room = min(self.receive_room(), MAX_BATCH)
+            if self.ahead_settling is not None:  # the room it makes, and reserved: see reserve_for
+                await self.ahead_settling.wait()
+                continue
+            room = self.receiving = min(self.receive_room(), MAX_BATCH)
             began, timed = self.outage.now(), time.perf_counter()
-            self.receiving = True  # take_arrivals must not fill the room this call fills
             try:
                 # Timed without metrics.timed: a generator context manager costs, per receive.
                 received = await self.broker.receive(room, self.config.broker.block_timeout)
@@ -310,7 +318,7 @@ class Arbiter:
                 await asyncio.sleep(min(0.1 * 2**failures, RETRY_EVERY))
                 continue
             finally:
-                self.receiving = False
+                self.receiving = 0
             self.outage.back(began)
             failures = 0
             self.broker_trouble.pop("receive", None)
@@ -374,16 +382,17 @@ class Arbiter:
         if room > 0 and not self.refill_waits(room):
             self.room.set()
 
-    def receive_room(self) -> int:
+    def receive_room(self, freed: int = 0) -> int:
         """Room in prefetch for the handler processes that take work now: none is taken for
         one not ready (its init() still retried, or a replacement starting), where it would
-        wait on us instead of on a queue another consumer reads."""
-        room = self.buffer.room
+        wait on us instead of on a queue another consumer reads. ``freed``: once that many
+        more are settled."""
+        room = self.buffer.room + freed
         if room <= 0:  # full (at prefetch 1, most of the time): no share can be more
             return room
         accepting = sum(place.accepting for place in self.places)
         share = -(-self.buffer.prefetch * accepting // len(self.places))
-        return min(room, share - self.buffer.outstanding)
+        return min(room, share - self.buffer.outstanding + freed)
 
     def running_dry(self) -> bool:
         """No more deliveries waiting to start than the handlers can run at once."""
@@ -555,8 +564,10 @@ class Arbiter:
         task.add_done_callback(self.settling.discard)
 
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
+        ahead = self.reserve_for(len(batch))
         try:
             ok = await self.settler.settle(batch)
+            self.ahead_settled(ahead)
             self.opened()
             for place in self.places:
                 self.retire_if_idle(place)
@@ -567,8 +578,34 @@ class Arbiter:
                 await asyncio.sleep(min(0.05 * 2**self.settle_failures, 2.0))
         finally:
             calls.release()
+            self.ahead_settled(ahead)
         if self.buffer.completed_count:
             self.settle_wanted.set()
+
+    def reserve_for(self, freed: int) -> asyncio.Event | None:
+        """This settle call makes room for a receive: the broker reserves it in the call's
+        own write (``reserve_ahead``), and the receive loop's next receive waits for the
+        call (the room and the reservation come with its reply) and claims at once. The
+        room is what the next receive will ask for once ``freed`` are settled, less what
+        the receive under way asked for (it may take what is free now). Not when the loop
+        was woken to receive that room itself, nor before the first renewal (it registers
+        our reservations' token prefix), nor while stopping. The event the loop waits on."""
+        ahead = self.reserve_ahead
+        if (ahead is None or self.stopping or not self.first_renewal.is_set()
+                or self.ahead_settling is not None or (self.room.is_set() and not self.receiving)):
+            return None
+        room = self.receive_room(freed) - self.receiving
+        if room <= 0 or self.refill_waits(room) or not ahead(min(room, MAX_BATCH)):
+            return None
+        self.ahead_settling = asyncio.Event()
+        return self.ahead_settling
+
+    def ahead_settled(self, ahead: asyncio.Event | None) -> None:
+        """The settle call that reserved ahead returned: the receive waiting for its room
+        and reservation goes on (before any back-off of a failed call)."""
+        if ahead is not None and self.ahead_settling is ahead:
+            self.ahead_settling = None
+            ahead.set()
 
     def opened(self) -> None:
         """Settlements were confirmed: room for receiving, progress for the stop sequence."""

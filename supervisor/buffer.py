@@ -270,12 +270,16 @@ class Buffer:
     # -- completed -> settling -> settled ----------------------------------------------------
 
     def take_completed(self, limit: int) -> list[Entry]:
-        batch: list[Entry] = []
-        while self._completed and len(batch) < limit:
-            entry = self._completed.popleft()
-            entry.state = State.SETTLING
-            self._settling[entry.id] = entry
-            batch.append(entry)
+        completed = self._completed
+        if len(completed) <= limit:  # the usual case: all of them, in one C-level copy
+            batch = list(completed)
+            completed.clear()
+        else:
+            batch = [completed.popleft() for _ in range(limit)]
+        settling, state = self._settling, State.SETTLING
+        for entry in batch:
+            entry.state = state
+            settling[entry.id] = entry
         return batch
 
     def retry_later(self, entries: Iterable[Entry]) -> None:
@@ -290,6 +294,15 @@ class Buffer:
         """The broker confirmed a settlement (or the delivery is no longer ours)."""
         self._settled(entry)
         del self._entries[entry.id]
+
+    def forget_all(self, entries: Iterable[Entry]) -> None:
+        """``forget`` for each of ``entries``: the usual end of a settlement call, every
+        one confirmed (one loop here instead of two method calls per delivery)."""
+        settling, owned = self._settling, self._entries
+        for entry in entries:
+            if settling.pop(entry.id, None) is not entry:
+                raise AccountingError(f"{entry} settled but not in a settlement call")
+            del owned[entry.id]
 
     # -- the accounting, checked ------------------------------------------------------------
 

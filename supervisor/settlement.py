@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from broker.base import Action, Broker, Outcome, Result, Settlement
+from broker.base import APPLIED, Action, Broker, Outcome, Result, Settlement
 from broker.errors import describe
 from supervisor import failures
 from supervisor.buffer import Buffer, Entry
@@ -31,6 +31,7 @@ log = logging.getLogger("supervisor.settlement")
 UNCONFIRMED = (Outcome.UNCERTAIN, Outcome.ERROR)
 #: Pids named in a line about several deliveries.
 NAMED = 5
+_COMMIT = Action.COMMIT
 
 
 def settlement_for(entry: Entry, consumer: str = "") -> Settlement:
@@ -63,14 +64,16 @@ class Settler:
         self,
         broker: Broker,
         buffer: Buffer,
-        confirm: Callable[[Entry, bool], None],
+        confirm: Callable[[Entry, bool], None] | None,
         metrics: Metrics | None = None,
         progress: Callable[[], None] = lambda: None,
         outage: Outage | None = None,
     ) -> None:
         self.broker = broker
         self.buffer = buffer
-        self.confirm = confirm  # tells the handler process (for on_success)
+        # Tells the handler process (for on_success); None: no handler listens.
+        self.confirm = confirm or _nobody
+        self.confirming = confirm is not None
         self.metrics = metrics or Metrics()
         self.progress = progress  # room opened before the call returned (early results)
         # Who ran a failed job, in its failure record: the Redis consumer id, or (NATS has
@@ -83,7 +86,11 @@ class Settler:
     async def settle(self, batch: list[Entry]) -> bool:
         """Settle ``batch``; returns False when some entries must be tried again later."""
         consumer = self.consumer
-        settlements = [settlement_for(entry, consumer) for entry in batch]
+        # The usual one (a success) built here: a call per delivery costs more than it does.
+        settlements = [
+            Settlement(_COMMIT, entry.delivery) if entry.error is None and not entry.release
+            else settlement_for(entry, consumer) for entry in batch
+        ]
         applied = [False] * len(batch)
         retry: list[Entry] = []
         # Several calls may run at once (JetStream): what each leaves is its own.
@@ -141,6 +148,10 @@ class Settler:
         """``_apply`` for a whole batch whose results came together; the entries to try
         again. An applied commit or release (the common case) is forgotten and confirmed
         here, counted once per action after the loop."""
+        actions = [settlement.action for settlement in settlements]
+        if Action.REJECT not in actions and results.count(APPLIED) == len(batch):
+            self._applied_all(batch, actions, since)  # the usual call: nothing went wrong
+            return []
         retry: list[Entry] = []
         confirmed = {Action.COMMIT: 0, Action.RELEASE: 0}
         forget, confirm, ok, reject = self.buffer.forget, self.confirm, Outcome.OK, Action.REJECT
@@ -160,6 +171,21 @@ class Settler:
             if count:
                 self.metrics.settled(action, count)
         return retry
+
+    def _applied_all(self, batch: list[Entry], actions: list[Action], since: float) -> None:
+        """Every commit or release of ``batch`` applied (``_apply_all``'s usual case, taken
+        per batch rather than per entry): forgotten, confirmed, counted."""
+        self.outage.back(since)  # it answered: told before anything is forgotten
+        self.buffer.forget_all(batch)
+        commits = actions.count(_COMMIT)
+        if self.confirming:
+            confirm = self.confirm
+            for entry, action in zip(batch, actions, strict=True):
+                confirm(entry, action is _COMMIT)
+        if commits:
+            self.metrics.settled(_COMMIT, commits)
+        if commits < len(batch):
+            self.metrics.settled(Action.RELEASE, len(batch) - commits)
 
     def _apply(self, entry: Entry, settlement: Settlement, result: Result, left: Left) -> bool:
         """Act on one result; False when the entry stays outstanding for another try."""
@@ -219,6 +245,10 @@ class Settler:
         """The one line of a failed run, once its reject is settled (see failures)."""
         budget = getattr(self.broker, "max_attempts", 0)
         failures.log_outcome(log, settlement, result, budget if isinstance(budget, int) else 0)
+
+
+def _nobody(entry: Entry, committed: bool) -> None:
+    """No handler process listens for confirmations (none defines on_success)."""
 
 
 def _named(unsettled: Unsettled) -> str:

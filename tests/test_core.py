@@ -349,6 +349,35 @@ def test_a_mixed_batch_is_settled_and_counted_per_action(early):
     run(scenario())
 
 
+def test_a_batch_whose_commits_and_releases_all_applied_is_settled_per_action():
+    async def scenario():
+        settler, buffer, confirmed, _ = await settler_with(4, early=False)
+        batch = buffer.take_completed(10)
+        batch[1].release = True
+        assert await settler.settle(batch)
+        buffer.check()
+        assert buffer.outstanding == 0
+        assert sorted(confirmed) == [(1, True), (2, False), (3, True), (4, True)]
+        counts = settler.metrics.counts
+        assert (counts["commit"], counts["release"]) == (3, 1)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at-once"])
+def test_a_settler_without_a_listener_confirms_nothing_and_settles_all(early):
+    async def scenario():
+        _, buffer, _, broker = await settler_with(3, early=early)
+        # No handler defines on_success: the arbiter gives no confirm callback.
+        quiet = Settler(broker, buffer, None)
+        batch = buffer.take_completed(10)
+        batch[0].error = "boom"
+        assert await quiet.settle(batch)
+        assert buffer.outstanding == 0 and sum(broker.committed.values()) == 2
+
+    run(scenario())
+
+
 # -- the arbiter ---------------------------------------------------------------------------------
 
 
@@ -617,6 +646,98 @@ def test_a_small_prefetch_for_a_handler_with_flush_goes_to_one_process(handler, 
                                 sum(broker.committed.values()) == settled)
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
+
+    run(scenario())
+
+
+def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_it_ahead():
+    """A broker with ``reserve_ahead`` reserves, in a settle call's write, the room that
+    call frees, when the receive loop sleeps waiting for it: asked for exactly the room the
+    next receive takes (never more), and only when a receive will be due."""
+    async def scenario():
+        core, broker, _ = await running_core(300, 100, 1)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        await core.settle_down()
+        asked: list[int] = []
+
+        def reserve_ahead(room: int) -> bool:
+            asked.append(room)
+            return True
+
+        arbiter.reserve_ahead = reserve_ahead
+        rooms: list[int] = []
+        receive = broker.receive
+
+        async def receive_noted(room: int, timeout: float):
+            rooms.append(room)
+            return await receive(room, timeout)
+
+        broker.receive = receive_noted  # type: ignore[method-assign]
+        handler = core.process(0)
+
+        async def finish(jobs: int) -> None:
+            for _ in range(jobs):
+                handler.start_next()
+                handler.finish()
+            settled = sum(broker.committed.values()) + jobs
+            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+            await core.settle_down()
+
+        await finish(24)  # less than a quarter free: no receive due, nothing reserved
+        assert asked == [] and rooms == []
+        await finish(1)  # a quarter: the receive after it takes what was reserved
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        assert asked == [25] and rooms == [25]
+        assert await core.stop(work=False) == exits.OK
+
+    run(scenario())
+
+
+def test_a_settle_call_during_a_receive_reserves_ahead_only_what_that_receive_left():
+    """The receive under way may take all the room free now: a settle call during it asks
+    to reserve ahead only the room it frees beyond that, and the next receive waits for the
+    call, then asks for exactly that."""
+    async def scenario():
+        core, broker, _ = await running_core(300, 100, 1)
+        arbiter = core.arbiter
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        await core.settle_down()
+        asked: list[int] = []
+
+        def reserve_ahead(room: int) -> bool:
+            asked.append(room)
+            return True
+
+        arbiter.reserve_ahead = reserve_ahead
+        rooms: list[int] = []
+        gate = asyncio.Event()
+        receive = broker.receive
+
+        async def receive_held(room: int, timeout: float):
+            rooms.append(room)
+            await gate.wait()
+            return await receive(room, timeout)
+
+        broker.receive = receive_held  # type: ignore[method-assign]
+        handler = core.process(0)
+
+        async def finish(jobs: int) -> None:
+            for _ in range(jobs):
+                handler.start_next()
+                handler.finish()
+            settled = sum(broker.committed.values()) + jobs
+            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+            await core.settle_down()
+
+        await finish(30)  # the loop slept: the room freed, reserved ahead, then received
+        await core.wait_for(lambda: arbiter.receiving == 30)
+        await finish(30)  # while that receive is under way: only the 30 it did not ask for
+        assert asked == [30, 30]
+        gate.set()
+        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
+        assert rooms == [30, 30]
+        assert await core.stop(work=False) == exits.OK
 
     run(scenario())
 

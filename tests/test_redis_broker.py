@@ -16,7 +16,15 @@ import pytest
 import redis.exceptions
 
 from broker import envelope
-from broker.base import Action, BrokerError, Delivery, Outcome, Settlement, WrongTypeError
+from broker.base import (
+    APPLIED,
+    Action,
+    BrokerError,
+    Delivery,
+    Outcome,
+    Settlement,
+    WrongTypeError,
+)
 from broker.redis import RedisBroker, has_hash_tag
 from support import envelopes
 from support.brokers import count_script_calls
@@ -458,6 +466,27 @@ async def test_each_item_of_a_grouped_settle_gets_its_own_result(redis_url, redi
             assert await redis_client.exists(owner_key(gone.pid), claim_key(gone.pid)) == 0
         for gone in (commit, retry, release):
             assert await redis_client.exists(job_key(gone.pid)) == 0
+    finally:
+        await broker.close()
+
+
+async def test_a_batch_of_commits_gets_the_shared_result_and_a_stale_one_its_own(
+    redis_url, redis_client,
+):
+    broker = await new_broker(redis_url)
+    try:
+        await publish_new(redis_client, 3)
+        first, stale, last = (await broker.receive(10, 0)).deliveries
+        await redis_client.set(owner_key(stale.pid), b"someone-else:9")
+        results = await broker.commit([first, stale, last])
+        assert [r.outcome for r in results] == [Outcome.OK, Outcome.STALE, Outcome.OK]
+        assert results[0] is APPLIED and results[2] is APPLIED
+        results = await broker.commit([last, first])  # no longer ours: stale, each
+        assert [r.outcome for r in results] == [Outcome.STALE, Outcome.STALE]
+        await publish_new(redis_client, 2)
+        both = (await broker.receive(10, 0)).deliveries
+        assert await broker.commit(both) == [APPLIED, APPLIED]
+        assert (await counters(redis_client))["success"] == 4
     finally:
         await broker.close()
 

@@ -61,7 +61,8 @@ WHY = {
     "zrange": "list registered reservations and their deadlines; the next delayed retry's "
               "due time (status)",
     "pttl": "time left of a supervisor record",
-    "zadd": "a stop abandons an idle wait: its reservation is marked expired",
+    "zadd": "a stop abandons an idle wait, or a reservation made ahead is given back: the "
+            "reservation is marked expired",
     "memory|usage": "status: a reservation list's size, so that its payloads are read only "
                     "when small",
     "strlen": "a record's length, so that one over the envelope limit is never read",

@@ -40,6 +40,7 @@ from redis.connection import HiredisRespSerializer
 
 from broker import envelope
 from broker.base import (
+    APPLIED,
     MAX_BATCH,
     Action,
     BrokerError,
@@ -61,7 +62,7 @@ from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import Scripts, call_then
 from broker.redis.wire import Oversized, Wire
 from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
@@ -116,10 +117,10 @@ CONNECT_TIMEOUT = 5.0
 
 #: The fields of a failure record, in ``Failure.encode()``'s order.
 _FAILURE_FIELDS = tuple(item.name for item in fields(Failure))
-_APPLIED = Result(Outcome.OK)
+_COMMIT = Action.COMMIT
 _FAILED = Result(Outcome.OK, "failed")
 _RESULTS = {
-    b"ok": Result(Outcome.OK),
+    b"ok": APPLIED,
     b"stale": Result(Outcome.STALE),
     b"missing": Result(Outcome.MISSING),
 }
@@ -266,12 +267,30 @@ class RedisBroker:
         self.scripts = Scripts(self.client, self._wire)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
+        #: Reserving ahead (see ``reserve_ahead``): the room the next settle call reserves in
+        #: its own write, the reservation it got (for the next receive), and the key of one
+        #: whose reply was lost (given back before anything else is reserved).
+        self._ahead_wanted = 0
+        self._ahead_sending = False
+        self._ahead: Reservation | None = None
+        self._ahead_lost: str | None = None
+        #: The scripts' connection (``Wire.connects``) on which settle.lua last ran: a
+        #: reserve goes ahead only on it. On a new one (a restarted server: its script cache
+        #: empty) settle.lua could answer NOSCRIPT, not run, while the reserve behind it ran:
+        #: reserved beyond prefetch until it is run again.
+        self._settled_on = -1
         self._job_prefix = self.keys.job("")
         self._job_prefix_bytes = len(self._job_prefix.encode())
         self._owner_prefix = self.keys.owner("")
         self._claim_prefix = self.keys.claim("")
         self._record = self.keys.supervisor(self.consumer_id)
         self._record_value = f"{socket.gethostname()} {os.getpid()}"
+        #: settle.lua's keys before the items' own (the same for every call).
+        self._settle_keys = (
+            self.keys.ready, self.keys.processing, self.keys.failed,
+            self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
+            self.keys.delayed,
+        )
         #: Every owner token of this supervisor starts with it; ``extend`` registers it in
         #: ``supervisor-tokens`` with the record (the supervisor's first renewal runs at
         #: start), so recovery can tell our deliveries, and whether we are alive, from a
@@ -354,7 +373,9 @@ class RedisBroker:
             received = await self._resolve_lost_claim()
             if received.deliveries or received.poisoned:
                 return received
-        reservation = await self.reserve(max_messages, block_timeout)
+        reservation = await self._reserved_ahead(max_messages)  # hook: see reserve_ahead
+        if reservation is None:
+            reservation = await self.reserve(max_messages, block_timeout)
         poisoned = [Poisoned(b"", f"envelope of {length} bytes exceeds "
                              f"{self.max_envelope_bytes}: moved to poison unread")
                     for length in reservation.oversized]
@@ -675,6 +696,104 @@ class RedisBroker:
         self._unresolved.pop(0)
         return received
 
+    # -- reserving ahead, in a settle call's write --------------------------------------
+
+    def reserve_ahead(self, room: int) -> bool:
+        """The next settle call, once applied, makes ``room`` for a receive: reserve that in
+        the call's own write, so that the receive after it claims at once instead of waiting
+        a round trip for its reserve. The receive takes the reservation only if it asks for
+        as many (every settlement applied); else it goes back to the ready list first.
+        A plain Redis without replica confirmation only (one connection, in order), and one
+        reservation ahead at a time. False: not done (the next settle call reserves nothing)."""
+        if room <= 0 or not self._ahead_allowed():
+            return False
+        self._ahead_wanted = min(room, MAX_BATCH)
+        return True
+
+    def _ahead_allowed(self) -> bool:
+        return not (self._wire is None or self.replication.enabled or self._no_wait
+                    or self._settled_on != self._wire.connects
+                    or self._ahead is not None or self._ahead_lost is not None
+                    or self._ahead_sending or self._unresolved)
+
+    def _ahead_command(self, wanted: int) -> tuple[str, list[str], list[Any]] | None:
+        """The reserve to send with this settle call, or None."""
+        if not wanted or not self._ahead_allowed():
+            return None
+        token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
+        key = self.keys.reservation(token)
+        return "reserve", [self.keys.ready, self.keys.reservations, key, self.keys.poison], (
+            self._reserve_args(wanted, 0))
+
+    async def _settle_and_reserve(
+        self, keys: list[str], args: list[Any], ahead: tuple[str, list[str], list[Any]]
+    ) -> Any:
+        """settle.lua's reply; the reserve sent in the same write is kept for the next
+        receive, or, if its reply is lost with the settle's, given back by it."""
+        self._ahead_sending = True
+        try:
+            reply, reserved = await call_then(
+                self.scripts, cast(Wire, self._wire), ("settle", keys, args), ahead)
+        except BaseException:
+            self._ahead_lost = ahead[1][2]  # applied or not, unknown
+            raise
+        finally:
+            self._ahead_sending = False
+        self._ahead_reply(ahead, reserved)
+        return reply
+
+    def _ahead_reply(self, command: tuple[str, list[str], list[Any]], reply: Any) -> None:
+        """What the reserve sent ahead got: the reservation for the next receive."""
+        key = command[1][2]
+        if isinstance(reply, redis.exceptions.ResponseError):  # NOSCRIPT: not run
+            log.debug("reserve ahead not run: %s", reply)
+            return
+        if reply:  # nothing ready: nothing reserved, nothing registered (no timeout)
+            oversized = [int(item) for item in reply if item.__class__ is not bytes]
+            payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
+            token = key[len(self.keys.reservation("")):]
+            self._ahead = Reservation(key, token, payloads, oversized)
+
+    async def _reserved_ahead(self, max_messages: int) -> Reservation | None:
+        """The reservation a settle call made ahead, if it fits in ``max_messages``; one
+        that does not (a settlement was not applied: the room it was made for is not
+        there), or whose reply was lost, goes back to the ready list first."""
+        lost, ahead, self._ahead = self._ahead_lost, self._ahead, None
+        if lost is not None:
+            await self._return_reserved(lost)  # raises while unreachable: kept for the next try
+            self._ahead_lost = None
+        if ahead is None or len(ahead.payloads) <= max_messages:
+            return ahead
+        self._ahead_lost = ahead.key
+        await self._return_reserved(ahead.key)
+        self._ahead_lost = None
+        return None
+
+    async def _return_reserved(self, key: str) -> None:
+        """A reservation made ahead goes back to the ready list unclaimed: marked expired,
+        then recover.lua moves its payloads (in their order) and unregisters it; one never
+        made is not registered and nothing happens. Over the scripts' connection, as the
+        reserve went: redis-py's pool may still hold a connection a restart closed."""
+        wire = cast(Wire, self._wire)
+        async with _broker_errors("give back a reservation made ahead"):
+            await wire.call("ZADD", self.keys.reservations, "XX", 0, key)
+            await self.scripts.call("recover", [self.keys.reservations, self.keys.ready, key],
+                                    [MAX_BATCH, 0])
+
+    async def _return_ahead(self) -> None:
+        """At exit: a reservation made ahead and never claimed goes back to the ready list
+        now. If that fails it stays registered: recovery returns it after its deadline."""
+        key = self._ahead_lost or (self._ahead.key if self._ahead is not None else None)
+        if key is None:
+            return
+        self._ahead = None
+        try:
+            await self._return_reserved(key)
+        except BrokerError as error:
+            log.warning("reservation %s made ahead not given back (%s): recovery returns its "
+                        "payloads after its deadline", key, error)
+        self._ahead_lost = None
+
     # -- settling -----------------------------------------------------------------------
 
     async def settle(
@@ -683,46 +802,29 @@ class RedisBroker:
         # One script answers for a whole group at once: results arrive together, so the
         # caller applies the returned list (``on_result`` has nothing to report earlier).
         results: list[Result] = []
+        ahead, self._ahead_wanted = self._ahead_wanted, 0  # this call's, or none
         for start in range(0, len(settlements), MAX_BATCH):
-            results += await self._settle_batch(settlements[start:start + MAX_BATCH])
+            results += await self._settle_batch(settlements[start:start + MAX_BATCH], ahead)
+            ahead = 0
         return results
 
-    async def _settle_batch(self, batch: Sequence[Settlement]) -> list[Result]:
-        keys = [
-            self.keys.ready, self.keys.processing, self.keys.failed,
-            self.keys.stat("processing"), self.keys.stat("success"), self.keys.stat("failed"),
-            self.keys.delayed,
-        ]
-        ops: list[str] = []
-        tokens: list[str] = []
-        markers: list[str] = []
-        records: list[str] = []  # the failure record key of each reject
-        extras: list[Any] = []
-        applied: list[Result] = []  # what an applied settlement did, per item
-        now = time.time()
+    async def _settle_batch(self, batch: Sequence[Settlement], ahead: int = 0) -> list[Result]:
+        keys = list(self._settle_keys)
+        tokens = [settlement.delivery.receipt for settlement in batch]
+        usual = True  # every one an unkeyed commit: no op, extra or result to build per item
         for settlement in batch:
             delivery = settlement.delivery
-            pid = delivery.pid
-            keys += delivery.keys or self._delivery_keys(pid)  # claims, jobs, owners key
-            if settlement.action is Action.COMMIT:
-                op, result = "c", _APPLIED
-            else:
-                op, arguments, result = self._settle_op(settlement, now)
-                extras += arguments
-                if op == "f":
-                    records.append(self.keys.error(pid))
-            if "key" in delivery.envelope:  # possibly keyed (coalesced)
-                marker = self.keys.marker(delivery.envelope)
-                if marker:
-                    markers.append(marker)
-                    op = op.upper()  # keyed: the marker follows the items' keys
-            ops.append(op)
-            tokens.append(delivery.receipt)
-            applied.append(result)
-        keys += markers
-        keys += records
+            keys += delivery.keys or self._delivery_keys(delivery.pid)  # claims, jobs, owners
+            if settlement.action is not _COMMIT or "key" in delivery.envelope:
+                usual = False
+        applied: list[Result] | None = None  # what an applied settlement did, per item
+        extras: list[Any] = []
+        if usual:
+            ops = "c" * len(batch)
+        else:
+            ops, extras, applied = self._settle_ops(batch, keys)
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
-        args: list[Any] = [self.job_ttl, len(batch), "".join(ops), self._job_prefix_bytes,
+        args: list[Any] = [self.job_ttl, len(batch), ops, self._job_prefix_bytes,
                            *tokens, *extras]
         try:
             if self.replication.enabled:
@@ -731,15 +833,57 @@ class RedisBroker:
                     "settle", keys, args, self.replication
                 )
                 self._replicated("settlement", confirmed, len(batch))
+            elif (command := self._ahead_command(ahead)) is not None:
+                reply = await self._settle_and_reserve(keys, args, command)
             else:
                 reply = await self.scripts.call("settle", keys, args)
+                if self._wire is not None:
+                    self._settled_on = self._wire.connects  # settle.lua is loaded there
         except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
             # A cluster error too: it may follow the client's retry of a call whose reply
             # was lost. Settled again either way (every script checks the owner token).
+            # A reserve sent ahead is lost with it: given back by the next receive.
             uncertain = Result(Outcome.UNCERTAIN, f"settle reply lost: {describe(error)}")
             return [uncertain] * len(batch)
+        if applied is None:
+            if reply.count(b"ok") == len(batch):  # the usual reply: one shared result
+                return [APPLIED] * len(batch)
+            return [APPLIED if outcome == b"ok" else _RESULTS[outcome] for outcome in reply]
         return [done if outcome == b"ok" else _RESULTS[outcome]
                 for outcome, done in zip(reply, applied, strict=True)]
+
+    def _settle_ops(
+        self, batch: Sequence[Settlement], keys: list[str]
+    ) -> tuple[str, list[Any], list[Result]]:
+        """A batch with more than unkeyed commits: the script's op per item, the extra
+        arguments (a retry's envelope and delay, a reject's failure record), the result of
+        each once applied; the keyed items' markers and the rejects' failure record keys are
+        added to ``keys``, in that order, after every item's own."""
+        ops: list[str] = []
+        markers: list[str] = []
+        records: list[str] = []  # the failure record key of each reject
+        extras: list[Any] = []
+        applied: list[Result] = []
+        now = time.time()
+        for settlement in batch:
+            delivery = settlement.delivery
+            if settlement.action is _COMMIT:
+                op, result = "c", APPLIED
+            else:
+                op, arguments, result = self._settle_op(settlement, now)
+                extras += arguments
+                if op == "f":
+                    records.append(self.keys.error(delivery.pid))
+            if "key" in delivery.envelope:  # possibly keyed (coalesced)
+                marker = self.keys.marker(delivery.envelope)
+                if marker:
+                    markers.append(marker)
+                    op = op.upper()  # keyed: the marker follows the items' keys
+            ops.append(op)
+            applied.append(result)
+        keys += markers
+        keys += records
+        return "".join(ops), extras, applied
 
     def _delivery_keys(self, pid: str) -> tuple[str, str, str]:
         """A delivery's claims, jobs and owners key (built at the claim: see ``Delivery``)."""
@@ -750,9 +894,9 @@ class RedisBroker:
         delay, a reject's failure record) and its result once applied (what became of the
         job: "retrying in N s", "failed")."""
         if settlement.action is Action.COMMIT:
-            return "c", [], _APPLIED
+            return "c", [], APPLIED
         if settlement.action is Action.RELEASE:
-            return "l", [], _APPLIED
+            return "l", [], APPLIED
         delivery = settlement.delivery
         if self.retry.exhausted(delivery.attempts):
             return self._reject_op(settlement, now)
@@ -813,6 +957,7 @@ class RedisBroker:
         that failed, a claim whose reply was lost) is ours and gone: the next sweep of ours,
         or ``recover``, takes it at once."""
         await self._renew(deliveries, 0)
+        await self._return_ahead()
         if not deliveries:
             return
         async with _broker_errors("requeue at exit"):

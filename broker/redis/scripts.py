@@ -109,12 +109,16 @@ class Scripts:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)
 
-    async def _call_on_wire(
-        self, wire: Wire, name: str, keys: Sequence[str], args: Sequence[Any]
-    ) -> Any:
+    def sha(self, name: str) -> str:
         sha = self._shas.get(name)
         if sha is None:
             sha = self._shas[name] = hashlib.sha1(lua_source(name).encode()).hexdigest()
+        return sha
+
+    async def _call_on_wire(
+        self, wire: Wire, name: str, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
+        sha = self.sha(name)
         try:
             try:
                 return await wire.call("EVALSHA", sha, len(keys), *keys, *args)
@@ -126,6 +130,36 @@ class Scripts:
             return await wire.call("EVALSHA", sha, len(keys), *keys, *args)
         except ResponseError as error:
             raise translate(name, error) from error
+
+
+async def call_then(
+    scripts: Scripts, wire: Wire, first: tuple[str, Sequence[str], Sequence[Any]],
+    then: tuple[str, Sequence[str], Sequence[Any]],
+) -> tuple[Any, Any]:
+    """Two scripts sent in one write on ``wire``: ``first``'s reply (raised as ``call``
+    raises), and ``then``'s reply as it came, an error reply (NOSCRIPT too: not run) as
+    the ResponseError itself. A connection error fails both (neither known to have run)."""
+    futures = await wire.send_joined(*(
+        ("EVALSHA", scripts.sha(name), len(keys), *keys, *args) for name, keys, args in (
+            first, then)))
+    try:
+        reply = await futures[0]
+    except BaseException:
+        futures[1].add_done_callback(_retrieved)  # fails with it, or is dropped: no warning
+        raise
+    second = await futures[1]
+    name, keys, args = first
+    if isinstance(reply, ResponseError):
+        if not str(reply).startswith("NOSCRIPT"):
+            raise translate(name, reply) from reply
+        # Answered before the script ran: load it and run it now, exactly once.
+        reply = await scripts.call(name, keys, args)
+    return reply, second
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def translate(name: str, error: ResponseError) -> BrokerError:

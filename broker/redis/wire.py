@@ -82,6 +82,18 @@ class _Replies(asyncio.Protocol):
         self._transport.write(packed)
         return future
 
+    def send_joined(self, packed: list[bytes]) -> list[asyncio.Future[Any]]:
+        """``send`` for several commands in one write (one syscall, one wake-up of Redis)."""
+        if self.closed or self._transport is None:
+            raise redis.exceptions.ConnectionError("Connection closed.")
+        futures = [self._loop.create_future() for _ in packed]
+        self._waiting.extend(futures)
+        self._sent_at.extend([time.monotonic()] * len(packed))
+        if self._watchdog is None:
+            self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
+        self._transport.write(b"".join(packed))
+        return futures
+
     def _watch(self) -> None:
         self._watchdog = None
         if self.closed or not self._sent_at:
@@ -215,6 +227,13 @@ class Wire:
         if replies is None or replies.closed:
             replies = await self._connect()
         return [replies.send(hiredis.pack_command(command)) for command in commands]
+
+    async def send_joined(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
+        """``send``, the commands in one write (see ``_Replies.send_joined``)."""
+        replies = self._replies
+        if replies is None or replies.closed:
+            replies = await self._connect()
+        return replies.send_joined([hiredis.pack_command(command) for command in commands])
 
     async def _connect(self) -> _Replies:
         if self._connecting is None:
