@@ -630,26 +630,32 @@ class RedisBroker:
             self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
         ]
         token = reservation.token
-        kinds: list[str] = []
         items: list[Delivery | Poisoned] = []
+        poisoned = False
         max_bytes = self.max_envelope_bytes
+        decode = envelope.decode_flagged
+        # _delivery_keys, spelt out: this loop runs once per delivery claimed.
+        claim_prefix, job_prefix, owner_prefix = (
+            self._claim_prefix, self._job_prefix, self._owner_prefix)
         for raw in reservation.payloads:
             try:
-                decoded, plain = envelope.decode_flagged(raw, max_bytes)
+                decoded, plain = decode(raw, max_bytes)
             except envelope.MalformedEnvelope as error:
-                kinds.append("p")
+                poisoned = True
                 items.append(Poisoned(raw, str(error)))
                 continue
             pid = decoded["pid"]
-            claim, job, owner = delivery_keys = self._delivery_keys(pid)
+            claim, job, owner = claim_prefix + pid, job_prefix + pid, owner_prefix + pid
             keys += (job, claim, owner)  # claim.lua's order
-            kinds.append("g")
             items.append(Delivery(
                 pid, decoded["queue"], decoded["timestamp"], decoded["attempts"],
-                decoded["payload"], raw, token, decoded, delivery_keys, plain,
+                decoded["payload"], raw, token, decoded, (claim, job, owner), plain,
             ))
+        # One kind per payload: g(ood) or p(oison); all good but for a rare malformed one.
+        kinds = ("".join(["p" if item.__class__ is Poisoned else "g" for item in items])
+                 if poisoned else "g" * len(items))
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
-        args = [self._lease, token, len(items), "".join(kinds), self._job_prefix_bytes]
+        args = [self._lease, token, len(items), kinds, self._job_prefix_bytes]
         return _ClaimPlan(reservation, keys, args, items)
 
     async def _claimed(self, plan: _ClaimPlan, reply: Any) -> Received:
