@@ -415,11 +415,10 @@ class Arbiter:
             if not count:
                 continue
             entries = buffer.next_waiting(count)
-            records = [
-                protocol.encode_deliver(e.id, e.delivery.raw, e.delivery.attempts,
-                                        e.delivery.plain)
+            records = protocol.encode_delivers([
+                (e.id, (delivery := e.delivery).raw, delivery.attempts, delivery.plain)
                 for e in entries
-            ]
+            ])
             # A full ring takes fewer: the rest waits for the next dispatch.
             buffer.queue(place.index, place.to_child.put_many(records))
 

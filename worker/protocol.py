@@ -32,6 +32,7 @@ ones before it without an outcome are running. That halves the records per deliv
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 
 from broker.failure import Failure
 
@@ -74,6 +75,7 @@ unpack_deliver = _DELIVER_HEAD.unpack_from
 #: DELIVER's flags: the attempts are known; the envelope is plain (see above).
 KNOWN = 1
 PLAIN = 2
+_KNOWN_PLAIN = KNOWN | PLAIN
 _FLAGS_AT = _HEAD.size
 
 Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
@@ -106,6 +108,17 @@ def encode_deliver(
         flags = KNOWN | PLAIN if plain else KNOWN
         return _DELIVER_HEAD.pack(DELIVER, delivery_id, flags, attempts) + raw
     raise ValueError(f"attempts {attempts} is outside the signed 64-bit range")
+
+
+def encode_delivers(deliveries: Iterable[tuple[int, bytes, int, bool]]) -> list[bytes]:
+    """``encode_deliver(delivery_id, raw, attempts, plain)`` of each, attempts known: one
+    call for a batch (the supervisor's dispatch, once per job). Raises ValueError as it."""
+    pack = _DELIVER_HEAD.pack
+    try:
+        return [pack(DELIVER, delivery_id, _KNOWN_PLAIN if plain else KNOWN, attempts) + raw
+                for delivery_id, raw, attempts, plain in deliveries]
+    except struct.error:  # attempts outside signed 64-bit: say which, as encode_deliver does
+        return [encode_deliver(*delivery) for delivery in deliveries]
 
 
 def deliver_plain(record: bytes) -> bool:
