@@ -158,11 +158,12 @@ class Buffer:
     # -- received -> waiting -> queued ----------------------------------------------------
 
     def add(self, deliveries: Iterable[Delivery]) -> None:
-        for delivery in deliveries:
-            entry = Entry(self._next_id, delivery)
-            self._next_id += 1
-            self._entries[entry.id] = entry
-            self._waiting.append(entry)
+        entries, waiting, next_id = self._entries, self._waiting, self._next_id
+        for delivery in deliveries:  # once per job received: its lookups made once
+            entries[next_id] = entry = Entry(next_id, delivery)
+            waiting.append(entry)
+            next_id += 1
+        self._next_id = next_id
         if len(self._entries) > self.prefetch:
             raise AccountingError(f"{len(self._entries)} deliveries outstanding > prefetch")
 
@@ -172,10 +173,11 @@ class Buffer:
 
     def queue(self, place: int, count: int) -> None:
         """The first ``count`` waiting deliveries were written to handler ``place``'s ring."""
-        for _ in range(count):
-            entry = self._waiting.popleft()
-            entry.state, entry.place = State.QUEUED, place
-            self._queued[place].append(entry)
+        waiting, queued, state = self._waiting, self._queued[place], State.QUEUED
+        for _ in range(count):  # once per job dispatched: its lookups made once
+            entry = waiting.popleft()
+            entry.state, entry.place = state, place
+            queued.append(entry)
 
     def drop(self, entry: Entry) -> bool:
         """Another consumer recovered this delivery before it started: forget it. False when
