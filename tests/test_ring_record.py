@@ -46,6 +46,14 @@ def test_unknown_is_not_a_value_attempts_can_take() -> None:
                for n in (0, -1, INT64_MIN, INT64_MAX, 0xFFFFFFFF))
 
 
+def test_a_batch_of_deliver_records_is_each_one_encoded_alone() -> None:
+    _, raw = envelope.build("q", {"n": 1})
+    batch = [(7, raw, 0, True), (8, raw, INT64_MAX, False), (9, b"{}", INT64_MIN, True)]
+    assert protocol.encode_delivers(batch) == [protocol.encode_deliver(*d) for d in batch]
+    with pytest.raises(ValueError, match="outside the signed 64-bit range"):
+        protocol.encode_delivers([(7, raw, 0, True), (8, raw, INT64_MAX + 1, False)])
+
+
 @pytest.mark.parametrize("attempts", [0, 5, INT64_MAX, INT64_MIN])
 def test_plain_travels_in_the_flag_byte_and_changes_nothing_else(attempts: int) -> None:
     _, raw = envelope.build("q", {"n": 1})
