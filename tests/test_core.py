@@ -650,22 +650,29 @@ def test_a_small_prefetch_for_a_handler_with_flush_goes_to_one_process(handler, 
     run(scenario())
 
 
+async def core_noting_reserve_ahead():
+    """A core whose prefetch (100) is full and settled, its broker given a ``reserve_ahead``
+    that notes the room each settle call asks to reserve ahead (the list returned)."""
+    core, broker, _ = await running_core(300, 100, 1)
+    await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
+    await core.settle_down()
+    asked: list[int] = []
+
+    def reserve_ahead(room: int) -> bool:
+        asked.append(room)
+        return True
+
+    core.arbiter.reserve_ahead = reserve_ahead
+    return core, broker, asked
+
+
 def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_it_ahead():
     """A broker with ``reserve_ahead`` reserves, in a settle call's write, the room that
     call frees, when the receive loop sleeps waiting for it: asked for exactly the room the
     next receive takes (never more), and only when a receive will be due."""
     async def scenario():
-        core, broker, _ = await running_core(300, 100, 1)
+        core, broker, asked = await core_noting_reserve_ahead()
         arbiter = core.arbiter
-        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
-        await core.settle_down()
-        asked: list[int] = []
-
-        def reserve_ahead(room: int) -> bool:
-            asked.append(room)
-            return True
-
-        arbiter.reserve_ahead = reserve_ahead
         rooms: list[int] = []
         receive = broker.receive
 
@@ -699,17 +706,8 @@ def test_a_settle_call_during_a_receive_reserves_ahead_only_what_that_receive_le
     to reserve ahead only the room it frees beyond that, and the next receive waits for the
     call, then asks for exactly that."""
     async def scenario():
-        core, broker, _ = await running_core(300, 100, 1)
+        core, broker, asked = await core_noting_reserve_ahead()
         arbiter = core.arbiter
-        await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
-        await core.settle_down()
-        asked: list[int] = []
-
-        def reserve_ahead(room: int) -> bool:
-            asked.append(room)
-            return True
-
-        arbiter.reserve_ahead = reserve_ahead
         rooms: list[int] = []
         gate = asyncio.Event()
         receive = broker.receive
