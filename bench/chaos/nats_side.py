@@ -280,11 +280,13 @@ class NatsSide:
                                                     info.state.first_seq + limit) + 1):
             try:
                 msg = await self._retry(lambda seq=seq: self.js.get_msg(self.names.stream, seq))
-            except NotFoundError:
+            except NotFoundError:  # counted by the stream's info, yet not served
+                kinds["not found by seq"] += 1
                 continue
             msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
             kinds["release copies" if ".released." in msg_id else "originals"] += 1
-        return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+        return (", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+                + f"; seqs {info.state.first_seq}-{info.state.last_seq}")
 
     async def locate(self, pid: str) -> str:
         seq = self.sequences.get(pid)
