@@ -302,6 +302,52 @@ async def test_release_is_available_to_another_consumer_at_once(nats_brokers, js
     assert await stream_messages(js, NAMES.stream) == 10  # the originals were acknowledged
 
 
+async def test_release_of_a_message_acknowledged_elsewhere_leaves_no_copy(nats_brokers, js):
+    """After a failover a message can be delivered again while the first holder's late
+    ACK still lands (as in the cluster soak): the second holder's release at its stop
+    must not republish a message the stream no longer has, or a duplicate stays queued."""
+    broker = await nats_brokers(QUEUE, ack_wait=30)
+    await broker.publish(QUEUE, {"x": 1})
+    [held] = await receive_all(broker, 1)
+    await js._nc.request(held.receipt.reply, b"+ACK", timeout=2)  # the other holder's ACK
+    assert await stream_messages(js, NAMES.stream) == 0
+    [result] = await broker.settle([Settlement(Action.RELEASE, held)])
+    assert result.outcome is Outcome.STALE, result
+    assert await stream_messages(js, NAMES.stream) == 0  # no copy republished
+    assert broker.held == 0
+
+
+async def test_release_after_renewals_failed_longer_than_ack_wait_sends_nothing(
+    nats_brokers, js,
+):
+    """Renewals failing for longer than the ack wait: the server delivers the message again
+    (perhaps did, to another consumer). A release republishing it and ACKing the original
+    would take it from that consumer and run the copy once more: it leaves it alone."""
+    broker = await nats_brokers(QUEUE, ack_wait=30)
+    await broker.publish(QUEUE, {"x": 1})
+    [held] = await receive_all(broker, 1)
+    seq, delivered = held.receipt.stream_seq, held.receipt.delivered
+    # As a renewal that began 31 s ago and failed leaves it (no test waits out 30 s).
+    broker._held.renewed(seq, delivered, False, time.monotonic() - 31)
+    [result] = await broker.settle([Settlement(Action.RELEASE, held)])
+    assert result.outcome is Outcome.STALE, result
+    info = await js.stream_info(NAMES.stream)
+    assert (info.state.messages, info.state.last_seq) == (1, seq)  # the original, no copy
+    consumer = await js.consumer_info(NAMES.stream, NAMES.consumer)
+    assert consumer.num_ack_pending == 1  # not ACKed, not NAKed: redelivered after ack_wait
+
+
+async def test_release_after_a_renewal_failed_recently_republishes(nats_brokers, js):
+    broker = await nats_brokers(QUEUE, ack_wait=30)
+    pid = await broker.publish(QUEUE, {"x": 1})
+    [held] = await receive_all(broker, 1)
+    broker._held.renewed(held.receipt.stream_seq, held.receipt.delivered, False,
+                         time.monotonic())
+    assert await settle_one(broker, Action.RELEASE, held) is Outcome.OK
+    [again] = await receive_all(broker, 1)
+    assert (again.pid, again.attempts) == (pid, 0)  # the copy: no attempt spent
+
+
 @pytest.mark.parametrize("pid", ["a\r\nNats-Msg-Id: forged", "x" * 10_000, "ü ü", ""])
 async def test_release_of_a_strange_pid_keeps_the_header_block_intact(nats_brokers, js, pid):
     broker = await nats_brokers(QUEUE, ack_wait=30)
@@ -799,3 +845,26 @@ async def _stream_empty(server: NatsServer) -> bool:
         return (await client.jetstream().stream_info(NAMES.stream)).state.messages == 0
     finally:
         await client.close()
+
+
+def test_holdings_remember_failing_renewals_until_confirmed_or_dropped():
+    """When a delivery's renewals began failing: kept from the first failure (a later one
+    does not move it), forgotten at a confirmed renewal, a drop or a clear; never kept
+    for a delivery not held (bounded by what is outstanding)."""
+    held = Holdings()
+    held.add(5, 1)
+    held.renewed(5, 1, True, 10.0)
+    assert held.unrenewed_since(5, 1) is None
+    held.renewed(5, 1, False, 10.0)
+    held.renewed(5, 1, False, 11.0)
+    assert held.unrenewed_since(5, 1) == 10.0
+    held.renewed(5, 1, True, 12.0)
+    assert held.unrenewed_since(5, 1) is None
+    held.renewed(5, 1, False, 13.0)
+    held.drop(5, 1)
+    assert held.unrenewed_since(5, 1) is None and held._unrenewed == {}
+    held.renewed(6, 1, False, 14.0)  # not held: nothing to remember
+    held.add(7, 1)
+    held.renewed(7, 1, False, 15.0)
+    held.clear()
+    assert held._unrenewed == {}

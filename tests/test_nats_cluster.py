@@ -333,3 +333,26 @@ def test_soak_on_a_cluster_survives_a_failover():
     [row] = [line.split() for line in result.stdout.splitlines()
              if line.startswith("failover ")]
     assert row[1] == "1" and row[-1] == "0", output  # one failover, nothing lost
+
+
+async def test_soak_names_what_is_left_in_the_stream():
+    """A leftover in the work stream fails the soak either way; its note says whether it is
+    a stopping supervisor's release copy (a duplicate handed back) or an original (a
+    message never handled), so a failed run tells which at once."""
+    from bench.chaos.nats_side import NatsSide
+
+    side = NatsSide("chaos")
+    await side.start()
+    try:
+        broker = NatsBroker(side.server.url, "chaos", ack_wait=30)
+        await broker.connect()
+        try:
+            await broker.publish_many("chaos", [{"i": 1}, {"i": 2}])
+            held = await receive_all(broker, 2)
+            [result] = await broker.settle([Settlement(Action.RELEASE, held[0])])
+            assert result.ok
+        finally:
+            await broker.close()
+        assert (await side._leftovers()).startswith("1 originals, 1 release copies; seqs ")
+    finally:
+        await side.close()

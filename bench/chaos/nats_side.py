@@ -253,7 +253,8 @@ class NatsSide:
                           for _, attempts in failed)
         checks = [
             Check("stream messages (workqueue: acked = gone)", 0, counts["in stream"],
-                  counts["in stream"] == 0),
+                  counts["in stream"] == 0,
+                  await self._leftovers() if counts["in stream"] else ""),
             Check("consumer: not yet delivered", 0, counts["pending"], counts["pending"] == 0),
             Check("consumer: awaiting ack", 0, counts["ack_pending"],
                   counts["ack_pending"] == 0,
@@ -268,6 +269,24 @@ class NatsSide:
                   len(reasons) if sized else "not all", sized and len(reasons) == len(oversized)),
         ]
         return FinalState(set(failed_pids), checks)
+
+    async def _leftovers(self, limit: int = 1000) -> str:
+        """What is left in the work stream, by kind: a release's copies (Nats-Msg-Id
+        ``<pid>.released.<seq>``, a stopping supervisor's) or originals, to tell at once a
+        duplicate handed back at the stop from a message never handled."""
+        info = await self._retry(lambda: self.js.stream_info(self.names.stream))
+        kinds: Counter[str] = Counter()
+        for seq in range(info.state.first_seq, min(info.state.last_seq,
+                                                    info.state.first_seq + limit) + 1):
+            try:
+                msg = await self._retry(lambda seq=seq: self.js.get_msg(self.names.stream, seq))
+            except NotFoundError:  # counted by the stream's info, yet not served
+                kinds["not found by seq"] += 1
+                continue
+            msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+            kinds["release copies" if ".released." in msg_id else "originals"] += 1
+        return (", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+                + f"; seqs {info.state.first_seq}-{info.state.last_seq}")
 
     async def locate(self, pid: str) -> str:
         seq = self.sequences.get(pid)

@@ -20,7 +20,10 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 - release (a graceful stop hands back what never started): republished under the id
   ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
   queue 5's newest line does. On a work stream with size limits (where a republish could
-  push out another message) a NAK delayed by ``RELEASE_DELAY`` instead.
+  push out another message) a NAK delayed by ``RELEASE_DELAY`` instead. Nothing at all
+  (STALE) for a delivery no longer ours: its renewals failed for longer than the server's
+  wait (it delivers the message again), or the stream no longer stores the message
+  (another consumer's ACK took it after a redelivery): a copy would be a duplicate.
 - extend: ``+WPI`` for every delivery held, and for what arrived but was not handed out
   yet. ``False`` only for what we know is gone: a delivery superseded by a newer delivery
   of the same message that reached us, or one whose consumer no longer exists.
@@ -111,6 +114,8 @@ _UNSETTLED = Result(Outcome.ERROR, "not settled")
 RECONNECT_SETUP_TIMEOUT = 1.0
 #: First and longest pause (s) between tries of an ack answered 503.
 LEADERLESS_BACKOFF = (0.1, 1.0)
+#: JetStream's error code for a stream sequence it does not store ("no message found").
+MSG_NOT_FOUND = 10037
 #: The failure record in a dead letter's header (NATS_HEADER) takes at most this many bytes
 #: (ASCII JSON, no line breaks), less when the message leaves less of the server's
 #: max_payload (headers count against it): the traceback gives way first.
@@ -427,8 +432,10 @@ class NatsBroker:
             if on_result is not None:
                 on_result(index, result)  # as soon as its own reply is in
 
+        gone: set[int] = set()  # stream seqs of released deliveries no longer stored
+
         async def settle_one(index: int) -> None:
-            report(index, await self._settle_one(settlements[index]))
+            report(index, await self._settle_one(settlements[index], gone))
 
         for start in range(0, len(settlements), MAX_BATCH):  # as Redis: any number, 1,000 a go
             chunk = range(start, min(start + MAX_BATCH, len(settlements)))
@@ -436,6 +443,10 @@ class NatsBroker:
             if len(commits) == len(chunk):  # the usual batch: no task for the gather
                 await self._commit_all(settlements, commits, report, settle_one, ahead=True)
                 continue
+            # Asked for all releases first, so their copies are still published in order.
+            gone |= await self._not_stored(
+                [settlements[i].delivery.receipt for i in chunk
+                 if settlements[i].action is Action.RELEASE])
             await asyncio.gather(
                 self._commit_all(settlements, commits, report, settle_one),
                 *(settle_one(i) for i in chunk if settlements[i].action is not Action.COMMIT))
@@ -479,7 +490,7 @@ class NatsBroker:
         if again:
             await asyncio.gather(*(settle_one(index) for index in again))
 
-    async def _settle_one(self, settlement: Settlement) -> Result:
+    async def _settle_one(self, settlement: Settlement, gone: set[int]) -> Result:
         receipt: NatsReceipt = settlement.delivery.receipt
         seq, delivered = receipt.stream_seq, receipt.delivered
         action = settlement.action
@@ -490,7 +501,7 @@ class NatsBroker:
         if action is Action.COMMIT:
             result = await self._respond(receipt, ACK)
         elif action is Action.RELEASE:
-            result = await self._release(settlement.delivery)
+            result = await self._release(settlement.delivery, seq in gone)
         elif await self._out_of_attempts(delivered):
             result = await self._bury(settlement)
         else:
@@ -525,12 +536,26 @@ class NatsBroker:
             return Result(Outcome.OK, "dead")
         return Result(result.outcome, f"dead-lettered, but TERM: {result.detail}")
 
-    async def _release(self, delivery: Delivery) -> Result:
-        """Back to the queue without spending an attempt: republish, then ACK."""
+    async def _release(self, delivery: Delivery, gone: bool) -> Result:
+        """Back to the queue without spending an attempt: republish, then ACK.
+
+        Not when the delivery is no longer ours: its renewals failed for longer than the
+        server waits (it delivers the message again, perhaps did: our ACK would take it
+        from the consumer running it, the copy would run once more), or the message is no
+        longer stored (another consumer's ACK took it: the copy would be a duplicate left
+        in the queue). Either way the message is not lost: it comes back, or it was
+        handled; nothing is sent. ``gone``: the stream said it no longer stores it
+        (``_not_stored``)."""
         receipt: NatsReceipt = delivery.receipt
         delayed = _nak_after(RELEASE_DELAY)
         if self.policy.bounded:
             return await self._respond(receipt, delayed)
+        lapsed = self._lapsed(receipt)
+        if lapsed is not None:
+            return Result(Outcome.STALE, lapsed)
+        if gone:
+            return Result(Outcome.STALE, "no copy: the message is no longer stored (acknowledged "
+                                         "by another consumer after its redelivery)")
         headers = {"Nats-Msg-Id": f"{_header_token(delivery.pid)}.released.{receipt.stream_seq}"}
         if receipt.content_type is not None:
             headers[CONTENT_TYPE] = receipt.content_type
@@ -546,6 +571,36 @@ class NatsBroker:
         # The copy is stored; unless the ACK landed, the original comes back too.
         return Result(result.outcome, f"republished, but ACK: {result.detail}")
 
+    def _lapsed(self, receipt: NatsReceipt) -> str | None:
+        """Why the server has certainly let this delivery go, if it has: renewals failing
+        since longer than its longest wait (ack wait or backoff) ago."""
+        since = self._held.unrenewed_since(receipt.stream_seq, receipt.delivered)
+        if since is None:
+            return None
+        longest = max((self.policy.ack_wait, *self.policy.backoff))
+        failing = time.monotonic() - since
+        if failing <= longest:
+            return None
+        return (f"no copy: renewals failed for {failing:.1f}s, longer than the server's "
+                f"{longest:g}s wait: it delivers the message again")
+
+    async def _not_stored(self, receipts: Sequence[NatsReceipt]) -> set[int]:
+        """The stream seqs of ``receipts`` the work stream certainly no longer stores
+        (acknowledged, or deleted); not those it cannot tell (the release goes ahead as
+        before). Only a release asks (at a stop, mostly): never on the commit path."""
+        if not receipts or self.policy.bounded:
+            return set()
+        answers = await asyncio.gather(*(self._not_stored_one(r.stream_seq) for r in receipts))
+        return {r.stream_seq for r, gone in zip(receipts, answers, strict=True) if gone}
+
+    async def _not_stored_one(self, seq: int) -> bool:
+        try:
+            found = await self._api(api.stream_msg_get(self._names.stream), {"seq": seq})
+        except BrokerError:
+            return False
+        error = found.get("error")
+        return isinstance(error, dict) and error.get("err_code") == MSG_NOT_FOUND
+
     async def _release_unreturned(self, msg: Msg) -> None:
         """Close: a message that arrived after its receive gave up goes back the same way."""
         receipt = _receipt(msg)
@@ -556,7 +611,8 @@ class NatsBroker:
         except envelope.MalformedEnvelope:
             await self._respond(receipt, NAK)  # dead-lettered at its next delivery
             return
-        await self._release(_delivery(msg, receipt, decoded))
+        gone = receipt.stream_seq in await self._not_stored([receipt])
+        await self._release(_delivery(msg, receipt, decoded), gone)
 
     def _retry(self) -> RetryPolicy:
         """The shared policy with the consumer's budget (which may change at a reconnect)."""
@@ -576,10 +632,14 @@ class NatsBroker:
         return [r.outcome is not Outcome.STALE for r in results]
 
     async def _renew(self, receipt: NatsReceipt) -> Result:
-        if not self._held.owns(receipt.stream_seq, receipt.delivered):
-            self._held.drop(receipt.stream_seq, receipt.delivered)
+        seq, delivered = receipt.stream_seq, receipt.delivered
+        if not self._held.owns(seq, delivered):
+            self._held.drop(seq, delivered)
             return Result(Outcome.STALE, "superseded by a newer delivery")
-        return await self._respond(receipt, WPI)
+        began = time.monotonic()
+        result = await self._respond(receipt, WPI)
+        self._held.renewed(seq, delivered, result.ok, began)
+        return result
 
     # -- exhausted deliveries (max-deliveries advisories) ---------------------------------
 
