@@ -460,6 +460,29 @@ async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, red
     assert await redis_client.zcard(KEYS.reservations) == 0
 
 
+async def test_e2e_a_reservation_made_ahead_by_a_consumer_that_died_is_returned_in_order(
+    brokers, redis_client
+):
+    """A settle call's write reserved ahead for a's next receive (``reserve_ahead``), and a
+    dies before that receive: the reservation is registered like any other, so another
+    consumer's sweep returns it once its deadline passed, in order, with nothing claimed."""
+    a, b = brokers
+    pids = await a.publish_many(KEYS.queue, [{"i": i} for i in range(6)])
+    first = (await a.receive(1, 0)).deliveries
+    await a.commit(first)  # settle.lua ran on a's connection: reserving ahead may go with it
+    second = (await a.receive(2, 0)).deliveries
+    assert a.reserve_ahead(3)
+    await a.commit(second)  # ... carries the reserve; a dies before its next receive
+    [reservation] = await redis_client.zrange(KEYS.reservations, 0, -1)
+    assert await redis_client.llen(reservation) == 3
+
+    await wait_until_expired(redis_client, reservation)
+    assert (await sweep(b, redis_client)).expired_reservations == 3
+    received = await b.receive(10, 0)
+    assert [d.pid for d in received.deliveries] == pids[3:]
+    assert await redis_client.zcard(KEYS.reservations) == 0
+
+
 async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     a, b = brokers
     blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
