@@ -581,20 +581,25 @@ def test_arrivals_are_left_to_a_receive_in_flight():
     run(scenario())
 
 
+async def finish_settled(core, broker, jobs: int) -> None:
+    """Handler 0 runs and finishes ``jobs`` deliveries; back once they are settled."""
+    handler = core.process(0)
+    for _ in range(jobs):
+        handler.start_next()
+        handler.finish()
+    settled = sum(broker.committed.values()) + jobs
+    await core.wait_for(lambda: sum(broker.committed.values()) == settled)
+    await core.settle_down()
+
+
 def test_a_slow_handler_is_refilled_a_batch_at_a_time_not_a_job_at_a_time():
     async def scenario():
         core, broker, _ = await running_core(300, 100, 1)
         await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
         receives = broker.calls["receive"]
-        handler = core.process(0)
 
         async def finish(jobs: int) -> None:
-            for _ in range(jobs):
-                handler.start_next()
-                handler.finish()
-            settled = sum(broker.committed.values()) + jobs
-            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
-            await core.settle_down()
+            await finish_settled(core, broker, jobs)
 
         await finish(24)  # 24 free of 100: less than a quarter, and 76 still to start
         assert broker.calls["receive"] == receives and core.arbiter.buffer.outstanding == 76
@@ -681,15 +686,9 @@ def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_
             return await receive(room, timeout)
 
         broker.receive = receive_noted  # type: ignore[method-assign]
-        handler = core.process(0)
 
         async def finish(jobs: int) -> None:
-            for _ in range(jobs):
-                handler.start_next()
-                handler.finish()
-            settled = sum(broker.committed.values()) + jobs
-            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
-            await core.settle_down()
+            await finish_settled(core, broker, jobs)
 
         await finish(24)  # less than a quarter free: no receive due, nothing reserved
         assert asked == [] and rooms == []
@@ -718,15 +717,9 @@ def test_a_settle_call_during_a_receive_reserves_ahead_only_what_that_receive_le
             return await receive(room, timeout)
 
         broker.receive = receive_held  # type: ignore[method-assign]
-        handler = core.process(0)
 
         async def finish(jobs: int) -> None:
-            for _ in range(jobs):
-                handler.start_next()
-                handler.finish()
-            settled = sum(broker.committed.values()) + jobs
-            await core.wait_for(lambda: sum(broker.committed.values()) == settled)
-            await core.settle_down()
+            await finish_settled(core, broker, jobs)
 
         await finish(30)  # the loop slept: the room freed, reserved ahead, then received
         await core.wait_for(lambda: arbiter.receiving == 30)
