@@ -17,8 +17,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 import psutil
 import setproctitle
@@ -531,7 +530,7 @@ class Arbiter:
                 if self.broker.settle_concurrency == 1:  # no task of its own to make
                     await self.settle_batch(batch, calls)
                     continue
-                self.settle_in_task(self.settle_batch(batch, calls))
+                self.settling_task(asyncio.create_task(self.settle_batch(batch, calls)))
 
     def settle_soon(self) -> None:
         """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
@@ -553,9 +552,6 @@ class Arbiter:
         """settle_batch with a permit taken first (free when settle_soon looked: no wait)."""
         await self.settle_calls.acquire()
         await self.settle_batch(batch, self.settle_calls)
-
-    def settle_in_task(self, call: Coroutine[Any, Any, None]) -> None:
-        self.settling_task(asyncio.create_task(call))
 
     def settling_task(self, task: asyncio.Task) -> None:
         task.add_done_callback(self.task_ended)

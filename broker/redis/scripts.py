@@ -139,7 +139,7 @@ async def call_then(
     """Two scripts sent in one write on ``wire``: ``first``'s reply (raised as ``call``
     raises), and ``then``'s reply as it came, an error reply (NOSCRIPT too: not run) as
     the ResponseError itself. A connection error fails both (neither known to have run)."""
-    futures = await wire.send_joined(*(
+    futures = await wire.send(*(
         ("EVALSHA", scripts.sha(name), len(keys), *keys, *args) for name, keys, args in (
             first, then)))
     try:

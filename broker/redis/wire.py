@@ -83,7 +83,8 @@ class _Replies(asyncio.Protocol):
         return future
 
     def send_joined(self, packed: list[bytes]) -> list[asyncio.Future[Any]]:
-        """``send`` for several commands in one write (one syscall, one wake-up of Redis)."""
+        """``send`` for several commands in one write (one syscall, one wake-up of Redis).
+        ``send`` stays apart for one command: it runs once per script call, without lists."""
         if self.closed or self._transport is None:
             raise redis.exceptions.ConnectionError("Connection closed.")
         futures = [self._loop.create_future() for _ in packed]
@@ -221,15 +222,8 @@ class Wire:
         return reply
 
     async def send(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
-        """Send commands back to back on one connection; the futures of their replies (an
-        error reply is the result, a ResponseError, not raised)."""
-        replies = self._replies
-        if replies is None or replies.closed:
-            replies = await self._connect()
-        return [replies.send(hiredis.pack_command(command)) for command in commands]
-
-    async def send_joined(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
-        """``send``, the commands in one write (see ``_Replies.send_joined``)."""
+        """Send commands back to back on one connection, in one write; the futures of their
+        replies (an error reply is the result, a ResponseError, not raised)."""
         replies = self._replies
         if replies is None or replies.closed:
             replies = await self._connect()
