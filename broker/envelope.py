@@ -31,7 +31,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
@@ -145,13 +145,50 @@ def decode_flagged(
     # What producers write, inline (it runs for every message claimed): a short document
     # with no run of 19 digits, which orjson reads as PHP does, and fields that need no
     # cast or coercion.
-    if len(raw) <= _SHALLOW_BYTES and _NINETEEN_DIGITS not in raw.translate(_DIGITS_AS_ZERO):
+    # find, not "in": bytes' "in" first tries its operand as an integer and pays for the
+    # TypeError (about 100 ns, per message).
+    if (len(raw) <= _SHALLOW_BYTES
+            and raw.translate(_DIGITS_AS_ZERO).find(_NINETEEN_DIGITS) < 0):
         try:
             envelope = orjson.loads(raw)
         except orjson.JSONDecodeError:
             envelope = None
         if type(envelope) is dict and _plain(envelope):
             return envelope, True
+    return _decode_read(raw, cast_timestamp)
+
+
+def decode_many(
+    raws: Iterable[bytes], max_bytes: int | None = MAX_ENVELOPE_BYTES
+) -> list[tuple[dict[str, Any], bool] | MalformedEnvelope]:
+    """``decode_flagged(raw, max_bytes)`` of each of ``raws``, in order: what it returns, or
+    the MalformedEnvelope it raises. For a batch claimed: its fast path runs here inline,
+    one call per batch instead of one per message (about 10% of a message's decoding)."""
+    results: list[tuple[dict[str, Any], bool] | MalformedEnvelope] = []
+    append, loads, invalid = results.append, orjson.loads, orjson.JSONDecodeError
+    table, needle = _DIGITS_AS_ZERO, _NINETEEN_DIGITS
+    limit = _SHALLOW_BYTES if max_bytes is None else min(max_bytes, _SHALLOW_BYTES)
+    for raw in raws:
+        try:
+            # decode_flagged's fast path, with its size checks folded into ``limit``
+            if raw and len(raw) <= limit and raw.translate(table).find(needle) < 0:
+                try:
+                    envelope = loads(raw)
+                except invalid:
+                    envelope = None
+                if type(envelope) is dict and _plain(envelope):
+                    append((envelope, True))
+                else:
+                    append(_decode_read(raw, True))
+            else:
+                append(decode_flagged(raw, max_bytes))
+        except MalformedEnvelope as malformed:
+            append(malformed)
+    return results
+
+
+def _decode_read(raw: bytes, cast_timestamp: bool) -> tuple[dict[str, Any], bool]:
+    """``decode_flagged`` past its size checks and fast path (for what that did not take)."""
     envelope, wide = _loads(raw)
     if type(envelope) is dict and _plain(envelope):
         return envelope, False  # what producers write: no cast or coercion to make

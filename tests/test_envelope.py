@@ -2545,9 +2545,12 @@ def flagged(raw: bytes) -> bool | None:
     envelope makes the same Message read either way, and that the flag changes nothing else."""
     try:
         decoded, plain = envelope.decode_flagged(raw)
-    except MalformedEnvelope:
+    except MalformedEnvelope as error:
+        [many] = envelope.decode_many([raw])  # as the Redis claim decodes a batch
+        assert isinstance(many, MalformedEnvelope) and str(many) == str(error)
         return None
     assert same(decoded, envelope.decode(raw))
+    assert same(envelope.decode_many([raw]), [(decoded, plain)])
     # As the NATS broker decodes at the claim: the same flag, when it accepts raw too.
     with contextlib.suppress(MalformedEnvelope):
         assert envelope.decode_flagged(raw, cast_timestamp=False)[1] is plain
@@ -2631,3 +2634,24 @@ def test_these_are_plain(raw):
 ])
 def test_envelopes_decode_changes_or_reads_slowly_are_not_plain(raw):
     assert flagged(raw) is False
+
+
+@pytest.mark.parametrize("max_bytes", [None, 0, 1, 60, 120, 1021, 1022, 1023, 5000])
+def test_decode_many_is_decode_flagged_of_each_in_order(max_bytes):
+    # The truth table and the edges of decode_flagged's fast path, in one batch: empty,
+    # malformed, wide, long (in and past the fast path's 1022 bytes), under and over a limit.
+    raws = [raw for raw, _ in TRUTH_TABLE] + [
+        b"", b"{", PHP, with_fields(payload='{"n":1234567890123456789}'),
+        with_fields(payload='{"s":"%s"}' % ("x" * (1022 - 56))),
+        with_fields(payload='{"s":"%s"}' % ("x" * 1100)),
+    ]
+    assert len({len(raw) for raw in raws[-2:]}) == 2 and len(raws[-2]) == 1022
+    many = envelope.decode_many(raws, max_bytes)
+    assert len(many) == len(raws)
+    for raw, result in zip(raws, many, strict=True):
+        try:
+            expected = envelope.decode_flagged(raw, max_bytes)
+        except MalformedEnvelope as error:
+            assert isinstance(result, MalformedEnvelope) and str(result) == str(error), raw
+        else:
+            assert same(result, expected), raw

@@ -632,18 +632,17 @@ class RedisBroker:
         token = reservation.token
         items: list[Delivery | Poisoned] = []
         poisoned = False
-        max_bytes = self.max_envelope_bytes
-        decode = envelope.decode_flagged
+        payloads = reservation.payloads
         # _delivery_keys, spelt out: this loop runs once per delivery claimed.
         claim_prefix, job_prefix, owner_prefix = (
             self._claim_prefix, self._job_prefix, self._owner_prefix)
-        for raw in reservation.payloads:
-            try:
-                decoded, plain = decode(raw, max_bytes)
-            except envelope.MalformedEnvelope as error:
+        for raw, result in zip(
+                payloads, envelope.decode_many(payloads, self.max_envelope_bytes), strict=True):
+            if isinstance(result, envelope.MalformedEnvelope):
                 poisoned = True
-                items.append(Poisoned(raw, str(error)))
+                items.append(Poisoned(raw, str(result)))
                 continue
+            decoded, plain = result
             pid = decoded["pid"]
             claim, job, owner = claim_prefix + pid, job_prefix + pid, owner_prefix + pid
             keys += (job, claim, owner)  # claim.lua's order
@@ -667,6 +666,8 @@ class RedisBroker:
             return Received()
         if reply[0] == b"expired":
             return await self._owned_after_expiry(plan, int(reply[1]))
+        if len(reply) == len(plan.items) == reply.count(b"ok"):  # usual: every one delivered
+            return Received(cast(list[Delivery], list(plan.items)))
         received = Received()
         for item, outcome in zip(plan.items, reply, strict=True):
             if outcome == b"deferred":
