@@ -99,6 +99,11 @@ class Puller:
         return taken
 
     @property
+    def waiting(self) -> int:
+        """How many arrived and were not returned yet."""
+        return len(self._backlog)
+
+    @property
     def arrived(self) -> int:
         """Pulled messages seen so far (a count that only grows)."""
         return self._arrived
