@@ -216,6 +216,11 @@ class Connection:
             log.exception("read callback failed")
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the connection runs on (asyncio.get_running_loop() asks getpid())."""
+        return self._loop
+
+    @property
     def server_info(self) -> dict[str, Any]:
         """The server's INFO as it greeted this connection (version, server_id...)."""
         return dict(self.client._server_info)
