@@ -324,7 +324,8 @@ class NatsBroker:
 
     async def receive(self, max_messages: int, block_timeout: float) -> Received:
         check_receive_limit(max_messages)
-        conn = await self._connection(max(block_timeout, self._connect_timeout))
+        conn = self._link.connection or await self._connection(
+            max(block_timeout, self._connect_timeout))
         self._bury_announced()
         msgs = await self._puller.pull(conn, max_messages, block_timeout)
         received = Received()
@@ -485,7 +486,8 @@ class NatsBroker:
             report(index, result)
 
         try:
-            conn = await self._connection(self._timeout)
+            # The live one without two coroutines to get it (once per settle call).
+            conn = self._link.connection or await self._connection(self._timeout)
         except BrokerError:
             again = list(indices)  # each gets the one-at-a-time path's own wait and verdict
         else:
