@@ -554,9 +554,16 @@ class Arbiter:
         await self.settle_batch(batch, self.settle_calls)
 
     def settling_task(self, task: asyncio.Task) -> None:
-        task.add_done_callback(self.task_ended)
-        self.settling.add(task)
-        task.add_done_callback(self.settling.discard)
+        settling, task_ended = self.settling, self.task_ended
+
+        def ended(task: asyncio.Task) -> None:  # one callback, not two: one per job at prefetch 1
+            try:
+                task_ended(task)
+            finally:
+                settling.discard(task)
+
+        settling.add(task)
+        task.add_done_callback(ended)
 
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
         ahead = self.reserve_for(len(batch))

@@ -141,6 +141,27 @@ async def test_what_a_pull_ahead_brought_is_taken_in_the_turn_it_was_read(nats_b
     assert await stored(js) == 0
 
 
+async def test_pulled_messages_waiting_for_room_are_told_when_an_ack_is_answered(
+        nats_brokers, js):
+    """The server serves a pull ahead once it applied the acks before it, and their replies
+    may come after its messages, in a later read (at prefetch 1, often): that read brought
+    no message, but the room its replies make is what the waiting messages need, so the
+    broker tells then too (take_arrivals, not a turn of the receive loop)."""
+    broker = await nats_brokers(QUEUE)
+    told: list[int] = []
+    broker.on_arrival(lambda: told.append(len(broker._puller.backlog())))
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(3)])
+    held = await receive_all(broker, 2)
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, held[0])]))
+    await until(lambda: len(broker._puller.backlog()) == 1, 10, "the pulled-ahead message")
+    before = len(told)
+    # Its pull ahead finds the queue empty: its reads bring acks' replies and a 404, no message.
+    assert all(r.ok for r in await broker.settle([Settlement(Action.COMMIT, held[1])]))
+    assert len(told) > before and told[-1] == 1
+    taken = broker.receive_nowait(1)
+    assert taken is not None and [d.payload["i"] for d in taken.deliveries] == [2]
+
+
 async def test_a_pull_ahead_left_unanswered_holds_back_nothing(nats_brokers, proxy, js):
     """The status of a pull ahead is lost (an empty queue's 404 never reaches us): the
     next receive waits out its request timeout, keeps the connection after its health

@@ -66,7 +66,7 @@ async def request_all(
     left = len(subjects)
     reported = [False] * left
     timed_out = False
-    finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    finished: asyncio.Future[None] = conn.loop.create_future()  # (no getpid() per call)
 
     def done(index: int, outcome: Msg | BaseException) -> None:
         nonlocal left, timed_out

@@ -200,6 +200,7 @@ class NatsBroker:
                           options=connect_options, on_read=self._read_done)
         self._arrival: Callable[[], None] | None = None  # see on_arrival
         self._arrived_seen = 0  # the puller's arrivals when _read_done last looked
+        self._acked = False  # a settle call's ack was answered since _read_done last looked
         self._held = Holdings()
         self._exhausted: collections.deque[int] = collections.deque(maxlen=MAX_EXHAUSTED)
         self._burying: asyncio.Future[None] | None = None  # see _bury_announced
@@ -323,7 +324,8 @@ class NatsBroker:
 
     async def receive(self, max_messages: int, block_timeout: float) -> Received:
         check_receive_limit(max_messages)
-        conn = await self._connection(max(block_timeout, self._connect_timeout))
+        conn = self._link.connection or await self._connection(
+            max(block_timeout, self._connect_timeout))
         self._bury_announced()
         msgs = await self._puller.pull(conn, max_messages, block_timeout)
         received = Received()
@@ -358,13 +360,18 @@ class NatsBroker:
         return received
 
     def on_arrival(self, callback: Callable[[], None]) -> None:
-        """``callback()`` after a read of the socket brought pulled messages (in that read's
-        turn of the event loop): they may be taken with ``receive_nowait``."""
+        """``callback()`` after a read of the socket brought pulled messages, or answered
+        acks while pulled messages wait (in that read's turn of the event loop): they may
+        be taken with ``receive_nowait``."""
         self._arrival = callback
 
     def _read_done(self) -> None:
-        arrived = self._puller.arrived
-        if arrived != self._arrived_seen:
+        """The server serves a pull ahead as soon as it applied the acks before it, and
+        their replies often come after its messages, in a later read: the messages wait
+        for the room those replies make, so a read that answered acks tells too."""
+        arrived, acked = self._puller.arrived, self._acked
+        self._acked = False
+        if arrived != self._arrived_seen or (acked and self._puller.waiting):
             self._arrived_seen = arrived
             if self._arrival is not None:
                 self._arrival()
@@ -473,12 +480,14 @@ class NatsBroker:
             if result.outcome is Outcome.ERROR:
                 again.append(index)
                 return
+            self._acked = True
             receipt: NatsReceipt = settlements[index].delivery.receipt
             self._held.drop(receipt.stream_seq, receipt.delivered)
             report(index, result)
 
         try:
-            conn = await self._connection(self._timeout)
+            # The live one without two coroutines to get it (once per settle call).
+            conn = self._link.connection or await self._connection(self._timeout)
         except BrokerError:
             again = list(indices)  # each gets the one-at-a-time path's own wait and verdict
         else:

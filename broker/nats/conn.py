@@ -216,6 +216,11 @@ class Connection:
             log.exception("read callback failed")
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the connection runs on (asyncio.get_running_loop() asks getpid())."""
+        return self._loop
+
+    @property
     def server_info(self) -> dict[str, Any]:
         """The server's INFO as it greeted this connection (version, server_id...)."""
         return dict(self.client._server_info)
@@ -266,12 +271,13 @@ class Connection:
         slots: list[Slot] = []
         parts: list[bytes] = []
         prefix = self._prefix_bytes
-        waiting, tokens, deadlines = self._waiting, self._tokens, self._deadlines
+        waiting, tokens = self._waiting, self._tokens
+        deadline, fifo = self._deadlines.queue(timeout)  # once per batch, not per request
         for index, (subject, payload) in enumerate(requests):
             token = b"%d" % next(tokens)
             slot = Slot(index, on_reply)
             waiting[token] = slot
-            deadlines.add(timeout, token, slot, subject)
+            fifo.append((deadline, token, slot, subject))
             slots.append(slot)
             parts.append(b"PUB %s %s%s %d\r\n%s\r\n" % (
                 subject.encode(), prefix, token, len(payload), payload))
@@ -432,14 +438,15 @@ def _headers(raw: bytes) -> dict[str, str] | None:
     bytes is skipped)."""
     lines = raw.split(b"\r\n")
     first = lines[0]
-    if not first.startswith(_VERSION):
-        return None
     headers: dict[str, str] = {}
-    status, _, description = first[len(_VERSION):].strip().partition(b" ")
-    if status.isdigit():
-        headers["Status"] = status.decode()
-    if description.strip():
-        headers["Description"] = description.strip().decode("utf-8", "replace")
+    if first != _VERSION:  # a status after the version (or not a header block at all)
+        if not first.startswith(_VERSION):
+            return None
+        status, _, description = first[len(_VERSION):].strip().partition(b" ")
+        if status.isdigit():
+            headers["Status"] = status.decode()
+        if description.strip():
+            headers["Description"] = description.strip().decode("utf-8", "replace")
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep:
@@ -475,15 +482,22 @@ class _Deadlines:
         self._timer_at = math.inf
 
     def add(self, timeout: float, token: bytes, future: Waiter, what: str) -> None:
+        deadline, fifo = self.queue(timeout)
+        fifo.append((deadline, token, future, what))
+
+    def queue(self, timeout: float) -> tuple[float, collections.deque[_Entry]]:
+        """The deadline of a request made now with ``timeout``, and the FIFO its entry
+        goes to (the caller appends it, in this turn): requests of one batch share both,
+        and the timer armed for them."""
         deadline = self._loop.time() + timeout
         fifo = self._fifos.get(timeout)
         if fifo is None:
             fifo = self._fifos[timeout] = collections.deque()
         else:
             self._drop_finished(fifo)
-        fifo.append((deadline, token, future, what))
         if deadline < self._timer_at:
             self._arm(deadline)
+        return deadline, fifo
 
     def clear(self) -> None:
         if self._timer is not None:

@@ -127,7 +127,10 @@ def scan(
     another subscription, its fields and where it ends (``MALFORMED`` for a line that
     cannot be read): the caller hands it on, or leaves it (and what follows) unread."""
     size = len(buf)
-    view = memoryview(buf)
+    # Slices of bytes are bytes already: only a bytearray (the read loop's buffer) needs
+    # a view to copy out of (its slices would be bytearrays, which cannot be dict keys).
+    view = buf if type(buf) is bytes else memoryview(buf)
+    routed = routed_bytes = 0  # counted into nats-py's stats once, at the end
     try:
         while True:
             if buf.startswith(b"MSG ", pos):
@@ -162,8 +165,12 @@ def scan(
             if their_sid != sid:
                 return pos, (their_sid, subject, reply, payload, headers, stop + 2)
             pos = stop + 2
-            stats["in_msgs"] += 1
-            stats["in_bytes"] += len(payload)
+            routed += 1
+            routed_bytes += len(payload)
             route(subject, reply, payload, headers)
     finally:
-        view.release()
+        if routed:
+            stats["in_msgs"] += routed
+            stats["in_bytes"] += routed_bytes
+        if type(view) is memoryview:
+            view.release()

@@ -99,6 +99,11 @@ class Puller:
         return taken
 
     @property
+    def waiting(self) -> int:
+        """How many arrived and were not returned yet."""
+        return len(self._backlog)
+
+    @property
     def arrived(self) -> int:
         """Pulled messages seen so far (a count that only grows)."""
         return self._arrived
@@ -122,7 +127,7 @@ class Puller:
             if self._arrived - mark < batch:
                 break
             self._ahead.popleft()
-            status.cancel()
+            _forget(status)
         return self._take(max_messages)
 
     def ahead(self, conn: Connection, freed: int) -> bytes:
@@ -167,7 +172,7 @@ class Puller:
                 return self._arrived - mark >= batch
 
             if served():
-                status.cancel()
+                _forget(status)
                 continue
             with contextlib.suppress(ConnectionLost, NoResponders):
                 await self._until(served, status, batch)
@@ -286,6 +291,14 @@ class Puller:
 def _retrieve(status: asyncio.Future[Msg]) -> None:
     if not status.cancelled():
         status.exception()
+
+
+def _forget(status: asyncio.Future[Msg]) -> None:
+    """Cancel the status of a pull ahead that was served. Its ``_retrieve`` goes first:
+    a cancel would schedule it, a callback on the loop per settle call (at prefetch 1,
+    per job) for a future nobody reads."""
+    status.remove_done_callback(_retrieve)
+    status.cancel()
 
 
 def _log_status(msg: Msg) -> None:
