@@ -428,9 +428,9 @@ class Arbiter:
         ring.clear_wakeup()
         while True:
             records = ring.get_many(1024)
-            for record in records:
-                self.handle_outcome(place, record)
-            if not records and ring.prepare_sleep():
+            if records:
+                self.handle_records(place, records)
+            elif ring.prepare_sleep():
                 break
         if self.buffer.completed_count:
             self.settle_soon()
@@ -441,18 +441,37 @@ class Arbiter:
 
     def read_outcomes(self, place: HandlerPlace) -> None:
         while records := place.to_parent.get_many(1024):
-            for record in records:
-                self.handle_outcome(place, record)
+            self.handle_records(place, records)
 
     def arm(self, place: HandlerPlace) -> None:
         """Declare ourselves asleep on the place's outcome ring, so its writer wakes us."""
         if not place.to_parent.prepare_sleep():
             asyncio.get_running_loop().call_soon(self.handle_outcomes, place)
 
+    def handle_records(self, place: HandlerPlace, records: list[bytes]) -> None:
+        """Outcome records, in ring order: DONE (one per job) in runs, each run taken in
+        one go (``finish_done``); any other kind by itself, after the DONEs before it."""
+        done, first = protocol.DONE, 0
+        for index, record in enumerate(records):
+            if record[0] != done:
+                if index > first:
+                    self.finish_done(place, records[first:index])
+                self.handle_outcome(place, record)
+                first = index + 1
+        if first < len(records):
+            self.finish_done(place, records[first:] if first else records)
+
+    def finish_done(self, place: HandlerPlace, records: list[bytes]) -> None:
+        """A run of DONE records: what ``handle_finished`` does for each, with one call per
+        run instead of six per job (buffer, job count, metrics, recycling)."""
+        ids, seconds = protocol.done_many(records)  # seconds: timed by the handler process
+        self.buffer.finished_many(place.index, ids, in_order=not self.concurrent)
+        self.metrics.handlers_done(seconds)
+        self.jobs_finished(place, len(ids))
+
     def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
-        if record[0] == protocol.DONE:  # one per job: first, without the general decode
-            delivery_id, seconds = protocol.done_fields(record)  # timed by the handler process
-            self.handle_finished(place, delivery_id, seconds, None)
+        if record[0] == protocol.DONE:
+            self.finish_done(place, [record])
             return
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.STARTED:
@@ -479,11 +498,15 @@ class Arbiter:
         entry = self.buffer.finished(place.index, delivery_id,
                                      failure.summary if failure else None, failure,
                                      in_order=not self.concurrent)
-        jobs = place.job_finished()
         if seconds is None and entry.started_at:  # FAILED, its start seen (STARTED, mark)
             seconds = time.monotonic() - entry.started_at
         if seconds is not None:
             self.metrics.handler_done(seconds)
+        self.jobs_finished(place, 1)
+
+    def jobs_finished(self, place: HandlerPlace, count: int) -> None:
+        """Its process finished ``count`` more deliveries: time to recycle it?"""
+        jobs = place.job_finished(count)
         job = self.config.job
         if ((job.max_jobs_per_process or job.max_rss_mb) and not place.retiring
                 and self.should_recycle(place, jobs)):
