@@ -108,6 +108,10 @@ class Arbiter:
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
+        #: Places whose outcome ring we did not arm (its process wakes nobody): the settle
+        #: loop reads them when its call returns (see ``take_outcomes``).
+        self.unarmed: dict[int, HandlerPlace] = {}
+        self.settle_in_flight = False  # the settle loop's call (one at a time) is under way
         #: Settlement calls that may run at once (several on JetStream: see settle_loop).
         self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
         #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
@@ -424,13 +428,25 @@ class Arbiter:
     # -- outcomes from handler processes ---------------------------------------------------
 
     def handle_outcomes(self, place: HandlerPlace) -> None:
+        """The place's process woke us: it wrote outcomes."""
+        place.to_parent.clear_wakeup()
+        self.take_outcomes(place)
+
+    def take_outcomes(self, place: HandlerPlace) -> None:
+        """Read the place's outcomes, then arm its ring, unless a settle call will read it
+        when it returns (``reads_after_settling``): at prefetch 100 a process finishing
+        jobs while a call is under way woke us every few jobs, each wake-up a turn of the
+        loop and a system call on both sides, for outcomes that wait for that call anyway."""
         ring = place.to_parent
-        ring.clear_wakeup()
         while True:
             records = ring.get_many(1024)
             if records:
                 self.handle_records(place, records)
+            elif self.reads_after_settling():
+                self.unarmed[place.index] = place
+                break
             elif ring.prepare_sleep():
+                self.unarmed.pop(place.index, None)
                 break
         if self.buffer.completed_count:
             self.settle_soon()
@@ -443,8 +459,21 @@ class Arbiter:
         while records := place.to_parent.get_many(1024):
             self.handle_records(place, records)
 
+    def reads_after_settling(self) -> bool:
+        """The settle loop reads the unarmed rings once its call returns: one is under way,
+        or completions wait for the next (one call at a time only: JetStream's run in tasks
+        of their own). Never while stopping (the stop waits on outcomes, not on calls)."""
+        return (self.broker.settle_concurrency == 1 and not self.stopping and not self.closed
+                and (self.settle_in_flight or self.buffer.completed_count > 0))
+
+    def take_unarmed(self) -> None:
+        """Read the rings left unarmed; each is armed again unless the next call follows."""
+        for place in list(self.unarmed.values()):
+            self.take_outcomes(place)
+
     def arm(self, place: HandlerPlace) -> None:
         """Declare ourselves asleep on the place's outcome ring, so its writer wakes us."""
+        self.unarmed.pop(place.index, None)
         if not place.to_parent.prepare_sleep():
             asyncio.get_running_loop().call_soon(self.handle_outcomes, place)
 
@@ -514,7 +543,11 @@ class Arbiter:
 
     def note_started(self, place: HandlerPlace) -> None:
         """A plain handler reports no start: its mark on the outcome ring names the delivery
-        it runs (or ran last). Read when it matters: timeouts, the title, its death."""
+        it runs (or ran last). Read when it matters: timeouts, the title, its death.
+        Outcomes left for the settle loop are read first (a call that hangs or backs off
+        leaves them unread no longer than a watch period)."""
+        if place.index in self.unarmed:
+            self.take_outcomes(place)
         if self.concurrent or not place.to_parent.marked:
             return
         promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
@@ -541,19 +574,25 @@ class Arbiter:
         allows several, so one lost reply holds back nothing that completed after it.
         """
         calls = self.settle_calls
-        while not self.closed:
-            await self.settle_wanted.wait()
-            self.settle_wanted.clear()
-            while self.buffer.completed_count:
-                await calls.acquire()
-                batch = self.buffer.take_completed(MAX_BATCH)
-                if not batch:
-                    calls.release()
-                    break
-                if self.broker.settle_concurrency == 1:  # no task of its own to make
-                    await self.settle_batch(batch, calls)
-                    continue
-                self.settling_task(asyncio.create_task(self.settle_batch(batch, calls)))
+        try:
+            while not self.closed:
+                await self.settle_wanted.wait()
+                self.settle_wanted.clear()
+                while self.buffer.completed_count:
+                    await calls.acquire()
+                    batch = self.buffer.take_completed(MAX_BATCH)
+                    if not batch:
+                        calls.release()
+                        break
+                    if self.broker.settle_concurrency == 1:  # no task of its own to make
+                        await self.settle_batch(batch, calls)
+                        self.take_unarmed()  # what completed during the call: the next one
+                        continue
+                    self.settling_task(asyncio.create_task(self.settle_batch(batch, calls)))
+        finally:  # no call comes round any more (closed, or this loop died): arm them all
+            self.settle_in_flight = False
+            for place in list(self.unarmed.values()):
+                self.arm(place)
 
     def settle_soon(self) -> None:
         """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
@@ -584,7 +623,11 @@ class Arbiter:
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
         ahead = self.reserve_for(len(batch))
         try:
-            ok = await self.settler.settle(batch)
+            self.settle_in_flight = self.broker.settle_concurrency == 1
+            try:
+                ok = await self.settler.settle(batch)
+            finally:
+                self.settle_in_flight = False
             self.ahead_settled(ahead)
             self.opened()
             for place in self.places:

@@ -194,6 +194,44 @@ def test_outcomes_read_together_are_taken_in_ring_order_whatever_their_kinds():
     run(scenario())
 
 
+def test_outcomes_written_during_a_settle_call_wake_nobody_and_go_in_the_next_call():
+    async def scenario():
+        core, broker, pids = await running_core(6, 6, 1)
+        gate, calls = asyncio.Event(), []
+        settle = broker.settle
+
+        async def held(settlements, on_result=None):
+            calls.append([settlement.delivery.pid for settlement in settlements])
+            await gate.wait()
+            return await settle(settlements, on_result)
+
+        broker.settle = held  # type: ignore[method-assign]
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 6)
+        process, ring = core.process(0), core.places[0].to_parent
+        process.start_next()
+        process.finish()
+        await core.wait_for(lambda: len(calls) == 1)  # the call under way: held
+        assert not ring.asleep  # its return reads the ring: the process wakes nobody
+        for _ in range(3):
+            process.start_next()
+            process.finish()
+        await core.settle_down()
+        assert core.arbiter.buffer.completed_count == 0  # not read yet
+        # A call that hangs leaves them unread no longer than a watch period.
+        await core.wait_for(lambda: core.arbiter.buffer.completed_count == 3, timeout=1.0)
+        assert not ring.asleep  # the next call follows this one
+        gate.set()
+        await core.wait_for(lambda: len(calls) == 2)
+        assert calls == [pids[:1], pids[1:4]]
+        await core.wait_for(lambda: ring.asleep)  # nothing more completed: armed again
+        process.work()  # the last two: each read when it is written, as before
+        await core.wait_for(lambda: len(broker.committed) == 6)
+        assert calls[2:] in ([pids[4:5], pids[5:6]], [pids[4:6]])
+        assert await core.stop() == exits.OK
+
+    run(scenario())
+
+
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
