@@ -431,23 +431,29 @@ class Arbiter:
         """The place's process woke us: it wrote outcomes."""
         place.to_parent.clear_wakeup()
         self.take_outcomes(place)
+        self.outcomes_taken()
 
-    def take_outcomes(self, place: HandlerPlace) -> None:
+    def take_outcomes(self, place: HandlerPlace) -> bool:
         """Read the place's outcomes, then arm its ring, unless a settle call will read it
         when it returns (``reads_after_settling``): at prefetch 100 a process finishing
         jobs while a call is under way woke us every few jobs, each wake-up a turn of the
-        loop and a system call on both sides, for outcomes that wait for that call anyway."""
-        ring = place.to_parent
+        loop and a system call on both sides, for outcomes that wait for that call anyway.
+        True when there were any (``outcomes_taken`` is then due)."""
+        ring, taken = place.to_parent, False
         while True:
             records = ring.get_many(1024)
             if records:
                 self.handle_records(place, records)
+                taken = True
             elif self.reads_after_settling():
                 self.unarmed[place.index] = place
-                break
+                return taken
             elif ring.prepare_sleep():
                 self.unarmed.pop(place.index, None)
-                break
+                return taken
+
+    def outcomes_taken(self) -> None:
+        """Outcomes were read: settle them, refill the handlers, receive if they run dry."""
         if self.buffer.completed_count:
             self.settle_soon()
         self.progress.set()
@@ -468,8 +474,11 @@ class Arbiter:
 
     def take_unarmed(self) -> None:
         """Read the rings left unarmed; each is armed again unless the next call follows."""
+        taken = False
         for place in list(self.unarmed.values()):
-            self.take_outcomes(place)
+            taken = self.take_outcomes(place) or taken
+        if taken:  # at prefetch 1 usually none: the one job was in the call
+            self.outcomes_taken()
 
     def arm(self, place: HandlerPlace) -> None:
         """Declare ourselves asleep on the place's outcome ring, so its writer wakes us."""
@@ -546,8 +555,8 @@ class Arbiter:
         it runs (or ran last). Read when it matters: timeouts, the title, its death.
         Outcomes left for the settle loop are read first (a call that hangs or backs off
         leaves them unread no longer than a watch period)."""
-        if place.index in self.unarmed:
-            self.take_outcomes(place)
+        if place.index in self.unarmed and self.take_outcomes(place):
+            self.outcomes_taken()
         if self.concurrent or not place.to_parent.marked:
             return
         promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
