@@ -468,9 +468,15 @@ class Arbiter:
     def reads_after_settling(self) -> bool:
         """The settle loop reads the unarmed rings once its call returns: one is under way,
         or completions wait for the next (one call at a time only: JetStream's run in tasks
-        of their own). Never while stopping (the stop waits on outcomes, not on calls)."""
+        of their own), and nothing else waits on outcomes: no delivery waits for room in a
+        ring, and the receive is under way or due, or has no room to take (else the
+        handlers running dry would start it). Never while stopping (the stop waits on
+        outcomes, not on calls)."""
         return (self.broker.settle_concurrency == 1 and not self.stopping and not self.closed
-                and (self.settle_in_flight or self.buffer.completed_count > 0))
+                and (self.settle_in_flight or self.buffer.completed_count > 0)
+                and not self.buffer.waiting_count
+                and (self.receiving > 0 or self.room.is_set() or self.ahead_settling is not None
+                     or self.receive_room() <= 0))
 
     def take_unarmed(self) -> None:
         """Read the rings left unarmed; each is armed again unless the next call follows."""

@@ -232,6 +232,32 @@ def test_outcomes_written_during_a_settle_call_wake_nobody_and_go_in_the_next_ca
     run(scenario())
 
 
+def test_a_ring_stays_armed_while_its_outcomes_could_start_a_receive_or_a_dispatch():
+    async def scenario():
+        core, _, _ = await running_core(4, 4, 1)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 4)
+        arbiter = core.arbiter
+        # Checked in one turn of the loop, the receive loop's state set as it could be.
+        receiving, room = arbiter.receiving, arbiter.room.is_set()
+        arbiter.settle_in_flight, arbiter.receiving = True, 0
+        arbiter.room.clear()
+        assert arbiter.receive_room() <= 0 and arbiter.reads_after_settling()  # full
+        arbiter.buffer.prefetch = 6  # room the receive waits for: running dry would start it
+        assert not arbiter.reads_after_settling()
+        arbiter.receiving = 2  # a receive under way takes it: outcomes start nothing sooner
+        assert arbiter.reads_after_settling()
+        arbiter.buffer.add(deliveries(1, start=50))  # one waits for room in a ring
+        assert not arbiter.reads_after_settling()
+        assert arbiter.buffer.drop(arbiter.buffer.next_waiting(1)[0])
+        arbiter.settle_in_flight, arbiter.buffer.prefetch = False, 4
+        arbiter.receiving = receiving
+        if room:
+            arbiter.room.set()
+        assert await core.stop() == exits.OK
+
+    run(scenario())
+
+
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
     buffer = Buffer(prefetch=4, handlers=1)
     buffer.add(deliveries(2))
