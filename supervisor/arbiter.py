@@ -108,6 +108,10 @@ class Arbiter:
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
+        #: Places whose outcome ring we did not arm (its process wakes nobody): the settle
+        #: loop reads them when its call returns (see ``take_outcomes``).
+        self.unarmed: dict[int, HandlerPlace] = {}
+        self.settle_in_flight = False  # the settle loop's call (one at a time) is under way
         #: Settlement calls that may run at once (several on JetStream: see settle_loop).
         self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
         #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
@@ -424,14 +428,32 @@ class Arbiter:
     # -- outcomes from handler processes ---------------------------------------------------
 
     def handle_outcomes(self, place: HandlerPlace) -> None:
-        ring = place.to_parent
-        ring.clear_wakeup()
+        """The place's process woke us: it wrote outcomes."""
+        place.to_parent.clear_wakeup()
+        self.take_outcomes(place)
+        self.outcomes_taken()
+
+    def take_outcomes(self, place: HandlerPlace) -> bool:
+        """Read the place's outcomes, then arm its ring, unless a settle call will read it
+        when it returns (``reads_after_settling``): at prefetch 100 a process finishing
+        jobs while a call is under way woke us every few jobs, each wake-up a turn of the
+        loop and a system call on both sides, for outcomes that wait for that call anyway.
+        True when there were any (``outcomes_taken`` is then due)."""
+        ring, taken = place.to_parent, False
         while True:
             records = ring.get_many(1024)
-            for record in records:
-                self.handle_outcome(place, record)
-            if not records and ring.prepare_sleep():
-                break
+            if records:
+                self.handle_records(place, records)
+                taken = True
+            elif self.reads_after_settling():
+                self.unarmed[place.index] = place
+                return taken
+            elif ring.prepare_sleep():
+                self.unarmed.pop(place.index, None)
+                return taken
+
+    def outcomes_taken(self) -> None:
+        """Outcomes were read: settle them, refill the handlers, receive if they run dry."""
         if self.buffer.completed_count:
             self.settle_soon()
         self.progress.set()
@@ -441,18 +463,59 @@ class Arbiter:
 
     def read_outcomes(self, place: HandlerPlace) -> None:
         while records := place.to_parent.get_many(1024):
-            for record in records:
-                self.handle_outcome(place, record)
+            self.handle_records(place, records)
+
+    def reads_after_settling(self) -> bool:
+        """The settle loop reads the unarmed rings once its call returns: one is under way,
+        or completions wait for the next (one call at a time only: JetStream's run in tasks
+        of their own), and nothing else waits on outcomes: no delivery waits for room in a
+        ring, and the receive is under way or due, or has no room to take (else the
+        handlers running dry would start it). Never while stopping (the stop waits on
+        outcomes, not on calls)."""
+        return (self.broker.settle_concurrency == 1 and not self.stopping and not self.closed
+                and (self.settle_in_flight or self.buffer.completed_count > 0)
+                and not self.buffer.waiting_count
+                and (self.receiving > 0 or self.room.is_set() or self.ahead_settling is not None
+                     or self.receive_room() <= 0))
+
+    def take_unarmed(self) -> None:
+        """Read the rings left unarmed; each is armed again unless the next call follows."""
+        taken = False
+        for place in list(self.unarmed.values()):
+            taken = self.take_outcomes(place) or taken
+        if taken:  # at prefetch 1 usually none: the one job was in the call
+            self.outcomes_taken()
 
     def arm(self, place: HandlerPlace) -> None:
         """Declare ourselves asleep on the place's outcome ring, so its writer wakes us."""
+        self.unarmed.pop(place.index, None)
         if not place.to_parent.prepare_sleep():
             asyncio.get_running_loop().call_soon(self.handle_outcomes, place)
 
+    def handle_records(self, place: HandlerPlace, records: list[bytes]) -> None:
+        """Outcome records, in ring order: DONE (one per job) in runs, each run taken in
+        one go (``finish_done``); any other kind by itself, after the DONEs before it."""
+        done, first = protocol.DONE, 0
+        for index, record in enumerate(records):
+            if record[0] != done:
+                if index > first:
+                    self.finish_done(place, records[first:index])
+                self.handle_outcome(place, record)
+                first = index + 1
+        if first < len(records):
+            self.finish_done(place, records[first:] if first else records)
+
+    def finish_done(self, place: HandlerPlace, records: list[bytes]) -> None:
+        """A run of DONE records: what ``handle_finished`` does for each, with one call per
+        run instead of six per job (buffer, job count, metrics, recycling)."""
+        ids, seconds = protocol.done_many(records)  # seconds: timed by the handler process
+        self.buffer.finished_many(place.index, ids, in_order=not self.concurrent)
+        self.metrics.handlers_done(seconds)
+        self.jobs_finished(place, len(ids))
+
     def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
-        if record[0] == protocol.DONE:  # one per job: first, without the general decode
-            delivery_id, seconds = protocol.done_fields(record)  # timed by the handler process
-            self.handle_finished(place, delivery_id, seconds, None)
+        if record[0] == protocol.DONE:
+            self.finish_done(place, [record])
             return
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.STARTED:
@@ -479,11 +542,15 @@ class Arbiter:
         entry = self.buffer.finished(place.index, delivery_id,
                                      failure.summary if failure else None, failure,
                                      in_order=not self.concurrent)
-        jobs = place.job_finished()
         if seconds is None and entry.started_at:  # FAILED, its start seen (STARTED, mark)
             seconds = time.monotonic() - entry.started_at
         if seconds is not None:
             self.metrics.handler_done(seconds)
+        self.jobs_finished(place, 1)
+
+    def jobs_finished(self, place: HandlerPlace, count: int) -> None:
+        """Its process finished ``count`` more deliveries: time to recycle it?"""
+        jobs = place.job_finished(count)
         job = self.config.job
         if ((job.max_jobs_per_process or job.max_rss_mb) and not place.retiring
                 and self.should_recycle(place, jobs)):
@@ -491,7 +558,11 @@ class Arbiter:
 
     def note_started(self, place: HandlerPlace) -> None:
         """A plain handler reports no start: its mark on the outcome ring names the delivery
-        it runs (or ran last). Read when it matters: timeouts, the title, its death."""
+        it runs (or ran last). Read when it matters: timeouts, the title, its death.
+        Outcomes left for the settle loop are read first (a call that hangs or backs off
+        leaves them unread no longer than a watch period)."""
+        if place.index in self.unarmed and self.take_outcomes(place):
+            self.outcomes_taken()
         if self.concurrent or not place.to_parent.marked:
             return
         promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
@@ -518,19 +589,25 @@ class Arbiter:
         allows several, so one lost reply holds back nothing that completed after it.
         """
         calls = self.settle_calls
-        while not self.closed:
-            await self.settle_wanted.wait()
-            self.settle_wanted.clear()
-            while self.buffer.completed_count:
-                await calls.acquire()
-                batch = self.buffer.take_completed(MAX_BATCH)
-                if not batch:
-                    calls.release()
-                    break
-                if self.broker.settle_concurrency == 1:  # no task of its own to make
-                    await self.settle_batch(batch, calls)
-                    continue
-                self.settling_task(asyncio.create_task(self.settle_batch(batch, calls)))
+        try:
+            while not self.closed:
+                await self.settle_wanted.wait()
+                self.settle_wanted.clear()
+                while self.buffer.completed_count:
+                    await calls.acquire()
+                    batch = self.buffer.take_completed(MAX_BATCH)
+                    if not batch:
+                        calls.release()
+                        break
+                    if self.broker.settle_concurrency == 1:  # no task of its own to make
+                        await self.settle_batch(batch, calls)
+                        self.take_unarmed()  # what completed during the call: the next one
+                        continue
+                    self.settling_task(asyncio.create_task(self.settle_batch(batch, calls)))
+        finally:  # no call comes round any more (closed, or this loop died): arm them all
+            self.settle_in_flight = False
+            for place in list(self.unarmed.values()):
+                self.arm(place)
 
     def settle_soon(self) -> None:
         """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
@@ -568,7 +645,11 @@ class Arbiter:
     async def settle_batch(self, batch: list[Entry], calls: asyncio.Semaphore) -> None:
         ahead = self.reserve_for(len(batch))
         try:
-            ok = await self.settler.settle(batch)
+            self.settle_in_flight = self.broker.settle_concurrency == 1
+            try:
+                ok = await self.settler.settle(batch)
+            finally:
+                self.settle_in_flight = False
             self.ahead_settled(ahead)
             self.opened()
             for place in self.places:

@@ -232,6 +232,25 @@ class Buffer:
         self._complete(entry, error=error, failure=failure)
         return entry
 
+    def finished_many(self, place: int, entry_ids: Iterable[int], in_order: bool = False) -> None:
+        """``finished(place, entry_id, None, in_order=in_order)`` for each of ``entry_ids``
+        in turn (a run of successes, as the handler reported them). The usual case (the
+        head of its queue, or running) is taken here, without a call per delivery."""
+        running, queued = self._running[place], self._queued[place]
+        completed, state = self._completed, State.COMPLETED
+        entry: Entry | None
+        for entry_id in entry_ids:
+            if in_order and queued and queued[0].id == entry_id:
+                entry = queued.popleft()  # the usual no-op job: its start never seen, untimed
+            else:
+                entry = running.pop(entry_id, None)
+                if entry is None:  # anything else: as finished() does it, or raise as it does
+                    self.finished(place, entry_id, None, in_order=in_order)
+                    continue
+            # _complete of a success, inline
+            entry.state, entry.error, entry.release, entry.failure = state, None, False, None
+            completed.append(entry)
+
     def skipped(self, place: int, entry_id: int, in_order: bool = False) -> Entry:
         """Never started (the stop began first): released, attempts unchanged.
         ``in_order``: as in ``finished``, the queued ones before it started (held)."""

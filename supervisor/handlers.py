@@ -62,9 +62,9 @@ class HandlerPlace:
         """The process reported READY: the run of early deaths is over."""
         self._ready, self._early_deaths = True, 0
 
-    def job_finished(self) -> int:
-        """The process finished a delivery; returns how many it finished so far."""
-        self._jobs += 1
+    def job_finished(self, count: int = 1) -> int:
+        """The process finished ``count`` deliveries; returns how many it finished so far."""
+        self._jobs += count
         return self._jobs
 
     def died_early(self) -> int:

@@ -175,6 +175,9 @@ class Metrics:
     def handler_done(self, seconds: float) -> None:
         """A handler ran for ``seconds`` (started to outcome, as its process timed it)."""
 
+    def handlers_done(self, seconds: Iterable[float]) -> None:
+        """``handler_done`` for each of several runs (one call per batch of outcomes)."""
+
     @contextlib.contextmanager
     def timed(self, operation: str) -> Iterator[None]:
         """``with metrics.timed("extend"): await broker.extend(...)``."""
@@ -321,6 +324,11 @@ class PrometheusMetrics(Metrics):
 
     def handler_done(self, seconds: float) -> None:
         self._handler.observe(seconds)
+
+    def handlers_done(self, seconds: Iterable[float]) -> None:
+        observe = self._handler.observe
+        for each in seconds:
+            observe(each)
 
     def beat(self) -> None:
         self.health.beat()

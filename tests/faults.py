@@ -48,7 +48,7 @@ TARGETS = {
     "maintain": lambda: armed(RedisBroker, "maintain"),
     "watch": lambda: armed(Arbiter, "enforce_limits", after=8),
     "keepalive": lambda: armed(systemd, "status_text", after=1),
-    "outcomes": lambda: armed(Arbiter, "handle_outcome", after=3),
+    "outcomes": lambda: armed(Arbiter, "handle_records", after=3),
     "forkserver": lambda: armed(Arbiter, "handle_forkserver_events", after=0),
 }
 

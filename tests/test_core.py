@@ -22,12 +22,14 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from broker.base import Delivery, Received
+from broker.failure import Failure
 from broker.memory import MemoryBroker
 from supervisor import exits
 from supervisor.arbiter import plan
 from supervisor.buffer import AccountingError, Buffer, Entry, State
 from supervisor.settlement import Settler
 from tests.inprocess import Core, InProcessForkServer, core_config
+from worker import protocol
 from worker.forkserver import ForkServer, Spawner
 
 
@@ -126,6 +128,134 @@ def test_a_plain_handlers_failure_ahead_of_held_successes_starts_them():
         buffer.finished(1, 3, error=None, in_order=True)  # reported twice: a bug
     buffer.check()
     assert ids(buffer.in_state(State.COMPLETED)) == [3, 4, 5, 6, 1, 2]
+
+
+def test_a_run_of_successes_taken_at_once_ends_as_one_by_one_would():
+    def played(finish: Callable[[Buffer], None]) -> list[tuple[int, State, int | None]]:
+        buffer = Buffer(prefetch=8, handlers=2)
+        buffer.add(deliveries(8))
+        buffer.queue(0, 5)
+        buffer.queue(1, 3)
+        buffer.started(1, 6)  # an async handler's process: started, then done
+        buffer.started(1, 7)
+        finish(buffer)
+        buffer.check()
+        return [(entry.id, entry.state, entry.place) for entry in buffer.in_state(
+            State.COMPLETED)] + [(e.id, e.state, 0) for e in buffer.running_in(0)]
+
+    def one_by_one(buffer: Buffer) -> None:
+        for entry_id in (1, 3, 5):  # 2 and 4 held for flush(): they started before 3
+            buffer.finished(0, entry_id, None, in_order=True)
+        for entry_id in (7, 6):
+            buffer.finished(1, entry_id, None)
+
+    def at_once(buffer: Buffer) -> None:
+        buffer.finished_many(0, (1, 3, 5), in_order=True)
+        buffer.finished_many(1, (7, 6))
+
+    assert played(at_once) == played(one_by_one)
+    assert [entry_id for entry_id, *_ in played(at_once)] == [1, 3, 5, 7, 6, 2, 4]
+    buffer = Buffer(prefetch=4, handlers=1)
+    buffer.add(deliveries(3))
+    buffer.queue(0, 3)
+    with pytest.raises(AccountingError, match="reported delivery 1, next queued 2"):
+        buffer.finished_many(0, (1, 1), in_order=True)  # reported twice: a bug
+    with pytest.raises(AccountingError, match="reported delivery 2, not running there"):
+        buffer.finished_many(0, (2,))  # an async handler's process reports STARTED first
+    assert ids(buffer.in_state(State.COMPLETED)) == [1]
+
+
+def test_outcomes_read_together_are_taken_in_ring_order_whatever_their_kinds():
+    async def scenario():
+        core, broker, pids = await running_core(4, 4, 1)
+        settled: list[tuple[str, str]] = []
+        settle = broker.settle
+
+        async def recorded(settlements, on_result=None):
+            settled.extend((s.action.value, s.delivery.pid) for s in settlements)
+            return await settle(settlements, on_result)
+
+        broker.settle = recorded  # type: ignore[method-assign]
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 4)
+        process = core.process(0)
+        for _ in range(4):
+            process.start_next()
+        ring = core.places[0].to_parent
+        # Four outcomes published together: one read, DONE runs around a FAILED.
+        assert ring.put_many([protocol.encode_done(1, 0.5), protocol.encode_failed(
+            2, Failure("RuntimeError", "boom")), protocol.encode_done(3), protocol.encode_done(
+            4)]) == 4
+        await core.wait_for(lambda: len(settled) == 4)  # the reject then runs again
+        assert settled == [("commit", pids[0]), ("reject", pids[1]), ("commit", pids[2]),
+                           ("commit", pids[3])]
+        assert core.arbiter.places[0].job_finished(0) == 4
+        assert await core.stop() == exits.OK
+
+    run(scenario())
+
+
+def test_outcomes_written_during_a_settle_call_wake_nobody_and_go_in_the_next_call():
+    async def scenario():
+        core, broker, pids = await running_core(6, 6, 1)
+        gate, calls = asyncio.Event(), []
+        settle = broker.settle
+
+        async def held(settlements, on_result=None):
+            calls.append([settlement.delivery.pid for settlement in settlements])
+            await gate.wait()
+            return await settle(settlements, on_result)
+
+        broker.settle = held  # type: ignore[method-assign]
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 6)
+        process, ring = core.process(0), core.places[0].to_parent
+        process.start_next()
+        process.finish()
+        await core.wait_for(lambda: len(calls) == 1)  # the call under way: held
+        assert not ring.asleep  # its return reads the ring: the process wakes nobody
+        for _ in range(3):
+            process.start_next()
+            process.finish()
+        await core.settle_down()
+        assert core.arbiter.buffer.completed_count == 0  # not read yet
+        # A call that hangs leaves them unread no longer than a watch period.
+        await core.wait_for(lambda: core.arbiter.buffer.completed_count == 3, timeout=1.0)
+        assert not ring.asleep  # the next call follows this one
+        gate.set()
+        await core.wait_for(lambda: len(calls) == 2)
+        assert calls == [pids[:1], pids[1:4]]
+        await core.wait_for(lambda: ring.asleep)  # nothing more completed: armed again
+        process.work()  # the last two: each read when it is written, as before
+        await core.wait_for(lambda: len(broker.committed) == 6)
+        assert calls[2:] in ([pids[4:5], pids[5:6]], [pids[4:6]])
+        assert await core.stop() == exits.OK
+
+    run(scenario())
+
+
+def test_a_ring_stays_armed_while_its_outcomes_could_start_a_receive_or_a_dispatch():
+    async def scenario():
+        core, _, _ = await running_core(4, 4, 1)
+        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 4)
+        arbiter = core.arbiter
+        # Checked in one turn of the loop, the receive loop's state set as it could be.
+        receiving, room = arbiter.receiving, arbiter.room.is_set()
+        arbiter.settle_in_flight, arbiter.receiving = True, 0
+        arbiter.room.clear()
+        assert arbiter.receive_room() <= 0 and arbiter.reads_after_settling()  # full
+        arbiter.buffer.prefetch = 6  # room the receive waits for: running dry would start it
+        assert not arbiter.reads_after_settling()
+        arbiter.receiving = 2  # a receive under way takes it: outcomes start nothing sooner
+        assert arbiter.reads_after_settling()
+        arbiter.buffer.add(deliveries(1, start=50))  # one waits for room in a ring
+        assert not arbiter.reads_after_settling()
+        assert arbiter.buffer.drop(arbiter.buffer.next_waiting(1)[0])
+        arbiter.settle_in_flight, arbiter.buffer.prefetch = False, 4
+        arbiter.receiving = receiving
+        if room:
+            arbiter.room.set()
+        assert await core.stop() == exits.OK
+
+    run(scenario())
 
 
 def test_a_handler_reporting_a_delivery_out_of_order_is_a_bug_not_a_guess():
@@ -902,8 +1032,6 @@ def test_a_handler_answering_out_of_order_stops_the_supervisor_for_a_restart():
     async def scenario():
         core, broker, _ = await running_core(2, 2, 1)
         await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
-        from worker import protocol
-
         core.process(0).post(protocol.encode_started(2))  # the ring holds 1 first
         assert await core.stop() == exits.BROKEN
         assert not broker.owned and len(broker.ready) == 2

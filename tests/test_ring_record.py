@@ -128,6 +128,9 @@ def test_done_carries_the_handlers_seconds_beside_what_decode_returns() -> None:
     older = done[:9]  # a DONE from an older handler process: no seconds
     assert protocol.decode(older) == (protocol.DONE, 5, None)
     assert protocol.done_fields(older) == (5, 0.0)
+    # Several at once, as the supervisor reads a run of them; an older one among them too.
+    assert protocol.done_many([done, protocol.encode_done(6, 0.5)]) == ((5, 6), (1.25, 0.5))
+    assert protocol.done_many([done, older]) == ((5, 5), (1.25, 0.0))
 
 
 def test_the_mark_is_the_writers_last_value_until_reset() -> None:

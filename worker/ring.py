@@ -259,6 +259,12 @@ class Ring:
             return False
         return True
 
+    @property
+    def asleep(self) -> bool:
+        """The reader declared itself asleep (``prepare_sleep``): the writer's next record
+        wakes it."""
+        return self._words[_SLEEPING] != 0
+
     def clear_wakeup(self) -> None:
         """Consume a pending wake-up and declare the reader awake."""
         _drain(self.wake_fd)
