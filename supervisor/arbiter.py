@@ -53,7 +53,7 @@ FLUSH_BATCH = 16
 #: Where a fair share is a whole flush (``flush_every``) or more, up to this share of prefetch
 #: instead. A receive brings a quarter of prefetch or more: cut at the fair share, each one
 #: woke two or three processes even while one kept up, each flushing its part alone
-#: (prefetch 1,000, 4 processes: 85 messages a flush, not 100, and more CPU per job). Now the
+#: (prefetch 1,000, 4 processes: 85 messages a flush on average, not 100). Now the
 #: next process gets work only once one holds three quarters of prefetch (it is behind): the
 #: others stay idle, not competing with the supervisor for CPU. Below a whole flush (prefetch
 #: 32 or 100) the fair share stays: a larger slice for one left crumbs, and small flushes,
