@@ -50,15 +50,6 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 #: is empty: each process is given at least this many (or its fair share of prefetch, if
 #: more) before the next gets any, so a small prefetch is not cut into flushes of 2-8.
 FLUSH_BATCH = 16
-#: Where a fair share is a whole flush (``flush_every``) or more, up to this share of prefetch
-#: instead. A receive brings a quarter of prefetch or more: cut at the fair share, each one
-#: woke two or three processes even while one kept up, each flushing its part alone
-#: (prefetch 1,000, 4 processes: 85 messages a flush on average, not 100). Now the
-#: next process gets work only once one holds three quarters of prefetch (it is behind): the
-#: others stay idle, not competing with the supervisor for CPU. Below a whole flush (prefetch
-#: 32 or 100) the fair share stays: a larger slice for one left crumbs, and small flushes,
-#: to the next (measured slower at prefetch 32).
-FILL_SHARE = 0.75
 
 
 def rss_bytes(pid: int) -> int:
@@ -416,10 +407,8 @@ class Arbiter:
         if not ready:
             return
         depth = -(-buffer.prefetch // len(self.places))  # fair share per handler
-        if self.fills:  # see FLUSH_BATCH and FILL_SHARE
+        if self.fills:
             depth = max(depth, FLUSH_BATCH)
-            if depth >= self.config.job.flush_every:
-                depth = max(depth, int(buffer.prefetch * FILL_SHARE))
         loads = [buffer.load(place.index) for place in ready]
         for place, count in zip(ready, plan(loads, depth, waiting, self.fills), strict=True):
             if not count:

@@ -627,38 +627,27 @@ def test_dispatch_spreads_to_the_least_loaded_and_fills_for_a_handler_with_flush
     assert plan([3], 4, 5, fill=False) == plan([3], 4, 5, fill=True) == [1]
 
 
-NOOP, FLUSHING = "tests.handlers.noop:handle", "tests.handlers.flushing:handle"
-
-
-@pytest.mark.parametrize(("prefetch", "flush_every", "handler", "loads"), [
-    (8, 100, NOOP, [2, 2, 2, 2]),  # without flush(): spread
-    (8, 100, FLUSHING, [8, 0, 0, 0]),  # flush(): one batch, one process
-    (100, 100, FLUSHING, [25, 25, 25, 25]),  # a share below a whole flush: the fair share
-    (100, 20, FLUSHING, [75, 25, 0, 0]),  # a whole flush or more: up to FILL_SHARE
-    (100, 20, NOOP, [25, 25, 25, 25]),
+@pytest.mark.parametrize(("handler", "loads"), [
+    ("tests.handlers.noop:handle", [2, 2, 2, 2]),  # without flush(): spread
+    ("tests.handlers.flushing:handle", [8, 0, 0, 0]),  # flush(): one batch, one process
 ])
-def test_a_handler_with_flush_gets_its_deliveries_in_as_few_processes_as_keep_up(
-        prefetch, flush_every, handler, loads):
+def test_a_small_prefetch_for_a_handler_with_flush_goes_to_one_process(handler, loads):
     """Prefetch 8 over 4 processes: with flush() each would get 2 and flush them alone (one
     write and sync of the store each); now one process gets the 8 and flushes them at once,
-    up to FLUSH_BATCH. Where a fair share (25) is a whole flush or more (flush_every 20):
-    not 25 each, but 75 to one process (FILL_SHARE) and the rest to the next, the other two
-    idle. Settled, the next batch is dealt the same."""
+    up to FLUSH_BATCH. Settled, the next batch goes to one process again."""
     async def scenario():
         broker = MemoryBroker()
-        pids = await broker.publish_many("jobs", [{"n": n} for n in range(3 * prefetch)])
-        core = Core(core_config(prefetch=prefetch, coroutines=4, handler=handler,
-                                flush_every=flush_every), broker)
+        pids = await broker.publish_many("jobs", [{"n": n} for n in range(24)])
+        core = Core(core_config(prefetch=8, coroutines=4, handler=handler), broker)
         await core.start()
         buffer = core.arbiter.buffer
         for batch in range(3):
-            await core.wait_for(lambda: buffer.outstanding == prefetch
-                                and not buffer.waiting_count)
+            await core.wait_for(lambda: buffer.outstanding == 8 and not buffer.waiting_count)
             buffer.check()
             assert [buffer.load(index) for index in range(4)] == loads, batch
             for process in core.server.living():
                 process.work()
-            await core.wait_for(lambda settled=prefetch * (batch + 1):
+            await core.wait_for(lambda settled=8 * (batch + 1):
                                 sum(broker.committed.values()) == settled)
         assert await core.stop() == exits.OK
         assert set(broker.committed) == set(pids)
