@@ -14,7 +14,8 @@ a run whose totals are wrong, or a soak that fails, fails the whole table.
 Each prefetch gets its own message count (``--messages``), sized so that a run lasts 5 s or
 more on a quiet 2-core machine: a shorter run is marked in the table, since its rate is
 mostly the noise of the machine (a run of 1 s on a loaded machine says little). The whole
-table takes about 12 minutes on a quiet machine (``--scale 0.2`` for a quick look).
+table takes 11-15 minutes on 2 cores (``--scale 0.2`` for a quick look; ``--messages
+1000:200000 --no-soaks`` for the prefetch 1,000 rows and the no-op alone).
 
 With ``--baseline-root`` (a checkout of an older commit) the prefetch 100 and 1,000
 configurations run there first, back to back, for same-run ratios.
@@ -36,12 +37,13 @@ from bench.common import ROOT
 COROUTINES = "1,2,4"
 #: --reuse: a part whose results.json exists is read, not run again.
 REUSE = False
-#: Messages per run at each prefetch: 5-8 s each on a quiet 2-core machine (sized from the
-#: quiet run of bench/results/2026-12-01-2core-issue26-final/usage, where 8, 100 and 1,000
-#: lasted 2.2-4.5 s with 5,000, 40,000 and 50,000).
-MESSAGES = "1:2500,8:12000,32:30000,100:60000,1000:85000"
-#: The no-op at prefetch 1,000 (the ratio's denominator): 7.7-8.4 s there.
-NOOP_MESSAGES = 150000
+#: Messages per run at each prefetch, for runs of 5 s or more: in round 4
+#: (bench/results/2026-12-01-2core-issue26-round4/usage) most rows lasted 2.4-5.2 s with
+#: half these counts, and the code since runs prefetch 100 and 1,000 up to twice as fast
+#: (2026-12-03, loaded machine: 21,600-27,700 jobs/s at 100, 23,600-46,000 at 1,000).
+MESSAGES = "1:5000,8:30000,32:60000,100:130000,1000:200000"
+#: The no-op at prefetch 1,000 (the ratio's denominator): 30,900-47,500 jobs/s on 2026-12-03.
+NOOP_MESSAGES = 220000
 #: Runs shorter than this (seconds) are marked: their rate is mostly the machine's noise.
 MIN_SECONDS = 5.0
 SOAK = ("--broker", "redis", "--messages", "1500", "--seconds", "16", "--gap", "2,3",
