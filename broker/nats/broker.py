@@ -125,9 +125,11 @@ MAX_FAILURE_HEADER = 16384
 _HEADER_BLOCK = 64
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NatsReceipt:
-    """Proof of one delivery: its ack subject (valid from any connection) and counters."""
+    """Proof of one delivery: its ack subject (valid from any connection) and counters.
+    Never changed once made; not frozen only because a frozen dataclass's ``__init__``
+    (one ``object.__setattr__`` per field) costs about 0.45 us more, once per delivery."""
 
     reply: str  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...
     stream_seq: int
