@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from broker.base import APPLIED, Action, Broker, Outcome, Result, Settlement
+from broker.base import APPLIED, Action, Broker, Outcome, Result, ResultCallback, Settlement
 from broker.errors import describe
 from supervisor import failures
 from supervisor.buffer import Buffer, Entry
@@ -108,9 +108,22 @@ class Settler:
             apply(index, result)
             self.progress()
 
+        def apply_many(indices: list[int], result: Result) -> None:
+            """Several early results at once (NATS: the acks one read confirmed): the usual
+            case (all applied, no reject) forgotten, confirmed, counted and told together."""
+            actions = [settlements[index].action for index in indices]
+            if result.outcome is Outcome.OK and Action.REJECT not in actions:
+                for index in indices:
+                    applied[index] = True
+                self._applied_all([batch[index] for index in indices], actions, since)
+            else:
+                for index in indices:
+                    apply(index, result)
+            self.progress()
+
         told = False  # the call raised, and that was told
         try:
-            results = await self.broker.settle(settlements, apply_early)
+            results = await self.broker.settle(settlements, Early(apply_early, apply_many))
         except Exception as error:  # the broker is down or refused: keep everything outstanding
             if unreachable(error):
                 self.outage.lost(error, since)
@@ -245,6 +258,21 @@ class Settler:
         """The one line of a failed run, once its reject is settled (see failures)."""
         budget = getattr(self.broker, "max_attempts", 0)
         failures.log_outcome(log, settlement, result, budget if isinstance(budget, int) else 0)
+
+
+class Early:
+    """``Broker.settle``'s ``on_result``: a result as soon as it is known, one at a time;
+    ``many(indices, result)`` for several with the same result at once, for a broker that
+    has them together (NATS: the confirmations one read of the socket brought)."""
+
+    __slots__ = ("many", "one")
+
+    def __init__(self, one: ResultCallback, many: Callable[[list[int], Result], None]) -> None:
+        self.one = one
+        self.many = many
+
+    def __call__(self, index: int, result: Result) -> None:
+        self.one(index, result)
 
 
 def _nobody(entry: Entry, committed: bool) -> None:

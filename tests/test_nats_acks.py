@@ -70,6 +70,38 @@ async def test_a_batch_of_max_batch_acks_is_one_write_of_confirmed_requests(nats
     assert await stored(js) == 0
 
 
+class Together:
+    """A settle callback that takes several results at once (as supervisor.settlement's)."""
+
+    def __init__(self) -> None:
+        self.alone: list[int] = []
+        self.together: list[list[int]] = []
+        self.results: list[Result] = []
+
+    def __call__(self, index: int, result: Result) -> None:
+        self.alone.append(index)
+
+    def many(self, indices: list[int], result: Result) -> None:
+        self.together.append(indices)
+        self.results.append(result)
+
+
+async def test_the_confirmations_of_one_read_are_reported_together(nats_brokers, js):
+    """The server answers a batch of acks in few reads: each read's confirmations reach a
+    callback with ``many`` in one call, each delivery once, and are let go as one by one."""
+    broker = await nats_brokers(QUEUE)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(MAX_BATCH)])
+    held = await receive_all(broker, MAX_BATCH)
+    told = Together()
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held], told)
+    assert results == [Result(Outcome.OK)] * MAX_BATCH
+    assert not told.alone and set(told.results) == {Result(Outcome.OK)}
+    assert sorted(i for indices in told.together for i in indices) == list(range(MAX_BATCH))
+    assert len(told.together) < MAX_BATCH / 10  # many at a time, not one by one
+    assert broker.held == 0
+    assert await pending_acks(js) == 0
+
+
 def pull_lines(write: bytes) -> list[bytes]:
     return [line for line in write.split(b"\r\n")
             if line.startswith(b"PUB " + NAMES.next_subject.encode() + b" ")]

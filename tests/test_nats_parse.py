@@ -148,6 +148,38 @@ async def test_a_malformed_message_line_is_a_protocol_error():
         await feed(recorder, [b"MSG subject 7 notanumber\r\n"])
 
 
+class Hooked(Recorder):
+    """As ``Connection._hook`` has it: an inbox message nats-py's own parser reads is told
+    routed at once."""
+
+    async def _process_msg(self, sid, subject, reply, data, headers) -> None:
+        await super()._process_msg(sid, subject, reply, data, headers)
+        if sid == INBOX:
+            self.seen.append(("routed",))
+
+
+@pytest.mark.parametrize("most", [1, 3, 40, len(STREAM)])
+async def test_routed_is_told_after_each_run_of_inbox_messages_before_anything_else(most):
+    """``routed()`` ends every run of inbox messages, before whatever follows them is
+    handed on (Connection._routed tells their batches then), and never comes without one."""
+    want = await expected()
+    rng = random.Random(most)
+    for _ in range(10):
+        recorder = Hooked()
+        seen = recorder.seen
+        parse.install(recorder, INBOX,  # type: ignore[arg-type]
+                      lambda *message, seen=seen: seen.append(("msg", INBOX, *message)),
+                      routed=lambda seen=seen: seen.append(("routed",)))
+        await feed(recorder, cuts(STREAM, rng, most))
+        assert [m for m in seen if m != ("routed",)] == want
+        for at, item in enumerate(seen):
+            inbox = item[0] == "msg" and item[1] == INBOX
+            if item == ("routed",):
+                assert at > 0 and seen[at - 1][1] == INBOX  # ends a run, never alone
+            elif inbox:  # the run goes on, or is told routed next
+                assert seen[at + 1] == ("routed",) or seen[at + 1][:2] == ("msg", INBOX)
+
+
 class Streamed(Recorder):
     """A client whose socket is read as nats-py reads it: a stream reader, fed by the
     transport, and a read loop task that parses what each read returns."""

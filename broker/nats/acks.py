@@ -5,7 +5,8 @@ to the delivery's ack subject with a reply subject of our inbox, so the server's
 confirms it. Never AckAll, never an ack without a reply. A batch's requests leave in one
 socket write (``Connection.request_batch``); their replies come back on the one inbox
 subscription and are matched by token, in any order. Each result is reported as soon as
-its own reply is in, so a lost reply holds back nothing after it.
+its own reply is in, so a lost reply holds back nothing after it; the confirmations one
+read brought may be reported together (``on_confirmed``).
 
 The result of one try, as the one-at-a-time path (``NatsBroker._request``) reads it:
 
@@ -55,12 +56,14 @@ def error_result(error: BaseException) -> Result:
 async def request_all(
     conn: Connection, subjects: Sequence[str], body: bytes, timeout: float,
     on_result: Callable[[int, Result], None], tail: bytes = b"",
+    on_confirmed: Callable[[list[int]], None] | None = None,
 ) -> bool:
     """One try of ``body`` to every subject, in one write: ``on_result(i, result)`` for
     each as its reply (or its timeout, or the connection's end) comes, every one before
-    this returns. ``tail`` is written after the requests, in the same write (a pull
-    request: see ``Puller.ahead``). Returns whether a request timed out (the connection is
-    suspect)."""
+    this returns. ``on_confirmed(indices)``, when given, takes the plain confirmations
+    (OK, each) instead, those of one read of the socket in one call. ``tail`` is written
+    after the requests, in the same write (a pull request: see ``Puller.ahead``). Returns
+    whether a request timed out (the connection is suspect)."""
     if not subjects:
         return False
     left = len(subjects)
@@ -80,9 +83,22 @@ async def request_all(
         if left == 0 and not finished.done():
             finished.set_result(None)
 
+    def confirmed(indices: list[int]) -> None:
+        nonlocal left
+        for index in indices:
+            reported[index] = True
+        try:
+            if on_confirmed is not None:  # (always: only passed on when given)
+                on_confirmed(indices)
+        finally:  # counted even if it raised: this call ends rather than waits for ever
+            left -= len(indices)
+            if left == 0 and not finished.done():
+                finished.set_result(None)
+
     try:
         slots = await conn.request_batch([(subject, body) for subject in subjects],
-                                         timeout=timeout, on_reply=done, tail=tail)
+                                         timeout=timeout, on_reply=done, tail=tail,
+                                         on_bare=confirmed if on_confirmed else None)
     except ConnectionLost as error:
         unsent = error_result(error)
         for index in range(len(subjects)):

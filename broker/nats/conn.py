@@ -15,7 +15,8 @@ queue and task: the client's message hook routes them as the parser hands them o
 
 ``request_batch`` sends many requests in one write (each with its own reply subject, as
 ``request`` does) and hands each reply to a callback; replies are matched by token, in
-whatever order they come.
+whatever order they come. Bare replies (an ack's confirmation) that one pass of the parser
+read may go to their batch together: one call for the lot rather than a chain of calls each.
 
 Every request keeps its own timeout, but they share one loop timer (``_Deadlines``): at
 thousands of acks per second, a timer and a done-callback per request were about a quarter
@@ -49,13 +50,16 @@ log = logging.getLogger("broker.nats")
 class Slot:
     """One request of a batch whose reply goes to a callback, not a future: called in the
     turn the reply is read, with no hop through the loop's ready queue. What the callback
-    raises is logged, never let into nats-py's read loop (which would stop reading)."""
+    raises is logged, never let into nats-py's read loop (which would stop reading).
+    ``many``: where bare replies go instead, several at once (``Connection._routed``)."""
 
-    __slots__ = ("_call", "_done", "_index")
+    __slots__ = ("_call", "_done", "_index", "_many")
 
-    def __init__(self, index: int, call: Callable[[int, Msg | BaseException], None]) -> None:
+    def __init__(self, index: int, call: Callable[[int, Msg | BaseException], None],
+                 many: Callable[[list[int]], None] | None = None) -> None:
         self._index = index
         self._call = call
+        self._many = many
         self._done = False
 
     def done(self) -> bool:
@@ -151,6 +155,8 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._deadlines = _Deadlines(self._loop, self._waiting)
         self._closed = self._loop.create_future()
+        #: Slots whose bare reply the parser's current pass routed (see ``_routed``).
+        self._confirmed: list[Slot] = []
 
     @classmethod
     async def open(
@@ -194,18 +200,37 @@ class Connection:
         Every other subscription (the advisory) keeps nats-py's own path. The socket's
         bytes go through ``broker.nats.parse`` first (MSG/HMSG without regular expressions)."""
         original = self.client._process_msg
-        route = self._route
+        route, routed = self._route, self._routed
 
         async def process_msg(
             sid_: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
         ) -> None:  # headers: None when the message has none (nats-py's hint says bytes)
-            if sid_ == sid:
-                route(subject, reply, data, headers)
+            if sid_ == sid:  # nats-py's own parser read it (see parse.install): told at once
+                try:
+                    route(subject, reply, data, headers)
+                finally:
+                    routed()
             else:
                 await original(sid_, subject, reply, data, headers)
 
         self.client._process_msg = process_msg  # type: ignore[method-assign,assignment]
-        parse.install(self.client, sid, route, self._read_done if self._on_read else None)
+        parse.install(self.client, sid, route, self._read_done if self._on_read else None,
+                      self._routed)
+
+    def _routed(self) -> None:
+        """The end of a parser pass over the inbox's messages (in the turn it read them):
+        the bare replies it took go to their batches' ``many`` callbacks, one call for
+        each run of one batch's replies (usually the whole read's). Never raises into the
+        parser (which would stop reading)."""
+        confirmed = self._confirmed
+        if not confirmed:
+            return
+        self._confirmed = []
+        for many, slots in itertools.groupby(confirmed, key=_many_of):
+            try:
+                many([slot._index for slot in slots])
+            except Exception:
+                log.exception("reply callback failed")
 
     def _read_done(self) -> None:
         """What the read brought was handed on: tell ``on_read`` (in the read's turn). What
@@ -254,6 +279,7 @@ class Connection:
     async def request_batch(
         self, requests: Sequence[tuple[str, bytes]], *, timeout: float,
         on_reply: Callable[[int, Msg | BaseException], None], tail: bytes = b"",
+        on_bare: Callable[[list[int]], None] | None = None,
     ) -> list[Slot]:
         """Publish every ``(subject, payload)`` with its own reply subject, all in one
         write. ``on_reply(i, reply or error)`` is called once for each request, in the turn
@@ -265,7 +291,10 @@ class Connection:
 
         The subjects must be ones the server gave us (ack subjects): they are not checked
         as nats-py checks what it publishes. ``tail``: protocol bytes written right after
-        the requests, in the same write (a pull request made with ``pull_line``)."""
+        the requests, in the same write (a pull request made with ``pull_line``).
+        ``on_bare(indices)``, when given, takes the bare replies instead of ``on_reply``
+        (``BARE_REPLY`` each): those that one pass of the parser read, in one call, in the
+        same turn (never later than ``on_reply`` would have been called)."""
         if self.closed:
             raise ConnectionLost("not sent: the connection is closed", sent=False)
         slots: list[Slot] = []
@@ -275,7 +304,7 @@ class Connection:
         deadline, fifo = self._deadlines.queue(timeout)  # once per batch, not per request
         for index, (subject, payload) in enumerate(requests):
             token = b"%d" % next(tokens)
-            slot = Slot(index, on_reply)
+            slot = Slot(index, on_reply, on_bare)
             waiting[token] = slot
             fifo.append((deadline, token, slot, subject))
             slots.append(slot)
@@ -402,8 +431,12 @@ class Connection:
             waiter = self._waiting.pop(subject[len(self._prefix_bytes):], None)
             if waiter is None or waiter.done():
                 return
-            if not raw and not data and type(waiter) is Slot:
-                waiter.set_result(BARE_REPLY)  # an ack's confirmation: nothing to read
+            if not raw and not data and type(waiter) is Slot:  # an ack's confirmation
+                if waiter._many is None:
+                    waiter.set_result(BARE_REPLY)
+                else:  # done now (no timeout, no cancel), told at the pass's end: _routed
+                    waiter._done = True
+                    self._confirmed.append(waiter)
                 return
             waiter.set_result(Msg(self.client, subject.decode(), reply.decode(), data,
                                   headers))
@@ -419,6 +452,10 @@ class Connection:
                 waiter.set_result(msg)
         else:
             self._on_pulled(msg)
+
+
+def _many_of(slot: Slot) -> Callable[[list[int]], None]:
+    return slot._many  # type: ignore[return-value]  # (only slots that have one are kept)
 
 
 def _check_subject(subject: str) -> None:

@@ -25,10 +25,12 @@ Route = Callable[[bytes, bytes, bytes, "bytes | None"], None]
 
 
 def install(
-    client: Client, sid: int, route: Route, after: Callable[[], None] | None = None
+    client: Client, sid: int, route: Route, after: Callable[[], None] | None = None,
+    routed: Callable[[], None] | None = None,
 ) -> None:
     """Read ``client``'s socket with ``parse_messages`` first (see the module docstring).
-    ``after()`` is called once each read's messages were all handed on (not if it failed)."""
+    ``after()`` is called once each read's messages were all handed on (not if it failed);
+    ``routed()`` at the end of every run of ``route`` calls (see ``scan``)."""
     parser = client._ps
     original: Callable[[bytes], Awaitable[None]] = parser.parse
     stats = client.stats
@@ -42,7 +44,7 @@ def install(
         buf = parser.buf  # reset() replaces it: read it every time
         buf.extend(data)
         while parser.state == AWAITING_CONTROL_LINE:
-            taken = await parse_messages(buf, sid, route, client._process_msg, stats)
+            taken = await parse_messages(buf, sid, route, client._process_msg, stats, routed)
             if taken:
                 del buf[:taken]
             if not buf or buf.startswith((b"MSG ", b"HMSG ")):
@@ -61,11 +63,12 @@ def install(
         await original(b"")
 
     parser.parse = parse  # type: ignore[method-assign]
-    _read_at_once(client, sid, route, after)
+    _read_at_once(client, sid, route, after, routed)
 
 
 def _read_at_once(
-    client: Client, sid: int, route: Route, after: Callable[[], None] | None
+    client: Client, sid: int, route: Route, after: Callable[[], None] | None,
+    routed: Callable[[], None] | None,
 ) -> None:
     """The inbox's messages read in the turn their bytes arrive: nats-py's read loop is a
     task that the stream reader wakes for each read, a turn of the event loop later (at
@@ -85,7 +88,7 @@ def _read_at_once(
                 or parser.state != AWAITING_CONTROL_LINE):
             feed(data)  # the read loop is busy, or has bytes of its own: after them
             return
-        taken, _ = scan(data, 0, sid, route, stats)
+        taken, _ = scan(data, 0, sid, route, stats, routed)
         if taken and after is not None:
             after()
         if taken < len(data):
@@ -100,12 +103,13 @@ async def parse_messages(
     # bytes headers, its own parser passes None for a MSG without headers, as we do.
     process: Callable[..., Awaitable[None]],
     stats: dict[str, int],
+    routed: Callable[[], None] | None = None,
 ) -> int:
     """Hand on every complete MSG/HMSG at the front of ``buf``; returns how many bytes they
     took (the caller trims them). Stops at anything else, or at a message not all there."""
     pos = 0
     while True:
-        pos, other = scan(buf, pos, sid, route, stats)
+        pos, other = scan(buf, pos, sid, route, stats, routed)
         if other is None:
             return pos
         if other is MALFORMED:
@@ -120,17 +124,20 @@ Other = tuple[int, bytes, bytes, bytes, "bytes | None", int]
 
 
 def scan(
-    buf: bytes | bytearray, pos: int, sid: int, route: Route, stats: dict[str, int]
+    buf: bytes | bytearray, pos: int, sid: int, route: Route, stats: dict[str, int],
+    routed: Callable[[], None] | None = None,
 ) -> tuple[int, Other | None]:
     """Route every complete MSG/HMSG of subscription ``sid`` from ``pos`` on; stop at
     anything else. Returns where it stopped and, when that is a complete message of
     another subscription, its fields and where it ends (``MALFORMED`` for a line that
-    cannot be read): the caller hands it on, or leaves it (and what follows) unread."""
+    cannot be read): the caller hands it on, or leaves it (and what follows) unread.
+    ``routed()`` is called before it returns (or raises) when it routed any: in the same
+    turn, before anything after those messages is handed on (``Connection._routed``)."""
     size = len(buf)
     # Slices of bytes are bytes already: only a bytearray (the read loop's buffer) needs
     # a view to copy out of (its slices would be bytearrays, which cannot be dict keys).
     view = buf if type(buf) is bytes else memoryview(buf)
-    routed = routed_bytes = 0  # counted into nats-py's stats once, at the end
+    count = routed_bytes = 0  # counted into nats-py's stats once, at the end
     try:
         while True:
             if buf.startswith(b"MSG ", pos):
@@ -165,12 +172,14 @@ def scan(
             if their_sid != sid:
                 return pos, (their_sid, subject, reply, payload, headers, stop + 2)
             pos = stop + 2
-            routed += 1
+            count += 1
             routed_bytes += len(payload)
             route(subject, reply, payload, headers)
     finally:
-        if routed:
-            stats["in_msgs"] += routed
+        if count:
+            stats["in_msgs"] += count
             stats["in_bytes"] += routed_bytes
         if type(view) is memoryview:
             view.release()
+        if count and routed is not None:
+            routed()
