@@ -21,6 +21,7 @@ from collections.abc import Callable
 from broker.failure import Failure
 from broker.memory import MemoryBroker
 from supervisor.arbiter import Arbiter
+from supervisor.buffer import Buffer, State
 from supervisor.config import Config, loads
 from supervisor.handlers import HandlerPlace, make_places
 from worker import protocol
@@ -171,6 +172,20 @@ class InProcessForkServer:
     def close(self) -> None:
         os.close(self._read)
         os.close(self._write)
+
+
+async def completed_buffer(broker: MemoryBroker, count: int, failed: int = -1) -> Buffer:
+    """``count`` jobs published, received and completed in a buffer of one handler: a
+    success each, but the ``failed``-th (0-based; -1: none), which failed."""
+    await broker.publish_many("jobs", [{"n": n} for n in range(count)])
+    received = await broker.receive(count, 0.01)
+    buffer = Buffer(prefetch=count, handlers=1)
+    buffer.add(received.deliveries)
+    buffer.queue(0, count)
+    for queued in buffer.in_state(State.QUEUED, 0):
+        buffer.started(0, queued.id)
+        buffer.finished(0, queued.id, "boom" if queued.id == failed + 1 else None)
+    return buffer
 
 
 def core_config(

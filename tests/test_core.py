@@ -28,7 +28,7 @@ from supervisor import exits
 from supervisor.arbiter import plan
 from supervisor.buffer import AccountingError, Buffer, Entry, State
 from supervisor.settlement import Settler
-from tests.inprocess import Core, InProcessForkServer, core_config
+from tests.inprocess import Core, InProcessForkServer, completed_buffer, core_config
 from worker import protocol
 from worker.forkserver import ForkServer, Spawner
 
@@ -374,14 +374,7 @@ async def settler_with(
     broker = MemoryBroker(replay_uncertain=replay_uncertain, early_results=early)
     for name, value in faults.items():
         setattr(broker.faults, name, value)
-    await broker.publish_many("jobs", [{"n": n} for n in range(count)])
-    received = await broker.receive(count, 0.01)
-    buffer = Buffer(prefetch=count, handlers=1)
-    buffer.add(received.deliveries)
-    buffer.queue(0, count)
-    for queued in buffer.in_state(State.QUEUED, 0):
-        buffer.started(0, queued.id)
-        buffer.finished(0, queued.id, None)
+    buffer = await completed_buffer(broker, count)
     confirmed: list = []
     settler = Settler(broker, buffer, lambda entry, ok: confirmed.append((entry.id, ok)))
     return settler, buffer, confirmed, broker

@@ -29,7 +29,7 @@ from broker.memory import MemoryBroker
 from broker.nats import NatsBroker, version
 from broker.nats.setup import QueueNames
 from supervisor import exits
-from supervisor.buffer import Buffer, State
+from supervisor.buffer import Buffer
 from supervisor.metrics import Metrics
 from supervisor.outage import REMINDERS, Outage, unreachable
 from supervisor.settlement import Settler
@@ -44,6 +44,7 @@ from support.supervision import (
     wait_for,
     write_config,
 )
+from tests.inprocess import completed_buffer
 
 HELD = 18  # the figure
 ADDRESS = "redis://:secret@10.0.0.7:6379/0"
@@ -146,23 +147,11 @@ def test_a_refusal_is_not_an_outage():
 # -- the settler: no line per delivery, uncertain once per delivery -------------------------------
 
 
-async def completed(broker: MemoryBroker, count: int) -> Buffer:
-    await broker.publish_many("jobs", [{"n": n} for n in range(count)])
-    received = await broker.receive(count, 0.01)
-    buffer = Buffer(prefetch=count, handlers=1)
-    buffer.add(received.deliveries)
-    buffer.queue(0, count)
-    for queued in buffer.in_state(State.QUEUED, 0):
-        buffer.started(0, queued.id)
-        buffer.finished(0, queued.id, None)
-    return buffer
-
-
 def test_uncertain_counts_each_delivery_once_however_often_it_is_tried(caplog):
     async def scenario() -> tuple[Metrics, Buffer, MemoryBroker]:
         broker = MemoryBroker()
         broker.faults.uncertain_unapplied = HELD * 5  # five tries each, every reply lost
-        buffer = await completed(broker, HELD)
+        buffer = await completed_buffer(broker, HELD)
         metrics = Metrics()
         outage, _ = tracker()
         settler = Settler(broker, buffer, lambda entry, ok: None, metrics, outage=outage)
@@ -186,7 +175,7 @@ def test_unconfirmed_settlements_of_a_broker_that_answers_are_one_line_per_call(
     async def scenario() -> None:
         broker = MemoryBroker()
         broker.faults.unapplied = 7  # 7 of 18 answered ERROR, the rest applied
-        buffer = await completed(broker, HELD)
+        buffer = await completed_buffer(broker, HELD)
         settler = Settler(broker, buffer, lambda entry, ok: None)
         assert not await settler.settle(buffer.take_completed(HELD))
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 from broker.base import APPLIED, Outcome, Result, ResultCallback, Settlement
 from broker.memory import MemoryBroker
-from supervisor.buffer import Buffer, State
 from supervisor.settlement import Settler
+from tests.inprocess import completed_buffer
 
 
 class Together(MemoryBroker):
@@ -42,14 +42,7 @@ class Together(MemoryBroker):
 
 
 async def settled(broker: Together, count: int, release: int = -1, reject: int = -1):
-    await broker.publish_many("jobs", [{"n": n} for n in range(count)])
-    received = await broker.receive(count, 0.01)
-    buffer = Buffer(prefetch=count, handlers=1)
-    buffer.add(received.deliveries)
-    buffer.queue(0, count)
-    for queued in buffer.in_state(State.QUEUED, 0):
-        buffer.started(0, queued.id)
-        buffer.finished(0, queued.id, "boom" if queued.id == reject + 1 else None)
+    buffer = await completed_buffer(broker, count, failed=reject)
     confirmed: list[tuple[int, bool]] = []
     progress: list[int] = []
     settler = Settler(broker, buffer, lambda entry, ok: confirmed.append((entry.id, ok)),
