@@ -506,24 +506,22 @@ class Arbiter:
             self.finish_done(place, records[first:] if first else records)
 
     def finish_done(self, place: HandlerPlace, records: list[bytes]) -> None:
-        """A run of DONE records: what ``handle_finished`` does for each, with one call per
-        run instead of six per job (buffer, job count, metrics, recycling)."""
+        """A run of DONE records, each a success (buffer, job count, metrics, recycling): one
+        call per run instead of six per job."""
         ids, seconds = protocol.done_many(records)  # seconds: timed by the handler process
         self.buffer.finished_many(place.index, ids, in_order=not self.concurrent)
         self.metrics.handlers_done(seconds)
         self.jobs_finished(place, len(ids))
 
     def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
-        if record[0] == protocol.DONE:
-            self.finish_done(place, [record])
-            return
+        """One record of any kind but DONE (``handle_records`` takes those in runs)."""
         kind, delivery_id, data = protocol.decode(record)
         if kind == protocol.STARTED:
             self.buffer.started(place.index, delivery_id)
         elif kind == protocol.HELD:
             self.buffer.held(place.index, delivery_id)
         elif kind == protocol.FAILED:
-            self.handle_finished(place, delivery_id, None, protocol.failure_data(data))
+            self.handle_failed(place, delivery_id, protocol.failure_data(data))
         elif kind == protocol.SKIPPED:
             self.buffer.skipped(place.index, delivery_id, in_order=not self.concurrent)
         elif kind == protocol.READY:
@@ -534,18 +532,13 @@ class Arbiter:
             log.error("handler init() failed in process %s: %s", place.pid, data)
             self.request_stop(exits.HANDLER_INIT)
 
-    def handle_finished(
-        self, place: HandlerPlace, delivery_id: int, seconds: float | None,
-        failure: Failure | None,
-    ) -> None:
-        """DONE (``seconds``: the handler's, as its process timed it) or FAILED (``failure``)."""
-        entry = self.buffer.finished(place.index, delivery_id,
-                                     failure.summary if failure else None, failure,
+    def handle_failed(self, place: HandlerPlace, delivery_id: int, failure: Failure) -> None:
+        """FAILED: the delivery is finished with ``failure`` (timed here when its start was
+        seen: STARTED, or the mark)."""
+        entry = self.buffer.finished(place.index, delivery_id, failure.summary, failure,
                                      in_order=not self.concurrent)
-        if seconds is None and entry.started_at:  # FAILED, its start seen (STARTED, mark)
-            seconds = time.monotonic() - entry.started_at
-        if seconds is not None:
-            self.metrics.handler_done(seconds)
+        if entry.started_at:
+            self.metrics.handler_done(time.monotonic() - entry.started_at)
         self.jobs_finished(place, 1)
 
     def jobs_finished(self, place: HandlerPlace, count: int) -> None:
