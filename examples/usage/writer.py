@@ -97,7 +97,12 @@ class Engine:
         self.session.query(sql)
 
     def insert(self, table: str, rows: bytes) -> None:
-        self.session.query(f"INSERT INTO {table} FORMAT JSONCompactEachRow\n{rows.decode()}")
+        # Streamed in, not inlined in the INSERT's text: a query holding the rows costs
+        # copies of them (str, query) and the engine's parse of that query, 60-70 MiB more
+        # peak memory for a move of 6-8 MB. The same one part, fsynced alike, either way.
+        with self.session.send_insert(f"INSERT INTO {table}", "JSONCompactEachRow") as stream:
+            stream.append(rows)
+            stream.finish()
 
     def select(self, sql: str) -> list[Any]:
         return orjson.loads(self.session.query(sql, "JSONCompact").bytes())["data"]
