@@ -585,3 +585,38 @@ def test_a_large_insert_costs_the_writer_little_more_than_its_rows():
     assert done.returncode == 0, done.stderr
     size, grew = map(int, done.stdout.split())
     assert grew < 5 * size, f"{grew >> 20} MiB more peak for {size >> 20} MiB of rows"
+
+
+ARENAS_OF_EIGHT_THREADS = """
+import ctypes, sys, threading
+from examples.usage import writer
+
+if sys.argv[1:] == ["fewer"]:
+    writer._fewer_malloc_arenas()
+started = threading.Barrier(9)
+
+def allocate():
+    held = [bytes(1000) for _ in range(100)]
+    started.wait()  # every thread holds memory of its arena at once
+    started.wait()
+
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for thread in threads:
+    thread.start()
+started.wait()
+ctypes.CDLL(None).malloc_stats()  # one "Arena N:" paragraph per arena, on stderr
+started.wait()
+"""
+
+
+def test_the_writer_keeps_the_engine_threads_to_two_malloc_arenas():
+    """glibc gives each thread an arena up to 8 per core; the engine runs 28 threads."""
+    def arenas(*args: str) -> int:
+        done = subprocess.run([sys.executable, "-c", ARENAS_OF_EIGHT_THREADS, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert done.returncode == 0, done.stderr
+        return done.stderr.count("Arena ")
+
+    assert arenas() > 2  # glibc's default here
+    assert arenas("fewer") == 2
