@@ -127,7 +127,7 @@ def _without_dataframes() -> None:
 
 #: glibc's malloc gives each thread that allocates an arena of its own, up to 8 per core,
 #: and the engine runs 28 threads: with 2 arenas the writer's peak was 11 MiB lower (287
-#: against 295-299 MiB, five pairs of 20 s at 8,000 messages/s), the engine's data the same.
+#: against 295-300 MiB, five pairs of 20 s at 8,000 messages/s), the engine's data the same.
 MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # mallopt's parameter, as MALLOC_ARENA_MAX in the environment
 
