@@ -22,6 +22,8 @@ their inserts go into one INSERT (one part, one fsync): group commit.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -81,6 +83,7 @@ class Engine:
 
     @classmethod
     def open(cls, path: str, stop: Stop) -> Engine:
+        _fewer_malloc_arenas()  # before the engine's threads start (on import)
         _without_dataframes()
         try:
             from chdb import session as chdb_session
@@ -97,7 +100,12 @@ class Engine:
         self.session.query(sql)
 
     def insert(self, table: str, rows: bytes) -> None:
-        self.session.query(f"INSERT INTO {table} FORMAT JSONCompactEachRow\n{rows.decode()}")
+        # Streamed in, not inlined in the INSERT's text: a query holding the rows costs
+        # copies of them (str, query) and the engine's parse of that query, 60-70 MiB more
+        # peak memory for a move of 6-8 MB. The same one part, fsynced alike, either way.
+        with self.session.send_insert(f"INSERT INTO {table}", "JSONCompactEachRow") as stream:
+            stream.append(rows)
+            stream.finish()
 
     def select(self, sql: str) -> list[Any]:
         return orjson.loads(self.session.query(sql, "JSONCompact").bytes())["data"]
@@ -115,6 +123,18 @@ DATAFRAME_MODULES = ("pyarrow", "pandas", "numpy")
 def _without_dataframes() -> None:
     for name in DATAFRAME_MODULES:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # import fails at once
+
+
+#: glibc's malloc gives each thread that allocates an arena of its own, up to 8 per core,
+#: and the engine runs 28 threads: with 2 arenas the writer's peak was 11 MiB lower (287
+#: against 295-300 MiB, five pairs of 20 s at 8,000 messages/s), the engine's data the same.
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # mallopt's parameter, as MALLOC_ARENA_MAX in the environment
+
+
+def _fewer_malloc_arenas() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator's business
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
 
 
 def _wait_for_folder(path: str, stop: Stop, deadline: float) -> None:
