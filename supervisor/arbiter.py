@@ -552,15 +552,10 @@ class Arbiter:
     def note_started(self, place: HandlerPlace) -> None:
         """A plain handler reports no start: its mark on the outcome ring names the delivery
         it runs (or ran last). Read when it matters: timeouts, the title, its death.
-        Outcomes not read yet are read first: those left for the settle loop (a call that
-        hangs or backs off leaves them unread no longer than a watch period), and a quick
-        job's DONE, written without a wake-up while the process runs its next job
-        (``worker.sync.QUICK``)."""
-        if place.index in self.unarmed:
-            if self.take_outcomes(place):
-                self.outcomes_taken()
-        elif place.to_parent.waiting:
-            self.handle_outcomes(place)
+        Outcomes left for the settle loop are read first (a call that hangs or backs off
+        leaves them unread no longer than a watch period)."""
+        if place.index in self.unarmed and self.take_outcomes(place):
+            self.outcomes_taken()
         if self.concurrent or not place.to_parent.marked:
             return
         promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,

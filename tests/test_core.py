@@ -194,27 +194,6 @@ def test_outcomes_read_together_are_taken_in_ring_order_whatever_their_kinds():
     run(scenario())
 
 
-def test_a_done_written_without_a_wake_up_is_read_within_a_watch_period():
-    """A quick job's DONE goes on the ring without waking us (worker.sync.QUICK) while its
-    process runs the next job; if that job runs long, the watch loop reads it."""
-    async def scenario():
-        core, broker, pids = await running_core(2, 2, 1)
-        await core.wait_for(lambda: core.arbiter.buffer.load(0) == 2)
-        process, ring = core.process(0), core.places[0].to_parent
-        process.start_next()
-        await core.settle_down()
-        assert ring.asleep  # armed: nothing completed, nothing to settle
-        done = process.running.pop(0)
-        assert ring.put(protocol.encode_done(done), wake=False)
-        process.start_next()  # the next job runs, and runs long
-        await core.wait_for(lambda: list(broker.committed) == pids[:1])
-        assert ring.asleep  # read, and armed again
-        process.work()
-        assert await core.stop() == exits.OK
-
-    run(scenario())
-
-
 def test_outcomes_written_during_a_settle_call_wake_nobody_and_go_in_the_next_call():
     async def scenario():
         core, broker, pids = await running_core(6, 6, 1)

@@ -270,17 +270,3 @@ def test_two_processes_pass_records_both_ways_with_wakeups() -> None:
         if pid:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-
-
-def test_a_put_without_wake_is_visible_and_leaves_the_wake_up_to_the_next_put() -> None:
-    ring = make_ring()
-    assert ring.prepare_sleep()
-    assert not ring.waiting
-    assert ring.put(b"quick job's outcome", wake=False)
-    assert ring.waiting  # visible at once: a reader that looks finds it
-    assert wakeups(ring) == 0
-    assert ring.put(b"the last one")  # the next waking put wakes the sleeper, once
-    assert wakeups(ring) == 1
-    ring.clear_wakeup()
-    assert ring.get_many(10) == [b"quick job's outcome", b"the last one"]
-    assert not ring.waiting

@@ -94,23 +94,17 @@ class Ring:
         self.wake_fd = wake_fd
 
     @property
-    def waiting(self) -> bool:
-        """Records wait to be read (some may have come without a wake-up: ``put``)."""
-        return self._words[_WRITE] != self._words[_READ]
-
-    @property
     def capacity(self) -> int:
         """Bytes of its data area (a record, with its length, takes whole slots of it)."""
         return self._slots * self._slot_size
 
     # -- writer side ---------------------------------------------------------------
 
-    def put(self, record: bytes, wake: bool = True) -> bool:
+    def put(self, record: bytes) -> bool:
         """Publish one record; False (nothing visible) when there is no room yet.
 
         The common case (it fits before the end of the data area) is written here at once:
-        a handler process publishes each outcome so, one per job. ``wake=False``: visible,
-        but a sleeping reader is not woken for it (the next waking publish wakes it)."""
+        a handler process publishes each outcome so, one per job."""
         words = self._words
         write = words[_WRITE]
         size = len(record)
@@ -122,7 +116,7 @@ class Ring:
         offset = position * slot_size
         _LENGTH.pack_into(self._data, offset, size)
         self._data[offset + _LENGTH.size : offset + _LENGTH.size + size] = record
-        self._publish(write + needed, wake)
+        self._publish(write + needed)
         return True
 
     def put_many(self, records: Iterable[bytes]) -> int:
@@ -156,14 +150,11 @@ class Ring:
             self._publish(write)
         return placed
 
-    def _publish(self, write: int, wake: bool = True) -> None:
-        """Make everything up to ``write`` visible, and wake the reader if it sleeps (and
-        ``wake``)."""
+    def _publish(self, write: int) -> None:
+        """Make everything up to ``write`` visible, and wake the reader if it sleeps."""
         words = self._words
         words[_WRITE] = write
         _fence()
-        if not wake:
-            return
         sleeping = words[_SLEEPING]
         if sleeping and sleeping != self._woken:  # asleep, and not woken yet
             os.eventfd_write(self.wake_fd, 1)

@@ -17,17 +17,10 @@ from worker.message import Message
 
 _IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)
 _PARENT_CHECK = 1.0  # seconds between checks that the parent is still there
-#: A job quicker than this (seconds) lets its DONE go out without waking the supervisor
-#: while the next job of the batch runs: the end of the batch (or a slow job) wakes it
-#: once for them all, and its watch loop reads the ring within a period whatever comes.
-#: At prefetch 100 a no-op's first DONE woke it every batch, to settle one or two jobs.
-QUICK = 0.001
 
 
 class SyncRunner(Runner):
     """The delivery loop of one handler process running a plain ``def`` handler."""
-
-    _last_was_slow = True  # the last job's DONE wakes the supervisor (see QUICK)
 
     def run(self) -> NoReturn:
         if self._handler.init is not None:
@@ -61,7 +54,7 @@ class SyncRunner(Runner):
         # it (attempts unchanged) after a crash: the mark is that, one store and no record.
         outcomes = self._outcomes
         if outcomes:  # the last job's DONE, usually: one record, put at once
-            if len(outcomes) == 1 and self._outbox.put(outcomes[0], wake=self._last_was_slow):
+            if len(outcomes) == 1 and self._outbox.put(outcomes[0]):
                 outcomes.clear()
             else:
                 self.send(outcomes)
@@ -73,16 +66,13 @@ class SyncRunner(Runner):
             message = Message.from_raw(raw, delivery_id, attempts, plain)
             handler.call(message)
         except Exception as error:
-            self._last_was_slow = True  # a failure is told at once
             self._fail(delivery_id, message, error, failure_of(error))
             return
         except BaseException as error:  # sys.exit(), KeyboardInterrupt: the process ends
             self._handler_exited(delivery_id, message, error)
         if handler.flush is None:
             # DONE carries the handler's seconds (for the supervisor's histogram).
-            seconds = time.monotonic() - began
-            self._last_was_slow = seconds >= QUICK
-            self._succeed(delivery_id, message, seconds)
+            self._succeed(delivery_id, message, time.monotonic() - began)
             return
         self._began[delivery_id] = began  # its DONE comes after flush(): timed to then
         self._held.append((delivery_id, message))
