@@ -31,6 +31,14 @@ from support.envelopes import publish
 from support.supervision import ROOT, counter, wait_for, write_config
 
 
+def python_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter from the checkout; it must exit 0."""
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def usage(pid: str, project: str = "p1", period: int = 0, **metrics: int) -> Usage:
     return Usage(pid, project, period, list(metrics.items()))
 
@@ -320,9 +328,7 @@ def test_the_server_store_through_clickhouse_connect(tmp_path):
         print(sorted(store.totals().items()), sorted(store.seen()))
         store.close()
     """)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = python_script(code)
     assert done.stdout == ("[(('p1', 'bandwidth'), -5), (('p1', 'executions'), 2)] "
                            "['a', 'b']\n")
 
@@ -579,11 +585,7 @@ engine.close()
 def test_a_large_insert_costs_the_writer_little_more_than_its_rows():
     """6 MiB of rows (a move of the log is up to 8 MiB) raised the writer's peak by 66-71
     MiB as the text of a query, by 14-17 MiB streamed: less than five times the rows."""
-    done = subprocess.run([sys.executable, "-c", PEAK_OF_AN_INSERT], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, done.stderr
-    size, grew = map(int, done.stdout.split())
+    size, grew = map(int, python_script(PEAK_OF_AN_INSERT).stdout.split())
     assert grew < 5 * size, f"{grew >> 20} MiB more peak for {size >> 20} MiB of rows"
 
 
@@ -612,11 +614,7 @@ started.wait()
 def test_the_writer_keeps_the_engine_threads_to_two_malloc_arenas():
     """glibc gives each thread an arena up to 8 per core; the engine runs 28 threads."""
     def arenas(*args: str) -> int:
-        done = subprocess.run([sys.executable, "-c", ARENAS_OF_EIGHT_THREADS, *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        assert done.returncode == 0, done.stderr
-        return done.stderr.count("Arena ")
+        return python_script(ARENAS_OF_EIGHT_THREADS, *args, timeout=60).stderr.count("Arena ")
 
     assert arenas() > 2  # glibc's default here
     assert arenas("fewer") == 2
