@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -114,11 +115,31 @@ def run(config: Config) -> int:
         broker = make_broker(config)
         arbiter = Arbiter(config, broker, places, forkserver, handler,
                           notifier=notifier, metrics=recorder)
+        quiet_collector()  # after the fork server: handler processes keep CPython's own
         return asyncio_run(arbiter.run())
     finally:
         recorder.close()
         notifier.close()
         forkserver.stop()
+
+
+#: The supervisor's young-object collection runs once per this many new container objects
+#: (CPython: 700).
+YOUNG_COLLECTION_EVERY = 10_000
+
+
+def quiet_collector() -> None:
+    """Fewer, cheaper cyclic garbage collections in the supervisor's loop.
+
+    What exists before the loop starts (modules, the config, the handler's module) lives as
+    long as the process: ``gc.freeze`` takes it out of the collector's sight, so that a full
+    collection no longer walks it (about 11 ms each). Per job the supervisor makes a few
+    containers that die young, freed by reference counting; a young collection every
+    10,000 of them instead of 700 finds the same nothing. Measured with the no-op at
+    prefetch 100: 72 ms of collection per 200,000 jobs before, 11 ms after.
+    """
+    gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_EVERY, 10, 10)
 
 
 def start_metrics(config: Config) -> metrics.Metrics:
