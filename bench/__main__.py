@@ -90,6 +90,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="messages per Dramatiq run (default: --messages): at prefetch 1 it "
                              "takes about 7 ms a message, while the raw loops need many "
                              "messages for CPU figures read in 10 ms ticks")
+    parser.add_argument("--peer-prefetch", default="100,1",
+                        help="comma-separated prefetch values of the Dramatiq runs with "
+                             "--peers (default 100,1; prefetch 1 takes minutes)")
     parser.add_argument("--coroutines", default="1",
                         help="comma-separated handler process counts (default 1); a prefetch "
                              "below the count is skipped")
@@ -248,7 +251,7 @@ def run_redis_peers(args, target: runs.RedisTarget, rows: list[dict[str, Any]]) 
 
     messages = args.dramatiq_messages or args.messages
     raw_messages = args.messages
-    for prefetch in (100, 1):
+    for prefetch in [int(p) for p in args.peer_prefetch.split(",") if p.strip()]:
         def dramatiq_run(prefetch: int = prefetch) -> dict[str, Any]:
             row = runs.peer_redis(
                 target, "dramatiq", "bench.peer_dramatiq", messages, [],
