@@ -25,7 +25,7 @@ from broker.base import Delivery, Received
 from broker.failure import Failure
 from broker.memory import MemoryBroker
 from supervisor import exits
-from supervisor.arbiter import plan
+from supervisor.arbiter import BATCHES_IN_FLIGHT, MAX_BATCH, batch_limit, plan
 from supervisor.buffer import AccountingError, Buffer, Entry, State
 from supervisor.settlement import Settler
 from tests.inprocess import Core, InProcessForkServer, completed_buffer, core_config
@@ -851,6 +851,91 @@ def test_a_settle_call_during_a_receive_reserves_ahead_only_what_that_receive_le
         gate.set()
         await core.wait_for(lambda: arbiter.buffer.outstanding == 100)
         assert rooms == [30, 30]
+        assert await core.stop(work=False) == exits.OK
+
+    run(scenario())
+
+
+def test_after_a_settle_call_that_reserved_ahead_its_claim_goes_before_the_next_settle_call():
+    """The receive that claims what a settle call reserved ahead runs as soon as the call
+    returns, before the outcomes that completed during the call are read and settled: Redis
+    then runs the claim while the supervisor builds the next settle call, where the claim
+    used to wait behind it."""
+    async def scenario():
+        core, broker, asked = await core_noting_reserve_ahead()
+        calls: list[str] = []
+        held = asyncio.Event()
+        settle, receive = broker.settle, broker.receive
+
+        async def settle_held(settlements, on_result=None):
+            calls.append(f"settle {len(settlements)}")
+            await held.wait()
+            return await settle(settlements, on_result)
+
+        async def receive_noted(room: int, timeout: float):
+            calls.append(f"receive {room}")
+            return await receive(room, timeout)
+
+        broker.settle = settle_held  # type: ignore[method-assign]
+        broker.receive = receive_noted  # type: ignore[method-assign]
+        handler = core.process(0)
+
+        def finish(jobs: int) -> None:
+            for _ in range(jobs):
+                handler.start_next()
+                handler.finish()
+
+        finish(25)  # a quarter of prefetch: its settle call reserves that room ahead
+        await core.wait_for(lambda: calls == ["settle 25"])
+        assert asked == [25]
+        finish(5)  # completed while the call is under way
+        await core.settle_down()
+        held.set()
+        await core.wait_for(lambda: len(calls) == 3)
+        assert calls == ["settle 25", "receive 25", "settle 5"]
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 95)
+        assert await core.stop(work=False) == exits.OK
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("prefetch", "reserves_ahead", "limit"), [
+    (100, True, -(-100 // BATCHES_IN_FLIGHT)),
+    (1, True, 1),
+    (2, True, 1),
+    (8, True, -(-8 // BATCHES_IN_FLIGHT)),
+    (5000, True, MAX_BATCH),
+    (100, False, MAX_BATCH),
+    (1, False, MAX_BATCH),
+])
+def test_a_receive_takes_a_share_of_prefetch_where_settle_calls_reserve_ahead(
+    prefetch, reserves_ahead, limit,
+):
+    assert batch_limit(prefetch, reserves_ahead) == limit
+
+
+def test_a_broker_that_reserves_ahead_is_received_from_in_batches_no_larger_than_the_limit():
+    """Filling prefetch 100 from a broker whose settle calls reserve ahead: every receive asks
+    for at most ``batch_limit`` (the next receive takes the rest)."""
+    async def scenario():
+        broker = MemoryBroker()
+        broker.reserves_ahead = True  # type: ignore[attr-defined]
+        rooms: list[int] = []
+        receive = broker.receive
+
+        async def receive_noted(room: int, timeout: float):
+            rooms.append(room)
+            return await receive(room, timeout)
+
+        broker.receive = receive_noted  # type: ignore[method-assign]
+        core, broker, _ = await running_core(300, 100, 1, broker)
+        limit = batch_limit(100, True)
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
+        assert rooms[:2] == [limit, 100 - limit]
+        for _ in range(3):
+            await finish_settled(core, broker, 50)
+            await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
+        assert max(rooms) == limit
         assert await core.stop(work=False) == exits.OK
 
     run(scenario())

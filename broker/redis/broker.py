@@ -705,6 +705,13 @@ class RedisBroker:
 
     # -- reserving ahead, in a settle call's write --------------------------------------
 
+    @property
+    def reserves_ahead(self) -> bool:
+        """Its settle calls can reserve ahead (``reserve_ahead``): a plain Redis without
+        replica confirmation. The supervisor then receives in smaller batches (see
+        ``supervisor.arbiter.batch_limit``)."""
+        return self._wire is not None and not self.replication.enabled
+
     def reserve_ahead(self, room: int) -> bool:
         """The next settle call, once applied, makes ``room`` for a receive: reserve that in
         the call's own write, so that the receive after it claims at once instead of waiting
