@@ -480,6 +480,10 @@ class Arbiter:
                 and (self.receiving > 0 or self.room.is_set() or self.ahead_settling is not None
                      or self.receive_room() <= 0))
 
+    def outcomes_waiting(self) -> bool:
+        """Outcomes wait in a ring left unarmed (``take_unarmed`` has something to read)."""
+        return any(place.to_parent.waiting for place in self.unarmed.values())
+
     def take_unarmed(self) -> None:
         """Read the rings left unarmed; each is armed again unless the next call follows."""
         taken = False
@@ -595,7 +599,7 @@ class Arbiter:
                         calls.release()
                         break
                     if self.broker.settle_concurrency == 1:  # no task of its own to make
-                        if await self.settle_batch(batch, calls):
+                        if await self.settle_batch(batch, calls) and self.outcomes_waiting():
                             # The call reserved ahead: the receive loop claims that first
                             # (its turn is next), so Redis runs the claim while this loop
                             # reads outcomes and builds the next call, not after.

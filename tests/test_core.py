@@ -899,6 +899,37 @@ def test_after_a_settle_call_that_reserved_ahead_its_claim_goes_before_the_next_
     run(scenario())
 
 
+def test_a_settle_call_that_reserved_ahead_costs_no_extra_turn_when_no_outcome_waits():
+    """At prefetch 1 the one job was in the call: nothing waits to be read after it, so the
+    settle loop does not give the receive loop a turn of its own (it would cost one turn of
+    the event loop per job); it waits for the next completion, which does the same."""
+    async def scenario():
+        core, broker, _ = await running_core(10, 1, 1)
+        await core.wait_for(lambda: core.arbiter.buffer.outstanding == 1)
+        core.arbiter.reserve_ahead = lambda room: True
+        yields = 0
+        sleep = asyncio.sleep
+
+        async def counted(delay: float, *args):
+            nonlocal yields
+            if delay == 0 and sys._getframe(1).f_code.co_name == "settle_loop":
+                yields += 1
+            return await sleep(delay, *args)
+
+        asyncio.sleep = counted  # type: ignore[assignment]
+        try:
+            for jobs in range(1, 4):
+                await finish_settled(core, broker, 1)
+                await core.wait_for(lambda: core.arbiter.buffer.outstanding == 1)
+                assert sum(broker.committed.values()) == jobs
+        finally:
+            asyncio.sleep = sleep  # type: ignore[assignment]
+        assert yields == 0
+        assert await core.stop(work=False) == exits.OK
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(("prefetch", "reserves_ahead", "limit"), [
     (100, True, -(-100 // BATCHES_IN_FLIGHT)),
     (1, True, 1),

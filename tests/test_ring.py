@@ -40,6 +40,17 @@ def test_round_trip_of_one_record(size: int) -> None:
     assert ring.get() is None
 
 
+def test_waiting_says_whether_records_wait_without_reading_or_waking() -> None:
+    ring = make_ring()
+    assert not ring.waiting
+    ring.put(b"one")
+    assert wakeups(ring) == 0  # the reader never said it sleeps
+    assert ring.prepare_sleep() is False  # a record waits: awake again
+    assert ring.waiting and ring.waiting  # asking reads nothing
+    assert ring.get_many(10) == [b"one"]
+    assert not ring.waiting
+
+
 def test_record_larger_than_the_ring_is_refused() -> None:
     ring = make_ring(4, 64)
     with pytest.raises(ValueError, match="exceeds the ring"):

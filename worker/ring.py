@@ -260,6 +260,11 @@ class Ring:
         return True
 
     @property
+    def waiting(self) -> bool:
+        """Records are waiting to be read (never blocks, reads nothing)."""
+        return self._words[_WRITE] != self._words[_READ]
+
+    @property
     def asleep(self) -> bool:
         """The reader declared itself asleep (``prepare_sleep``): the writer's next record
         wakes it."""
