@@ -794,6 +794,19 @@ async def core_noting_reserve_ahead():
     return core, broker, asked
 
 
+def noting_receives(broker: MemoryBroker) -> list[int]:
+    """The room each of the broker's receives from now on asks for (the list returned)."""
+    rooms: list[int] = []
+    receive = broker.receive
+
+    async def receive_noted(room: int, timeout: float):
+        rooms.append(room)
+        return await receive(room, timeout)
+
+    broker.receive = receive_noted  # type: ignore[method-assign]
+    return rooms
+
+
 def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_it_ahead():
     """A broker with ``reserve_ahead`` reserves, in a settle call's write, the room that
     call frees, when the receive loop sleeps waiting for it: asked for exactly the room the
@@ -801,14 +814,7 @@ def test_a_settle_call_that_makes_room_for_a_receive_asks_the_broker_to_reserve_
     async def scenario():
         core, broker, asked = await core_noting_reserve_ahead()
         arbiter = core.arbiter
-        rooms: list[int] = []
-        receive = broker.receive
-
-        async def receive_noted(room: int, timeout: float):
-            rooms.append(room)
-            return await receive(room, timeout)
-
-        broker.receive = receive_noted  # type: ignore[method-assign]
+        rooms = noting_receives(broker)
 
         async def finish(jobs: int) -> None:
             await finish_settled(core, broker, jobs)
@@ -951,14 +957,7 @@ def test_a_broker_that_reserves_ahead_is_received_from_in_batches_no_larger_than
     async def scenario():
         broker = MemoryBroker()
         broker.reserves_ahead = True  # type: ignore[attr-defined]
-        rooms: list[int] = []
-        receive = broker.receive
-
-        async def receive_noted(room: int, timeout: float):
-            rooms.append(room)
-            return await receive(room, timeout)
-
-        broker.receive = receive_noted  # type: ignore[method-assign]
+        rooms = noting_receives(broker)
         core, broker, _ = await running_core(300, 100, 1, broker)
         limit = batch_limit(100, True)
         await core.wait_for(lambda: core.arbiter.buffer.outstanding == 100)
