@@ -736,6 +736,9 @@ def test_a_worker_that_never_renews_keeps_its_deliveries_beside_supervisor_sweep
         runs["killed"].process.wait(10)
         wait_for(lambda: set(lines(tmp_path / "living" / "handled")) >= set(origin) - php_pids,
                  30, "the living supervisor to run the rest, the dead one's work too")
+        # Handled is not settled: the stop below kills it, so its commits come first.
+        wait_for(lambda: counter(client, "success") == len(origin) - len(php_pids), 10,
+                 "the living supervisor's commits")
         for message in long_running:  # the handlers end: still the Workerman worker's
             assert client.get(k.owner(message.pid)) == message.receipt.encode()
             workerman.commit(message)
