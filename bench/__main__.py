@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -296,7 +297,14 @@ def run_nats(args, run: runs.NatsTargetRun, prefetches: list[int], handlers: lis
                        "prefetch": 100}, raw_run)
 
 
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (kill, timeout, systemd) ends a run as Ctrl-C does: every ``finally`` runs,
+    so no supervisor, handler process or server it started is left behind."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     global REPEAT
