@@ -36,7 +36,10 @@ class SyncRunner(Runner):
                 self._title.set_busy(True)
                 for record in records:
                     dispatch(record)
-                self.send(self._outcomes)
+                if not (inbox.stop_requested and inbox.waiting):
+                    # Stopping, the skips of what is still in the ring go out with these,
+                    # in one write: the supervisor releases them in one call, in order.
+                    self.send(self._outcomes)
                 continue
             if self._held:  # nothing else is waiting: make the held successes durable
                 self._flush_held()
