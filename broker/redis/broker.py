@@ -725,10 +725,10 @@ class RedisBroker:
         return True
 
     def _ahead_allowed(self) -> bool:
-        return not (self._wire is None or self.replication.enabled or self._no_wait
-                    or self._settled_on != self._wire.connects
-                    or self._ahead is not None or self._ahead_lost is not None
-                    or self._ahead_sending or self._unresolved)
+        return self.reserves_ahead and not (
+            self._no_wait or self._settled_on != cast(Wire, self._wire).connects
+            or self._ahead is not None or self._ahead_lost is not None
+            or self._ahead_sending or self._unresolved)
 
     def _ahead_command(self, wanted: int) -> tuple[str, list[str], list[Any]] | None:
         """The reserve to send with this settle call, or None."""
