@@ -208,7 +208,7 @@ def with_latency(args, target, row: dict[str, Any] | None, prefetch: int, handle
 
 def configurations(args, prefetches: list[int], handlers: list[str]):
     """(coroutines, handler, prefetch) to run: a prefetch must cover every process."""
-    for coroutines in sorted({int(c) for c in args.coroutines.split(",") if c.strip()}):
+    for coroutines in sorted(set(numbers(args.coroutines))):
         for handler in handlers:
             for prefetch in prefetches:
                 if prefetch >= coroutines:
@@ -252,7 +252,7 @@ def run_redis_peers(args, target: runs.RedisTarget, rows: list[dict[str, Any]]) 
 
     messages = args.dramatiq_messages or args.messages
     raw_messages = args.messages
-    for prefetch in [int(p) for p in args.peer_prefetch.split(",") if p.strip()]:
+    for prefetch in numbers(args.peer_prefetch):
         def dramatiq_run(prefetch: int = prefetch) -> dict[str, Any]:
             row = runs.peer_redis(
                 target, "dramatiq", "bench.peer_dramatiq", messages, [],
@@ -297,6 +297,11 @@ def run_nats(args, run: runs.NatsTargetRun, prefetches: list[int], handlers: lis
                        "prefetch": 100}, raw_run)
 
 
+def numbers(text: str) -> list[int]:
+    """The whole numbers of a comma-separated option (``--prefetch 1,8,32,100``)."""
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
 def stop_on_sigterm(signum: int, frame: object) -> None:
     """SIGTERM (kill, timeout, systemd) ends a run as Ctrl-C does: every ``finally`` runs,
     so no supervisor, handler process or server it started is left behind."""
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     REPEAT = max(1, args.repeat)
     runs.METRICS = args.supervisor_metrics
     sys.path.insert(0, str(ROOT))
-    prefetches = [int(p) for p in args.prefetch.split(",") if p.strip()]
+    prefetches = numbers(args.prefetch)
     handlers = [h.strip() for h in args.handlers.split(",") if h.strip()]
     unknown = set(handlers) - set(runs.HANDLERS)
     if unknown:
