@@ -22,6 +22,14 @@ QUEUE = "e2e"
 NAMESPACE = "utopia-queue"
 
 
+def python_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter from the checkout; it must exit 0."""
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def write_config(directory: Path, url: str, handler: str = "tests.handlers.e2e_record:handle",
                  **sections: dict[str, Any]) -> Path:
     """A job file for ``url``; ``sections`` override keys, e.g. job={"prefetch": 10}."""

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from support.supervision import ROOT, write_config
+from support.supervision import python_script, write_config
 
 # Runs supervisor.cli.run with the event loop replaced by a probe: it reports the
 # collector's state at the moment the loop would start, and at the moment the fork server
@@ -48,10 +45,7 @@ print(json.dumps({"code": code, **seen}))
 
 def run_probe(tmp_path: Path) -> dict:
     config = write_config(tmp_path, "redis://127.0.0.1:1/0", handler="examples.noop:handle")
-    done = subprocess.run([sys.executable, "-c", PROBE, str(config)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, done.stderr
+    done = python_script(PROBE, str(config), timeout=60)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -28,15 +28,7 @@ from examples.usage.clickhouse import rows_of
 from examples.usage.local import WriterError, WriterUnavailable
 from examples.usage.writer import Engine
 from support.envelopes import publish
-from support.supervision import ROOT, counter, wait_for, write_config
-
-
-def python_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter from the checkout; it must exit 0."""
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, done.stderr
-    return done
+from support.supervision import ROOT, counter, python_script, wait_for, write_config
 
 
 def usage(pid: str, project: str = "p1", period: int = 0, **metrics: int) -> Usage:
