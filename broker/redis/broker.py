@@ -29,14 +29,8 @@ from urllib.parse import urlsplit
 import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis.asyncio.connection import (
-    Connection,
-    SSLConnection,
-    UnixDomainSocketConnection,
-)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.connection import HiredisRespSerializer
 
 from broker import envelope
 from broker.base import (
@@ -58,6 +52,7 @@ from broker.base import (
 from broker.errors import describe
 from broker.failure import Failure
 from broker.redis import recovery, seeds
+from broker.redis.connection import connection_class
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
@@ -124,40 +119,6 @@ _RESULTS = {
     b"stale": Result(Outcome.STALE),
     b"missing": Result(Outcome.MISSING),
 }
-
-
-class _HiredisPacking:
-    """Packs commands with hiredis, as redis-py's sync client does.
-
-    The asyncio connections pack in Python, at a cost that grows with the argument count:
-    for a batch of 1,000 messages that was most of this broker's client CPU.
-    """
-
-    __slots__ = ()
-    _packer = HiredisRespSerializer()
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        return self._packer.pack(*args)
-
-
-class _FastConnection(_HiredisPacking, Connection):
-    pass
-
-
-class _FastSSLConnection(_HiredisPacking, SSLConnection):
-    pass
-
-
-class _FastUnixConnection(_HiredisPacking, UnixDomainSocketConnection):
-    pass
-
-
-def _connection_class(url: str) -> type[Connection] | type[UnixDomainSocketConnection]:
-    """The hiredis-packing twin of the connection class redis-py picks for this URL."""
-    scheme = urlsplit(url).scheme
-    if scheme == "rediss":
-        return _FastSSLConnection
-    return _FastUnixConnection if scheme == "unix" else _FastConnection
 
 
 @dataclass(slots=True)
@@ -312,7 +273,7 @@ class RedisBroker:
             return seeds.cluster_client(self.url, **options)
         # No automatic retries: a command whose reply was lost must not run a second time.
         return aioredis.Redis.from_url(
-            self.url, retry=Retry(NoBackoff(), 0), connection_class=_connection_class(self.url),
+            self.url, retry=Retry(NoBackoff(), 0), connection_class=connection_class(self.url),
             **options,
         )
 

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 
+from broker.redis.connection import use_in_cluster
 from broker.urls import split_servers
 
 
@@ -33,7 +34,9 @@ def cluster_client(url: str, **options: Any) -> RedisCluster:
     """A cluster client that may start from any of the seeds in ``url``."""
     parts = split_servers(url)
     if len(parts) == 1:
-        return RedisCluster.from_url(url, **options)
+        cluster = RedisCluster.from_url(url, **options)
+        use_in_cluster(cluster)
+        return cluster
     client: dict[str, Any] = {**options, **settings(url)}
     client.pop("host", None)
     client.pop("port", None)
@@ -43,4 +46,6 @@ def cluster_client(url: str, **options: Any) -> RedisCluster:
     for part in parts:
         parsed = urlsplit(part)
         nodes.append(ClusterNode(parsed.hostname or "127.0.0.1", parsed.port or 6379))
-    return RedisCluster(startup_nodes=nodes, **client)
+    cluster = RedisCluster(startup_nodes=nodes, **client)
+    use_in_cluster(cluster)
+    return cluster

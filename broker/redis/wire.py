@@ -27,6 +27,7 @@ import hiredis
 import redis.exceptions
 from redis.asyncio.connection import parse_url
 
+from broker.redis.connection import closed_transport
 from broker.tls import TlsSettings
 
 
@@ -79,7 +80,7 @@ class _Replies(asyncio.Protocol):
         self._sent_at.append(time.monotonic())
         if self._watchdog is None:
             self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
-        self._transport.write(packed)
+        self._write(packed)
         return future
 
     def send_joined(self, packed: list[bytes]) -> list[asyncio.Future[Any]]:
@@ -92,8 +93,16 @@ class _Replies(asyncio.Protocol):
         self._sent_at.extend([time.monotonic()] * len(packed))
         if self._watchdog is None:
             self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
-        self._transport.write(b"".join(packed))
+        self._write(b"".join(packed))
         return futures
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._transport.write(data)
+        except RuntimeError as error:  # uvloop: the transport closed before we heard of it
+            if not closed_transport(error):
+                raise
+            self.abort(f"transport closed: {error}")  # fails what waits, this command too
 
     def _watch(self) -> None:
         self._watchdog = None

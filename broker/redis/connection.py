@@ -1,0 +1,103 @@
+"""redis-py's asyncio connections as the broker uses them, plain or in a Cluster.
+
+Two changes to redis-py's own classes, each for a cost or a failure seen in this project:
+
+- commands are packed by hiredis (as redis-py's sync client does): the asyncio connections
+  pack in Python, at a cost that grows with the argument count, and for a batch of 1,000
+  messages that was most of this broker's client CPU;
+- a write that uvloop refuses because the connection's transport is already closed
+  (``RuntimeError: unable to perform operation on <TCPTransport closed=True ...>; the
+  handler is closed``) is raised as the ``ConnectionError`` it is. asyncio's own loop drops
+  such a write and the read fails; uvloop raises, and neither redis-py nor its Cluster client
+  knows that error: it came out of a settlement as a failure of its own rather than as the
+  outage it was, and the Cluster client did not reload its slot map after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.exceptions
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.connection import HiredisRespSerializer
+
+#: The end of uvloop's message for any operation on a closed handle.
+_CLOSED_HANDLE = "the handler is closed"
+
+
+def closed_transport(error: BaseException) -> bool:
+    """Whether ``error`` is uvloop refusing to write to a transport that is already closed."""
+    return isinstance(error, RuntimeError) and _CLOSED_HANDLE in str(error)
+
+
+class _BrokerConnection:
+    """What the broker's connections change in redis-py's (a mixin: first among the bases)."""
+
+    __slots__ = ()
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return self._packer.pack(*args)
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RuntimeError as error:
+            if not closed_transport(error):
+                raise
+            # redis-py has already dropped the connection (it does for any error of a write);
+            # nothing was written, and the next command connects again.
+            raise redis.exceptions.ConnectionError(
+                f"Connection closed before the write: {error}") from error
+
+
+class BrokerConnection(_BrokerConnection, Connection):
+    pass
+
+
+class BrokerSSLConnection(_BrokerConnection, SSLConnection):
+    pass
+
+
+class BrokerUnixConnection(_BrokerConnection, UnixDomainSocketConnection):
+    pass
+
+
+#: The broker's twin of each class redis-py picks.
+_TWINS: dict[type[Any], type[Any]] = {
+    Connection: BrokerConnection,
+    SSLConnection: BrokerSSLConnection,
+    UnixDomainSocketConnection: BrokerUnixConnection,
+}
+
+
+def connection_class(url: str) -> type[Connection] | type[UnixDomainSocketConnection]:
+    """The broker's twin of the connection class redis-py picks for this URL."""
+    scheme = urlsplit(url).scheme
+    if scheme == "rediss":
+        return BrokerSSLConnection
+    return BrokerUnixConnection if scheme == "unix" else BrokerConnection
+
+
+def use_in_cluster(client: Any) -> None:
+    """Make a new ``RedisCluster`` open the broker's connections to every node, those it
+    starts from and those it finds later.
+
+    The Cluster client takes no connection class of its own choosing (it picks redis-py's
+    plain or TLS class), so its settings are changed after it is made and before it connects:
+    the client and its node manager share one dict of them.
+    """
+    settings = client.connection_kwargs
+    settings["connection_class"] = _twin(settings.get("connection_class", Connection))
+    for node in (*client.startup_nodes, *client.nodes_manager.startup_nodes.values()):
+        node.connection_class = _twin(node.connection_class)
+
+
+def _twin(chosen: type[Any]) -> type[Any]:
+    """A class redis-py added after this was written is kept as it is (it works, without
+    these changes)."""
+    return _TWINS.get(chosen, chosen)

@@ -1,0 +1,166 @@
+"""The broker's redis-py connections (broker.redis.connection), plain and in a Cluster, and
+the lean connection, when uvloop refuses a write to a transport that is already closed.
+
+uvloop raises ``RuntimeError: unable to perform operation on <TCPTransport closed=True ...>;
+the handler is closed`` where asyncio's own loop drops the write. A CI run saw it come out of
+a settlement on a Cluster whose master had been killed, logged as a failure of the
+settlement rather than told as the outage. The transport below stands in for uvloop's in
+that one state (its handle closed, ``is_closing()`` not yet true, which Python code cannot
+bring about on a real one); the servers are real.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis.exceptions
+import uvloop
+
+from broker.redis import seeds
+from broker.redis.connection import (
+    BrokerConnection,
+    BrokerSSLConnection,
+    BrokerUnixConnection,
+    closed_transport,
+    connection_class,
+)
+from broker.redis.wire import Wire
+from broker.tls import TlsSettings
+
+UVLOOP_REFUSAL = ("unable to perform operation on <TCPTransport closed=True reading=False "
+                  "0x55c7e6341b30>; the handler is closed")
+
+
+class ClosedHandle:
+    """A transport whose handle uvloop has closed: every write raises, as uvloop's does."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError(UVLOOP_REFUSAL)
+
+    def writelines(self, data: Any) -> None:
+        raise RuntimeError(UVLOOP_REFUSAL)
+
+    def __getattr__(self, name: str) -> Any:  # close, abort, get_extra_info: the real one's
+        return getattr(self.real, name)
+
+
+def test_only_uvloops_closed_handle_counts_as_a_closed_transport():
+    assert closed_transport(RuntimeError(UVLOOP_REFUSAL))
+    assert not closed_transport(RuntimeError("Event loop is closed"))
+    assert not closed_transport(OSError(UVLOOP_REFUSAL))
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis://127.0.0.1:6379/0", BrokerConnection),
+    ("rediss://127.0.0.1:6379/0", BrokerSSLConnection),
+    ("unix:///run/redis.sock", BrokerUnixConnection),
+])
+def test_each_url_gets_the_brokers_twin_of_redis_pys_class(url, expected):
+    assert connection_class(url) is expected
+
+
+def test_a_refused_write_is_a_connection_error_and_the_next_command_reconnects(redis_url):
+    async def run() -> None:
+        connection = BrokerConnection(**redis.connection.parse_url(redis_url))
+        try:
+            await connection.connect()
+            writer = connection._writer
+            writer._transport = ClosedHandle(writer.transport)
+            with pytest.raises(redis.exceptions.ConnectionError, match="handler is closed"):
+                await connection.send_command("PING")
+            assert not connection.is_connected  # dropped: nothing stays half-open
+            await connection.send_command("PING")  # connects again
+            assert await connection.read_response() in (b"PONG", "PONG")
+        finally:
+            await connection.disconnect()
+
+    uvloop.run(run())
+
+
+def test_any_other_runtime_error_of_a_write_is_not_hidden(redis_url):
+    async def run() -> None:
+        connection = BrokerConnection(**redis.connection.parse_url(redis_url))
+        try:
+            await connection.connect()
+            writer = connection._writer
+            writer._transport = ClosedHandle(writer.transport)
+            writer._transport.writelines = _raise_other
+            with pytest.raises(RuntimeError, match="something else"):
+                await connection.send_command("PING")
+        finally:
+            await connection.disconnect()
+
+    uvloop.run(run())
+
+
+def _raise_other(data: Any) -> None:
+    raise RuntimeError("something else")
+
+
+def test_the_lean_connection_fails_the_command_and_connects_again(redis_url):
+    async def run() -> None:
+        wire = Wire(redis_url, TlsSettings(), timeout=5.0, connect_timeout=5.0)
+        try:
+            assert await wire.call("PING") == b"PONG"
+            replies = wire._replies
+            replies._transport = ClosedHandle(replies._transport)
+            with pytest.raises(redis.exceptions.ConnectionError, match="transport closed"):
+                await wire.call("ECHO", "lost")
+            [future] = await wire.send(("ECHO", "after"))  # a new connection, in order
+            assert await future == b"after"
+            assert wire.connects == 2
+        finally:
+            wire.close()
+
+    uvloop.run(run())
+
+
+def test_the_lean_connections_batch_fails_whole(redis_url):
+    async def run() -> None:
+        wire = Wire(redis_url, TlsSettings(), timeout=5.0, connect_timeout=5.0)
+        try:
+            assert await wire.call("PING") == b"PONG"
+            replies = wire._replies
+            replies._transport = ClosedHandle(replies._transport)
+            futures = await wire.send(("ECHO", "a"), ("ECHO", "b"))
+            for future in futures:
+                with pytest.raises(redis.exceptions.ConnectionError):
+                    await future
+            assert replies.closed
+        finally:
+            wire.close()
+
+    uvloop.run(run())
+
+
+@pytest.mark.parametrize("seeds_in_url", [1, 3])
+def test_a_cluster_client_uses_the_brokers_connections_to_every_node(redis_cluster, seeds_in_url):
+    """Those it starts from and those the slot map names; one refused write is retried by
+    the Cluster client itself (nothing was written), and the command is answered."""
+    url = ",".join(node.url for node in redis_cluster.nodes[:seeds_in_url])
+
+    async def run() -> None:
+        client = seeds.cluster_client(url)
+        try:
+            assert {node.connection_class for node in client.startup_nodes} == {BrokerConnection}
+            await client.set("{k}a", "1")
+            nodes = client.get_nodes()
+            assert len(nodes) == len(redis_cluster.nodes)
+            assert {node.connection_class for node in nodes} == {BrokerConnection}
+            owner = client.get_node_from_key("{k}a")
+            [connection] = owner._free
+            assert isinstance(connection, BrokerConnection)
+            writer = connection._writer
+            writer._transport = ClosedHandle(writer.transport)
+            assert await client.get("{k}a") == b"1"
+        finally:
+            await client.aclose()
+
+    uvloop.run(run())
