@@ -9,6 +9,8 @@ from __future__ import annotations
 
 #: Characters of an error's message kept in a line (a handler may raise a 10 MB one).
 MAX_TEXT = 2000
+#: The end of uvloop's message for any operation on a closed handle.
+_CLOSED_HANDLE = "the handler is closed"
 
 
 def describe(error: BaseException) -> str:
@@ -22,3 +24,11 @@ def describe(error: BaseException) -> str:
     if len(text) > MAX_TEXT:
         text = f"{text[:MAX_TEXT]}... [cut: {len(text):,} characters]"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def closed_transport(error: BaseException) -> bool:
+    """Whether ``error`` is uvloop refusing an operation on a transport that is already
+    closed (``RuntimeError: unable to perform operation on <TCPTransport closed=True ...>;
+    the handler is closed``): a lost connection, where asyncio's own loop drops the write and
+    the read then fails."""
+    return isinstance(error, RuntimeError) and _CLOSED_HANDLE in str(error)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from broker.base import BrokerError, BrokerRefused, WrongTypeError
-from broker.errors import describe
+from broker.errors import closed_transport, describe
 from broker.urls import redact
 
 log = logging.getLogger("supervisor.outage")
@@ -36,7 +36,7 @@ def unreachable(error: BaseException) -> bool:
     back), rather than that it answered and refused (credentials, a key of the wrong type)."""
     if isinstance(error, (BrokerRefused, WrongTypeError)):
         return False
-    return isinstance(error, (BrokerError, OSError))
+    return isinstance(error, (BrokerError, OSError)) or closed_transport(error)
 
 
 class Outage:

@@ -144,6 +144,15 @@ def test_a_refusal_is_not_an_outage():
     assert not unreachable(WrongTypeError("queue holds a string"))
 
 
+def test_a_transport_uvloop_closed_is_an_outage_and_other_runtime_errors_are_not():
+    """A write to a transport uvloop has closed, from any client the broker uses (a CI run
+    saw one escape redis-py's Cluster client): told as the outage, not as a failed call."""
+    assert unreachable(RuntimeError(
+        "unable to perform operation on <TCPTransport closed=True reading=False 0x55c7e6341b30>;"
+        " the handler is closed"))
+    assert not unreachable(RuntimeError("Event loop is closed"))
+
+
 # -- the settler: no line per delivery, uncertain once per delivery -------------------------------
 
 

@@ -17,12 +17,12 @@ import pytest
 import redis.exceptions
 import uvloop
 
+from broker.errors import closed_transport
 from broker.redis import seeds
 from broker.redis.connection import (
     BrokerConnection,
     BrokerSSLConnection,
     BrokerUnixConnection,
-    closed_transport,
     connection_class,
 )
 from broker.redis.wire import Wire

@@ -23,13 +23,7 @@ import redis.exceptions
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.connection import HiredisRespSerializer
 
-#: The end of uvloop's message for any operation on a closed handle.
-_CLOSED_HANDLE = "the handler is closed"
-
-
-def closed_transport(error: BaseException) -> bool:
-    """Whether ``error`` is uvloop refusing to write to a transport that is already closed."""
-    return isinstance(error, RuntimeError) and _CLOSED_HANDLE in str(error)
+from broker.errors import closed_transport
 
 
 class _BrokerConnection:

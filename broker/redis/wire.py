@@ -27,7 +27,7 @@ import hiredis
 import redis.exceptions
 from redis.asyncio.connection import parse_url
 
-from broker.redis.connection import closed_transport
+from broker.errors import closed_transport
 from broker.tls import TlsSettings
 
 
