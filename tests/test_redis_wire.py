@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 import redis
@@ -101,3 +102,30 @@ def test_runs_on_uvloop(redis_url):
             wire.close()
 
     assert uvloop.run(calls()) == [b"PONG", b"x"]
+
+
+def _connected_clients(server) -> int:
+    return int(server.cli("-a", "s3cret", "--no-auth-warning", "INFO", "clients")
+               .split("connected_clients:")[1].split()[0])
+
+
+async def test_a_connect_whose_auth_never_comes_back_leaves_no_connection_open(own_redis_server):
+    """A frozen server (SIGSTOP) still accepts connections (the kernel does), then never
+    answers AUTH: each attempt that gives up closes its connection, or a supervisor retrying
+    through a long freeze would leave one open per attempt once the server runs again."""
+    own_redis_server.cli("CONFIG", "SET", "requirepass", "s3cret")
+    wire = Wire(f"redis://:s3cret@127.0.0.1:{own_redis_server.port}/2", TlsSettings(),
+                timeout=5.0, connect_timeout=1.0)
+    server = own_redis_server.process
+    server.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            with pytest.raises(redis.exceptions.ConnectionError, match="Error connecting"):
+                await wire.call("PING")
+    finally:
+        server.send_signal(signal.SIGCONT)
+    async with asyncio.timeout(20):  # the server reads each AUTH, then the close after it
+        while _connected_clients(own_redis_server) != 1:  # 1: the count's own redis-cli
+            await asyncio.sleep(0.2)
+    assert await wire.call("PING") == b"PONG"
+    wire.close()

@@ -244,12 +244,20 @@ class Wire:
         async with self._connecting:
             if self._replies is not None and not self._replies.closed:
                 return self._replies  # another task connected meanwhile
+            opened: _Replies | None = None
             try:
                 async with asyncio.timeout(self._connect_timeout):
-                    replies = await self._open()
+                    replies = opened = await self._open()
                     await self._hello(replies)
-            except (OSError, TimeoutError) as error:
-                raise redis.exceptions.ConnectionError(f"Error connecting: {error!r}") from error
+            except BaseException as error:
+                # Connected, then AUTH or SELECT got no answer (a frozen server still
+                # accepts connections) or was cancelled: closed, not left open for good.
+                if opened is not None:
+                    opened.abort("connect gave up")
+                if isinstance(error, (OSError, TimeoutError)):
+                    raise redis.exceptions.ConnectionError(
+                        f"Error connecting: {error!r}") from error
+                raise
             self._replies = replies
             self.connects += 1
             return replies
