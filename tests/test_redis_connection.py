@@ -11,6 +11,8 @@ bring about on a real one); the servers are real.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -66,36 +68,50 @@ def test_each_url_gets_the_brokers_twin_of_redis_pys_class(url, expected):
     assert connection_class(url) is expected
 
 
+@contextlib.asynccontextmanager
+async def closed_under_redis_py(url: str) -> AsyncIterator[BrokerConnection]:
+    """A connected BrokerConnection whose transport uvloop has just closed."""
+    connection = BrokerConnection(**redis.connection.parse_url(url))
+    try:
+        await connection.connect()
+        writer = connection._writer
+        writer._transport = ClosedHandle(writer.transport)
+        yield connection
+    finally:
+        await connection.disconnect()
+
+
+@contextlib.asynccontextmanager
+async def closed_under_the_wire(url: str) -> AsyncIterator[Wire]:
+    """A connected Wire whose transport uvloop has just closed."""
+    wire = Wire(url, TlsSettings(), timeout=5.0, connect_timeout=5.0)
+    try:
+        assert await wire.call("PING") == b"PONG"
+        replies = wire._replies
+        replies._transport = ClosedHandle(replies._transport)
+        yield wire
+    finally:
+        wire.close()
+
+
 def test_a_refused_write_is_a_connection_error_and_the_next_command_reconnects(redis_url):
     async def run() -> None:
-        connection = BrokerConnection(**redis.connection.parse_url(redis_url))
-        try:
-            await connection.connect()
-            writer = connection._writer
-            writer._transport = ClosedHandle(writer.transport)
+        async with closed_under_redis_py(redis_url) as connection:
             with pytest.raises(redis.exceptions.ConnectionError, match="handler is closed"):
                 await connection.send_command("PING")
             assert not connection.is_connected  # dropped: nothing stays half-open
             await connection.send_command("PING")  # connects again
             assert await connection.read_response() in (b"PONG", "PONG")
-        finally:
-            await connection.disconnect()
 
     uvloop.run(run())
 
 
 def test_any_other_runtime_error_of_a_write_is_not_hidden(redis_url):
     async def run() -> None:
-        connection = BrokerConnection(**redis.connection.parse_url(redis_url))
-        try:
-            await connection.connect()
-            writer = connection._writer
-            writer._transport = ClosedHandle(writer.transport)
-            writer._transport.writelines = _raise_other
+        async with closed_under_redis_py(redis_url) as connection:
+            connection._writer._transport.writelines = _raise_other
             with pytest.raises(RuntimeError, match="something else"):
                 await connection.send_command("PING")
-        finally:
-            await connection.disconnect()
 
     uvloop.run(run())
 
@@ -106,36 +122,25 @@ def _raise_other(data: Any) -> None:
 
 def test_the_lean_connection_fails_the_command_and_connects_again(redis_url):
     async def run() -> None:
-        wire = Wire(redis_url, TlsSettings(), timeout=5.0, connect_timeout=5.0)
-        try:
-            assert await wire.call("PING") == b"PONG"
-            replies = wire._replies
-            replies._transport = ClosedHandle(replies._transport)
+        async with closed_under_the_wire(redis_url) as wire:
             with pytest.raises(redis.exceptions.ConnectionError, match="transport closed"):
                 await wire.call("ECHO", "lost")
             [future] = await wire.send(("ECHO", "after"))  # a new connection, in order
             assert await future == b"after"
             assert wire.connects == 2
-        finally:
-            wire.close()
 
     uvloop.run(run())
 
 
 def test_the_lean_connections_batch_fails_whole(redis_url):
     async def run() -> None:
-        wire = Wire(redis_url, TlsSettings(), timeout=5.0, connect_timeout=5.0)
-        try:
-            assert await wire.call("PING") == b"PONG"
+        async with closed_under_the_wire(redis_url) as wire:
             replies = wire._replies
-            replies._transport = ClosedHandle(replies._transport)
             futures = await wire.send(("ECHO", "a"), ("ECHO", "b"))
             for future in futures:
                 with pytest.raises(redis.exceptions.ConnectionError):
                     await future
             assert replies.closed
-        finally:
-            wire.close()
 
     uvloop.run(run())
 
