@@ -83,11 +83,17 @@ def use_in_cluster(client: Any) -> None:
 
     The Cluster client takes no connection class of its own choosing (it picks redis-py's
     plain or TLS class), so its settings are changed after it is made and before it connects:
-    the client and its node manager share one dict of them.
+    the client and its node manager share one dict of them. A redis-py that keeps them
+    elsewhere keeps its own classes, which work (``supervisor.outage.unreachable`` still
+    tells a closed transport as the outage it is); the tests show which one is installed.
     """
-    settings = client.connection_kwargs
+    settings = getattr(client, "connection_kwargs", None)
+    manager = getattr(client, "nodes_manager", None)
+    if not isinstance(settings, dict) or manager is None:
+        return
     settings["connection_class"] = _twin(settings.get("connection_class", Connection))
-    for node in (*client.startup_nodes, *client.nodes_manager.startup_nodes.values()):
+    for node in (*getattr(client, "startup_nodes", ()),
+                 *getattr(manager, "startup_nodes", {}).values()):
         node.connection_class = _twin(node.connection_class)
 
 
