@@ -633,6 +633,41 @@ async def test_extend_keeps_held_deliveries_past_ack_wait(nats_brokers, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
+async def test_renewals_leave_in_one_write_and_a_lost_reply_is_never_replayed(
+        nats_brokers, proxy, js, caplog):
+    """100 renewals: one batch of typed requests, no request one at a time. The 10 whose
+    reply the proxy drops are uncertain (still ours: True), told in one line, and were
+    published once each; every delivery then commits with nothing redelivered."""
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=30, request_timeout=1.0)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(100)])
+    held = await receive_all(broker, 100)
+    conn = broker._link.connection
+    calls: list[str] = []
+
+    def counted(name: str):
+        real = getattr(conn, name)
+
+        def spy(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return spy
+
+    for name in ("request", "request_batch"):
+        setattr(conn, name, counted(name))
+    proxy.drop_replies_to(d.receipt.reply for d in held[:10])
+    with caplog.at_level(logging.WARNING, logger="broker.nats"):
+        assert await broker.extend(held) == [True] * 100
+    assert calls == ["request_batch"]
+    assert [proxy.published[d.receipt.reply] for d in held] == [1] * 100
+    [told] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("renewal")]
+    assert "10 of 100 without a confirmed outcome (first: uncertain" in told, told
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+    # (the proxy still drops the replies to those 10 acks: applied, but not confirmed)
+    assert [r.outcome for r in results] == [Outcome.UNCERTAIN] * 10 + [Outcome.OK] * 90
+    assert (await js.consumer_info(NAMES.stream, "worker")).num_redelivered == 0
+    assert await stream_messages(js, NAMES.stream) == 0
+
+
 async def test_superseded_delivery_is_reported_stale(nats_brokers):
     broker = await nats_brokers(QUEUE, ack_wait=3)  # 3 s to renew the new delivery
     await broker.publish(QUEUE, {"x": 1})

@@ -25,8 +25,9 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
   wait (it delivers the message again), or the stream no longer stores the message
   (another consumer's ACK took it after a redelivery): a copy would be a duplicate.
 - extend: ``+WPI`` for every delivery held, and for what arrived but was not handed out
-  yet. ``False`` only for what we know is gone: a delivery superseded by a newer delivery
-  of the same message that reached us, or one whose consumer no longer exists.
+  yet, all in one write (as a settle call's acks). ``False`` only for what we know is
+  gone: a delivery superseded by a newer delivery of the same message that reached us, or
+  one whose consumer no longer exists.
 - maintain: the server's max-deliveries advisories (subscribed in queue 5's queue group, so
   one worker of the fleet acts on each) name messages that ran out of deliveries while
   nobody held them: each is copied to the dead stream, then deleted from the work stream.
@@ -98,6 +99,8 @@ from broker.tls import TlsSettings
 log = logging.getLogger("broker.nats")
 
 ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
+_SUPERSEDED = Result(Outcome.STALE, "superseded by a newer delivery")
+_UNSENT = Result(Outcome.ERROR, "not sent")  # (replaced by every try's result)
 CONTENT_TYPE = "Content-Type"
 JSON = "application/json"
 #: Queue 5's queue group for the max-deliveries advisory: one subscriber of the fleet each.
@@ -533,7 +536,7 @@ class NatsBroker:
         if action is not Action.COMMIT and not self._held.owns(seq, delivered):
             # A newer delivery of this message reached us: a NAK/TERM here would hit it.
             self._held.drop(seq, delivered)
-            return Result(Outcome.STALE, "superseded by a newer delivery")
+            return _SUPERSEDED
         if action is Action.COMMIT:
             result = await self._respond(receipt, ACK)
         elif action is Action.RELEASE:
@@ -657,25 +660,47 @@ class NatsBroker:
     # -- extend ------------------------------------------------------------------------
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
-        """As Redis: raises when no connection can be had (then nothing was renewed)."""
-        await self._connection(self._timeout)
-        unreturned = [r for r in map(_receipt, self._puller.backlog()) if r is not None]
-        results = await asyncio.gather(
-            *(self._renew(d.receipt) for d in deliveries),
-            *(self._respond(r, WPI) for r in unreturned))
-        results = results[:len(deliveries)]
+        """As Redis: raises when no connection can be had (then nothing was renewed).
+
+        Every ``+WPI`` leaves in one write, each confirmed by its own reply, as a settle
+        call's acks do (``broker.nats.acks``); one never sent, or answered 503, is tried
+        again the one-at-a-time way, with its backoff."""
+        conn = await self._connection(self._timeout)
+        held = self._held
+        results: list[Result] = [_SUPERSEDED] * len(deliveries)
+        renewing: list[NatsReceipt] = []
+        at: list[int] = []  # the index in ``results`` of each renewal sent
+        for index, delivery in enumerate(deliveries):
+            receipt: NatsReceipt = delivery.receipt
+            if held.owns(receipt.stream_seq, receipt.delivered):
+                renewing.append(receipt)
+                at.append(index)
+            else:
+                held.drop(receipt.stream_seq, receipt.delivered)
+        # What arrived but was not handed out is kept from redelivery the same way.
+        receipts = renewing + [r for r in map(_receipt, self._puller.backlog()) if r is not None]
+        outcomes: list[Result] = [_UNSENT] * len(receipts)
+        again: list[int] = []
+
+        def first_try(k: int, result: Result) -> None:
+            if result.outcome is Outcome.ERROR:
+                again.append(k)
+            else:
+                outcomes[k] = result
+
+        began = time.monotonic()
+        if await acks.request_all(conn, [r.reply for r in receipts], WPI, self._timeout,
+                                  first_try):
+            self._suspect(conn)
+        retried = await asyncio.gather(*(self._respond(receipts[k], WPI) for k in again))
+        for k, result in zip(again, retried, strict=True):
+            outcomes[k] = result
+        for k, index in enumerate(at):
+            receipt, result = renewing[k], outcomes[k]
+            held.renewed(receipt.stream_seq, receipt.delivered, result.ok, began)
+            results[index] = result
         _log_unsure(results, "renewal")
         return [r.outcome is not Outcome.STALE for r in results]
-
-    async def _renew(self, receipt: NatsReceipt) -> Result:
-        seq, delivered = receipt.stream_seq, receipt.delivered
-        if not self._held.owns(seq, delivered):
-            self._held.drop(seq, delivered)
-            return Result(Outcome.STALE, "superseded by a newer delivery")
-        began = time.monotonic()
-        result = await self._respond(receipt, WPI)
-        self._held.renewed(seq, delivered, result.ok, began)
-        return result
 
     # -- exhausted deliveries (max-deliveries advisories) ---------------------------------
 
