@@ -12,6 +12,7 @@ bring about on a real one); the servers are real.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from broker.redis.connection import (
     BrokerSSLConnection,
     BrokerUnixConnection,
     connection_class,
+    use_in_cluster,
 )
 from broker.redis.wire import Wire
 from broker.tls import TlsSettings
@@ -82,11 +84,14 @@ async def closed_under_redis_py(url: str) -> AsyncIterator[BrokerConnection]:
 
 
 @contextlib.asynccontextmanager
-async def closed_under_the_wire(url: str) -> AsyncIterator[Wire]:
-    """A connected Wire whose transport uvloop has just closed."""
+async def closed_under_the_wire(
+        url: str, waiting: tuple[Any, ...] | None = None) -> AsyncIterator[Wire]:
+    """A connected Wire whose transport uvloop has just closed; ``waiting``: a command sent
+    before, still waiting for its reply (its future in ``wire.sent_before``)."""
     wire = Wire(url, TlsSettings(), timeout=5.0, connect_timeout=5.0)
     try:
         assert await wire.call("PING") == b"PONG"
+        wire.sent_before = await wire.send(waiting) if waiting else []
         replies = wire._replies
         replies._transport = ClosedHandle(replies._transport)
         yield wire
@@ -123,7 +128,7 @@ def _raise_other(data: Any) -> None:
 def test_the_lean_connection_fails_the_command_and_connects_again(redis_url):
     async def run() -> None:
         async with closed_under_the_wire(redis_url) as wire:
-            with pytest.raises(redis.exceptions.ConnectionError, match="transport closed"):
+            with pytest.raises(redis.exceptions.ConnectionError, match="handler is closed"):
                 await wire.call("ECHO", "lost")
             [future] = await wire.send(("ECHO", "after"))  # a new connection, in order
             assert await future == b"after"
@@ -132,15 +137,31 @@ def test_the_lean_connection_fails_the_command_and_connects_again(redis_url):
     uvloop.run(run())
 
 
-def test_the_lean_connections_batch_fails_whole(redis_url):
+def test_the_lean_connections_batch_fails_whole_and_what_waited_fails_with_it(redis_url):
+    async def run() -> None:
+        async with closed_under_the_wire(redis_url, waiting=("BLPOP", "nothing", 5)) as wire:
+            replies = wire._replies
+            [waiting] = wire.sent_before
+            with pytest.raises(redis.exceptions.ConnectionError, match="handler is closed"):
+                await wire.send(("ECHO", "a"), ("ECHO", "b"))
+            assert replies.closed
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await waiting
+            assert await wire.call("ECHO", "c") == b"c"
+
+    uvloop.run(run())
+
+
+def test_any_other_error_of_the_lean_connections_write_is_raised_and_drops_it(redis_url):
+    """Not hidden, and no reply can then land on the wrong command: the connection goes."""
     async def run() -> None:
         async with closed_under_the_wire(redis_url) as wire:
             replies = wire._replies
-            futures = await wire.send(("ECHO", "a"), ("ECHO", "b"))
-            for future in futures:
-                with pytest.raises(redis.exceptions.ConnectionError):
-                    await future
-            assert replies.closed
+            replies._transport.write = _raise_other
+            with pytest.raises(RuntimeError, match="something else"):
+                await wire.call("ECHO", "a")
+            assert replies.closed and not replies._waiting
+            assert await wire.call("ECHO", "b") == b"b"
 
     uvloop.run(run())
 
@@ -169,3 +190,13 @@ def test_a_cluster_client_uses_the_brokers_connections_to_every_node(redis_clust
             await client.aclose()
 
     uvloop.run(run())
+
+
+def test_a_cluster_client_laid_out_otherwise_keeps_its_classes_and_says_so(caplog):
+    class Elsewhere:  # a redis-py that keeps its settings under other names
+        settings = {"connection_class": redis.asyncio.connection.Connection}
+
+    with caplog.at_level(logging.WARNING, logger="broker.redis.connection"):
+        use_in_cluster(Elsewhere())
+    assert Elsewhere.settings["connection_class"] is redis.asyncio.connection.Connection
+    assert "its own connection classes are used" in caplog.text

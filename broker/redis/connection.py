@@ -15,15 +15,19 @@ Two changes to redis-py's own classes, each for a cost or a failure seen in this
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis
 import redis.exceptions
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.connection import HiredisRespSerializer
 
 from broker.errors import closed_transport
+
+log = logging.getLogger(__name__)
 
 
 class _BrokerConnection:
@@ -83,15 +87,21 @@ def use_in_cluster(client: Any) -> None:
 
     The Cluster client takes no connection class of its own choosing (it picks redis-py's
     plain or TLS class), so its settings are changed after it is made and before it connects:
-    the client and its node manager share one dict of them. A redis-py that keeps them
-    elsewhere keeps its own classes, which work (``supervisor.outage.unreachable`` still
-    tells a closed transport as the outage it is); the tests show which one is installed.
+    the client's and its node manager's (the nodes it finds are made from the manager's). A
+    redis-py that keeps them elsewhere keeps its own classes, which work
+    (``supervisor.outage.unreachable`` still tells a closed transport as the outage it is):
+    a warning says so, and the tests show it for the version installed.
     """
     settings = getattr(client, "connection_kwargs", None)
     manager = getattr(client, "nodes_manager", None)
-    if not isinstance(settings, dict) or manager is None:
+    managed = getattr(manager, "connection_kwargs", None)
+    if not isinstance(settings, dict) or not isinstance(managed, dict):
+        log.warning("redis-py %s keeps a Cluster client's connection settings elsewhere: "
+                    "its own connection classes are used (commands packed in Python)",
+                    redis.__version__)
         return
-    settings["connection_class"] = _twin(settings.get("connection_class", Connection))
+    for chosen in (settings, managed):  # (one dict in redis-py 8: written twice, harmless)
+        chosen["connection_class"] = _twin(chosen.get("connection_class", Connection))
     for node in (*getattr(client, "startup_nodes", ()),
                  *getattr(manager, "startup_nodes", {}).values()):
         node.connection_class = _twin(node.connection_class)

@@ -75,12 +75,12 @@ class _Replies(asyncio.Protocol):
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         if self.closed or self._transport is None:
             raise redis.exceptions.ConnectionError("Connection closed.")
+        self._write(packed)  # first: a write that raises sent nothing, and queued nothing
         future = self._loop.create_future()
         self._waiting.append(future)
         self._sent_at.append(time.monotonic())
         if self._watchdog is None:
             self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
-        self._write(packed)
         return future
 
     def send_joined(self, packed: list[bytes]) -> list[asyncio.Future[Any]]:
@@ -88,21 +88,24 @@ class _Replies(asyncio.Protocol):
         ``send`` stays apart for one command: it runs once per script call, without lists."""
         if self.closed or self._transport is None:
             raise redis.exceptions.ConnectionError("Connection closed.")
+        self._write(b"".join(packed))
         futures = [self._loop.create_future() for _ in packed]
         self._waiting.extend(futures)
         self._sent_at.extend([time.monotonic()] * len(packed))
         if self._watchdog is None:
             self._watchdog = self._loop.call_later(self._timeout / 4, self._watch)
-        self._write(b"".join(packed))
         return futures
 
     def _write(self, data: bytes) -> None:
+        """The transport's write; a reply is never read within it, so the caller queues
+        its future after. A write that raises drops the connection (what waits fails)."""
         try:
             self._transport.write(data)
-        except RuntimeError as error:  # uvloop: the transport closed before we heard of it
-            if not closed_transport(error):
-                raise
-            self.abort(f"transport closed: {error}")  # fails what waits, this command too
+        except BaseException as error:
+            self.abort(f"write failed: {error!r}")
+            if closed_transport(error):  # uvloop: the transport closed before we heard of it
+                raise redis.exceptions.ConnectionError(f"Connection closed: {error}") from error
+            raise
 
     def _watch(self) -> None:
         self._watchdog = None
