@@ -11,7 +11,7 @@ import pytest
 
 from broker.base import MAX_BATCH, Action, Outcome, Result, Settlement
 from broker.nats import NatsBroker
-from broker.nats.conn import Connection, RequestTimeout, _headers
+from broker.nats.conn import Connection, ConnectionLost, RequestTimeout, _headers
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
 from support.waiting import until
@@ -276,6 +276,44 @@ async def test_a_request_of_a_batch_without_a_reply_times_out_alone(nats_server)
         assert str(replies[3]) == "no reply to svc.3 in 1s"
         assert [r.data for i, r in enumerate(replies) if i != 3] == [b"ok"] * 5
         assert conn._waiting == {}
+    finally:
+        await conn.close()
+        await listener.close()
+
+
+UVLOOP_REFUSAL = ("unable to perform operation on <TCPTransport closed=True reading=False "
+                  "0x55c7e6341b30>; the handler is closed")
+
+
+@pytest.mark.parametrize("refusal, raised", [
+    (RuntimeError(UVLOOP_REFUSAL), ConnectionLost),  # uvloop, before nats-py saw the EOF
+    (RuntimeError("something else"), RuntimeError),  # not hidden
+])
+async def test_a_batch_whose_write_fails_is_unsent_and_never_answered_later(
+        nats_server, refusal, raised):
+    """The error the write raised, as ConnectionLost(sent=False) when it is a transport uvloop
+    has closed; either way no request of the batch is answered after the call raised."""
+    listener = await nats.connect(nats_server.url)
+
+    async def answer(msg) -> None:
+        await listener.publish(msg.reply, b"ok")
+
+    await listener.subscribe("svc.*", cb=answer)
+    await listener.flush()
+    conn = await Connection.open(nats_server.url, lambda msg: None)
+    answered: list[int] = []
+    try:
+        def refuse(data: bytes) -> None:
+            raise refusal
+
+        await conn.client.flush()  # nothing of nats-py's waits: the batch is written at once
+        conn.client._transport.write = refuse
+        with pytest.raises(raised) as failed:
+            await conn.request_batch([(f"svc.{i}", b"") for i in range(3)], timeout=1,
+                                     on_reply=lambda index, outcome: answered.append(index))
+        assert getattr(failed.value, "sent", False) is False
+        await asyncio.sleep(2)  # past the requests' timeout: a slot left would answer now
+        assert answered == []
     finally:
         await conn.close()
         await listener.close()

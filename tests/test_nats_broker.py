@@ -633,14 +633,9 @@ async def test_extend_keeps_held_deliveries_past_ack_wait(nats_brokers, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
-async def test_renewals_leave_in_one_write_and_a_lost_reply_is_never_replayed(
-        nats_brokers, proxy, js, caplog):
-    """100 renewals: one batch of typed requests, no request one at a time. The 10 whose
-    reply the proxy drops are uncertain (still ours: True), told in one line, and were
-    published once each; every delivery then commits with nothing redelivered."""
-    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=30, request_timeout=1.0)
-    await broker.publish_many(QUEUE, [{"i": i} for i in range(100)])
-    held = await receive_all(broker, 100)
+def count_requests(broker: NatsBroker) -> list[str]:
+    """The name of each request method of the broker's connection called from now on:
+    ``request`` (one at a time) or ``request_batch``."""
     conn = broker._link.connection
     calls: list[str] = []
 
@@ -654,6 +649,36 @@ async def test_renewals_leave_in_one_write_and_a_lost_reply_is_never_replayed(
 
     for name in ("request", "request_batch"):
         setattr(conn, name, counted(name))
+    return calls
+
+
+async def test_renewals_go_a_thousand_to_a_write(nats_brokers, js):
+    """1,001 held (a consumer made beforehand with room for them: the server's default
+    MaxAckPending is 1,000): two writes of renewals."""
+    await js.add_stream(StreamConfig(
+        name=NAMES.stream, subjects=[NAMES.subject], retention=RetentionPolicy.WORK_QUEUE))
+    await js.add_consumer(NAMES.stream, ConsumerConfig(
+        durable_name="worker", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=4,
+        filter_subject=NAMES.subject, max_ack_pending=2000))
+    broker = await nats_brokers(QUEUE, ack_wait=30)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(1001)])
+    held = await receive_all(broker, 1000) + await receive_all(broker, 1)
+    calls = count_requests(broker)
+    assert await broker.extend(held) == [True] * 1001
+    assert calls == ["request_batch"] * 2
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in held])
+    assert all(r.ok for r in results)
+
+
+async def test_renewals_leave_in_one_write_and_a_lost_reply_is_never_replayed(
+        nats_brokers, proxy, js, caplog):
+    """100 renewals: one batch of typed requests, no request one at a time. The 10 whose
+    reply the proxy drops are uncertain (still ours: True), told in one line, and were
+    published once each; every delivery then commits with nothing redelivered."""
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=30, request_timeout=3.0)
+    await broker.publish_many(QUEUE, [{"i": i} for i in range(100)])
+    held = await receive_all(broker, 100)
+    calls = count_requests(broker)
     proxy.drop_replies_to(d.receipt.reply for d in held[:10])
     with caplog.at_level(logging.WARNING, logger="broker.nats"):
         assert await broker.extend(held) == [True] * 100
@@ -677,6 +702,26 @@ async def test_superseded_delivery_is_reported_stale(nats_brokers):
     assert await broker.extend([old, new]) == [False, True]
     assert await settle_one(broker, Action.RELEASE, old) is Outcome.STALE
     assert await settle_one(broker, Action.COMMIT, new) is Outcome.OK
+
+
+async def test_each_renewal_result_lands_on_its_own_delivery(nats_brokers, proxy):
+    """Held, superseded and held again, in that order, the last one's reply lost: the
+    superseded one is told gone, the lost reply is recorded as a failed renewal of that
+    delivery alone (the others' records untouched)."""
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=3, request_timeout=3.0)
+    await broker.publish(QUEUE, {"x": 0})
+    [old] = await receive_all(broker, 1)
+    [new] = await receive_all(broker, 1, timeout=10)  # redelivered after ack_wait
+    await broker.publish_many(QUEUE, [{"x": 1}, {"x": 2}])
+    first, last = await receive_all(broker, 2)
+    proxy.drop_replies_to([last.receipt.reply])
+    assert await broker.extend([first, old, new, last]) == [True, False, True, True]
+    unrenewed = broker._held.unrenewed_since
+    assert unrenewed(last.receipt.stream_seq, last.receipt.delivered) is not None
+    assert unrenewed(first.receipt.stream_seq, first.receipt.delivered) is None
+    assert unrenewed(new.receipt.stream_seq, new.receipt.delivered) is None
+    results = await broker.settle([Settlement(Action.COMMIT, d) for d in (first, new)])
+    assert all(r.ok for r in results)
 
 
 async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(nats_brokers, proxy, js):

@@ -100,7 +100,6 @@ log = logging.getLogger("broker.nats")
 
 ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 _SUPERSEDED = Result(Outcome.STALE, "superseded by a newer delivery")
-_UNSENT = Result(Outcome.ERROR, "not sent")  # (replaced by every try's result)
 CONTENT_TYPE = "Content-Type"
 JSON = "application/json"
 #: Queue 5's queue group for the max-deliveries advisory: one subscriber of the fleet each.
@@ -662,43 +661,49 @@ class NatsBroker:
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
         """As Redis: raises when no connection can be had (then nothing was renewed).
 
-        Every ``+WPI`` leaves in one write, each confirmed by its own reply, as a settle
+        The ``+WPI``s leave 1,000 to a write, each confirmed by its own reply, as a settle
         call's acks do (``broker.nats.acks``); one never sent, or answered 503, is tried
-        again the one-at-a-time way, with its backoff."""
+        again the one-at-a-time way, with its backoff. Each result is recorded as it comes."""
         conn = await self._connection(self._timeout)
         held = self._held
         results: list[Result] = [_SUPERSEDED] * len(deliveries)
-        renewing: list[NatsReceipt] = []
-        at: list[int] = []  # the index in ``results`` of each renewal sent
+        receipts: list[NatsReceipt] = []
+        at: list[int] = []  # the index in ``results`` of each receipt renewed for a delivery
         for index, delivery in enumerate(deliveries):
             receipt: NatsReceipt = delivery.receipt
             if held.owns(receipt.stream_seq, receipt.delivered):
-                renewing.append(receipt)
+                receipts.append(receipt)
                 at.append(index)
             else:
                 held.drop(receipt.stream_seq, receipt.delivered)
         # What arrived but was not handed out is kept from redelivery the same way.
-        receipts = renewing + [r for r in map(_receipt, self._puller.backlog()) if r is not None]
-        outcomes: list[Result] = [_UNSENT] * len(receipts)
+        receipts += [r for r in map(_receipt, self._puller.backlog()) if r is not None]
+        began = time.monotonic()
         again: list[int] = []
 
-        def first_try(k: int, result: Result) -> None:
-            if result.outcome is Outcome.ERROR:
-                again.append(k)
-            else:
-                outcomes[k] = result
+        def record(k: int, result: Result) -> None:
+            if k < len(at):  # (the backlog's results are not reported)
+                receipt = receipts[k]
+                held.renewed(receipt.stream_seq, receipt.delivered, result.ok, began)
+                results[at[k]] = result
 
-        began = time.monotonic()
-        if await acks.request_all(conn, [r.reply for r in receipts], WPI, self._timeout,
-                                  first_try):
-            self._suspect(conn)
-        retried = await asyncio.gather(*(self._respond(receipts[k], WPI) for k in again))
-        for k, result in zip(again, retried, strict=True):
-            outcomes[k] = result
-        for k, index in enumerate(at):
-            receipt, result = renewing[k], outcomes[k]
-            held.renewed(receipt.stream_seq, receipt.delivered, result.ok, began)
-            results[index] = result
+        def first_try(offset: int) -> Callable[[int, Result], None]:
+            def take(i: int, result: Result) -> None:
+                if result.outcome is Outcome.ERROR:
+                    again.append(offset + i)
+                else:
+                    record(offset + i, result)
+            return take
+
+        async def once_more(k: int) -> None:
+            record(k, await self._respond(receipts[k], WPI))
+
+        for offset in range(0, len(receipts), MAX_BATCH):
+            chunk = receipts[offset:offset + MAX_BATCH]
+            if await acks.request_all(conn, [r.reply for r in chunk], WPI, self._timeout,
+                                      first_try(offset)):
+                self._suspect(conn)
+        await asyncio.gather(*(once_more(k) for k in again))
         _log_unsure(results, "renewal")
         return [r.outcome is not Outcome.STALE for r in results]
 

@@ -40,6 +40,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from broker.base import BrokerError, BrokerRefused
+from broker.errors import closed_transport
 from broker.nats import parse
 from broker.nats import tls as nats_tls
 from broker.urls import redact
@@ -313,7 +314,7 @@ class Connection:
         parts.append(tail)
         try:
             await self._write(b"".join(parts))
-        except ConnectionLost:
+        except BaseException:  # the caller never gets the slots: none may answer later
             for slot in slots:
                 slot.cancel()
             raise
@@ -329,6 +330,10 @@ class Connection:
             try:
                 client._transport.write(command)
             except (nats.errors.ConnectionClosedError, OSError) as error:
+                raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
+            except RuntimeError as error:  # uvloop refuses a write before nats-py saw EOF
+                if not closed_transport(error):
+                    raise
                 raise ConnectionLost(f"not sent: {error!r}", sent=False) from error
             # Backpressure as nats-py's flusher has it (a wait only past the high-water
             # mark). The bytes may be on their way: a failure here is the connection's end,
