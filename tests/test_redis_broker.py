@@ -7,8 +7,10 @@ Every test checks the keys and counters the contract names, not just return valu
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
+import warnings
 from typing import Any
 
 import orjson
@@ -738,6 +740,40 @@ async def test_cancelled_blocking_receive_loses_nothing(broker, redis_client):
     assert ready + await redis_client.llen(reservation) == 1
     if ready:
         assert [d.pid for d in (await broker.receive(10, 1)).deliveries] == [pid]
+
+
+async def test_a_blocking_receive_cancelled_before_its_move_started_leaves_nothing_behind(
+        broker, redis_client, monkeypatch):
+    """Cancelled in the turn between making the blocking move's task and its first step:
+    no move is sent, the reservation stays registered for maintenance, and no coroutine is
+    left never awaited (a RuntimeWarning at garbage collection, seen in a CI run)."""
+    loop = asyncio.get_running_loop()
+    receiving = [asyncio.create_task(broker.receive(10, 5))]
+    real = asyncio.ensure_future
+
+    def cancel_first(awaitable, **kwargs):
+        loop.call_soon(receiving[0].cancel)  # runs before the new task's first step
+        monkeypatch.setattr(asyncio, "ensure_future", real)
+        return real(awaitable, **kwargs)
+
+    monkeypatch.setattr(asyncio, "ensure_future", cancel_first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            await receiving[0]
+        except asyncio.CancelledError:
+            pass
+        else:
+            pytest.fail("the receive was not cancelled")
+        receiving.clear()  # the task, its traceback and its frames go, then are collected
+        for _ in range(3):
+            await asyncio.sleep(0)  # (what the loop still had to run for them)
+        gc.collect()
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+    registry = f"{NS}.reservations.{QUEUE}"
+    assert await redis_client.zcard(registry) == 1
+    [pid] = await publish_new(redis_client, 1)
+    assert [d.pid for d in (await broker.receive(10, 1)).deliveries] == [pid]
 
 
 async def test_publish_and_maintain_are_delegated(broker, redis_client):

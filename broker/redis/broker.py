@@ -423,8 +423,7 @@ class RedisBroker:
         if self._no_wait:  # a stop began meanwhile: no move was sent, so none can land
             await self.client.zrem(self.keys.reservations, key)
             return []
-        move = self._move(key, timeout)
-        self._blocked = asyncio.ensure_future(asyncio.wait_for(move, timeout + BLOCK_MARGIN))
+        self._blocked = asyncio.ensure_future(self._move_in_time(key, timeout))
         try:
             payload = await self._blocked
         except asyncio.CancelledError:
@@ -451,6 +450,12 @@ class RedisBroker:
         if isinstance(payload, Oversized):
             return await self._poison_moved(key, token, payload.length)
         return [payload]
+
+    async def _move_in_time(self, key: str, timeout: float) -> Any:
+        """``_move`` with a deadline, its coroutine made inside the task: a task cancelled
+        before its first step then leaves no coroutine that was never awaited."""
+        async with asyncio.timeout(timeout + BLOCK_MARGIN):
+            return await self._move(key, timeout)
 
     async def _move(self, key: str, timeout: float) -> Any:
         """BLMOVE ready -> reservation ``key``; on the lean connection with CLIENT ID sent
