@@ -18,11 +18,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 import redis.exceptions
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import (
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.connection import HiredisRespSerializer
 
 from broker.errors import closed_transport
@@ -75,10 +79,7 @@ _TWINS: dict[type[Any], type[Any]] = {
 
 def connection_class(url: str) -> type[Connection] | type[UnixDomainSocketConnection]:
     """The broker's twin of the connection class redis-py picks for this URL."""
-    scheme = urlsplit(url).scheme
-    if scheme == "rediss":
-        return BrokerSSLConnection
-    return BrokerUnixConnection if scheme == "unix" else BrokerConnection
+    return _twin(parse_url(url).get("connection_class", Connection))
 
 
 def use_in_cluster(client: Any) -> None:
