@@ -708,7 +708,9 @@ async def test_each_renewal_result_lands_on_its_own_delivery(nats_brokers, proxy
     """Held, superseded and held again, in that order, the last one's reply lost: the
     superseded one is told gone, the lost reply is recorded as a failed renewal of that
     delivery alone (the others' records untouched)."""
-    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=3, request_timeout=3.0)
+    # ack_wait 4 s and replies 2 s: the commit after the lost reply comes well within the
+    # ack wait the renewals restarted.
+    broker = await nats_brokers(QUEUE, proxy.url, ack_wait=4, request_timeout=2.0)
     await broker.publish(QUEUE, {"x": 0})
     [old] = await receive_all(broker, 1)
     [new] = await receive_all(broker, 1, timeout=10)  # redelivered after ack_wait
