@@ -146,9 +146,8 @@ def use_cpu_scheduling(policy: str) -> None:
                     "keeps the normal scheduling policy", error)
 
 
-POLICY_NAMES = {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_BATCH: "SCHED_BATCH",
-                os.SCHED_IDLE: "SCHED_IDLE", os.SCHED_FIFO: "SCHED_FIFO",
-                os.SCHED_RR: "SCHED_RR"}
+POLICY_NAMES = {getattr(os, name): name for name in (
+    "SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO", "SCHED_RR") if hasattr(os, name)}
 
 
 #: The supervisor's young-object collection runs once per this many new container objects

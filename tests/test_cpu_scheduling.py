@@ -38,11 +38,12 @@ def running_family(supervisor) -> tuple[psutil.Process, list[psutil.Process]]:
     return psutil.Process(supervisor.pid), found
 
 
-@pytest.mark.parametrize(("setting", "expected"), [
-    ("batch", os.SCHED_BATCH), ("inherit", os.SCHED_OTHER),
-])
+@pytest.mark.parametrize("setting", ["batch", "inherit"])
 def test_the_supervisor_runs_under_the_chosen_policy_and_its_handlers_keep_theirs(
-        tmp_path, redis_url, supervisors, setting, expected):
+        tmp_path, redis_url, supervisors, setting):
+    started_with = os.sched_getscheduler(0)  # this process's, which the supervisor inherits
+    expected = (os.SCHED_BATCH if setting == "batch" and started_with == os.SCHED_OTHER
+                else started_with)
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle",
                           supervisor={"cpu_scheduling": setting, "metrics_port": free_port()})
     supervisor = supervisors(config, redis_url)
@@ -52,7 +53,7 @@ def test_the_supervisor_runs_under_the_chosen_policy_and_its_handlers_keep_their
     assert policies(main) == {expected}
     fork_server = psutil.Process(handlers[0].ppid())
     for process in (fork_server, *handlers):
-        assert policies(process) == {os.SCHED_OTHER}  # what the test process started it with
+        assert policies(process) == {started_with}
     supervisor.signal()
     assert supervisor.wait(30) == 0, supervisor.output()
 
