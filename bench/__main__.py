@@ -121,9 +121,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--supervisor-metrics", action="store_true",
                         help="serve the supervisor's Prometheus metrics during the runs and "
                              "report its own receive/settle batch sizes (costs a little CPU)")
-    parser.add_argument("--cpu-scheduling", choices=("inherit", "batch"), default="inherit",
-                        help="[supervisor] cpu_scheduling of the supervisor runs "
-                             "(default: inherit, the supervisor's own default)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per configuration; the one with the median jobs/s is kept")
     parser.add_argument("--redis-aof", choices=("no", "everysec", "always"), default="no",
@@ -318,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     global REPEAT
     REPEAT = max(1, args.repeat)
     runs.METRICS = args.supervisor_metrics
-    runs.CPU_SCHEDULING = args.cpu_scheduling
     sys.path.insert(0, str(ROOT))
     prefetches = numbers(args.prefetch)
     handlers = [h.strip() for h in args.handlers.split(",") if h.strip()]
@@ -342,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
                         if args.dramatiq_messages else "")
                      + f", median of {REPEAT} "
                      f"run(s); coroutines {args.coroutines} (handler processes); "
-                     f"[supervisor] cpu_scheduling {args.cpu_scheduling}; "
                      f"Redis appendonly {args.redis_aof}; NATS JetStream file storage "
                      f"(work-queue stream, explicit ack); latency publish rate = "
                      f"{args.latency_load:g} x the configuration's jobs/s for "

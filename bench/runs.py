@@ -154,8 +154,6 @@ class NatsTargetRun:
 #: Serve the supervisor's Prometheus metrics during runs and read its own counters
 #: (receive calls, settle batch sizes). Off by default: it is not free.
 METRICS = False
-#: ``[supervisor] cpu_scheduling`` of every supervisor run (``--cpu-scheduling``).
-CPU_SCHEDULING = "inherit"
 
 
 def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: int = 0,
@@ -166,7 +164,6 @@ def job_file(folder: Path, url: str, handler: str, prefetch: int, metrics_port: 
         f'[job]\nqueue = "{QUEUE}"\nhandler = "{handler}"\ncoroutines = {coroutines}\n'
         f"prefetch = {prefetch}\nmax_attempts = {nats_side.MAX_ATTEMPTS}\n"
         f'[supervisor]\nlog_level = "warning"\nmetrics_port = {metrics_port}\n'
-        f'cpu_scheduling = "{CPU_SCHEDULING}"\n'
     )
     if url.startswith(("nats://", "tls://")):
         text += f"[nats]\nack_wait = {nats_side.ACK_WAIT_S}\n"

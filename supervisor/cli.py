@@ -103,7 +103,6 @@ def run(config: Config) -> int:
     os.environ.pop(ENV_BROKER_URL, None)
     forkserver = ForkServer(handler_process)
     forkserver.start()  # before any thread, event loop or connection exists
-    use_cpu_scheduling(sup.cpu_scheduling)  # after: handler processes keep the inherited one
     try:
         recorder = start_metrics(config)  # a thread: only now that the fork server exists
     except OSError as error:
@@ -122,32 +121,6 @@ def run(config: Config) -> int:
         recorder.close()
         notifier.close()
         forkserver.stop()
-
-
-def use_cpu_scheduling(policy: str) -> None:
-    """``[supervisor] cpu_scheduling = "batch"``: this process (and the threads it starts
-    from now on) runs under SCHED_BATCH, which Linux never lets preempt a running process
-    when it wakes. With Redis on a machine with few cores, each wake-up of the supervisor
-    (a handler's first outcome, a reply) otherwise stops the handler or Redis mid-batch:
-    a settle call then takes part of a batch, and the calls drift out of step with the
-    batches. No privilege is needed; a policy chosen by whoever started us (systemd's
-    CPUSchedulingPolicy=, chrt) other than the normal one is kept."""
-    if policy != "batch":
-        return
-    current = os.sched_getscheduler(0)
-    if current != os.SCHED_OTHER:
-        log.info("cpu_scheduling = batch: keeping the scheduling policy the supervisor "
-                 "was started with (%s)", POLICY_NAMES.get(current, current))
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError as error:  # a sandbox that forbids it: run as we are
-        log.warning("cpu_scheduling = batch: SCHED_BATCH refused (%s); the supervisor "
-                    "keeps the normal scheduling policy", error)
-
-
-POLICY_NAMES = {getattr(os, name): name for name in (
-    "SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO", "SCHED_RR") if hasattr(os, name)}
 
 
 #: The supervisor's young-object collection runs once per this many new container objects

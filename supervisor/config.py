@@ -61,7 +61,6 @@ ENV_BROKER_URL = "QUEUE_BROKER_URL"
 #: The TLS keys of [broker] that name files (relative paths: to the job file's folder).
 TLS_FILE_KEYS = ("tls_ca", "tls_cert", "tls_key")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-CPU_SCHEDULING = ("inherit", "batch")
 #: Old ``[job]`` names still read, with a deprecation warning: old name -> new name.
 LEGACY_KEYS = {"maxCoroutines": "coroutines", "batch": "prefetch"}
 #: Keys no longer used, accepted with a warning that says why: (section, name) -> reason.
@@ -278,14 +277,6 @@ class SupervisorConfig:
         ZERO_OR_AT_LEAST_1024,
     )
     log_level: str = setting("info", "least severe level logged", one_of(LOG_LEVELS))
-    cpu_scheduling: str = setting(
-        "inherit",
-        "Linux scheduling policy of the supervisor process: inherit = the one it was started "
-        "with; batch = SCHED_BATCH (not when started with another than the normal one), so "
-        "that its wake-ups do not preempt Redis or a handler process mid-batch (handler "
-        "processes keep theirs)",
-        one_of(CPU_SCHEDULING),
-    )
     metrics_port: int = setting(
         0, "port of /metrics (Prometheus), /healthz and /readyz; 0 = off", at_least(0),
         at_most(65535),

@@ -1,6 +1,5 @@
 """``python -m bench --peers``: which Dramatiq runs it makes (``--peer-prefetch``). The runs
-themselves are replaced by recorders here: this checks the choice, not Dramatiq. Also what
-``--cpu-scheduling`` writes into the supervisor's job file."""
+themselves are replaced by recorders here: this checks the choice, not Dramatiq."""
 
 from __future__ import annotations
 
@@ -36,15 +35,3 @@ def test_peer_prefetch_chooses_the_dramatiq_runs(dramatiq_prefetches):
     bench_main.run_redis_peers(
         bench_main.parse(["--peers", "--peer-prefetch", "100"]), None, rows)
     assert dramatiq_prefetches == [100]
-
-
-def test_the_supervisor_runs_take_the_cpu_scheduling_asked_for(tmp_path, monkeypatch):
-    """``--cpu-scheduling batch`` reaches the job file of every supervisor run, and the
-    default is the supervisor's own."""
-    from supervisor.config import load
-
-    assert bench_main.parse([]).cpu_scheduling == "inherit" == runs.CPU_SCHEDULING
-    monkeypatch.setattr(runs, "CPU_SCHEDULING", bench_main.parse(
-        ["--cpu-scheduling", "batch"]).cpu_scheduling)
-    config = runs.job_file(tmp_path, "redis://127.0.0.1:1/0", "examples.noop:handle", 100)
-    assert load(config).supervisor.cpu_scheduling == "batch"
