@@ -15,6 +15,11 @@ from supervisor import arbiter, cli, settlement, systemd
 
 Arbiter = arbiter.Arbiter
 
+#: What uvloop raises for a write to a transport it has already closed (asyncio's own loop
+#: drops such a write): the brokers' write paths must tell it as a lost connection.
+UVLOOP_REFUSAL = ("unable to perform operation on <TCPTransport closed=True reading=False "
+                  "0x55c7e6341b30>; the handler is closed")
+
 
 def armed(owner: type | object, name: str, after: int = 1) -> None:
     """Make ``owner.name`` raise on its call number ``after + 1`` (once)."""

@@ -15,6 +15,7 @@ from broker.nats.conn import Connection, ConnectionLost, RequestTimeout, _header
 from broker.nats.setup import QueueNames
 from support.brokers import receive_all
 from support.waiting import until
+from tests.faults import UVLOOP_REFUSAL
 
 QUEUE = "acks"
 NAMES = QueueNames.of(QUEUE)
@@ -279,10 +280,6 @@ async def test_a_request_of_a_batch_without_a_reply_times_out_alone(nats_server)
     finally:
         await conn.close()
         await listener.close()
-
-
-UVLOOP_REFUSAL = ("unable to perform operation on <TCPTransport closed=True reading=False "
-                  "0x55c7e6341b30>; the handler is closed")
 
 
 @pytest.mark.parametrize("refusal, raised", [

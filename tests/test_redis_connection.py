@@ -31,9 +31,7 @@ from broker.redis.connection import (
 )
 from broker.redis.wire import Wire
 from broker.tls import TlsSettings
-
-UVLOOP_REFUSAL = ("unable to perform operation on <TCPTransport closed=True reading=False "
-                  "0x55c7e6341b30>; the handler is closed")
+from tests.faults import UVLOOP_REFUSAL
 
 
 class ClosedHandle:
