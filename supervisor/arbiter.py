@@ -27,6 +27,7 @@ from broker.failure import Failure
 from supervisor import blame, eager, exits, failures, gauges, logs, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
+from supervisor.dispatch import Dispatcher
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
@@ -46,10 +47,6 @@ SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
 RETRY_EVERY = 5.0  # the longest pause between receives while the broker cannot be reached
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-#: A handler with ``flush()`` makes what its process holds durable in one flush once its ring
-#: is empty: each process is given at least this many (or its fair share of prefetch, if
-#: more) before the next gets any, so a small prefetch is not cut into flushes of 2-8.
-FLUSH_BATCH = 16
 
 
 def rss_bytes(pid: int) -> int:
@@ -84,8 +81,12 @@ class Arbiter:
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
-        self.fills = handler.flush is not None  # dispatch fills a process before the next
-        self.capacity = len(places) * (config.job.tasks_per_process if self.concurrent else 1)
+        slots = config.job.tasks_per_process if self.concurrent else 1
+        self.capacity = len(places) * slots
+        #: Fair hand-out to the handler places (a handler with flush() gets slices).
+        self.dispatcher = Dispatcher(self.buffer, places, slots=slots,
+                                     fill=handler.flush is not None, in_order=not self.concurrent)
+        self.fair_look: asyncio.TimerHandle | None = None  # see ``dispatch``
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
                              retry_every=RETRY_EVERY, lease=self.lease())
@@ -404,28 +405,27 @@ class Arbiter:
         return self.buffer.unstarted(in_order=not self.concurrent) <= self.capacity
 
     def dispatch(self) -> None:
-        """Move waiting deliveries into the rings of the ready handlers: see ``plan``."""
-        buffer = self.buffer
-        waiting = buffer.waiting_count
-        if not waiting or self.stopping:  # most outcomes leave nothing waiting: no list
+        """Hand waiting deliveries to the handler processes, taking back from a stalled one
+        what it has not started (supervisor.dispatch). While a process holds deliveries it
+        could stall on, a timer makes sure the next look comes when it would be stalled,
+        even if no outcome comes meanwhile."""
+        dispatcher = self.dispatcher
+        if self.stopping:
             return
-        ready = [place for place in self.places if place.accepting]
-        if not ready:
+        if not dispatcher.fair:  # one handler process: most outcomes leave nothing waiting
+            if self.buffer.waiting_count:
+                dispatcher.dispatch()
             return
-        depth = -(-buffer.prefetch // len(self.places))  # fair share per handler
-        if self.fills:
-            depth = max(depth, FLUSH_BATCH)
-        loads = [buffer.load(place.index) for place in ready]
-        for place, count in zip(ready, plan(loads, depth, waiting, self.fills), strict=True):
-            if not count:
-                continue
-            entries = buffer.next_waiting(count)
-            records = protocol.encode_delivers([
-                (e.id, (delivery := e.delivery).raw, delivery.attempts, delivery.plain)
-                for e in entries
-            ])
-            # A full ring takes fewer: the rest waits for the next dispatch.
-            buffer.queue(place.index, place.to_child.put_many(records))
+        dispatcher.dispatch()
+        if self.fair_look is None:
+            delay = dispatcher.next_look()
+            if delay is not None:
+                self.fair_look = asyncio.get_running_loop().call_later(
+                    delay, self.guarded(self.look_again))
+
+    def look_again(self) -> None:
+        self.fair_look = None
+        self.dispatch()
 
     # -- outcomes from handler processes ---------------------------------------------------
 
@@ -516,6 +516,8 @@ class Arbiter:
         call per run instead of six per job."""
         ids, seconds = protocol.done_many(records)  # seconds: timed by the handler process
         self.buffer.finished_many(place.index, ids, in_order=not self.concurrent)
+        if self.dispatcher.fair:  # rings sized from the pace of jobs (supervisor.dispatch)
+            self.dispatcher.observe(seconds)
         self.metrics.handlers_done(seconds)
         self.jobs_finished(place, len(ids))
 
@@ -530,6 +532,10 @@ class Arbiter:
             self.handle_failed(place, delivery_id, protocol.failure_data(data))
         elif kind == protocol.SKIPPED:
             self.buffer.skipped(place.index, delivery_id, in_order=not self.concurrent)
+        elif kind == protocol.WITHDRAWN:  # taken back (supervisor.dispatch): never started
+            self.buffer.withdrawn(place.index, delivery_id, data)  # type: ignore[arg-type]
+            if self.stopping:
+                self.release_waiting()
         elif kind == protocol.READY:
             place.became_ready()
             self.notify_ready_once()
@@ -1054,30 +1060,3 @@ def batch_limit(prefetch: int, reserves_ahead: bool) -> int:
         return MAX_BATCH
     return max(1, min(MAX_BATCH, -(-prefetch // BATCHES_IN_FLIGHT)))
 
-
-def plan(loads: list[int], depth: int, waiting: int, fill: bool) -> list[int]:
-    """How many of ``waiting`` deliveries each ready handler gets (``loads``: what each holds
-    now, queued or running), none to hold more than ``depth``.
-
-    Spread (``fill`` false): each next delivery to the least loaded, the first on a tie, so
-    every process starts work at once. Fill (a handler with ``flush()``): the most loaded
-    with room first, the first on a tie, up to ``depth``, then the next: what one process
-    holds is flushed together once its ring is empty, so spreading a batch would cut it into
-    several flushes, each paying the store's write and sync."""
-    if len(loads) == 1:  # the usual single process: one slice, nothing to choose
-        return [max(0, min(depth - loads[0], waiting))]
-    counts = [0] * len(loads)
-    if fill:  # slices, not a choice per delivery
-        # sorted() is stable: on a tie the first place keeps its turn.
-        for index in sorted(range(len(loads)), key=lambda i: -loads[i]):
-            counts[index] = max(0, min(depth - loads[index], waiting))
-            waiting -= counts[index]
-        return counts
-    share = list(loads)
-    for _ in range(waiting):
-        index = min(range(len(share)), key=share.__getitem__)
-        if share[index] >= depth:
-            break
-        share[index] += 1
-        counts[index] += 1
-    return counts

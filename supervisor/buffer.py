@@ -7,7 +7,8 @@ ours). Waiting + in a ring + running + completed-but-unconfirmed <= prefetch, al
 Every change of a delivery's state is a method here, and each state has one place (the
 containers are private: the arbiter and the settler ask and tell through methods):
 
-    WAITING   -> the waiting line            (received, or back from a dead handler)
+    WAITING   -> the waiting line            (received, back from a dead handler, or taken
+                                               back from a stalled one: ``take_back``)
     QUEUED    -> its handler's ring queue     (written to the ring, not started)
     RUNNING   -> its handler's running table  (the handler reported STARTED, or a plain
                                                handler's mark named it or a later one: see
@@ -18,6 +19,12 @@ containers are private: the arbiter and the settler ask and tell through methods
                                                still owned, handed to recovery at exit)
 
 ``check()`` verifies exactly that (tests call it after every step).
+
+A delivery taken back from a handler's ring (``take_back``) is in the waiting line, and may
+be in another ring or finished, while its DELIVER record still sits in the first ring: its
+number there (``Entry.number`` was that) is kept per handler until the process reports it
+WITHDRAWN (``withdrawn``), so that report is told from the one of a delivery the process
+may have reached as the cut came (worker.protocol, "Taking back").
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Entry:
     delivery: Delivery
     state: State = State.WAITING
     place: int | None = None  # the handler it was last given to (for on_success)
+    number: int = 0  # its number in that handler's ring (worker.protocol, "Taking back")
     started_at: float = 0.0
     error: str | None = None  # None: succeeded; text: failed (reject)
     failure: Failure | None = None  # why it failed, as operators read it (with ``error``)
@@ -77,6 +85,10 @@ class Buffer:
         self._settling: dict[int, Entry] = {}
         self._queued: list[deque[Entry]] = [deque() for _ in range(handlers)]
         self._running: list[dict[int, Entry]] = [{} for _ in range(handlers)]
+        #: Per handler: numbers of the deliveries taken back from its ring whose records it
+        #: has not reported WITHDRAWN yet.
+        self._taken_back: list[set[int]] = [set() for _ in range(handlers)]
+        self._written = [0] * handlers  # per handler: the number of the last DELIVER written
         self._next_id = 1
 
     # -- counts and queries ------------------------------------------------------------
@@ -106,6 +118,18 @@ class Buffer:
     def load(self, place: int) -> int:
         """Deliveries given to handler ``place`` and not finished (queued or running)."""
         return len(self._queued[place]) + len(self._running[place])
+
+    def queued_count(self, place: int) -> int:
+        """Deliveries in handler ``place``'s ring not known to have started."""
+        return len(self._queued[place])
+
+    def running_count(self, place: int) -> int:
+        """Deliveries handler ``place`` is known to run (or ran, the outcome unread)."""
+        return len(self._running[place])
+
+    def taken_back_count(self, place: int) -> int:
+        """Records in handler ``place``'s ring taken back and not reported WITHDRAWN yet."""
+        return len(self._taken_back[place])
 
     def unstarted(self, in_order: bool = False) -> int:
         """Deliveries waiting or queued in a ring, not started yet. ``in_order``: the
@@ -172,12 +196,60 @@ class Buffer:
         return [self._waiting[index] for index in range(min(count, len(self._waiting)))]
 
     def queue(self, place: int, count: int) -> None:
-        """The first ``count`` waiting deliveries were written to handler ``place``'s ring."""
+        """The first ``count`` waiting deliveries were written to handler ``place``'s ring,
+        numbered there on from the last one written (worker.protocol, "Taking back")."""
         waiting, queued, state = self._waiting, self._queued[place], State.QUEUED
-        for _ in range(count):  # once per job dispatched: its lookups made once
+        first = self._written[place] + 1
+        for number in range(first, first + count):  # once per job dispatched
             entry = waiting.popleft()
-            entry.state, entry.place = state, place
+            entry.state, entry.place, entry.number = state, place, number
             queued.append(entry)
+        self._written[place] += count
+
+    def written(self, place: int) -> int:
+        """DELIVER records written to handler ``place``'s ring since its process began: the
+        number of the last one."""
+        return self._written[place]
+
+    def take_back(self, place: int, reached: int, in_order: bool, at: float) -> list[Entry]:
+        """Handler ``place``'s process was cut off at delivery number ``reached`` of its
+        ring: the queued ones numbered above it never start there, and go back to the head
+        of the waiting line in their order (their records are remembered until reported
+        WITHDRAWN). The ones up to ``reached`` were reached: ``in_order`` (a plain handler,
+        which reports no start) they are running; otherwise their STARTED is on its way,
+        or (any it passed after the cut was stored) WITHDRAWN. Returns those taken back."""
+        queued = self._queued[place]
+        if in_order:
+            self.started_up_to(place, reached, at)
+        taken: list[Entry] = []
+        while queued and queued[-1].number > reached:
+            taken.append(queued.pop())
+        taken.reverse()
+        self._taken_back[place].update(entry.number for entry in taken)
+        self._wait_again(taken)
+        return taken
+
+    def withdrawn(self, place: int, entry_id: int, number: int) -> Entry | None:
+        """Handler ``place`` reported WITHDRAWN: it did not start delivery ``entry_id``,
+        number ``number`` of its ring. One taken back already: nothing more to do (None).
+        One it had reached when its mark was read at the cut (queued, or running if its mark
+        was read): back to the head of the waiting line, returned."""
+        taken = self._taken_back[place]
+        if number in taken:
+            taken.discard(number)
+            return None
+        entry = self._running[place].get(entry_id)
+        if entry is not None and entry.number == number:
+            del self._running[place][entry_id]
+        else:
+            queued = self._queued[place]
+            if not queued or queued[0].id != entry_id or queued[0].number != number:
+                raise AccountingError(
+                    f"handler {place} withdrew delivery {entry_id} (number {number}), which "
+                    "it neither holds nor was taken back from it")
+            entry = queued.popleft()
+        self._wait_again([entry])
+        return entry
 
     def drop(self, entry: Entry) -> bool:
         """Another consumer recovered this delivery before it started: forget it. False when
@@ -195,18 +267,18 @@ class Buffer:
         self._run(place, entry, time.monotonic())
         return entry
 
-    def started_up_to(self, place: int, entry_id: int, at: float) -> list[Entry]:
+    def started_up_to(self, place: int, number: int, at: float) -> list[Entry]:
         """A handler that runs its ring's deliveries one at a time, in order, marked
-        ``entry_id`` as started: it and the queued ones before it (held for ``flush()``, or
-        finished with the outcome not read yet) are running. Nothing when it is not queued
-        (its start is known already, or it finished). ``at``: when we learnt it."""
-        promoted = self._started_before(place, entry_id, at)
+        delivery ``number`` of its ring as reached: it and the queued ones before it (held
+        for ``flush()``, or finished with the outcome not read yet) are running (the one
+        reached may yet come back SKIPPED or WITHDRAWN). Nothing when none is queued up to
+        there (their start is known already, or they finished). ``at``: when we learnt it."""
         queued = self._queued[place]
-        if not queued or queued[0].id != entry_id:
-            return promoted
-        entry = queued.popleft()
-        self._run(place, entry, at)
-        promoted.append(entry)
+        promoted: list[Entry] = []
+        while queued and queued[0].number <= number:
+            entry = queued.popleft()
+            self._run(place, entry, at)
+            promoted.append(entry)
         return promoted
 
     def held(self, place: int, entry_id: int) -> None:
@@ -253,10 +325,14 @@ class Buffer:
 
     def skipped(self, place: int, entry_id: int, in_order: bool = False) -> Entry:
         """Never started (the stop began first): released, attempts unchanged.
-        ``in_order``: as in ``finished``, the queued ones before it started (held)."""
-        if in_order:
-            self._started_before(place, entry_id, time.monotonic())
-        entry = self._next_queued(place, entry_id)
+        ``in_order``: as in ``finished``, the queued ones before it started (held), and it
+        may be running already: a plain handler marks a delivery reached before it skips it.
+        """
+        entry = self._running[place].pop(entry_id, None) if in_order else None
+        if entry is None:
+            if in_order:
+                self._started_before(place, entry_id, time.monotonic())
+            entry = self._next_queued(place, entry_id)
         self._complete(entry, release=True)
         return entry
 
@@ -272,6 +348,8 @@ class Buffer:
         queued = list(self._queued[place])
         self._running[place].clear()
         self._queued[place].clear()
+        self._taken_back[place].clear()  # its ring is emptied for the next process
+        self._written[place] = 0
         failed = {entry.id for entry in blamed}
         for entry in running:
             if entry.id in failed:
@@ -347,6 +425,10 @@ class Buffer:
         for place, queued in enumerate(self._queued):
             locate(queued, State.QUEUED, place)
             locate(self._running[place].values(), State.RUNNING, place)
+            numbers = [entry.number for entry in queued]
+            if numbers != sorted(set(numbers)) or self._taken_back[place] & set(numbers):
+                raise AccountingError(f"handler {place}'s queue is numbered {numbers}, taken "
+                                      f"back {sorted(self._taken_back[place])}")
         for entry in self._entries.values():
             if entry.id not in seen and entry.state is not State.ABANDONED:
                 raise AccountingError(f"{entry} is in no place")

@@ -46,7 +46,9 @@ class Child:
         self.next_id = 1
 
     def deliver(self, *payloads: dict[str, Any]) -> list[tuple[int, str]]:
-        """Send one DELIVER per payload (in one batch); returns (delivery id, pid) pairs."""
+        """Send one DELIVER per payload (in one batch); returns (delivery id, pid) pairs.
+        The ids count from 1 as the ring numbers its deliveries, so while only this sends
+        DELIVER records a test may compare the process's mark with an id."""
         sent, records = [], []
         for payload in payloads:
             pid, raw = envelope.build("tests", payload)

@@ -26,6 +26,7 @@ from supervisor.config import Config, loads
 from supervisor.handlers import HandlerPlace, make_places
 from worker import protocol
 from worker.forkserver import Event, Spawner
+from worker.ring import fence
 
 FIRST_PID = 4_000_000_000  # above any real pid (pid_max is at most 2**22)
 
@@ -35,7 +36,10 @@ class PlayedProcess:
 
     def __init__(self, server: InProcessForkServer, place: HandlerPlace, pid: int) -> None:
         self.server, self.place, self.pid = server, place, pid
-        self.inbox: deque[int] = deque()  # delivery ids read from the ring, not started
+        self.inbox: deque[tuple[int, int]] = deque()  # (delivery id, number): read, not started
+        self.received = 0  # DELIVER records read: the number of the last one
+        self.withdrawn: list[int] = []  # delivery ids it found taken back, in order
+        self.reached: tuple[int, int] | None = None  # marked, its cut not read yet (``reach``)
         self.plain: dict[int, bool] = {}  # each delivery read: flagged plain?
         self.running: list[int] = []  # started, in order
         self.confirmed: list[tuple[int, bool]] = []
@@ -49,7 +53,8 @@ class PlayedProcess:
             for record in records:
                 kind, delivery_id, data = protocol.decode(record)
                 if kind == protocol.DELIVER:
-                    self.inbox.append(delivery_id)
+                    self.received += 1
+                    self.inbox.append((delivery_id, self.received))
                     self.plain[delivery_id] = protocol.deliver_plain(record)
                 elif kind == protocol.CONFIRM:
                     self.confirmed.append((delivery_id, bool(data)))
@@ -57,27 +62,48 @@ class PlayedProcess:
                     self.exit_asked = True
 
     def start_next(self) -> bool:
-        """Take the next delivery from the ring: started, or skipped once a stop began."""
+        """Take the next delivery from the ring: started, withdrawn (the supervisor took it
+        back), or skipped once a stop began (``reach`` then ``decide``)."""
+        return self.reach() and self.decide()
+
+    def reach(self) -> bool:
+        """The first half of taking the next delivery, as worker.base does it: mark it
+        reached (the cut is read in ``decide``: a take-back may come between)."""
         self.read()
         if not self.alive or not self.inbox:
             return False
-        delivery_id = self.inbox.popleft()
-        if self.place.to_child.stop_requested:
+        if self.reached is None:
+            self.reached = self.inbox.popleft()
+            self.place.to_parent.mark(self.reached[1])
+        return True
+
+    def decide(self) -> bool:
+        """The second half: read the cut, then start, withdraw or skip what was reached."""
+        if not self.alive or self.reached is None:
+            return False
+        (delivery_id, number), self.reached = self.reached, None
+        fence()
+        if number < self.place.to_child.marked:
+            self.withdrawn.append(delivery_id)
+            self.post(protocol.encode_withdrawn(delivery_id, number))
+        elif self.place.to_child.stop_requested:
             self.post(protocol.encode_skipped(delivery_id))
         else:
+            elsewhere = [process.place.index for process in self.server.living()
+                         if delivery_id in process.running]
+            assert not elsewhere, f"delivery {delivery_id} runs in handler {elsewhere} too"
             self.running.append(delivery_id)
             if self.server.concurrent:
                 self.post(protocol.encode_started(delivery_id))
-            else:  # a plain handler's process marks the start on its ring, as worker.sync
-                self.place.to_parent.mark(delivery_id)
         return True
 
-    def finish(self, ok: bool = True, which: int = 0) -> bool:
-        """The ``which``-th running delivery (oldest first) returns or raises."""
+    def finish(self, ok: bool = True, which: int = 0, seconds: float = 0.0) -> bool:
+        """The ``which``-th running delivery (oldest first) returns (after ``seconds``, as
+        its DONE says) or raises."""
         if not self.alive or not self.running:
             return False
         delivery_id = self.running.pop(which % len(self.running))
-        self.post(protocol.encode_done(delivery_id) if ok
+        self.post(protocol.encode_done(delivery_id, seconds) if ok
                   else protocol.encode_failed(delivery_id,
                                                 Failure("RuntimeError", "handler raised (played)")))
         return True
@@ -95,7 +121,8 @@ class PlayedProcess:
         self.read()
         while self.place.to_child.stop_requested and self.start_next():
             pass
-        if self.alive and self.exit_asked and not self.inbox and not self.running:
+        if (self.alive and self.exit_asked and not self.inbox and not self.running
+                and self.reached is None):
             self.die(0)
             return True
         return False
@@ -103,10 +130,12 @@ class PlayedProcess:
     def work(self, ok: Callable[[int], bool] = lambda delivery_id: True) -> int:
         """Run everything in the ring to the end (a healthy, fast handler); returns how many."""
         done = 0
-        while self.alive and self.start_next():
-            if self.running:
-                delivery_id = self.running[-1]
-                self.finish(ok(delivery_id), which=-1)
+        while self.alive:
+            running = len(self.running)
+            if not self.start_next():
+                break
+            if len(self.running) > running:  # it started one (not skipped nor withdrawn)
+                self.finish(ok(self.running[-1]), which=-1)
                 done += 1
         self.exit_if_asked()
         return done
@@ -234,7 +263,16 @@ class Core:
         handler = dataclasses.replace(config.handler, on_success=None)
         self.server.concurrent = handler.is_async
         self.arbiter = Arbiter(config, broker, self.places, spawner, handler)
+        #: The dispatcher's clock, still unless the test moves it (``advance``): a played
+        #: process is stalled only when the test says so.
+        self.now = 1000.0
+        self.arbiter.dispatcher.clock = lambda: self.now
         self.run: asyncio.Task[int] | None = None
+
+    def advance(self, seconds: float) -> None:
+        """The dispatcher's clock moves on; the next dispatch looks at the processes anew."""
+        self.now += seconds
+        self.arbiter.dispatch()
 
     async def start(self) -> None:
         self.run = asyncio.create_task(self.arbiter.run())

@@ -25,8 +25,9 @@ from broker.base import Delivery, Received
 from broker.failure import Failure
 from broker.memory import MemoryBroker
 from supervisor import exits
-from supervisor.arbiter import BATCHES_IN_FLIGHT, MAX_BATCH, batch_limit, plan
+from supervisor.arbiter import BATCHES_IN_FLIGHT, MAX_BATCH, batch_limit
 from supervisor.buffer import AccountingError, Buffer, Entry, State
+from supervisor.dispatch import plan
 from supervisor.settlement import Settler
 from tests.inprocess import Core, InProcessForkServer, completed_buffer, core_config
 from worker import protocol
@@ -80,7 +81,8 @@ def test_a_plain_handlers_mark_starts_it_and_the_queued_ones_before_it_in_order(
     buffer = Buffer(prefetch=5, handlers=1)
     buffer.add(deliveries(4))
     buffer.queue(0, 4)
-    assert buffer.started_up_to(0, 99, at=7.0) == []  # not queued here: nothing changes
+    assert [entry.number for entry in buffer.in_state(State.QUEUED, 0)] == [1, 2, 3, 4]
+    assert buffer.started_up_to(0, 0, at=7.0) == []  # nothing reached yet: nothing changes
     # A DONE read before the mark was: the next queued one finished in order.
     assert buffer.finished(0, 1, error=None, in_order=True).id == 1
     promoted = buffer.started_up_to(0, 3, at=7.0)  # 2 was held for flush(), 3 runs
@@ -1155,6 +1157,11 @@ PREFETCH = 6
 actions = st.one_of(
     st.tuples(st.just("publish"), st.integers(1, 8)),
     st.tuples(st.just("start"), st.integers(0, HANDLERS - 1)),
+    # a start in two halves, a take-back between them possible (worker.protocol)
+    st.tuples(st.just("reach"), st.integers(0, HANDLERS - 1)),
+    st.tuples(st.just("decide"), st.integers(0, HANDLERS - 1)),
+    # the dispatcher's clock moves: a process that started nothing since is stalled
+    st.tuples(st.just("stall"), st.sampled_from([0.01, 1.0])),
     st.tuples(st.just("finish"), st.integers(0, HANDLERS - 1), st.booleans(), st.integers(0, 3)),
     st.tuples(st.just("hold"), st.integers(0, HANDLERS - 1), st.integers(0, 3)),
     st.tuples(st.just("die"), st.integers(0, HANDLERS - 1), st.sampled_from([-9, -15, 1, 0])),
@@ -1179,15 +1186,21 @@ async def play(steps: list[tuple], work_at_stop: bool, handler: str) -> None:
     buffer = core.arbiter.buffer
     for step in steps:
         kind, *args = step
-        acts = kind in ("start", "finish", "hold", "die")
+        acts = kind in ("start", "reach", "decide", "finish", "hold", "die")
         process = core.server.processes.get(args[0]) if acts else None
         if kind == "publish":
             published += await broker.publish_many("jobs", [{"n": n} for n in range(args[0])])
         elif kind == "start" and process:
             process.start_next()
+        elif kind == "reach" and process:
+            process.reach()
+        elif kind == "decide" and process:
+            process.decide()
+        elif kind == "stall":
+            core.advance(args[0])
         elif kind == "finish" and process:
             process.finish(ok=args[1], which=args[2])
-        elif kind == "hold" and process:
+        elif kind == "hold" and process and core.server.concurrent:  # plain ones never do
             process.hold(which=args[1])
         elif kind == "die" and process:
             process.die(args[1])

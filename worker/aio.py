@@ -5,6 +5,8 @@ The ring protocol is ``worker.base``'s, per delivery:
 - Deliveries start in the order they arrived (the supervisor pairs STARTED and SKIPPED
   with its own queue by order), at most ``tasks`` at once; the rest wait here, not started.
   STARTED is on the ring before the delivery's task first runs, so before any side effect.
+  One the supervisor took back while it waited here (all task slots busy) is reported
+  WITHDRAWN when its turn comes, and never starts (``Runner._taken_back``).
 - A success is DONE at once, or, when the module defines ``flush()``, HELD at once and DONE
   after a ``flush()`` that began after it returned has returned. One ``flush()`` runs at a
   time, beside the running handlers: what returns meanwhile goes into the next one (a group
@@ -71,7 +73,8 @@ class AsyncRunner(Runner):
         self._timeout = timeout
         self._loop = _new_loop()
         asyncio.set_event_loop(self._loop)
-        self._waiting: deque[tuple[int, int | None, bytes, bool]] = deque()  # not started
+        #: Read, not started: (delivery id, attempts, raw, plain, number in the ring).
+        self._waiting: deque[tuple[int, int | None, bytes, bool, int]] = deque()
         self._tasks: set[asyncio.Task] = set()  # everything that counts against capacity
         self._handling: dict[int, asyncio.Task] = {}  # delivery id -> task in handle()
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -132,7 +135,8 @@ class AsyncRunner(Runner):
     def deliver(
         self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool = False
     ) -> None:
-        self._waiting.append((delivery_id, attempts, raw, plain))  # started by _pump, in order
+        # Started by _pump, in order; the number is the ring's (see Runner._taken_back).
+        self._waiting.append((delivery_id, attempts, raw, plain, self._received))
 
     def exit_asked(self) -> None:
         self._exiting = True
@@ -146,11 +150,16 @@ class AsyncRunner(Runner):
     def _pump(self) -> None:
         """Start what may start, flush if due, send the outcomes; exit when asked and done."""
         self._pump_scheduled = False
+        waiting = self._waiting
         if self._inbox.stop_requested:
-            while self._waiting:  # stopping: the supervisor releases these
-                self._outcomes.append(protocol.encode_skipped(self._waiting.popleft()[0]))
-        while self._waiting and len(self._tasks) < self._capacity:
-            self._start(*self._waiting.popleft())
+            while waiting:  # stopping: the supervisor releases these
+                delivery_id, *_, number = waiting.popleft()
+                if not self._taken_back(delivery_id, number):
+                    self._outcomes.append(protocol.encode_skipped(delivery_id))
+        while waiting and len(self._tasks) < self._capacity:
+            delivery_id, attempts, raw, plain, number = waiting.popleft()
+            if not self._taken_back(delivery_id, number):  # else another process runs it
+                self._start(delivery_id, attempts, raw, plain)
         self._maybe_flush()
         # STARTED goes out here, before the new tasks first run (they run after we return).
         self.send(self._outcomes)

@@ -39,7 +39,7 @@ from worker.process import (
     CHILD_ORPHANED,
     set_parent_death_signal,
 )
-from worker.ring import Ring
+from worker.ring import Ring, fence
 
 # One logger name for every handler process line, whichever loop runs it: operators filter
 # the logs on it.
@@ -95,6 +95,9 @@ class Runner:
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
         self._began: dict[int, float] = {}  # started, no outcome yet: when (monotonic)
+        #: DELIVER records read so far: the number of the last one (see protocol, "Taking
+        #: back"); the supervisor counts the same records, so no number travels.
+        self._received = 0
         self.serving = False  # READY sent: an exit from now on is never a failed init()
         # A FAILED record must fit the outcome ring (a small one in tests), header included.
         self._failure_limit = min(protocol.MAX_FAILURE_BYTES,
@@ -118,6 +121,7 @@ class Runner:
 
     def dispatch(self, record: bytes) -> None:
         if record[0] == protocol.DELIVER:  # the one kind per job: its head in one unpack
+            self._received += 1
             _, delivery_id, flags, attempts = protocol.unpack_deliver(record)
             self.deliver(delivery_id, attempts if flags & protocol.KNOWN else None,
                          record[protocol.DELIVER_OVERHEAD:], bool(flags & protocol.PLAIN))
@@ -129,6 +133,19 @@ class Runner:
             self.exit_asked()
         else:
             log.warning("ignoring unexpected %s record", protocol.KIND_NAMES[kind])
+
+    def _taken_back(self, delivery_id: int, number: int) -> bool:
+        """Reach delivery ``number`` of the ring before starting or skipping it: mark it,
+        then read the supervisor's cut. True (WITHDRAWN goes out with the next send) when
+        the supervisor took it back to hand it to another process: it must not start here.
+        The mark is stored before the cut is read, and the supervisor stores the cut
+        before it reads the mark (protocol, "Taking back"): one fence each way."""
+        self._outbox.mark(number)
+        fence()
+        if number >= self._inbox.marked:
+            return False
+        self._outcomes.append(protocol.encode_withdrawn(delivery_id, number))
+        return True
 
     # -- outcomes ----------------------------------------------------------------------------
 

@@ -19,14 +19,27 @@ the handler's start to this outcome; older versions sent none, read as 0), FAILE
 ``broker.failure.Failure`` record: class, message, where, traceback; older versions sent
 UTF-8 error text, which still decodes), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD
 from a process running several deliveries at once (an ``async def`` handler): the handler
-returned and the delivery waits for ``flush()``, so it is not a suspect when the process dies.
+returned and the delivery waits for ``flush()``, so it is not a suspect when the process dies;
+WITHDRAWN (u64: the delivery's number in its ring, see "Taking back" below).
 
 STARTED comes only from a process running several deliveries at once. A plain ``def``
 handler runs its ring's deliveries one at a time in ring order, so it sends no record when
-one starts: it marks the delivery's id on its outcome ring (``Ring.mark``, one store in
+one starts: it marks the delivery's number on its outcome ring (``Ring.mark``, one store in
 shared memory) before the handler runs. The supervisor reads the mark when it needs to
 know (a handler timeout, the process died, every watch period): the marked delivery and the
 ones before it without an outcome are running. That halves the records per delivery.
+
+Taking back (fair dispatch): deliveries are numbered per ring, 1 for the first DELIVER a
+process reads from its ring, then 2 and so on (both sides count the DELIVER records, so no
+number travels). Every process, plain or async, marks on its outcome ring the number of the
+delivery it reached, *then* reads the supervisor's cut (the mark of its delivery ring): a
+delivery numbered below the cut was taken back, so it neither starts nor is skipped but
+reported WITHDRAWN (delivery id, u64 number). The supervisor takes back in the mirror order:
+it writes the cut, then reads the mark. Each side stores, fences (``ring.fence``), then
+loads, so at least one of them sees the other (Dekker): every delivery numbered above the
+mark it read will find the cut and not start, and may be handed to another process at once;
+those up to the mark either ran or come back WITHDRAWN (the process may pass several between
+the supervisor's store of the cut and its read of the mark).
 """
 
 from __future__ import annotations
@@ -46,11 +59,12 @@ FAILED = 13
 SKIPPED = 14
 INIT_FAILED = 15
 HELD = 16
+WITHDRAWN = 17
 
 KIND_NAMES = {
     DELIVER: "DELIVER", CONFIRM: "CONFIRM", EXIT: "EXIT", READY: "READY",
     STARTED: "STARTED", DONE: "DONE", FAILED: "FAILED", SKIPPED: "SKIPPED",
-    INIT_FAILED: "INIT_FAILED", HELD: "HELD",
+    INIT_FAILED: "INIT_FAILED", HELD: "HELD", WITHDRAWN: "WITHDRAWN",
 }
 
 #: Error texts are cut to this many UTF-8 bytes (a traceback must not fill the ring).
@@ -63,6 +77,7 @@ _HEAD = struct.Struct("<BQ")
 _ATTEMPTS = struct.Struct("<Bq")  # flags (KNOWN 0: take them from the envelope), attempts
 _DELIVER_HEAD = struct.Struct("<BQBq")  # _HEAD and _ATTEMPTS in one pack
 _DONE_HEAD = struct.Struct("<BQd")  # DONE: _HEAD and the handler's seconds
+_WITHDRAWN = struct.Struct("<BQQ")  # WITHDRAWN: _HEAD and the delivery's number in its ring
 _TEXT_KINDS = (FAILED, INIT_FAILED)
 #: Kinds with nothing after the header (the ones a supervisor reads twice per delivery first).
 _BARE_KINDS = frozenset((STARTED, DONE, EXIT, SKIPPED, HELD, READY))
@@ -78,7 +93,7 @@ PLAIN = 2
 _KNOWN_PLAIN = KNOWN | PLAIN
 _FLAGS_AT = _HEAD.size
 
-Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | None]
+Decoded = tuple[int, int, tuple[int | None, bytes] | Failure | str | bool | int | None]
 
 
 def text_data(data: object) -> str:
@@ -179,6 +194,10 @@ def failure_body(failure: Failure, limit: int = MAX_FAILURE_BYTES) -> bytes:
     return failure.encode_within(limit)
 
 
+def encode_withdrawn(delivery_id: int, number: int) -> bytes:
+    return _WITHDRAWN.pack(WITHDRAWN, delivery_id, number)
+
+
 def encode_skipped(delivery_id: int) -> bytes:
     return _HEAD.pack(SKIPPED, delivery_id)
 
@@ -192,7 +211,8 @@ def decode(record: bytes) -> Decoded:
 
     DELIVER: ``(attempts or None, raw envelope)`` (``deliver_plain`` reads its PLAIN flag);
     CONFIRM: committed (bool); FAILED: the ``Failure`` (from the plain error text of an
-    older version too); INIT_FAILED: the error text (str); every other kind: None.
+    older version too); INIT_FAILED: the error text (str); WITHDRAWN: the delivery's number
+    in its ring (int); every other kind: None.
     Raises ValueError for a record no encoder here produces.
     """
     kind, delivery_id = _HEAD.unpack_from(record)
@@ -208,6 +228,8 @@ def decode(record: bytes) -> Decoded:
         return kind, delivery_id, record[_HEAD.size :].decode("utf-8", "replace")
     if kind == CONFIRM:
         return kind, delivery_id, record[_HEAD.size :] == b"\x01"
+    if kind == WITHDRAWN:
+        return kind, delivery_id, _WITHDRAWN.unpack_from(record)[2]
     if kind not in KIND_NAMES:
         raise ValueError(f"unknown record kind {kind}")
     return kind, delivery_id, None

@@ -8,7 +8,8 @@ Layout (all words native u64, each on its own 64-byte cache line)::
 
     [0]   write index   monotonic count of slots published by the writer
     [8]   mark          a value the writer publishes beside the records (the handler
-                        process: the delivery its handler runs now; see ``mark``)
+                        process: the number of the delivery it reached; the supervisor:
+                        the cut below which none may start; see ``mark``)
     [64]  read index    monotonic count of slots released by the reader
     [128] sleeping      non-zero while the reader is (about to be) blocked on the wake-up
                         fd: the number of that sleep, new each time (see below)
@@ -20,7 +21,7 @@ it needs. A record that would run past the end of the data area is preceded by a
 marker that sends the reader back to slot 0, so every record is contiguous.
 
 Wake-ups go through an eventfd that the writer writes only when the reader said it
-sleeps: the Dekker pattern (see ``_fence``), and once per sleep: the reader numbers its
+sleeps: the Dekker pattern (see ``fence``), and once per sleep: the reader numbers its
 sleeps, and a writer that woke sleep n (its eventfd is written, the reader will drain it
 and read everything) does not write again for n. A reader that is slow to come round (the
 supervisor's event loop in a Redis call) otherwise took one write per record, each a
@@ -46,7 +47,7 @@ _PADDING = 0xFFFFFFFF  # a length no record has: "skip to slot 0"
 _FENCE_LOCK = threading.Lock()
 
 
-def _fence() -> None:
+def fence() -> None:
     """A full memory barrier (store -> load ordering), as far as Python can get one.
 
     The wake-up protocol is Dekker's: the reader stores ``sleeping = 1`` then loads the
@@ -154,7 +155,7 @@ class Ring:
         """Make everything up to ``write`` visible, and wake the reader if it sleeps."""
         words = self._words
         words[_WRITE] = write
-        _fence()
+        fence()
         sleeping = words[_SLEEPING]
         if sleeping and sleeping != self._woken:  # asleep, and not woken yet
             os.eventfd_write(self.wake_fd, 1)
@@ -253,7 +254,7 @@ class Ring:
         words = self._words
         self._sleeps += 1
         words[_SLEEPING] = self._sleeps
-        _fence()
+        fence()
         if words[_WRITE] != words[_READ]:
             words[_SLEEPING] = 0
             return False

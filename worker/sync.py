@@ -50,18 +50,21 @@ class SyncRunner(Runner):
         self, delivery_id: int, attempts: int | None, raw: bytes, plain: bool = False
     ) -> None:
         if self._inbox.stop_requested:  # stopping: leave it for the supervisor to release
-            self._outcomes.append(protocol.encode_skipped(delivery_id))
+            if not self._taken_back(delivery_id, self._received):
+                self._outcomes.append(protocol.encode_skipped(delivery_id))
             return
-        # Outcomes so far go out before the handler runs (it may take long). The supervisor
-        # must know a delivery started before any of its side effects, or it might release
-        # it (attempts unchanged) after a crash: the mark is that, one store and no record.
+        # Outcomes so far go out before the handler runs (it may take long).
         outcomes = self._outcomes
         if outcomes:  # the last job's DONE, usually: one record, put at once
             if len(outcomes) == 1 and self._outbox.put(outcomes[0]):
                 outcomes.clear()
             else:
                 self.send(outcomes)
-        self._outbox.mark(delivery_id)
+        # The mark (one store, no record) tells the supervisor this delivery is reached
+        # before any of its side effects, or it might release it (attempts unchanged) after
+        # a crash, or hand it to another process: see ``_taken_back``.
+        if self._taken_back(delivery_id, self._received):
+            return
         began = time.monotonic()
         message = None
         handler = self._handler
