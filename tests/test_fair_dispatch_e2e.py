@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import signal
 
 import pytest
@@ -65,3 +66,31 @@ def test_short_jobs_never_wait_behind_hung_ones(
     assert sorted(raw.split(b'"pid":"')[1].split(b'"')[0].decode() for raw in ready) == sorted(
         hangs)
     assert client.llen(keys().processing) == 0
+
+
+def test_a_frozen_handler_process_holds_up_only_the_job_it_runs(
+    tmp_path, redis_url, client, start
+):
+    """SIGSTOP one of two handler processes in a stream of 2 ms jobs (rings several deep):
+    what it had not started is handed to the other; its own job waits for SIGCONT."""
+    pids = publish(client, [{"sleep": 0.002, "n": n} for n in range(300)])
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_slow:handle",
+                          job={"coroutines": 2, "prefetch": 20})
+    supervisor = start(config)
+    wait_for(lambda: len(lines(tmp_path / "handled")) >= 50, 30, "the stream under way")
+    victim = next(process for process in supervisor.family()
+                  if " handler 0 " in " ".join(process.cmdline()) + " ")
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        frozen = [line.split()[0] for line in lines(tmp_path / "started")
+                  if line.split()[1] == str(victim.pid)]
+        running = [pid for pid in frozen[-1:] if pid not in lines(tmp_path / "handled")]
+        wait_for(lambda: len(lines(tmp_path / "handled")) == len(pids) - len(running), 60,
+                 "every job but the frozen one")
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    wait_for(lambda: counter(client, "success") == len(pids), 30, "every commit")
+    started = collections.Counter(line.split()[0] for line in lines(tmp_path / "started"))
+    assert sorted(started) == sorted(pids) and set(started.values()) == {1}
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0, supervisor.output()
