@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import string
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -125,6 +126,24 @@ def test_successes_are_done_only_after_flush_returned(children, tmp_path: Path) 
     gate.touch()
     assert child.outcomes(1) == [("DONE", delivery_id, None)]
     assert lines(log) == ["flushing", f"flush {pid}"]
+
+
+def test_a_held_success_carries_the_handlers_own_seconds_not_the_wait_for_flush(
+    children, tmp_path: Path
+) -> None:
+    """DONE's seconds feed the handler histogram and the pace the supervisor sizes rings
+    by: a wait for flush() (which depends on what else the flush covers) is not the
+    handler's time."""
+    log, gate = tmp_path / "log", tmp_path / "gate"
+    child = children("tests.handlers.flushing:handle")
+    child.outcomes(1)
+    ((delivery_id, _),) = child.deliver({"log": str(log), "gate": str(gate)})
+    wait_until(lambda: lines(log) == ["flushing"])
+    time.sleep(1.5)  # flush() waits at its gate this long at least
+    gate.touch()
+    assert child.to_parent.wait(30)
+    done_id, seconds = protocol.done_fields(child.to_parent.get())
+    assert done_id == delivery_id and 0 < seconds < 1.0
 
 
 def test_flush_runs_every_n_successes_and_when_the_ring_is_empty(children, tmp_path) -> None:

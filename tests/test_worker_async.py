@@ -189,3 +189,20 @@ def summaries(outcomes: list) -> list:
     """Outcomes with each FAILED record's failure read as its one-line summary."""
     return [(kind, delivery_id, data.summary if isinstance(data, Failure) else data)
             for kind, delivery_id, data in outcomes]
+
+
+def test_a_held_async_success_carries_the_handlers_own_seconds_not_the_wait_for_flush(
+    children, tmp_path: Path, monkeypatch
+) -> None:
+    log, flush_gate = tmp_path / "log", tmp_path / "flush-gate"
+    monkeypatch.setenv("AIO_FLUSH_GATE", str(flush_gate))
+    child = children("tests.handlers.aio_flushing:handle", tasks=4)
+    child.outcomes(1)
+    ((delivery_id, pid),) = child.deliver({"log": str(log)})
+    assert child.outcomes(2) == [("STARTED", delivery_id, None), ("HELD", delivery_id, None)]
+    wait_until(lambda: lines(log) == [f"flushing {pid}"])
+    time.sleep(1.5)  # flush() waits at its gate this long at least
+    flush_gate.touch()
+    assert child.to_parent.wait(30)
+    done_id, seconds = protocol.done_fields(child.to_parent.get())
+    assert done_id == delivery_id and 0 < seconds < 1.0

@@ -235,6 +235,7 @@ class AsyncRunner(Runner):
         elif self._handler.flush is None:
             self._succeed(delivery_id, message)  # type: ignore[arg-type]
         else:
+            self._returned[delivery_id] = self._elapsed(delivery_id)  # its DONE waits
             self._held.append((delivery_id, message))  # type: ignore[arg-type]
             self._outcomes.append(protocol.encode_held(delivery_id))
 

@@ -95,6 +95,9 @@ class Runner:
         self._held: list[tuple[int, Message]] = []  # returned, waiting for flush()
         self._unconfirmed: dict[int, Message] = {}  # DONE, waiting for CONFIRM
         self._began: dict[int, float] = {}  # started, no outcome yet: when (monotonic)
+        #: Returned, held for flush(): the handler's own seconds (its DONE carries them,
+        #: not the wait for flush(), which depends on what else the flush covers).
+        self._returned: dict[int, float] = {}
         #: DELIVER records read so far: the number of the last one (see protocol, "Taking
         #: back"); the supervisor counts the same records, so no number travels.
         self._received = 0
@@ -170,7 +173,9 @@ class Runner:
 
     def _succeed(self, delivery_id: int, message: Message, seconds: float | None = None) -> None:
         """DONE goes out with the next send, with the handler's ``seconds`` (by default
-        since ``_begin``)."""
+        what it took until it returned: since ``_begin``, or as noted when it was held)."""
+        if seconds is None:
+            seconds = self._returned.pop(delivery_id, None)
         if seconds is None:
             seconds = self._elapsed(delivery_id)
         self._outcomes.append(protocol.encode_done(delivery_id, seconds))
@@ -182,6 +187,7 @@ class Runner:
         The supervisor logs the run's outcome once it is settled (retrying, failed, dead):
         this line is for debugging the handler process."""
         self._began.pop(delivery_id, None)  # a failure carries no seconds (see protocol)
+        self._returned.pop(delivery_id, None)
         self._outcomes.append(protocol.encode_failed(delivery_id, failure, self._failure_limit))
         job = message.pid if message is not None else "?"
         log.debug("delivery %d (job %s) failed: %s (%s)", delivery_id, job, failure.summary,

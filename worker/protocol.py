@@ -15,7 +15,8 @@ version read any non-zero flags as known), and a reader may ignore it: decoding 
 envelope fully is always right, only slower (``decode`` below drops it).
 child -> parent: READY (init() ran; no body: whether CONFIRM is wanted the supervisor knows
 from the handler it loaded, the one the process inherited), STARTED, DONE (f64: seconds from
-the handler's start to this outcome; older versions sent none, read as 0), FAILED (a
+the handler's start to its return, a wait for ``flush()`` not included; older versions sent
+none, read as 0), FAILED (a
 ``broker.failure.Failure`` record: class, message, where, traceback; older versions sent
 UTF-8 error text, which still decodes), SKIPPED, INIT_FAILED (UTF-8 error text), and HELD
 from a process running several deliveries at once (an ``async def`` handler): the handler

@@ -80,7 +80,8 @@ class SyncRunner(Runner):
             # DONE carries the handler's seconds (for the supervisor's histogram).
             self._succeed(delivery_id, message, time.monotonic() - began)
             return
-        self._began[delivery_id] = began  # its DONE comes after flush(): timed to then
+        # Its DONE comes after flush(), with the handler's own time (Runner._returned).
+        self._returned[delivery_id] = time.monotonic() - began
         self._held.append((delivery_id, message))
         if len(self._held) >= self._flush_every:
             self._flush_held()
