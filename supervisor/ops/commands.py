@@ -130,6 +130,8 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
         if elsewhere:
             shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
             print(f"running on other hosts (drain there too): {shown}")
+            print(f"waiting up to {timeout:g}s for them to stop: `drain` succeeds only once "
+                  "no supervisor of ours is alive on the queue")
         _, alive = await asyncio.to_thread(processes.stop, found, timeout)
         if alive:
             print(f"still running after {timeout:g}s: pids "
@@ -243,8 +245,15 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
               if left.others.count else [])
     if left.empty:
         return [f"ok: no reservation and no owner record of {queue} remains of this "
-                "project's supervisors, and no delayed retry", *theirs]
+                "project's supervisors, no delayed retry, and none of them is alive", *theirs]
     lines = [f"not empty: {queue} still has, of this project's supervisors"]
+    if left.alive:
+        lines.append(f"  {len(left.alive)} alive (stop them: `drain` on their host; one "
+                     "killed counts until its lease lapses, then `drain` or `recover` takes "
+                     "what it held)")
+        lines += [f"    {_alive(supervisor)}" for supervisor in left.alive[:LIST_AT_MOST]]
+        if len(left.alive) > LIST_AT_MOST:
+            lines.append(f"    ... and {len(left.alive) - LIST_AT_MOST} more")
     if left.delayed:
         lines.append(f"  {left.delayed} delayed retries (waiting for their backoff; PHP "
                      "workers never read them: `drain` moves them to the ready list)")
@@ -261,6 +270,21 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
             if found.count > LIST_AT_MOST:
                 lines.append(f"    ... and {found.count - LIST_AT_MOST} more")
     return lines + theirs
+
+
+def _alive(supervisor: dict[str, Any]) -> str:
+    """One live supervisor: host and pid (from its record) and when it lapses unrenewed."""
+    record, name = supervisor["where"], logs.clean(supervisor["id"])
+    host, _, pid = (record or "").rpartition(" ")
+    if host:
+        where = f"host {logs.clean(host)} pid {logs.clean(pid)} ({name})"
+    elif record is not None:
+        where = f"{name} (its record says {logs.clean(record)!r})"
+    else:
+        where = f"{name} (no record: its token registry entry is current)"
+    lapses = supervisor["lapses_in"]
+    return where + (", record without expiry" if lapses is None else
+                    f", lapses in {lapses}s unless it renews")
 
 
 def _expiry(ms: int) -> str:
@@ -302,8 +326,8 @@ COMMANDS: dict[str, tuple[Command, str]] = {
     "poison": (failed_commands.poison, failed_commands.HELP["poison"]),
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
     "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
-    "check": (check, "exit 1 while reservations, owner records or delayed retries of the "
-              "queue remain"),
+    "check": (check, "exit 1 while a supervisor of ours is alive on the queue, or its "
+              "reservations, owner records or delayed retries remain"),
     "acl": (acl, "print the Redis ACL users (ACL SETUSER) of the job and of each command"),
 }
 
