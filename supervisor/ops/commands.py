@@ -230,6 +230,10 @@ def _delayed(delayed: dict[str, Any]) -> str:
     if not delayed["count"]:
         return "0"
     due = time.strftime("%H:%M:%S UTC", time.gmtime(delayed["next_due"]))
+    if delayed["overdue"]:
+        return (f"{delayed['count']} retries waiting for their backoff (the first was due at "
+                f"{due}, {delayed['overdue']}s ago: only a running supervisor moves them to "
+                "the ready list)")
     return f"{delayed['count']} retries waiting for their backoff (next due {due})"
 
 
@@ -255,7 +259,8 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
         if len(left.alive) > LIST_AT_MOST:
             lines.append(f"    ... and {len(left.alive) - LIST_AT_MOST} more")
     if left.delayed:
-        lines.append(f"  {left.delayed} delayed retries (waiting for their backoff; PHP "
+        late = f", the oldest overdue by {left.overdue}s" if left.overdue else ""
+        lines.append(f"  {left.delayed} delayed retries (waiting for their backoff{late}; PHP "
                      "workers never read them: `drain` moves them to the ready list)")
     for label, found in (
         ("registered reservations", left.registered),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from broker.redis.gauges import overdue
 from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
 from broker.redis.recovery import server_time, token_prefix
 
@@ -62,6 +63,8 @@ class Leftovers:
     #: Retries waiting for their backoff in ``supervisor-delayed.{q}``: PHP workers never
     #: read that set, so with no supervisor left to promote them they would wait forever.
     delayed: int = 0
+    #: Seconds the oldest of them is past its due time (0: none is due yet).
+    overdue: int = 0
     #: Supervisors of ours alive on the queue (``live_supervisors``): what they hold is
     #: not left behind yet, and they may still reserve, own and delay more.
     alive: list[dict[str, Any]] = field(default_factory=list)
@@ -95,9 +98,17 @@ async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers
     owners = await owner_records(client, keys, ours, others, show)
     previous = await scan_prefix(client, keys.legacy_consumer(""), show)
     others.names.sort()
-    delayed = await client.zcard(keys.delayed)
+    delayed, overdue = await delayed_retries(client, keys)
     alive = await live_supervisors(client, keys)
-    return Leftovers(registered, lists, owners, previous, others, delayed, alive)
+    return Leftovers(registered, lists, owners, previous, others, delayed, int(overdue), alive)
+
+
+async def delayed_retries(client: Any, keys: QueueKeys) -> tuple[int, float]:
+    """How many retries wait in the delayed set, and how long the oldest is overdue."""
+    count = await client.zcard(keys.delayed)
+    first = await client.zrange(keys.delayed, 0, 0, withscores=True) if count else []
+    now, _ = await server_time(client, keys.delayed)
+    return count, overdue(first, now)
 
 
 #: Names kept while sorting leftovers into ours and others' (all of them).
@@ -172,12 +183,14 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
         pipe.get(keys.stat(name))
     ready, processing, failed, dead, poison, delayed, first, *stats = await pipe.execute()
     owners = await scan_prefix(client, keys.owner(""), show=0)
+    now, _ = await server_time(client, keys.delayed)
     return {
         "queue": keys.queue,
         "namespace": keys.namespace,
         "ready": ready,
         "processing": processing,
-        "delayed": {"count": delayed, "next_due": int(first[0][1]) if first else None},
+        "delayed": {"count": delayed, "next_due": int(first[0][1]) if first else None,
+                    "overdue": int(overdue(first, now))},
         "reservations": await reservations(client, keys, show),
         "failed": failed,
         "dead": dead,
