@@ -29,7 +29,7 @@ from supervisor.ops import drain as processes
 from supervisor.ops import failed_commands, inspect, program_name, version
 from supervisor.ops.opening import Unsupported, json_for_terminal, opened_broker, redis_broker
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
-from supervisor.ops.recover import recover
+from supervisor.ops.recover import forget_stopped, recover
 from supervisor.ops.retry import SOURCES, retry
 
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
@@ -138,9 +138,13 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
                   f"{', '.join(str(p.pid) for p in alive)}")
             return exits.LEFT
         recovered, promoted, left = await recover_until_empty(broker, deadline)
+        forgotten = await forget_stopped(broker) if left.empty else 0
     print(f"recovered {recovered} deliveries")
     print(f"moved {promoted} delayed retries to the ready list (PHP workers never read the "
           "delayed set)")
+    if forgotten:
+        print(f"forgot {forgotten} stopped supervisors' entries in the token registry (no "
+              "sweep of ours is left to forget them)")
     print("\n".join(describe_leftovers(left, config.job.queue)))
     return exits.OK if left.empty else exits.LEFT
 
