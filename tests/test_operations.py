@@ -440,7 +440,7 @@ async def test_status_of_a_nats_queue_reads_the_stream_and_consumer(run, tmp_pat
 
 async def test_redis_only_commands_refuse_a_nats_queue(run, tmp_path, capsys):
     conf = str(write_config(tmp_path, "nats://127.0.0.1:1", handler="examples.noop:handle"))
-    code = await asyncio.to_thread(cli.main, ["check", conf])
+    code = await asyncio.to_thread(cli.main, ["recover", conf])
     assert code == 2 and "for Redis queues only" in capsys.readouterr().err
 
 

@@ -121,21 +121,11 @@ async def publish(config: Config, args: argparse.Namespace) -> int:
 async def drain(config: Config, args: argparse.Namespace) -> int:
     timeout = args.timeout or config.supervisor.shutdown_deadline + config.supervisor.lease + 15
     deadline = time.monotonic() + timeout
+    if config.broker.kind == "nats":
+        return await drain_nats(config, timeout, deadline)
     async with redis_broker(config, "drain") as broker:
         records = await inspect.supervisors(broker.client, broker.keys, show=MAX_BATCH)
-        found, elsewhere = processes.find_supervisors(
-            config.job.queue, [record["where"] for record in records])
-        print(f"stopping {len(found)} supervisors of {config.job.queue}"
-              + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
-        if elsewhere:
-            shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
-            print(f"running on other hosts (drain there too): {shown}")
-            print(f"waiting up to {timeout:g}s for them to stop: `drain` succeeds only once "
-                  "no supervisor of ours is alive on the queue")
-        _, alive = await asyncio.to_thread(processes.stop, found, timeout)
-        if alive:
-            print(f"still running after {timeout:g}s: pids "
-                  f"{', '.join(str(p.pid) for p in alive)}")
+        if not await stop_this_hosts(config.job.queue, [r["where"] for r in records], timeout):
             return exits.LEFT
         recovered, promoted, left = await recover_until_empty(broker, deadline)
         forgotten = await forget_stopped(broker) if left.empty else 0
@@ -149,7 +139,47 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
     return exits.OK if left.empty else exits.LEFT
 
 
+async def stop_this_hosts(queue: str, records: list[str], timeout: float) -> bool:
+    """SIGTERM this host's supervisors among ``records`` ("host pid") and wait for them to
+    exit; name the others. False (said why) if some of ours are still running."""
+    found, elsewhere = processes.find_supervisors(queue, records)
+    print(f"stopping {len(found)} supervisors of {queue}"
+          + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
+    if elsewhere:
+        shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
+        print(f"running on other hosts (drain there too): {shown}")
+        print(f"waiting up to {timeout:g}s for them to stop: `drain` succeeds only once "
+              "no supervisor of ours is alive on the queue")
+    _, alive = await asyncio.to_thread(processes.stop, found, timeout)
+    if alive:
+        print(f"still running after {timeout:g}s: pids {', '.join(str(p.pid) for p in alive)}")
+    return not alive
+
+
+async def drain_nats(config: Config, timeout: float, deadline: float) -> int:
+    """NATS keeps every delivery, retry and dead letter itself (a stopped supervisor's are
+    redelivered to whoever consumes): stop this host's supervisors, then wait until no
+    supervisor of ours answers."""
+    from supervisor.ops import nats_status
+
+    answered, _ = await nats_status.alive(config)
+    if not await stop_this_hosts(config.job.queue, answered, timeout):
+        return exits.LEFT
+    while True:
+        answered, figures = await nats_status.alive(config)
+        if not answered or time.monotonic() >= deadline:
+            break
+    print("\n".join(nats_status.describe_alive(config.job.queue, answered, figures)))
+    return exits.LEFT if answered else exits.OK
+
+
 async def check(config: Config, args: argparse.Namespace) -> int:
+    if config.broker.kind == "nats":
+        from supervisor.ops import nats_status
+
+        answered, figures = await nats_status.alive(config)
+        print("\n".join(nats_status.describe_alive(config.job.queue, answered, figures)))
+        return exits.LEFT if answered else exits.OK
     async with redis_broker(config, "check") as broker:
         left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
     print("\n".join(describe_leftovers(left, config.job.queue)))
@@ -334,7 +364,8 @@ COMMANDS: dict[str, tuple[Command, str]] = {
     "dead": (failed_commands.dead, failed_commands.HELP["dead"]),
     "poison": (failed_commands.poison, failed_commands.HELP["poison"]),
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
-    "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
+    "drain": (drain, "stop this host's supervisors of the queue, recover (Redis), verify "
+              "(rollback)"),
     "check": (check, "exit 1 while a supervisor of ours is alive on the queue, or its "
               "reservations, owner records or delayed retries remain"),
     "acl": (acl, "print the Redis ACL users (ACL SETUSER) of the job and of each command"),
