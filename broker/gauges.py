@@ -21,6 +21,7 @@ class QueueGauges:
     dead: int | None = None  # lost on the last attempt (Redis) / dead letters (NATS)
     poison: int | None = None  # undecodable (Redis)
     delayed: int | None = None  # retries waiting for their backoff (Redis)
+    delayed_overdue: float | None = None  # seconds the oldest of them is past due (0: none)
     redelivered: int | None = None  # delivered more than once, not acked yet (NATS)
     supervisors_alive: int | None = None  # whose registry entry is current (Redis)
     reconnects: int | None = None  # connections replaced since start (a running count)

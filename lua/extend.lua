@@ -8,7 +8,8 @@
 -- the token registry (the prefix every owner token of this supervisor starts with). An
 -- owner whose prefix is registered but whose record is gone is ours and dead: recovery takes
 -- its deliveries as soon as their claims are gone. With lease 0 the record goes and the
--- registry entry stays, so whatever is still owned is recovered at once.
+-- registry entry stays (its until set to now: alive no more), so whatever is still owned is
+-- recovered at once.
 --
 -- KEYS[1]       this supervisor's record     {ns}.supervisors.{q}.{consumer id}
 -- KEYS[2]       the token registry (hash)    {ns}.supervisor-tokens.{q}
@@ -44,10 +45,12 @@ end
 -- Owner keys are only read (MGET: one of another type reads as stale); claims and the record
 -- are replaced or deleted whatever their type, the registry's type was checked: no write can
 -- fail halfway.
+-- The registry entry's until is now + lease, or now at lease 0: a supervisor that stopped is
+-- no longer counted alive (``check``, the metrics), and its entry still names it ours.
+local now = tonumber(redis.call('TIME')[1])
+redis.call('HSET', KEYS[2], ARGV[3], string.format('%d %s', now + lease, ARGV[4]))
 if lease > 0 then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', lease)
-  local now = tonumber(redis.call('TIME')[1])
-  redis.call('HSET', KEYS[2], ARGV[3], string.format('%d %s', now + lease, ARGV[4]))
 else
   redis.call('DEL', KEYS[1])
 end

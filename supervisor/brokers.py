@@ -7,7 +7,9 @@ from broker.urls import broker_kind
 from supervisor.config import Config
 
 
-def make_broker(config: Config) -> Broker:
+def make_broker(config: Config, *, supervisor: bool = False) -> Broker:
+    """``supervisor``: the broker of a running supervisor (on NATS it answers ``check``
+    and ``drain``; an operator command's broker stays silent)."""
     kind = broker_kind(config.broker.url)
     job, sup = config.job, config.supervisor
     if kind == "redis":
@@ -30,6 +32,6 @@ def make_broker(config: Config) -> Broker:
             max_attempts=job.max_attempts, retry_backoff=job.retry_backoff,
             retry_backoff_max=job.retry_backoff_max, namespace=config.broker.namespace,
             max_envelope_bytes=sup.envelope_limit(), job_ttl=job.job_ttl,
-            replicas=config.nats.replicas, tls=config.broker.tls,
+            replicas=config.nats.replicas, tls=config.broker.tls, announce=supervisor,
         )
     raise AssertionError(kind)

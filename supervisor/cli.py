@@ -112,7 +112,7 @@ def run(config: Config) -> int:
               file=sys.stderr)
         return exits.CONFIG
     try:
-        broker = make_broker(config)
+        broker = make_broker(config, supervisor=True)
         arbiter = Arbiter(config, broker, places, forkserver, handler,
                           notifier=notifier, metrics=recorder)
         quiet_collector()  # after the fork server: handler processes keep CPython's own

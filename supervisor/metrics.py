@@ -83,6 +83,9 @@ QUEUE_GAUGES = {
     "dead": ("dead_messages", "dead list (Redis) or dead-letter stream (NATS)"),
     "poison": ("poison_messages", "undecodable messages kept in poison (Redis)"),
     "delayed": ("delayed_messages", "retries waiting for their backoff (Redis)"),
+    "delayed_overdue": ("delayed_overdue_seconds", "how long the oldest delayed retry has "
+                        "been due without being moved to the ready list (0: none is; "
+                        "Redis: every supervisor's maintenance moves them)"),
     "redelivered": ("redelivered_messages", "delivered more than once, not acked (NATS)"),
     "supervisors_alive": ("supervisors_alive", "supervisors of the queue whose last renewal "
                           "is current (Redis token registry)"),

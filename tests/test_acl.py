@@ -97,9 +97,9 @@ def test_acl_command_prints_the_lines_for_the_job_file(tmp_path, capsys):
         "ACL SETUSER mail-publish reset on ><password> +ping +select +lpush "
         "%W~{app}.queue.mail",
         "ACL SETUSER mail-check reset on ><password> +ping +select +zcard "
-        "+zrange +scan +llen +time +hscan +mget %R~{app}.reservations.mail "
+        "+zrange +scan +llen +time +hscan +mget +get +pttl %R~{app}.reservations.mail "
         "%R~{app}.reservations.mail.* %R~{app}.owners.mail.* %R~{app}.supervisor-tokens.mail "
-        "%R~{app}.supervisor-delayed.mail",
+        "%R~{app}.supervisor-delayed.mail %R~{app}.supervisors.mail.*",
     ]
     assert "replace <password>" in err  # the note goes to stderr: stdout pipes into redis-cli
 

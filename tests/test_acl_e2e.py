@@ -374,7 +374,8 @@ def test_the_dashboard_reads_every_page_and_acts_as_its_acl_user(tmp_path, own_r
     admin.lpush(keys.processing, b"p1")
     admin.set(keys.owner("p1"), "tok")
     admin.set(keys.claim("p1"), "tok", ex=60)
-    admin.zadd(keys.delayed, {b"e": 1})
+    # Due in an hour: one overdue would (rightly) be shown as unattended, not "ok".
+    admin.zadd(keys.delayed, {b"e": int(admin.time()[0]) + 3600})
     admin.zadd(keys.reservations, {keys.reservation("r1"): 2_000_000_000})
     admin.lpush(keys.reservation("r1"), b"x")
     admin.hset(keys.supervisor_tokens, "tok", f"{int(admin.time()[0])} c1")

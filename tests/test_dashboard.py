@@ -115,6 +115,30 @@ async def test_overview_counts_every_list_of_a_redis_queue(tmp_path, redis_url, 
     assert "cmdstat_scan" not in commands and "cmdstat_keys" not in commands, commands
 
 
+async def test_the_state_column_names_delayed_retries_that_wait_unattended(
+        tmp_path, redis_url, redis_client, dashboards):
+    """Issue 39.3, sampled by the dashboard itself (it outlives the supervisors): retries
+    overdue with no supervisor alive, then overdue beside a live one that does not promote
+    them (maintenance_interval 1 s: more than 3 s overdue), then nothing to say."""
+    k = keys()
+    now = int((await redis_client.time())[0])
+    await redis_client.zadd(k.delayed, {b"e1": now - 100, b"e2": now + 3600})
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+
+    def state() -> str:
+        return row(dashboard.client.get("/live/overview")[1]).get("state", "")
+
+    poll(lambda: "no supervisor is alive" in state(), "the unattended retries")
+    assert re.search(r"^2 delayed retries wait, the oldest due 1\d\d s ago and no "
+                     r"supervisor is alive", state()), state()
+    assert "no supervisor is alive" in dashboard.client.get("/live/q/0")[1]
+    await redis_client.set(k.supervisor("alive-1"), "elsewhere 42", ex=600)
+    await redis_client.hset(k.supervisor_tokens, "ab" * 8, f"{now + 600} alive-1")
+    poll(lambda: "no supervisor's maintenance moves them" in state(), "the overdue retries")
+    await redis_client.zrem(k.delayed, b"e1")
+    poll(lambda: state() == "ok", "the state to be ok again")
+
+
 async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_resumes(
         tmp_path, redis_url, redis_client, own_redis_server, dashboards):
     (tmp_path / "up").mkdir()
@@ -437,6 +461,27 @@ def test_a_queue_with_a_backlog_and_nothing_settled_for_a_minute_is_not_draining
     for second in range(0, 70, 5):
         idle.add(Counts(ready=0, done=5), at=1000.0 + second)
     assert idle.draining() == ""
+
+
+def test_delayed_retries_nobody_promotes_are_called_unattended():
+    """Issue 39.3: the state column says when delayed retries wait with no supervisor
+    alive (PHP workers never read them), or overdue past a few maintenance intervals."""
+    def said(**counts: Any) -> str:
+        h = history.History()
+        h.add(Counts(**counts), at=1000.0)
+        return h.unattended(overdue_after=15)
+
+    assert said(delayed=0, supervisors=0) == ""
+    assert said(delayed=3, supervisors=2, delayed_overdue=4) == ""  # promoted soon
+    assert said(delayed=3, supervisors=0) == ("3 delayed retries wait and no supervisor is "
+                                              "alive to move them to the ready list")
+    assert said(delayed=3, supervisors=0, delayed_overdue=61) == (
+        "3 delayed retries wait, the oldest due 61 s ago and no supervisor is alive to move "
+        "them to the ready list")
+    assert said(delayed=1200, supervisors=2, delayed_overdue=16) == (
+        "1,200 delayed retries wait, the oldest due 16 s ago: no supervisor's maintenance "
+        "moves them to the ready list")
+    assert said(delayed=None, supervisors=0) == ""  # NATS: no delayed set
 
 
 def test_history_keeps_an_hour_and_rates_are_differences():

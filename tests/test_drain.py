@@ -4,6 +4,8 @@ rollback check). A supervisor of the same queue name on another Redis is left al
 
 from __future__ import annotations
 
+import signal
+import socket
 import uuid
 
 import orjson
@@ -59,6 +61,43 @@ def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
         assert checked.returncode == 0, checked.stdout + checked.stderr
     finally:
         supervisor.stop()
+
+
+def test_check_and_drain_fail_while_an_idle_supervisor_runs(tmp_path, redis_url, client):
+    """Issue 39.2 as found: an idle supervisor on the queue (nothing reserved, owned or
+    delayed) made ``check`` say "ok". Now it fails naming host and pid, passes at once
+    after a graceful stop, and fails for a supervisor killed with SIGKILL until its lease
+    lapsed; ``drain`` waits for that and then reports success."""
+    queue = f"idle-{uuid.uuid4().hex[:8]}"
+    keys = QueueKeys(NAMESPACE, queue)
+    config = write_config(tmp_path, redis_url, job={"queue": queue})
+    here = socket.gethostname()
+    for stop in ("SIGTERM", "SIGKILL"):
+        supervisor = Supervisor(config, tmp_path, redis_url)
+        try:
+            wait_for(lambda: client.exists(keys.supervisor_tokens)
+                     and list(client.scan_iter(match=keys.supervisor("") + "*")), 15,
+                     "the supervisor's record")
+            checked = command("check", str(config))
+            assert checked.returncode == 1, checked.stdout + checked.stderr
+            assert f"host {here} pid {supervisor.pid} (" in checked.stdout
+            assert "  supervisors   1" in command("status", str(config)).stdout
+            if stop == "SIGTERM":
+                supervisor.signal(signal.SIGTERM)
+                assert supervisor.wait(30) == 0, supervisor.output()
+                checked = command("check", str(config))  # at once: nothing waits a lease
+                assert checked.returncode == 0, checked.stdout + checked.stderr
+                continue
+            for process in supervisor.family():
+                process.kill()
+            supervisor.wait(10)
+            checked = command("check", str(config))  # its record lives until its lease
+            assert checked.returncode == 1 and f"pid {supervisor.pid} (" in checked.stdout
+            drained = command("drain", str(config), "--timeout", "40")
+            assert drained.returncode == 0, drained.stdout + drained.stderr
+            assert "ok: no reservation and no owner record" in drained.stdout
+        finally:
+            supervisor.stop()
 
 
 def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client):

@@ -22,6 +22,7 @@ from support.servers import free_port
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "examples" / "monitoring" / "alerts.yml"
 DASHBOARD = ROOT / "examples" / "monitoring" / "grafana-dashboard.json"
+RULE_TESTS = ROOT / "tests" / "data" / "alerts_test.yml"
 METRIC = re.compile(r"\b(queue_supervisor_[a-z0-9_]+)\b")
 #: What every alert the README promises watches (issue 25 item 3).
 ALERTED = {
@@ -30,6 +31,8 @@ ALERTED = {
     "queue_supervisor_build_info", "queue_supervisor_ready",
     "queue_supervisor_unreplicated_writes_total", "queue_supervisor_broker_reconnects_total",
     "queue_supervisor_nats_leaderless_seconds",
+    # issue 39.3: retries nobody promotes, while supervisors run and once none does
+    "queue_supervisor_delayed_overdue_seconds", "queue_supervisor_delayed_messages",
 }
 
 
@@ -67,6 +70,18 @@ def panel_exprs() -> list[tuple[str, str]]:
 @pytest.mark.skipif(not shutil.which("promtool"), reason="promtool is not installed")
 def test_promtool_accepts_the_rules():
     subprocess.run(["promtool", "check", "rules", str(ALERTS)], check=True)
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool is not installed")
+def test_the_delayed_retry_alerts_fire_when_nobody_promotes_them():
+    """Issue 39.3, by promtool's rule tests (tests/data/alerts_test.yml): the last
+    supervisor killed with retries waiting fires QueueDelayedRetriesUnattended although it
+    reports nothing any more; retries overdue beside running supervisors fire
+    QueueDelayedRetriesOverdue; a queue still served, or lost with nothing delayed, fires
+    neither."""
+    done = subprocess.run(["promtool", "test", "rules", str(RULE_TESTS)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_alert_is_complete_and_names_only_exported_metrics(exported):

@@ -218,3 +218,41 @@ async def test_a_retry_killed_midway_loses_nothing_and_a_rerun_publishes_each_on
     assert code == 0
     assert await stream_pids(js, NAMES.dead_stream, NAMES.dead_subject) == []
     assert sorted(await stream_pids(js, NAMES.stream, NAMES.subject)) == sorted(pids)
+
+
+@pytest.mark.timeout(180)
+async def test_a_redrive_whose_replies_are_lost_under_load_runs_each_job_once(
+        tmp_path, conf, run, nats_brokers, nats_server, js, supervisors):
+    """Issue 39.5: dead letters re-driven while a supervisor consumes the work stream, one
+    publish's acknowledgement lost on the way back (the proxy drops it): that retry fails
+    naming the letter and what to do, the job is in work and still dead; the rerun the
+    message says to do publishes nothing twice (the message id), empties the dead stream,
+    and the supervisor runs every job exactly once."""
+    from support.faultproxy import FaultProxy
+    from support.supervision import lines
+
+    _, pids = await bury(nats_brokers, 200)
+    workdir = tmp_path / "supervisor"
+    workdir.mkdir()
+    supervisors(write_config(workdir, nats_server.url, job={"prefetch": 20}))
+    code, _ = await run("dead", conf, "retry", "--count", "80")  # under way meanwhile
+    assert code == 0
+    (tmp_path / "lossy").mkdir()
+    proxy = await FaultProxy(nats_server.port).start()
+    try:
+        lossy = write_config(tmp_path / "lossy", proxy.url, handler="examples.noop:handle")
+        proxy.drop_replies_to_prefix(NAMES.subject)  # the next re-drive's acknowledgement
+        code, _ = await run("dead", str(lossy), "retry", "--all")
+    finally:
+        await proxy.close()
+    assert code == 1 and proxy.dropped == 1
+    code, out = await run("dead", conf, "retry", "--all")
+    assert code == 0 and "1 of them had been published already" in out, out
+    assert await dead_pids(js) == []
+
+    async def finished() -> bool:
+        info = await js.consumer_info(NAMES.stream, NAMES.consumer)
+        return not (info.num_pending or info.num_ack_pending or await work_messages(js))
+
+    await until(finished, 60, "every re-driven job to be run and acknowledged")
+    assert sorted(lines(tmp_path / "handled")) == sorted(pids)  # each once (E2E_DIR)

@@ -223,3 +223,47 @@ async def test_rollback_php_workers_take_over_released_work_with_the_whole_budge
     assert not done & {p for p, _ in fleet.ran}
     assert {a for _, a in fleet.ran} == {0}  # released work kept its whole budget
     assert await state(nats_server) == {"stream": 0, "dead": 0, "ack_pending": 0}
+
+
+async def test_rollback_with_retries_and_dead_letters_in_flight(
+    tmp_path, nats_server, supervisors, fleet, run
+):
+    """Issue 39.5: the rollback to PHP workers by ``drain`` while retries wait out their
+    NAK delay in JetStream and dead letters sit in the dead stream. ``drain`` stops the
+    supervisor and ends ok, ``check`` agrees; the PHP worker gets each waiting retry when
+    its delay is over (attempts 1, once) and runs the dead letters its retry() moves back:
+    nothing is left in the work or dead stream, nothing unacknowledged."""
+    log = tmp_path / "succeeded"
+    conf = {"max_attempts": 2}
+    first = supervisors(write_config(tmp_path, nats_server.url, job={**conf, "retry_backoff": 1},
+                                     handler="tests.handlers.fails_until:handle"))
+    await until(lambda: queue_exists(nats_server), 20, "the queue")
+    doomed = await php_publish(nats_server, [{"succeed_at": 99, "log": str(log)}] * 5)
+    await until(lambda: _dead(nats_server, 5), 60, "five dead letters")
+    first.signal(signal.SIGTERM)
+    assert first.wait(20) == 0
+    config = write_config(tmp_path, nats_server.url, job={**conf, "retry_backoff": 12},
+                          handler="tests.handlers.fails_until:handle")
+    second = supervisors(config)
+    waiting = await php_publish(nats_server, [{"succeed_at": 1, "log": str(log)}] * 5)
+    easy = await php_publish(nats_server, [{"succeed_at": 0, "log": str(log)}] * 20)
+    await until(lambda: len(lines(log)) == 20, 30, "the jobs that succeed at once")
+    await until(lambda: second.output().count("attempt 0 fails on purpose") >= 5, 30,
+                "the five first runs to fail (their retries wait 12 s)")
+
+    php = await Queue5NatsWorker(nats_server.url, QUEUE).connect(mode="adopt")
+    fleet.run(php)
+    code, out = await run("drain", str(config), "--timeout", "30")
+    assert code == 0 and "ok: no supervisor of ours answers" in out, out
+    code, out = await run("check", str(config))
+    assert code == 0, out
+    assert await php.retry() == 5
+    await until(lambda: {pid for pid, _ in fleet.ran} >= set(waiting) | set(doomed), 60,
+                "the PHP worker to run the retries and the dead letters")
+    ran = collections.Counter(pid for pid, _ in fleet.ran)
+    assert all(ran[pid] == 1 for pid in waiting + doomed)
+    assert {attempts for pid, attempts in fleet.ran if pid in waiting} == {1}
+    assert {attempts for pid, attempts in fleet.ran if pid in doomed} == {0}  # afresh
+    assert not set(easy) & set(ran)  # the supervisor had finished those
+    assert await state(nats_server) == {"stream": 0, "dead": 0, "ack_pending": 0}
+

@@ -7,6 +7,8 @@ way producers and other consumers would leave it; each command then runs as the 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -111,9 +113,10 @@ async def test_status_shows_no_control_character_from_the_broker(conf, run, redi
 
 async def test_drain_shows_another_hosts_record_escaped(conf, run, redis_client):
     await redis_client.set(keys().supervisor("elsewhere"), b"other\x1b]0;pwned\x07host 42")
-    code, out = await run("drain", conf, "--timeout", "10")
-    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    code, out = await run("drain", conf, "--timeout", "2")
+    assert code == 1 and "\x1b" not in out and "\x07" not in out
     assert "running on other hosts (drain there too): other\\x1b]0;pwned\\x07host 42" in out
+    assert "host other\\x1b]0;pwned\\x07host pid 42 (elsewhere), record without expiry" in out
 
 
 # -- check and recover ------------------------------------------------------------------------
@@ -124,7 +127,7 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
 ):
     pids = await push(redis_client, {"n": 1}, {"n": 2})
     # its reservation's deadline is about 1 s away
-    dying = await redis_brokers(QUEUE, namespace=NAMESPACE, lease=1)
+    dying = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="dying", lease=1)
     await dying.extend([])  # a supervisor's first renewal, at start: it registers its tokens
     reservation = await dying.reserve(2, block_timeout=0)
     assert len(reservation.payloads) == 2
@@ -135,6 +138,9 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
 
     deadline = await redis_client.zscore(keys().reservations, reservation.key)
     await wait_until_expired(redis_client, deadline)
+    async with asyncio.timeout(10):  # it died: its record lapses too (within its lease)
+        while await redis_client.exists(keys().supervisor("dying")):
+            await asyncio.sleep(0.01)
     code, out = await run("recover", conf)
     assert code == 0 and "recovered 2 deliveries" in out
     assert "2 from expired reservations" in out
@@ -149,7 +155,8 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
     conf, run, redis_client, redis_brokers
 ):
     """A running, idle consumer's empty reservation (its blocking receive) is not a
-    leftover; the same registration past its deadline is."""
+    leftover (the consumer itself fails the check, as alive); the same registration past
+    its deadline is."""
     waiting = await redis_brokers(QUEUE, namespace=NAMESPACE, lease=3)
     await waiting.extend([])
     blocked = asyncio.ensure_future(waiting.receive(1, block_timeout=10))
@@ -157,7 +164,7 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
         while not await redis_client.zcard(keys().reservations):
             await asyncio.sleep(0.01)
     code, out = await run("check", conf)
-    assert code == 0 and out.startswith("ok:"), out
+    assert code == 1 and "  1 alive " in out and "registered reservations" not in out, out
     [(key, deadline)] = await redis_client.zrange(keys().reservations, 0, -1, withscores=True)
     await redis_client.zadd(keys().reservations, {key: deadline - 20})  # as if its owner died
     code, out = await run("check", conf)
@@ -190,6 +197,62 @@ async def test_check_counts_only_what_our_supervisors_hold(
         assert code == 1 and "1 owner records" in out and keys().owner(delivery.pid) in out
     finally:
         client.close()
+
+
+async def test_check_fails_naming_a_live_supervisor_until_it_stops(
+    conf, run, redis_client, redis_brokers
+):
+    """Issue 39.2: an idle supervisor of ours on the queue (it holds nothing) fails the
+    check, named by host and pid; its graceful stop (``abandon``) ends its registry entry
+    too, so the check passes at once, not a lease later."""
+    idle = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="idle-1", lease=30)
+    await idle.extend([])
+    code, out = await run("check", conf)
+    assert code == 1 and not out.startswith("ok:"), out
+    assert "  1 alive " in out
+    assert f"host {socket.gethostname()} pid {os.getpid()} (idle-1), lapses in " in out
+    code, out = await run("status", conf)
+    assert "  supervisors   1" in out
+    await idle.abandon([])
+    code, out = await run("check", conf)
+    assert code == 0 and out.startswith("ok:") and "none of them is alive" in out, out
+
+
+async def test_check_fails_while_a_registry_entry_is_current_without_a_record(
+    conf, run, redis_client
+):
+    """A current entry in the token registry counts as alive even if the record is gone
+    (evicted, deleted by hand, or left by a version that did not end it at a stop)."""
+    now = int((await redis_client.time())[0])
+    await redis_client.hset(keys().supervisor_tokens, "ab" * 8, f"{now + 30} ghost-7-a1b2c3")
+    await redis_client.hset(keys().supervisor_tokens, "cd" * 8, f"{now - 1} gone-8-d4e5f6")
+    code, out = await run("check", conf)
+    assert code == 1 and "ghost-7-a1b2c3 (no record: its token registry entry is current)" in out
+    assert "gone-8" not in out  # its until passed: not alive
+    await redis_client.hset(keys().supervisor_tokens, "ab" * 8, f"{now} ghost-7-a1b2c3")
+    code, out = await run("check", conf)
+    assert code == 0 and out.startswith("ok:"), out
+
+
+async def test_drain_waits_for_supervisors_it_cannot_stop_and_fails_while_they_run(
+    conf, run, redis_client, redis_brokers
+):
+    """Issue 39.2: ``drain`` never reports success while a supervisor of ours it did not
+    stop still runs (here one whose record names this very process, which drain never
+    signals, as one on another host): it waits up to its timeout, and ends ok once that
+    one stopped meanwhile."""
+    other = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="other-1", lease=30)
+    await other.extend([])
+    code, out = await run("drain", conf, "--timeout", "2")
+    assert code == 1 and "ok:" not in out, out
+    assert f"host {socket.gethostname()} pid {os.getpid()} (other-1)" in out
+
+    draining = asyncio.ensure_future(run("drain", conf, "--timeout", "30"))
+    await asyncio.sleep(2)  # drain is waiting for it (a margin: nothing depends on it)
+    assert not draining.done()
+    await other.abandon([])  # it stops gracefully meanwhile
+    code, out = await draining
+    assert code == 0 and "ok: no reservation and no owner record" in out, out
 
 
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, redis_brokers):
@@ -377,7 +440,7 @@ async def test_status_of_a_nats_queue_reads_the_stream_and_consumer(run, tmp_pat
 
 async def test_redis_only_commands_refuse_a_nats_queue(run, tmp_path, capsys):
     conf = str(write_config(tmp_path, "nats://127.0.0.1:1", handler="examples.noop:handle"))
-    code = await asyncio.to_thread(cli.main, ["check", conf])
+    code = await asyncio.to_thread(cli.main, ["recover", conf])
     assert code == 2 and "for Redis queues only" in capsys.readouterr().err
 
 

@@ -44,7 +44,9 @@ async def test_redis_gauges_after_a_known_setup(redis_brokers, redis_client):
     await redis_client.rpush(keys.dead, "d1", "d2", "d3")
     await redis_client.rpush(keys.poison, b"{not json")
     await redis_client.rpush(keys.processing, "p1", "p2", "p3", "p4")
-    await redis_client.zadd(keys.delayed, {b"e1": time.time() + 60, b"e2": time.time() + 90})
+    # The first was due 40 s ago and is still there: nobody promoted it (issue 39.3).
+    server_now = int((await redis_client.time())[0])
+    await redis_client.zadd(keys.delayed, {b"e1": server_now - 40, b"e2": server_now + 90})
     now = int(time.time())
     await redis_client.hset(keys.supervisor_tokens, mapping={
         "a" * 16: f"{now + 30} host-1", "b" * 16: f"{now + 60} host-2",
@@ -55,6 +57,7 @@ async def test_redis_gauges_after_a_known_setup(redis_brokers, redis_client):
 
     assert (sample.ready, sample.failed, sample.dead, sample.poison) == (5, 2, 3, 1)
     assert (sample.processing, sample.delayed, sample.supervisors_alive) == (4, 2, 2)
+    assert 40 <= sample.delayed_overdue < 100
     assert 120 <= sample.oldest_ready_age < 180
     assert (sample.reconnects, sample.unreplicated, sample.leader) == (0, 0, None)
 
@@ -71,12 +74,14 @@ async def test_redis_gauges_after_a_known_setup(redis_brokers, redis_client):
     for name, value in expected.items():
         assert scraped[f"queue_supervisor_{name}"] == value, name
     assert scraped["queue_supervisor_oldest_ready_age_seconds"] >= 120
+    assert scraped["queue_supervisor_delayed_overdue_seconds"] >= 40
     assert "queue_supervisor_nats_leaderless_seconds" not in scraped  # NATS only
 
 
 async def test_an_empty_redis_queue_reads_zero_and_no_age(redis_brokers):
     sample = await redis_gauges.sample(await redis_brokers(QUEUE))
     assert sample.ready == sample.failed == sample.supervisors_alive == 0
+    assert sample.delayed_overdue == 0.0
     assert sample.oldest_ready_age == 0.0
 
 

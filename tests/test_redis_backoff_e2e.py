@@ -5,11 +5,13 @@ reports while anything is there and ``status`` counts."""
 
 from __future__ import annotations
 
+import re
 import signal
 import uuid
 
 from broker import envelope
 from broker.redis.keys import QueueKeys
+from support.dashboard import Dashboard
 from support.operator import command
 from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
 
@@ -42,7 +44,25 @@ def test_kill_9_with_delayed_retries_loses_none(tmp_path, redis_url, client):
         first.stop()
     assert client.zcard(keys.delayed) == 20 and lines(log) == []
     # Their backoff passes while no supervisor runs (scores rewritten: no test waits).
-    client.zadd(keys.delayed, dict.fromkeys(client.zrange(keys.delayed, 0, -1), 1))
+    due = int(client.time()[0]) - 120
+    client.zadd(keys.delayed, dict.fromkeys(client.zrange(keys.delayed, 0, -1), due))
+    # Issue 39.3: nothing promotes them now, and queue 5's counters do not count them;
+    # what an operator reads from the broker says so (the gauge: tests/test_queue_gauges.py).
+    status = command("status", str(config))
+    assert re.search(r"  delayed       20 retries waiting for their backoff \(the first was due "
+                     r"at \d\d:\d\d:\d\d UTC, 1\d\ds ago: only a running supervisor moves "
+                     r"them", status.stdout), status.stdout
+    checked = command("check", str(config))
+    assert checked.returncode == 1 and "the oldest overdue by 1" in checked.stdout
+    dashboard = Dashboard([config], tmp_path)
+    try:
+        # Overdue beside the killed one's record first, then (its lease out) none alive.
+        wait_for(lambda: "20 delayed retries wait, the oldest due 1" in dashboard.client.get(
+            "/live/overview")[1], 60, "the dashboard to name the unattended retries")
+        wait_for(lambda: "and no supervisor is alive to move them" in dashboard.client.get(
+            "/live/overview")[1], 30, "the dashboard to say that no supervisor is alive")
+    finally:
+        dashboard.stop()
     second = Supervisor(config, tmp_path, redis_url)
     try:
         wait_for(lambda: len(lines(log)) >= 20, 60, "the retries run by the second supervisor")

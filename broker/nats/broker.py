@@ -73,7 +73,7 @@ from broker.base import (
     check_receive_limit,
 )
 from broker.failure import NATS_HEADER, Failure
-from broker.nats import acks, api, version
+from broker.nats import acks, api, presence, version
 from broker.nats.acks import NO_RESPONDERS
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 from broker.nats.held import Holdings
@@ -164,6 +164,7 @@ class NatsBroker:
         ping_interval: float = 10.0,
         options: dict[str, Any] | None = None,
         tls: TlsSettings | None = None,
+        announce: bool = False,
     ) -> None:
         """``ack_wait`` and ``max_attempts`` are the settings of a consumer this broker
         creates (MaxDeliver = max_attempts + 1, queue 5's spare delivery); an existing one
@@ -174,7 +175,9 @@ class NatsBroker:
         JetStream cluster, comma-separated: each new connection goes to one that answers.
         ``options`` go to ``nats.connect``. ``tls``: with a tls:// URL or any setting,
         every connection is TLS with these settings
-        (a server that does not start TLS is refused, see ``broker.nats.tls``)."""
+        (a server that does not start TLS is refused, see ``broker.nats.tls``).
+        ``announce``: answer ``check`` and ``drain`` (``broker.nats.presence``): the
+        supervisor's broker does, an operator command's does not."""
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if ack_wait <= 0:
@@ -213,6 +216,7 @@ class NatsBroker:
         self._policy_read = 0.0  # time.monotonic() of the last read of the consumer
         self._gone: asyncio.Future[bool] | None = None  # see _consumer_gone
         self._gone_until = 0.0
+        self._presence = presence.Answerer(self._names.stream) if announce else None
 
     @property
     def names(self) -> QueueNames:
@@ -846,6 +850,8 @@ class NatsBroker:
         self._policy_read = time.monotonic()
         await conn.subscribe(self._names.advisory_subject, self._on_advisory,
                              queue=ADVISORY_GROUP)
+        if self._presence is not None:
+            await self._presence.listen(conn)
 
     def _use(self, policy: Adopted) -> None:
         previous, self._policy = self._policy, policy

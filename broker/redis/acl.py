@@ -74,7 +74,8 @@ WHY = {
     "hmget": "a sweep: which owner tokens are our supervisors' (the token registry)",
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
-    "hscan": "check: the token registry, to tell our leftovers from other consumers' work",
+    "hscan": "check: the token registry, to tell our leftovers from other consumers' work "
+             "and which supervisors are alive",
     "hvals": "the metrics: supervisors alive (the token registry's renewal times)",
     "lpos": "failed/dead show, and retry or delete by pid: is the pid in the list",
     "ltrim": "poison delete: drop the oldest entries (the newest are kept)",
@@ -208,9 +209,9 @@ ROLES: tuple[Role, ...] = (
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
          _SWEEP_KEYS, _SWEEP_SCRIPTS),
     Role("check", "python -m supervisor check",
-         ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget"),
+         ("zcard", "zrange", "scan", "llen", "time", "hscan", "mget", "get", "pttl"),
          "%R~", ("reservations.{q}", "reservations.{q}.*", "owners.{q}.*",
-                 "supervisor-tokens.{q}", "supervisor-delayed.{q}")),
+                 "supervisor-tokens.{q}", "supervisor-delayed.{q}", "supervisors.{q}.*")),
     Role("dashboard", "python -m supervisor dashboard (its reads; retry, delete and drain "
          "when it has a token)",
          (

@@ -933,9 +933,10 @@ class RedisBroker:
         recovery would (same pid, new timestamp, ``attempts + 1``, or dead at
         ``max_attempts``), so that nothing this supervisor owns outlives it: a queue-5
         worker would leave such a delivery alone for its ``reapAfter``. The claims and the
-        record go first; the registry entry stays, so whatever is still ours (a requeue
-        that failed, a claim whose reply was lost) is ours and gone: the next sweep of ours,
-        or ``recover``, takes it at once."""
+        record go first; the registry entry stays, ended (no longer counted alive by
+        ``check``), so whatever is still ours (a requeue that failed, a claim whose reply
+        was lost) is ours and gone: the next sweep of ours, or ``recover``, takes it at
+        once."""
         await self._renew(deliveries, 0)
         await self._return_ahead()
         if not deliveries:

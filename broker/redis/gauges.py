@@ -1,7 +1,11 @@
 """One sample of a Redis queue's sizes: one pipeline of O(1) reads plus the oldest ready
 envelope (``oldest.lua``: LINDEX of the tail). Never a SCAN: a scrape costs the same on
 a queue of ten million jobs as on an empty one. The token registry is read whole (HVALS):
-it holds one entry per supervisor run and a sweep forgets the long-gone ones."""
+it holds one entry per supervisor run and a sweep forgets the long-gone ones.
+
+The delayed set's first member (the lowest score: due first, whole seconds of the server
+clock) gives how long the oldest delayed retry is overdue: every supervisor's maintenance
+promotes what is due, so past a few maintenance intervals nobody does (issue 39.3)."""
 
 from __future__ import annotations
 
@@ -30,15 +34,18 @@ async def sample(broker: RedisBroker) -> QueueGauges:
             pipe.llen(key)
         pipe.zcard(keys.delayed)
         pipe.hvals(keys.supervisor_tokens)
-        *sizes, tokens = await pipe.execute(raise_on_error=False)
+        pipe.zrangebyscore(keys.delayed, "-inf", "+inf", start=0, num=1, withscores=True)
+        *sizes, tokens, first = await pipe.execute(raise_on_error=False)
         values = {name: _reading(name, size) for name, size in zip(READINGS, sizes, strict=True)}
         alive = _reading("supervisors_alive", tokens)
+        first = _reading("delayed_overdue", first)
         # The clock the registry's entries were written by (a Cluster: the queue's node).
         now, _ = await recovery.server_time(broker.client, keys.supervisor_tokens)
         age = await broker.oldest_ready_age()
     return QueueGauges(
         **values, oldest_ready_age=age or 0.0,
         supervisors_alive=None if alive is None else _alive(alive, now),
+        delayed_overdue=None if first is None else overdue(first, now),
         reconnects=broker.reconnects, unreplicated=broker.unreplicated,
     )
 
@@ -71,3 +78,9 @@ def _alive(entries: list[bytes], now: int) -> int:
         if until.isdigit() and int(until) > now:
             count += 1
     return count
+
+
+def overdue(first: list[tuple[bytes, float]], now: int) -> float:
+    """Seconds the first of the delayed set (``ZRANGE ... WITHSCORES`` of one) is past its
+    due time at server time ``now``; 0 when none is due."""
+    return float(max(0, now - int(first[0][1]))) if first else 0.0

@@ -51,6 +51,8 @@ log = logging.getLogger("supervisor.dashboard")
 HERE = Path(__file__).resolve().parent
 #: Characters of a message-derived value shown in a table cell (the job page shows more).
 CELL = 200
+#: Maintenance intervals a delayed retry may be overdue before it is shown as unattended.
+OVERDUE_INTERVALS = 3
 #: Bytes of a form body read at most.
 MAX_FORM = 16 * 1024
 #: Security headers of every answer.
@@ -79,6 +81,12 @@ class Queue:
     @property
     def broker(self) -> str:
         return self.config.broker.safe_url  # never with credentials
+
+    @property
+    def overdue_after(self) -> float:
+        """Seconds a delayed retry may be overdue before the state column says so: every
+        supervisor's maintenance moves what is due once per interval."""
+        return OVERDUE_INTERVALS * self.config.supervisor.maintenance_interval
 
 
 class Dashboard:

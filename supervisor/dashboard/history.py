@@ -80,6 +80,23 @@ class History:
                     f"{STALLED_AFTER} s")
         return ""
 
+    def unattended(self, overdue_after: float) -> str:
+        """"" when all is well, else why delayed retries wait unseen (Redis; issue 39.3):
+        only supervisors move them to the ready list (PHP workers never read the set), so
+        with none alive, or past ``overdue_after`` seconds overdue, nobody does."""
+        last = self.last
+        if last is None or not last.counts.delayed:
+            return ""
+        counts, late = last.counts, last.counts.delayed_overdue or 0.0
+        overdue = f", the oldest due {late:.0f} s ago" if late else ""
+        if counts.supervisors == 0:
+            return (f"{counts.delayed:,} delayed retries wait{overdue} and no supervisor is "
+                    f"alive to move them to the ready list")
+        if late > overdue_after:
+            return (f"{counts.delayed:,} delayed retries wait{overdue}: no supervisor's "
+                    f"maintenance moves them to the ready list")
+        return ""
+
     def series(self, name: str) -> list[tuple[float, float]]:
         """(unix s, value) of "ready" (backlog) or "rate" (jobs/s)."""
         if name == "rate":

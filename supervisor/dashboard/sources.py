@@ -3,9 +3,10 @@ listings and jobs of the pages.
 
 Every read is bounded (pages of ``PAGE`` entries, values read up to ``VALUE_BYTES``, lists
 searched up to ``SEARCH_DEPTH``) and none writes. The sampler's read of a Redis queue is one
-pipeline (sizes, counters, the supervisors' token registry), one ``EXISTS`` per registered
-supervisor and ``oldest.lua``: no ``SCAN``, which costs a walk of the whole keyspace; the
-queue page's supervisor list (``inspect.supervisors``) does scan, only while it is viewed.
+pipeline (sizes, counters, the supervisors' token registry, the delayed retry due first),
+the server's ``TIME``, one ``EXISTS`` per registered supervisor and ``oldest.lua``: no
+``SCAN``, which costs a walk of the whole keyspace; the queue page's supervisor list
+(``inspect.supervisors``) does scan, only while it is viewed.
 A broker that cannot be reached raises ``BrokerError``; the next call connects again.
 """
 
@@ -26,6 +27,8 @@ from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
 from broker.nats.setup import QueueNames
 from broker.nats.tls import tls_options
+from broker.redis.gauges import overdue
+from broker.redis.recovery import server_time
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
@@ -62,6 +65,7 @@ class Counts:
     done: int = 0  # settled so far (success + failed, or acknowledged): rates are its deltas
     oldest_age: float | None = None
     supervisors: int | None = None
+    delayed_overdue: float | None = None  # s the oldest delayed retry is past due (Redis)
 
 
 @dataclass(slots=True)
@@ -173,11 +177,14 @@ class RedisSource:
         pipe.get(keys.stat("failed"))
         pipe.zcard(keys.delayed)
         pipe.hlen(keys.supervisor_tokens)
-        ready, processing, failed, dead, poison, success, failures, delayed, tokens = (
+        pipe.zrange(keys.delayed, 0, 0, withscores=True)
+        ready, processing, failed, dead, poison, success, failures, delayed, tokens, first = (
             await pipe.execute())
         counts = Counts(ready, processing, failed, dead, poison, delayed,
                         _int(success) + _int(failures))
         counts.supervisors = await _live_supervisors(client, keys, tokens)
+        now, _ = await server_time(client, keys.delayed)
+        counts.delayed_overdue = overdue(first, now)
         counts.oldest_age = await broker.oldest_ready_age()
         return counts
 

@@ -29,7 +29,7 @@ from supervisor.ops import drain as processes
 from supervisor.ops import failed_commands, inspect, program_name, version
 from supervisor.ops.opening import Unsupported, json_for_terminal, opened_broker, redis_broker
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
-from supervisor.ops.recover import recover
+from supervisor.ops.recover import forget_stopped, recover
 from supervisor.ops.retry import SOURCES, retry
 
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
@@ -121,29 +121,65 @@ async def publish(config: Config, args: argparse.Namespace) -> int:
 async def drain(config: Config, args: argparse.Namespace) -> int:
     timeout = args.timeout or config.supervisor.shutdown_deadline + config.supervisor.lease + 15
     deadline = time.monotonic() + timeout
+    if config.broker.kind == "nats":
+        return await drain_nats(config, timeout, deadline)
     async with redis_broker(config, "drain") as broker:
         records = await inspect.supervisors(broker.client, broker.keys, show=MAX_BATCH)
-        found, elsewhere = processes.find_supervisors(
-            config.job.queue, [record["where"] for record in records])
-        print(f"stopping {len(found)} supervisors of {config.job.queue}"
-              + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
-        if elsewhere:
-            shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
-            print(f"running on other hosts (drain there too): {shown}")
-        _, alive = await asyncio.to_thread(processes.stop, found, timeout)
-        if alive:
-            print(f"still running after {timeout:g}s: pids "
-                  f"{', '.join(str(p.pid) for p in alive)}")
+        if not await stop_this_hosts(config.job.queue, [r["where"] for r in records], timeout):
             return exits.LEFT
         recovered, promoted, left = await recover_until_empty(broker, deadline)
+        forgotten = await forget_stopped(broker) if left.empty else 0
     print(f"recovered {recovered} deliveries")
     print(f"moved {promoted} delayed retries to the ready list (PHP workers never read the "
           "delayed set)")
+    if forgotten:
+        print(f"forgot {forgotten} stopped supervisors' entries in the token registry (no "
+              "sweep of ours is left to forget them)")
     print("\n".join(describe_leftovers(left, config.job.queue)))
     return exits.OK if left.empty else exits.LEFT
 
 
+async def stop_this_hosts(queue: str, records: list[str], timeout: float) -> bool:
+    """SIGTERM this host's supervisors among ``records`` ("host pid") and wait for them to
+    exit; name the others. False (said why) if some of ours are still running."""
+    found, elsewhere = processes.find_supervisors(queue, records)
+    print(f"stopping {len(found)} supervisors of {queue}"
+          + (f": pids {', '.join(str(p.pid) for p in found)}" if found else ""))
+    if elsewhere:
+        shown = ", ".join(logs.clean(record) for record in elsewhere)  # broker data
+        print(f"running on other hosts (drain there too): {shown}")
+        print(f"waiting up to {timeout:g}s for them to stop: `drain` succeeds only once "
+              "no supervisor of ours is alive on the queue")
+    _, alive = await asyncio.to_thread(processes.stop, found, timeout)
+    if alive:
+        print(f"still running after {timeout:g}s: pids {', '.join(str(p.pid) for p in alive)}")
+    return not alive
+
+
+async def drain_nats(config: Config, timeout: float, deadline: float) -> int:
+    """NATS keeps every delivery, retry and dead letter itself (a stopped supervisor's are
+    redelivered to whoever consumes): stop this host's supervisors, then wait until no
+    supervisor of ours answers."""
+    from supervisor.ops import nats_status
+
+    answered, _ = await nats_status.alive(config)
+    if not await stop_this_hosts(config.job.queue, answered, timeout):
+        return exits.LEFT
+    while True:
+        answered, figures = await nats_status.alive(config)
+        if not answered or time.monotonic() >= deadline:
+            break
+    print("\n".join(nats_status.describe_alive(config.job.queue, answered, figures)))
+    return exits.LEFT if answered else exits.OK
+
+
 async def check(config: Config, args: argparse.Namespace) -> int:
+    if config.broker.kind == "nats":
+        from supervisor.ops import nats_status
+
+        answered, figures = await nats_status.alive(config)
+        print("\n".join(nats_status.describe_alive(config.job.queue, answered, figures)))
+        return exits.LEFT if answered else exits.OK
     async with redis_broker(config, "check") as broker:
         left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
     print("\n".join(describe_leftovers(left, config.job.queue)))
@@ -228,6 +264,10 @@ def _delayed(delayed: dict[str, Any]) -> str:
     if not delayed["count"]:
         return "0"
     due = time.strftime("%H:%M:%S UTC", time.gmtime(delayed["next_due"]))
+    if delayed["overdue"]:
+        return (f"{delayed['count']} retries waiting for their backoff (the first was due at "
+                f"{due}, {delayed['overdue']}s ago: only a running supervisor moves them to "
+                "the ready list)")
     return f"{delayed['count']} retries waiting for their backoff (next due {due})"
 
 
@@ -243,10 +283,18 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
               if left.others.count else [])
     if left.empty:
         return [f"ok: no reservation and no owner record of {queue} remains of this "
-                "project's supervisors, and no delayed retry", *theirs]
+                "project's supervisors, no delayed retry, and none of them is alive", *theirs]
     lines = [f"not empty: {queue} still has, of this project's supervisors"]
+    if left.alive:
+        lines.append(f"  {len(left.alive)} alive (stop them: `drain` on their host; one "
+                     "killed counts until its lease lapses, then `drain` or `recover` takes "
+                     "what it held)")
+        lines += [f"    {_alive(supervisor)}" for supervisor in left.alive[:LIST_AT_MOST]]
+        if len(left.alive) > LIST_AT_MOST:
+            lines.append(f"    ... and {len(left.alive) - LIST_AT_MOST} more")
     if left.delayed:
-        lines.append(f"  {left.delayed} delayed retries (waiting for their backoff; PHP "
+        late = f", the oldest overdue by {left.overdue}s" if left.overdue else ""
+        lines.append(f"  {left.delayed} delayed retries (waiting for their backoff{late}; PHP "
                      "workers never read them: `drain` moves them to the ready list)")
     for label, found in (
         ("registered reservations", left.registered),
@@ -261,6 +309,21 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
             if found.count > LIST_AT_MOST:
                 lines.append(f"    ... and {found.count - LIST_AT_MOST} more")
     return lines + theirs
+
+
+def _alive(supervisor: dict[str, Any]) -> str:
+    """One live supervisor: host and pid (from its record) and when it lapses unrenewed."""
+    record, name = supervisor["where"], logs.clean(supervisor["id"])
+    host, _, pid = (record or "").rpartition(" ")
+    if host:
+        where = f"host {logs.clean(host)} pid {logs.clean(pid)} ({name})"
+    elif record is not None:
+        where = f"{name} (its record says {logs.clean(record)!r})"
+    else:
+        where = f"{name} (no record: its token registry entry is current)"
+    lapses = supervisor["lapses_in"]
+    return where + (", record without expiry" if lapses is None else
+                    f", lapses in {lapses}s unless it renews")
 
 
 def _expiry(ms: int) -> str:
@@ -301,9 +364,10 @@ COMMANDS: dict[str, tuple[Command, str]] = {
     "dead": (failed_commands.dead, failed_commands.HELP["dead"]),
     "poison": (failed_commands.poison, failed_commands.HELP["poison"]),
     "publish": (publish, "publish JSON-lines payloads (one object per line)"),
-    "drain": (drain, "stop this host's supervisors of the queue, recover, verify (rollback)"),
-    "check": (check, "exit 1 while reservations, owner records or delayed retries of the "
-              "queue remain"),
+    "drain": (drain, "stop this host's supervisors of the queue, recover (Redis), verify "
+              "(rollback)"),
+    "check": (check, "exit 1 while a supervisor of ours is alive on the queue, or its "
+              "reservations, owner records or delayed retries remain"),
     "acl": (acl, "print the Redis ACL users (ACL SETUSER) of the job and of each command"),
 }
 

@@ -3,6 +3,12 @@
 Keys that carry a pid, token or consumer id cannot be listed by name, so they are found
 with ``SCAN MATCH <prefix>* COUNT 1000``: bounded work per round trip, never ``KEYS``.
 (A queue whose name is another's plus ``.suffix`` shares its patterns; avoid such names.)
+
+A supervisor of ours is alive while its record (``supervisors.{q}.<id>``) exists or its
+entry in the token registry is current (``"<until> <id>"``, until in the future): either
+is renewed with its deliveries and lapses a lease after the last renewal (a supervisor
+killed with SIGKILL counts until then); a graceful stop deletes the record and ends the
+entry (``extend.lua`` with lease 0). ``check`` and ``drain`` fail while one is alive.
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from broker.redis.gauges import overdue
 from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
-from broker.redis.recovery import token_prefix
+from broker.redis.recovery import server_time, token_prefix
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -56,11 +63,16 @@ class Leftovers:
     #: Retries waiting for their backoff in ``supervisor-delayed.{q}``: PHP workers never
     #: read that set, so with no supervisor left to promote them they would wait forever.
     delayed: int = 0
+    #: Seconds the oldest of them is past its due time (0: none is due yet).
+    overdue: int = 0
+    #: Supervisors of ours alive on the queue (``live_supervisors``): what they hold is
+    #: not left behind yet, and they may still reserve, own and delay more.
+    alive: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not (self.registered.count or self.lists.count or self.owners.count
-                    or self.previous.count or self.delayed)
+                    or self.previous.count or self.delayed or self.alive)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"empty": self.empty}
@@ -86,8 +98,17 @@ async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers
     owners = await owner_records(client, keys, ours, others, show)
     previous = await scan_prefix(client, keys.legacy_consumer(""), show)
     others.names.sort()
-    delayed = await client.zcard(keys.delayed)
-    return Leftovers(registered, lists, owners, previous, others, delayed)
+    delayed, overdue = await delayed_retries(client, keys)
+    alive = await live_supervisors(client, keys)
+    return Leftovers(registered, lists, owners, previous, others, delayed, int(overdue), alive)
+
+
+async def delayed_retries(client: Any, keys: QueueKeys) -> tuple[int, float]:
+    """How many retries wait in the delayed set, and how long the oldest is overdue."""
+    count = await client.zcard(keys.delayed)
+    first = await client.zrange(keys.delayed, 0, 0, withscores=True) if count else []
+    now, _ = await server_time(client, keys.delayed)
+    return count, overdue(first, now)
 
 
 #: Names kept while sorting leftovers into ours and others' (all of them).
@@ -162,12 +183,14 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
         pipe.get(keys.stat(name))
     ready, processing, failed, dead, poison, delayed, first, *stats = await pipe.execute()
     owners = await scan_prefix(client, keys.owner(""), show=0)
+    now, _ = await server_time(client, keys.delayed)
     return {
         "queue": keys.queue,
         "namespace": keys.namespace,
         "ready": ready,
         "processing": processing,
-        "delayed": {"count": delayed, "next_due": int(first[0][1]) if first else None},
+        "delayed": {"count": delayed, "next_due": int(first[0][1]) if first else None,
+                    "overdue": int(overdue(first, now))},
         "reservations": await reservations(client, keys, show),
         "failed": failed,
         "dead": dead,
@@ -230,6 +253,28 @@ async def supervisors(client: Any, keys: QueueKeys, show: int = SHOW) -> list[di
         if value is not None:  # not expired between the scan and now
             listed.append({"id": name[prefix:], "where": _text(value), "ttl_ms": ttl})
     return listed
+
+
+async def live_supervisors(client: Any, keys: QueueKeys) -> list[dict[str, Any]]:
+    """Supervisors of ours alive on the queue: a record, or a current registry entry (one
+    without the other: a record evicted or deleted by hand, or a supervisor of a version
+    that left its entry current at a graceful stop). Each with its consumer id, where it
+    runs ("host pid" from the record, None without one) and the seconds until both lapse
+    unless it renews them (None: a record without expiry, which only a person writes)."""
+    alive: dict[str, dict[str, Any]] = {}
+    for record in await supervisors(client, keys, SHOW_ALL):
+        ttl = record["ttl_ms"]
+        alive[record["id"]] = {"id": record["id"], "where": record["where"],
+                               "lapses_in": None if ttl < 0 else -(-ttl // 1000)}
+    now, _ = await server_time(client, keys.supervisor_tokens)
+    async for _, entry in client.hscan_iter(keys.supervisor_tokens, count=SCAN_COUNT):
+        until, _, consumer = _text(entry).partition(" ")
+        if not (until.isdecimal() and int(until) > now and consumer):
+            continue
+        known = alive.setdefault(consumer, {"id": consumer, "where": None, "lapses_in": 0})
+        if known["lapses_in"] is not None:
+            known["lapses_in"] = max(known["lapses_in"], int(until) - now)
+    return sorted(alive.values(), key=lambda supervisor: supervisor["id"])
 
 
 def deadline_in_ms(score: float) -> int:

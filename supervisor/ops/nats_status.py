@@ -20,12 +20,14 @@ from nats.js.errors import NotFoundError
 
 from broker import errors
 from broker.base import BrokerError
+from broker.nats import presence
 from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
 from broker.nats.setup import IDENTITY, QueueNames, identity, read_consumer_policy
 from broker.nats.tls import tls_options
 from broker.urls import redact
 from supervisor.config import Config
+from supervisor.logs import clean
 
 #: Seconds for one server to accept the connection and say INFO.
 CONNECT_TIMEOUT = 3.0
@@ -59,6 +61,31 @@ async def _queue_status(config: Config) -> dict[str, Any]:
         **counts(names, work, dead, consumer, config.job.max_attempts),
         "earlier_stream": earlier,
     }
+
+
+async def alive(config: Config, wait: float = presence.WAIT) -> tuple[list[str], dict[str, Any]]:
+    """For ``check`` and ``drain``: the supervisors of ours that answered (``"host pid"``,
+    ``broker.nats.presence``) and the consumer's figures, which count every worker."""
+    try:
+        async with asyncio.timeout(STATUS_TIMEOUT + wait):
+            return await _alive(config, wait)
+    except TimeoutError:
+        raise BrokerError(f"NATS at {redact(config.broker.url)} did not answer within "
+                          f"{STATUS_TIMEOUT + wait:g}s") from None
+
+
+async def _alive(config: Config, wait: float) -> tuple[list[str], dict[str, Any]]:
+    names = QueueNames.of(config.job.queue)
+    async with connected(config, "check") as client:
+        answered = await presence.ask(client, names.stream, wait)
+        try:
+            js = client.jetstream(timeout=CONNECT_TIMEOUT)
+            figures = counts(names, await _stream(js, names.stream),
+                             await _stream(js, names.dead_stream), await _consumer(js, names),
+                             config.job.max_attempts)
+        except TimeoutError:
+            raise silent_jetstream(config) from None
+    return answered, figures
 
 
 def counts(
@@ -183,3 +210,22 @@ def _earlier_lines(earlier: dict[str, Any] | None) -> list[str]:
     return [f"  earlier name  stream {earlier['name']} still exists ({earlier['messages']} "
             f"messages): supervisors refuse to start until it is drained and deleted "
             f"(README, NATS JetStream)"]
+
+
+def describe_alive(queue: str, answered: list[str], figures: dict[str, Any]) -> list[str]:
+    """``check``'s (and ``drain``'s) verdict on a NATS queue."""
+    theirs = (f"  (the consumer has {figures['processing']} unacknowledged deliveries and "
+              f"{figures['waiting_pulls']} waiting pulls, {figures['ready']} ready and "
+              f"{figures['dead']} dead letters: the workers still consuming, such as "
+              "queue-5 workers, hold them; a supervisor that cannot answer would count "
+              "there too)")
+    if not answered:
+        return [f"ok: no supervisor of ours answers on {queue} (NATS): JetStream keeps "
+                "every delivery, retry and dead letter for the workers left", theirs]
+    lines = [f"not empty: {queue} (NATS) still has, of this project's supervisors",
+             f"  {len(answered)} alive (stop them: `drain` on their host)"]
+    for where in answered:
+        host, _, pid = where.rpartition(" ")
+        lines.append(f"    host {clean(host)} pid {clean(pid)}" if host else
+                     f"    {clean(where)}")
+    return [*lines, theirs]
