@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-import setproctitle
-
 from broker.errors import describe
 from broker.failure import Failure
 from worker import protocol, tracebacks
@@ -40,6 +38,7 @@ from worker.process import (
     set_parent_death_signal,
 )
 from worker.ring import Ring
+from worker.titles import Title
 
 # One logger name for every handler process line, whichever loop runs it: operators filter
 # the logs on it.
@@ -285,20 +284,6 @@ def exit_process(code: int) -> NoReturn:
         with contextlib.suppress(Exception):  # a closed stream must not stop the exit
             stream.flush()
     os._exit(code)
-
-
-class Title:
-    """The process title, changed only when the busy/idle state changes."""
-
-    def __init__(self, queue: str, place: int) -> None:
-        self._prefix = f"queue-supervisor: {queue} handler {place}"
-        self._busy: bool | None = None
-        self.set_busy(False)
-
-    def set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
-            self._busy = busy
-            setproctitle.setproctitle(f"{self._prefix} {'busy' if busy else 'idle'}")
 
 
 def _configure_logging(place: int) -> None:

@@ -67,6 +67,7 @@ class SyncRunner(Runner):
         handler = self._handler
         try:
             message = Message.from_raw(raw, delivery_id, attempts, plain)
+            self._title.job(message.pid, message.attempts)
             handler.call(message)
         except Exception as error:
             self._fail(delivery_id, message, error, failure_of(error))
