@@ -24,7 +24,7 @@ import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
 from broker.failure import Failure
-from supervisor import blame, eager, exits, failures, gauges, logs, systemd
+from supervisor import blame, eager, exits, failures, gauges, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
@@ -129,6 +129,10 @@ class Arbiter:
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
         self.broker_trouble: dict[str, str] = {}
+        #: What each handler process runs: slow-job warnings, metrics, the broker's copy.
+        self.running = running.RunningJobs(
+            config, places, self.buffer, self.metrics, concurrent=self.concurrent,
+            write=getattr(broker, "publish_running", None))
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -155,6 +159,9 @@ class Arbiter:
             self.config.job.queue, self.config.broker.safe_url, len(self.places),
             self.buffer.prefetch,
         )
+        notice = running.timeout_notice(self.config.job)
+        if notice:
+            log.info("%s", logs.Explanation(notice))
         self.connected = True
         self.outage.lease = self.lease()  # an adopted NATS consumer's ack wait is known now
         watch = getattr(self.broker, "watch_connection", None)
@@ -171,6 +178,7 @@ class Arbiter:
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
                 self.keepalive_loop(), self.progress_loop(), self.sample_loop(),
+                self.running.watch(lambda: self.closed),
             )
         ]
         await self.stop_requested.wait()

@@ -178,6 +178,9 @@ class Metrics:
     def handlers_done(self, seconds: Iterable[float]) -> None:
         """``handler_done`` for each of several runs (one call per batch of outcomes)."""
 
+    def running(self, oldest: float, slow: int) -> None:
+        """The oldest running job has run ``oldest`` s; ``slow`` run past slow_job_after."""
+
     @contextlib.contextmanager
     def timed(self, operation: str) -> Iterator[None]:
         """``with metrics.timed("extend"): await broker.extend(...)``."""
@@ -283,6 +286,9 @@ class PrometheusMetrics(Metrics):
             f"{PREFIX}_handler_seconds", "handler duration, started to outcome", ["queue"],
             buckets=HANDLER_BUCKETS, registry=self.registry,
         ).labels(queue)
+        self._oldest_running = gauge("oldest_running_seconds",
+                                     "how long the oldest job running now has run (0: none)")
+        self._slow_jobs = gauge("slow_jobs", "jobs running past [job] slow_job_after now")
         Gauge(f"{PREFIX}_build_info", "this supervisor's version, Python and broker (value 1)",
               ["queue", "version", "python", "broker"], registry=self.registry,
               ).labels(queue, _version(), platform.python_version(), broker).set(1)
@@ -329,6 +335,10 @@ class PrometheusMetrics(Metrics):
         observe = self._handler.observe
         for each in seconds:
             observe(each)
+
+    def running(self, oldest: float, slow: int) -> None:
+        self._oldest_running.set(oldest)
+        self._slow_jobs.set(slow)
 
     def beat(self) -> None:
         self.health.beat()

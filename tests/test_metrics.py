@@ -14,11 +14,11 @@ import urllib.request
 
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from broker.base import Action
 from supervisor import metrics
 from support.envelopes import publish
+from support.prometheus import sample, scrape
 from support.servers import free_port
 from support.supervision import QUEUE, Supervisor, counter, wait_for, write_config
 
@@ -30,20 +30,8 @@ def served():
     recorder.close()
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    url = f"http://127.0.0.1:{port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def value(samples: dict, name: str, **labels: str) -> float:
-    labels = {"queue": "stats-usage", **labels}
-    return samples[(f"queue_supervisor_{name}", tuple(sorted(labels.items())))]
+    return sample(samples, name, **{"queue": "stats-usage", **labels})
 
 
 def test_the_endpoint_serves_the_counters_gauges_and_histograms(served):
@@ -79,6 +67,21 @@ def test_the_endpoint_serves_the_counters_gauges_and_histograms(served):
     assert value(samples, "broker_call_seconds_count", operation="settle") == 2
     assert value(samples, "broker_call_seconds_count", operation="extend") == 1
     assert value(samples, "handler_seconds_count") == 1
+
+
+def test_the_oldest_running_jobs_age_and_the_slow_ones_are_gauges(served):
+    served.running(75.5, 2)
+    samples = scrape(served.port)
+    assert value(samples, "oldest_running_seconds") == 75.5
+    assert value(samples, "slow_jobs") == 2
+    served.running(0.0, 0)
+    assert value(scrape_fresh(served), "slow_jobs") == 0
+
+
+def scrape_fresh(served) -> dict:
+    """A scrape past the endpoint's render cache (a second)."""
+    time.sleep(metrics.METRICS_CACHE + 0.1)
+    return scrape(served.port)
 
 
 def test_binds_loopback_by_default(served):

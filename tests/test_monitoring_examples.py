@@ -29,7 +29,7 @@ ALERTED = {
     "queue_supervisor_failed_messages", "queue_supervisor_dead_messages",
     "queue_supervisor_build_info", "queue_supervisor_ready",
     "queue_supervisor_unreplicated_writes_total", "queue_supervisor_broker_reconnects_total",
-    "queue_supervisor_nats_leaderless_seconds",
+    "queue_supervisor_nats_leaderless_seconds", "queue_supervisor_slow_jobs",
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
 from broker.redis.recovery import token_prefix
+from supervisor.ops import running
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -162,6 +163,8 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
         pipe.get(keys.stat(name))
     ready, processing, failed, dead, poison, delayed, first, *stats = await pipe.execute()
     owners = await scan_prefix(client, keys.owner(""), show=0)
+    listed = await supervisors(client, keys, show)
+    await running.add_redis_copies(client, keys, listed)
     return {
         "queue": keys.queue,
         "namespace": keys.namespace,
@@ -173,7 +176,7 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
         "dead": dead,
         "poison": poison,
         "owners": owners.count,
-        "supervisors": await supervisors(client, keys, show),
+        "supervisors": listed,
         "previous_format": (await scan_prefix(client, keys.legacy_consumer(""), 0)).count,
         "stats": {name: _counter(value) for name, value in zip(STATS, stats, strict=True)},
     }
