@@ -30,6 +30,7 @@ from supervisor.config import CANCEL_GRACE, Config
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
+from supervisor.running import run_seconds as running_seconds
 from supervisor.settlement import Settler
 from worker import protocol
 from worker.forkserver import SERVER_PLACE, Spawner
@@ -547,11 +548,13 @@ class Arbiter:
             self.request_stop(exits.HANDLER_INIT)
 
     def handle_failed(self, place: HandlerPlace, delivery_id: int, failure: Failure) -> None:
-        """FAILED: the delivery is finished with ``failure`` (timed here when its start was
-        seen: STARTED, or the mark)."""
+        """FAILED: the delivery is finished with ``failure``, timed by its process (else
+        here, when its start was seen: STARTED, or the mark)."""
         entry = self.buffer.finished(place.index, delivery_id, failure.summary, failure,
                                      in_order=not self.concurrent)
-        if entry.started_at:
+        if failure.seconds:
+            self.metrics.handler_done(failure.seconds)
+        elif entry.started_at:
             self.metrics.handler_done(time.monotonic() - entry.started_at)
         self.jobs_finished(place, 1)
 
@@ -892,6 +895,8 @@ class Arbiter:
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
             self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
+            # Timed out or lost: a failed run, timed here (no process timed it).
+            self.metrics.handlers_done(running_seconds(blamed, time.monotonic()))
             replaced = ("" if self.stopping or status == CHILD_INIT_FAILED
                         else "; a new handler process takes its place")
             if running:

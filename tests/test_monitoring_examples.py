@@ -42,6 +42,7 @@ def exported() -> set[str]:
         served.gauges(QueueGauges(**{**every, "leader": True}))
         served.settled(Action.COMMIT)
         served.handler_done(0.1)
+        served.rejected("failed", "ValueError")
         served.settle_batch(1, 0.001)
         with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics") as answer:
             text = answer.read().decode()

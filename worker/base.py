@@ -163,7 +163,9 @@ class Runner:
         """FAILED goes out with the next send; the caller then runs ``on_error`` its way.
         The supervisor logs the run's outcome once it is settled (retrying, failed, dead):
         this line is for debugging the handler process."""
-        self._began.pop(delivery_id, None)  # a failure carries no seconds (see protocol)
+        began = self._began.pop(delivery_id, None)
+        if began is not None:  # how long it ran: for the record and the supervisor's figures
+            failure = failure.replace(seconds=round(time.monotonic() - began, 6))
         self._outcomes.append(protocol.encode_failed(delivery_id, failure, self._failure_limit))
         job = message.pid if message is not None else "?"
         log.debug("delivery %d (job %s) failed: %s (%s)", delivery_id, job, failure.summary,

@@ -70,6 +70,7 @@ class SyncRunner(Runner):
             self._title.job(message.pid, message.attempts)
             handler.call(message)
         except Exception as error:
+            self._began[delivery_id] = began  # the failure is timed too (Runner._failed)
             self._fail(delivery_id, message, error, failure_of(error))
             return
         except BaseException as error:  # sys.exit(), KeyboardInterrupt: the process ends
