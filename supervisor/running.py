@@ -91,8 +91,9 @@ def table(places: Sequence[HandlerPlace], buffer: Buffer, *, concurrent: bool,
           slow_after: float, now: float, wall: float) -> list[Job]:
     """What runs in each place, oldest first. ``now``: the monotonic clock, ``wall``: the
     same moment in unix s. A plain handler's process runs one delivery: the newest started;
-    those started before it returned and wait for ``flush()``. An async one's run unless
-    it reported them HELD."""
+    those started before it returned and wait for ``flush()`` (so may the newest, while
+    ``flush()`` runs: a plain process reports no return, and its row then counts the flush
+    too). An async one's run unless it reported them HELD."""
     jobs = []
     for place in places:
         running = buffer.running_in(place.index)
