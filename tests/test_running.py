@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,24 @@ async def test_the_copy_is_written_when_the_table_changes_refreshed_and_deleted(
     both = await look([job_at(12.0), job_at(1.0, run=(2, 0.0))], 10.5)  # a change: at once
     assert both is not None and both.running == 2
     assert await look([], 11.0) is None and not await redis_client.exists(key)
+
+
+async def test_a_copy_the_broker_could_not_take_is_tried_again_at_the_next_look():
+    with socket.socket() as probe:  # a port nobody listens on: the broker is down
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    broker = RedisBroker(f"redis://127.0.0.1:{port}/0", QUEUE, namespace=NAMESPACE)
+    try:
+        publisher = running.Publisher(broker.publish_running, ttl=3, slow_after=2.0)
+        tries = []
+        for now in (0.0, 1.0, 2.0):  # the same table each look: not written, so tried again
+            publisher.update([job_at(3.0 + now)], now)
+            assert publisher._task is not None and publisher._task not in tries
+            tries.append(publisher._task)
+            await publisher._task  # failed quietly: the loops that own the outage tell it
+        assert not publisher.disabled
+    finally:
+        await broker.close()
 
 
 def test_an_acl_user_made_before_the_copy_gets_one_warning_and_its_supervisor_goes_on(
