@@ -47,6 +47,9 @@ class Failure:
     at: float = 0.0  # when, unix seconds
     outcome: str = ""  # "retrying", "failed" or "dead"
     consumer: str = ""  # the supervisor that ran it (its consumer id)
+    #: Seconds the handler ran before it failed, as its process timed it (0: not known:
+    #: a run its process did not live to report, or a record of an older version).
+    seconds: float = 0.0
 
     @classmethod
     def from_text(cls, text: str | None, **extra: Any) -> Failure:
@@ -65,7 +68,7 @@ class Failure:
             where=_head(self.where, MAX_WHERE_BYTES),
             traceback=_tail(self.traceback, MAX_TRACEBACK_BYTES),
             attempt=self.attempt, at=self.at, outcome=self.outcome,
-            consumer=_head(self.consumer, MAX_WHERE_BYTES),
+            consumer=_head(self.consumer, MAX_WHERE_BYTES), seconds=self.seconds,
         )
 
     def replace(self, **changes: Any) -> Failure:

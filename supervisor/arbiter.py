@@ -24,13 +24,14 @@ import setproctitle
 
 from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
 from broker.failure import Failure
-from supervisor import blame, eager, exits, failures, gauges, logs, systemd
+from supervisor import blame, eager, exits, failures, gauges, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import CANCEL_GRACE, Config
 from supervisor.dispatch import Dispatcher
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
+from supervisor.running import run_seconds as running_seconds
 from supervisor.settlement import Settler
 from worker import protocol
 from worker.forkserver import SERVER_PLACE, Spawner
@@ -130,6 +131,10 @@ class Arbiter:
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
         self.broker_trouble: dict[str, str] = {}
+        #: What each handler process runs: slow-job warnings, metrics, the broker's copy.
+        self.running = running.RunningJobs(
+            config, places, self.buffer, self.metrics, concurrent=self.concurrent,
+            write=getattr(broker, "publish_running", None))
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -156,6 +161,9 @@ class Arbiter:
             self.config.job.queue, self.config.broker.safe_url, len(self.places),
             self.buffer.prefetch,
         )
+        notice = running.timeout_notice(self.config.job)
+        if notice:
+            log.info("%s", logs.Explanation(notice))
         self.connected = True
         self.outage.lease = self.lease()  # an adopted NATS consumer's ack wait is known now
         watch = getattr(self.broker, "watch_connection", None)
@@ -172,6 +180,7 @@ class Arbiter:
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
                 self.keepalive_loop(), self.progress_loop(), self.sample_loop(),
+                self.running.watch(lambda: self.closed),
             )
         ]
         await self.stop_requested.wait()
@@ -545,11 +554,13 @@ class Arbiter:
             self.request_stop(exits.HANDLER_INIT)
 
     def handle_failed(self, place: HandlerPlace, delivery_id: int, failure: Failure) -> None:
-        """FAILED: the delivery is finished with ``failure`` (timed here when its start was
-        seen: STARTED, or the mark)."""
+        """FAILED: the delivery is finished with ``failure``, timed by its process (else
+        here, when its start was seen: STARTED, or the mark)."""
         entry = self.buffer.finished(place.index, delivery_id, failure.summary, failure,
                                      in_order=not self.concurrent)
-        if entry.started_at:
+        if failure.seconds:
+            self.metrics.handler_done(failure.seconds)
+        elif entry.started_at:
             self.metrics.handler_done(time.monotonic() - entry.started_at)
         self.jobs_finished(place, 1)
 
@@ -890,6 +901,8 @@ class Arbiter:
         else:
             # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
             self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
+            # Timed out or lost: a failed run, timed here (no process timed it).
+            self.metrics.handlers_done(running_seconds(blamed, time.monotonic()))
             replaced = ("" if self.stopping or status == CHILD_INIT_FAILED
                         else "; a new handler process takes its place")
             if running:

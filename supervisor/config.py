@@ -218,6 +218,11 @@ class JobConfig:
         f"cancelled then, and its process killed if it has not ended {CANCEL_GRACE:g} s later",
         at_least(0)
     )
+    slow_job_after: float = setting(
+        60.0, "a job running longer than this (s) is logged as a warning, again each time "
+        "its run time doubles (at least hourly); 0 = never. status, the dashboard and the "
+        "metrics mark it too", at_least(0), at_most(MAX_TTL),
+    )
     max_jobs_per_process: int = setting(
         0, "recycle a handler process after this many jobs; 0 = never", at_least(0)
     )

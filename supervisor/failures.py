@@ -58,9 +58,10 @@ def outcome_of(result: Result, attempt: int, max_attempts: int) -> str:
 
 def log_outcome(
     log: logging.Logger, settlement: Settlement, result: Result, max_attempts: int
-) -> None:
+) -> tuple[str, str]:
     """One line for one settled reject: a warning while it is retried (or its outcome is
-    not known), an error once it is not."""
+    not known), an error once it is not. Returns the outcome and the error class (the
+    rejects counter's labels)."""
     delivery = settlement.delivery
     failure = settlement.failure or Failure.from_text(settlement.error)
     attempt = failure.attempt or delivery.attempts + 1
@@ -81,3 +82,4 @@ def log_outcome(
     log.log(logging.ERROR if final else logging.WARNING,
             "job %s attempt %d%s failed: %s%s; %s", delivery.pid, attempt, of,
             failure.summary, at, _FINAL.get(outcome, outcome), extra=extra)
+    return outcome, failure.error

@@ -43,6 +43,7 @@ from urllib.parse import unquote
 
 from broker.base import Action
 from broker.gauges import QueueGauges
+from supervisor import failures
 
 log = logging.getLogger("supervisor.metrics")
 
@@ -70,6 +71,16 @@ ANSWER_GAP = 0.02
 #: Seconds a rendered /metrics answer is served again to the same kind of request (format,
 #: compression, filter): a render costs milliseconds of the supervisor's CPU.
 METRICS_CACHE = 1.0
+
+#: Error classes the rejects counter names by label, the first ones seen; later ones count
+#: as "other" (a label set that grows with whatever handlers raise would grow the series,
+#: and a counter's label cannot be taken back once scraped). The supervisor's own classes
+#: (a timeout, a lost handler process) are always named, beside these.
+ERROR_CLASSES = 10
+#: Characters of an error class a label keeps (a class name is short; a module path may not be).
+ERROR_CLASS_CHARS = 100
+#: What became of a rejected job, as its outcome line says it (``supervisor.failures``).
+OUTCOMES = ("retrying", "failed", "dead")
 
 #: Queue gauges: QueueGauges field -> (metric name after the prefix, help).
 QUEUE_GAUGES = {
@@ -181,6 +192,13 @@ class Metrics:
     def handlers_done(self, seconds: Iterable[float]) -> None:
         """``handler_done`` for each of several runs (one call per batch of outcomes)."""
 
+    def rejected(self, outcome: str, error: str) -> None:
+        """A failed run was settled: what became of its job (``retrying in 2 s``,
+        ``failed``, ``dead``, ``outcome unknown: ...``) and its error class."""
+
+    def running(self, oldest: float, slow: int) -> None:
+        """The oldest running job has run ``oldest`` s; ``slow`` run past slow_job_after."""
+
     @contextlib.contextmanager
     def timed(self, operation: str) -> Iterator[None]:
         """``with metrics.timed("extend"): await broker.extend(...)``."""
@@ -286,6 +304,16 @@ class PrometheusMetrics(Metrics):
             f"{PREFIX}_handler_seconds", "handler duration, started to outcome", ["queue"],
             buckets=HANDLER_BUCKETS, registry=self.registry,
         ).labels(queue)
+        self._rejects = Counter(
+            f"{PREFIX}_rejects", "failed runs settled, by what became of the job (retrying, "
+            "failed, dead, unknown) and the error class (the first "
+            f"{ERROR_CLASSES} seen by name, then other)", ["queue", "outcome", "error"],
+            registry=self.registry)
+        self._error_classes = Bounded(ERROR_CLASSES, always=(failures.TIMEOUT, failures.LOST))
+        self._oldest_running = gauge("oldest_running_seconds",
+                                     "how long the oldest job running now has run (0: none)")
+        self._slow_jobs = gauge("slow_jobs", "jobs running past [job] slow_job_after now")
+        self._queue = queue
         Gauge(f"{PREFIX}_build_info", "this supervisor's version, Python and broker (value 1)",
               ["queue", "version", "python", "broker"], registry=self.registry,
               ).labels(queue, _version(), platform.python_version(), broker).set(1)
@@ -333,6 +361,14 @@ class PrometheusMetrics(Metrics):
         for each in seconds:
             observe(each)
 
+    def rejected(self, outcome: str, error: str) -> None:
+        self._rejects.labels(self._queue, outcome_label(outcome),
+                             self._error_classes.label(error)).inc()
+
+    def running(self, oldest: float, slow: int) -> None:
+        self._oldest_running.set(oldest)
+        self._slow_jobs.set(slow)
+
     def beat(self) -> None:
         self.health.beat()
 
@@ -344,6 +380,31 @@ class PrometheusMetrics(Metrics):
 
     def close(self) -> None:
         self._endpoint.close()
+
+
+class Bounded:
+    """Label values of an open set (error classes), at most ``limit`` of them besides the
+    ``always`` ones: the first seen keep their name, any other is ``other``."""
+
+    def __init__(self, limit: int, always: Iterable[str] = ()) -> None:
+        self.limit = limit
+        self._always = frozenset(always)
+        self._named: set[str] = set()
+
+    def label(self, value: str) -> str:
+        value = value[:ERROR_CLASS_CHARS] or "unknown"
+        if value in self._always or value in self._named:
+            return value
+        if len(self._named) < self.limit and value != "other":
+            self._named.add(value)
+            return value
+        return "other"
+
+
+def outcome_label(outcome: str) -> str:
+    """``retrying``, ``failed``, ``dead`` or ``unknown`` (stale, or the reply was lost)."""
+    word = outcome.partition(" ")[0]
+    return word if word in OUTCOMES else "unknown"
 
 
 class QueueFigures:

@@ -255,9 +255,12 @@ class Settler:
         return False
 
     def _log_failed_run(self, settlement: Settlement, result: Result) -> None:
-        """The one line of a failed run, once its reject is settled (see failures)."""
+        """The one line of a failed run, once its reject is settled (see failures), and its
+        count by outcome and error class."""
         budget = getattr(self.broker, "max_attempts", 0)
-        failures.log_outcome(log, settlement, result, budget if isinstance(budget, int) else 0)
+        outcome, error = failures.log_outcome(log, settlement, result,
+                                              budget if isinstance(budget, int) else 0)
+        self.metrics.rejected(outcome, error)
 
 
 class Early:

@@ -256,6 +256,92 @@ async def test_hostile_pids_errors_and_100_kb_values_are_shown_escaped_and_bound
     assert "&lt;script&gt;alert(&#39;consumer&#39;)&lt;/script&gt;" in queue
 
 
+def running_rows(body: str) -> list[dict[str, str]]:
+    """The queue page's running table: each row's cells (text), and "slow" when marked."""
+    table = re.search(r'<table class="running">.*?</table>', body, re.S)
+    assert table, body
+    rows = []
+    for found in re.finditer(r"<tr( class=\"slow\")?>(.*?)</tr>", table.group(), re.S):
+        cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+                 for cell in re.findall(r"<td[^>]*>(.*?)</td>", found.group(2), re.S)]
+        if len(cells) == 7:
+            rows.append({"slow": bool(found.group(1)), **dict(zip(
+                ("pid", "attempt", "elapsed", "since", "handler", "process", "supervisor"),
+                cells, strict=True))})
+    return rows
+
+
+async def test_a_crafted_running_copy_is_shown_escaped_and_its_slow_job_marked(
+        tmp_path, redis_url, redis_client, dashboards):
+    from supervisor import running
+
+    k = keys()
+    jobs = [running.Job(0, 4242, HOSTILE_PID, 3, 1_700_000_000.0, 75.0, True),
+            running.Job(1, 4243, "quiet-pid", 1, 1_700_000_070.0, 5.0, False)]
+    await redis_client.set(k.supervisor("sup-a"), "<i>host</i> 17", ex=30)
+    await redis_client.set(k.running("sup-a"), running.encode(jobs, 30, 60.0), ex=30)
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+    status, body = dashboard.client.get("/live/q/0")
+    assert status == 200
+    assert "<script>alert" not in body and "\u202e" not in body and "<i>host" not in body
+    slow, quiet = running_rows(body)
+    assert slow["pid"] == '<script>alert("pid")</script>\\u202e'  # shown, never acted on
+    assert (slow["slow"], slow["attempt"], slow["handler"], slow["process"]) == (
+        True, "3", "0", "4242")
+    assert slow["elapsed"].endswith("past slow_job_after") and slow["supervisor"] == \
+        "<i>host</i> 17"
+    assert slow["since"] == "2023-11-14 22:13:20 UTC"
+    assert (quiet["slow"], quiet["pid"]) == (False, "quiet-pid")
+    assert 5 <= int(quiet["elapsed"].removesuffix(" s")) < 60  # plus the time since written
+    quoted = "%3Cscript%3Ealert%28%22pid%22%29%3C/script%3E%E2%80%AE"
+    assert f'href="/q/0/job?pid={quoted}"' in body  # its job page, by its pid
+
+
+async def test_the_queue_page_lists_what_a_supervisor_runs_and_marks_a_slow_job(
+        tmp_path, redis_url, redis_client, dashboards, supervisors):
+    gate = tmp_path / "gate"
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.gated:handle",
+                          job={"slow_job_after": 2})
+    [(pid, raw)] = envelopes.of(QUEUE, [{"gate": str(gate)}])
+    await redis_client.lpush(keys().ready, raw)
+    supervisor = supervisors(config, redis_url)
+    dashboard = dashboards(config)
+
+    def slow_rows() -> list[dict[str, str]]:
+        return [row for row in running_rows(dashboard.client.get("/live/q/0")[1])
+                if row["slow"]]
+
+    [row] = poll(slow_rows, "the job marked past slow_job_after")
+    handler = [p for p in supervisor.family() if "handler 0" in " ".join(p.cmdline())]
+    assert (row["pid"], row["attempt"], row["handler"]) == (pid, "1", "0")
+    assert [row["process"]] == [str(p.pid) for p in handler]
+    assert row["supervisor"].endswith(f" {supervisor.pid}")
+    gate.touch()
+    poll(lambda: "nothing runs now" in dashboard.client.get("/live/q/0")[1], "no job")
+
+
+async def test_a_nats_queue_page_lists_this_hosts_running_jobs_by_their_titles(
+        tmp_path, nats_server, nats_brokers, dashboards, supervisors):
+    gate = tmp_path / "gate"
+    broker = await nats_brokers(QUEUE)
+    [pid] = [await broker.publish(QUEUE, {"gate": str(gate)})]
+    config = write_config(tmp_path, nats_server.url, handler="tests.handlers.gated:handle",
+                          job={"slow_job_after": 2}, nats={"ack_wait": 3.0})
+    supervisor = supervisors(config)
+    dashboard = dashboards(config)
+
+    def ours() -> list[dict[str, str]]:  # other tests' supervisors of "e2e" may run here
+        body = dashboard.client.get("/live/q/0")[1]
+        return [row for row in running_rows(body)
+                if row["slow"] and row["supervisor"].endswith(f" {supervisor.pid}")]
+
+    [row] = poll(ours, "the job marked past slow_job_after")
+    assert (row["pid"], row["attempt"], row["handler"]) == (pid, "1", "0")
+    assert "JetStream keeps no records of ours" in dashboard.client.get("/live/q/0")[1]
+    gate.touch()
+    poll(lambda: not ours(), "no job")
+
+
 # -- actions -------------------------------------------------------------------------------
 
 

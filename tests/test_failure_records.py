@@ -51,6 +51,7 @@ def test_a_raising_handler_sends_class_message_where_and_traceback(children, han
     assert 'raise ValueError("boom")' in failure.traceback
     assert failure.traceback.rstrip().endswith("ValueError: boom")
     assert failure.summary == "ValueError: boom"
+    assert 0 < failure.seconds < 30  # timed by its process, as a success is (issue 38)
 
 
 @pytest.mark.parametrize("handler", [SYNC, ASYNC])

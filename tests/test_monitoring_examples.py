@@ -30,7 +30,7 @@ ALERTED = {
     "queue_supervisor_failed_messages", "queue_supervisor_dead_messages",
     "queue_supervisor_build_info", "queue_supervisor_ready",
     "queue_supervisor_unreplicated_writes_total", "queue_supervisor_broker_reconnects_total",
-    "queue_supervisor_nats_leaderless_seconds",
+    "queue_supervisor_nats_leaderless_seconds", "queue_supervisor_slow_jobs",
     # issue 39.3: retries nobody promotes, while supervisors run and once none does
     "queue_supervisor_delayed_overdue_seconds", "queue_supervisor_delayed_messages",
 }
@@ -45,6 +45,7 @@ def exported() -> set[str]:
         served.gauges(QueueGauges(**{**every, "leader": True}))
         served.settled(Action.COMMIT)
         served.handler_done(0.1)
+        served.rejected("failed", "ValueError")
         served.settle_batch(1, 0.001)
         with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics") as answer:
             text = answer.read().decode()

@@ -380,7 +380,9 @@ def test_process_titles_show_queue_buffer_and_busy_state(tmp_path, redis_url, cl
     wait_for(lambda: any("[buffer 1/10, 1/1 busy]" in t for t in titles()), 5, "parent title")
     assert any(t.startswith("queue-supervisor: e2e running") for t in titles())
     assert any(t == "queue-supervisor: fork server" for t in titles())
-    wait_for(lambda: "queue-supervisor: e2e handler 0 busy" in titles(), 5, "child title")
+    [pid] = [line.split()[0] for line in lines(tmp_path / "started")]
+    wait_for(lambda: any(t.startswith(f"queue-supervisor: e2e handler 0 busy: job {pid} "
+                                      "attempt 1 since ") for t in titles()), 5, "child title")
 
 
 def test_second_signal_skips_to_the_kill(tmp_path, redis_url, client, start):

@@ -20,7 +20,7 @@ from broker import envelope
 from broker.failure import Failure
 from support.handler_child import lines
 from support.waiting import wait_until
-from worker import protocol
+from worker import protocol, titles
 from worker.handler import Handler, load
 from worker.process import CHILD_INIT_FAILED
 
@@ -277,19 +277,46 @@ def test_a_full_outcome_ring_delays_outcomes_but_loses_none(children) -> None:
     assert child.outcomes(200) == [("DONE", delivery_id, None) for delivery_id, _ in sent]
 
 
-def test_process_title_shows_queue_slot_and_busy_or_idle(children, tmp_path: Path) -> None:
+def process_title(pid: int) -> str:
+    return " ".join(psutil.Process(pid).cmdline()).strip()
+
+
+def test_process_title_shows_queue_slot_the_job_it_runs_or_idle(children, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     child = children("tests.handlers.gated:handle")
     child.outcomes(1)
-
-    def title() -> str:
-        return " ".join(psutil.Process(child.pid).cmdline()).strip()
-
-    wait_until(lambda: title() == "queue-supervisor: tests handler 0 idle")
-    child.deliver({"gate": str(gate)})
-    wait_until(lambda: title() == "queue-supervisor: tests handler 0 busy")
+    wait_until(lambda: process_title(child.pid) == "queue-supervisor: tests handler 0 idle")
+    before = int(time.time())
+    [(_, pid)] = child.deliver({"gate": str(gate)})
+    prefix = "queue-supervisor: tests handler 0 "
+    wait_until(lambda: process_title(child.pid).startswith(prefix + "busy: job"))
+    title = process_title(child.pid)
+    read = titles.parse(title.removeprefix("queue-supervisor: tests handler "))
+    assert title.startswith(f"{prefix}busy: job {pid} attempt 1 since "), title
+    assert read is not None and (read.handler, read.pid, read.attempt) == (0, pid, 1)
+    assert before <= read.since <= time.time()  # UTC, to the second
     gate.touch()
-    wait_until(lambda: title() == "queue-supervisor: tests handler 0 idle")
+    wait_until(lambda: process_title(child.pid) == "queue-supervisor: tests handler 0 idle")
+
+
+def test_a_title_shows_a_hostile_pid_escaped_and_cut(children, tmp_path: Path) -> None:
+    """A producer's pid with a NUL, a newline and an escape, 300 characters long: the title
+    stays one line of bounded length (a NUL would make setproctitle raise) and still
+    reads back."""
+    gate = tmp_path / "gate"
+    child = children("tests.handlers.gated:handle")
+    child.outcomes(1)
+    _, raw = envelope.build("tests", {"gate": str(gate)}, pid="a\x00\n\x1b[2J" + "x" * 300)
+    child.send(protocol.encode_deliver(1, raw, 4))
+    wait_until(lambda: "busy: job" in process_title(child.pid))
+    title = process_title(child.pid)
+    assert not {"\x00", "\n", "\x1b"} & set(title), title
+    assert len(title) < 200 and " attempt 5 since " in title, title
+    read = titles.parse(title.removeprefix("queue-supervisor: tests handler "))
+    assert read is not None and read.pid.startswith("a\\x00\\n\\x1b[2Jxxx"), read
+    assert read.pid.endswith("...") and len(read.pid) == titles.PID_CHARS
+    gate.touch()
+    assert child.outcomes(1)[0][0] == "DONE"
 
 
 def summaries(outcomes: list) -> list:

@@ -206,3 +206,32 @@ def test_a_held_async_success_carries_the_handlers_own_seconds_not_the_wait_for_
     assert child.to_parent.wait(30)
     done_id, seconds = protocol.done_fields(child.to_parent.get())
     assert done_id == delivery_id and 0 < seconds < 1.0
+
+
+def test_the_title_counts_the_running_jobs_and_names_the_oldest(children, tmp_path: Path) -> None:
+    """An async process's title: how many run, the oldest's pid, attempt and start; idle
+    once they ended (written at most every tick of its loop, only when it changed)."""
+    import psutil
+
+    from worker import titles
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    child = children("tests.handlers.aio:handle", tasks=3)
+    assert child.outcomes(1) == [("READY", 0, None)]
+
+    def title() -> titles.HandlerTitle | None:
+        text = " ".join(psutil.Process(child.pid).cmdline()).strip()
+        return titles.parse(text.removeprefix("queue-supervisor: tests handler "))
+
+    [(_, oldest)] = child.deliver({"gate": str(first)})
+    wait_until(lambda: (read := title()) is not None and read.pid == oldest)
+    later = child.deliver(*({"gate": str(second)} for _ in range(2)))
+    wait_until(lambda: (read := title()) is not None and read.running == 3)
+    read = title()
+    assert read is not None and (read.pid, read.attempt, read.busy) == (oldest, 1, True)
+    first.touch()  # the oldest ends: the next one is named
+    wait_until(lambda: (read := title()) is not None and read.running == 2)
+    read = title()
+    assert read is not None and read.pid == later[0][1]
+    second.touch()
+    wait_until(lambda: title() == titles.HandlerTitle(0, False))

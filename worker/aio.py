@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -77,6 +78,7 @@ class AsyncRunner(Runner):
         self._waiting: deque[tuple[int, int | None, bytes, bool, int]] = deque()
         self._tasks: set[asyncio.Task] = set()  # everything that counts against capacity
         self._handling: dict[int, asyncio.Task] = {}  # delivery id -> task in handle()
+        self._jobs: dict[int, Message] = {}  # decoded, in handle(): for the title
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._late: set[int] = set()  # their timeout expired: cancelled
         self._flushing: asyncio.Task | None = None
@@ -105,8 +107,18 @@ class AsyncRunner(Runner):
                 exit_if_orphaned(self._parent)
             if self._inbox.stop_requested and self._waiting:
                 self._request_pump()
-            if not self._tasks:
-                self._title.set_busy(False)
+            self._show_jobs()
+
+    def _show_jobs(self) -> None:
+        """The title: how many run, and the oldest (``worker.titles``); idle when none."""
+        handling, known = self._handling, None
+        if handling:
+            oldest = next(iter(handling))
+            message, began = self._jobs.get(oldest), self._began.get(oldest)
+            if message is not None and began is not None:
+                known = (message.pid, message.attempts,
+                         time.time() - (time.monotonic() - began))
+        self._title.jobs(len(handling), known, bool(self._tasks))
 
     def _guarded(self, callback: Callable[..., None]) -> Callable[..., None]:
         """Our own callback raising would leave deliveries without an outcome forever:
@@ -208,7 +220,8 @@ class AsyncRunner(Runner):
         message: Message | None = None
         error: BaseException | None = None
         try:
-            message = Message.from_raw(raw, delivery_id, attempts, plain)
+            message = self._jobs[delivery_id] = Message.from_raw(raw, delivery_id, attempts,
+                                                                 plain)
             await call(self._handler.call, message)
         except asyncio.CancelledError as cancelled:  # ours (the timeout) or the handler's
             error = cancelled
@@ -218,6 +231,7 @@ class AsyncRunner(Runner):
             self._handler_exited(delivery_id, message, raised)
         finally:
             self._handling.pop(delivery_id, None)
+            self._jobs.pop(delivery_id, None)
             timer = self._timers.pop(delivery_id, None)
             if timer is not None:
                 timer.cancel()

@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-import setproctitle
-
 from broker.errors import describe
 from broker.failure import Failure
 from worker import protocol, tracebacks
@@ -40,6 +38,7 @@ from worker.process import (
     set_parent_death_signal,
 )
 from worker.ring import Ring, fence
+from worker.titles import Title
 
 # One logger name for every handler process line, whichever loop runs it: operators filter
 # the logs on it.
@@ -186,8 +185,12 @@ class Runner:
         """FAILED goes out with the next send; the caller then runs ``on_error`` its way.
         The supervisor logs the run's outcome once it is settled (retrying, failed, dead):
         this line is for debugging the handler process."""
-        self._began.pop(delivery_id, None)  # a failure carries no seconds (see protocol)
-        self._returned.pop(delivery_id, None)
+        # How long it ran (a held one: until it returned), for the record and the figures.
+        began, seconds = self._began.pop(delivery_id, None), self._returned.pop(delivery_id, None)
+        if seconds is None and began is not None:
+            seconds = time.monotonic() - began
+        if seconds is not None:
+            failure = failure.replace(seconds=round(seconds, 6))
         self._outcomes.append(protocol.encode_failed(delivery_id, failure, self._failure_limit))
         job = message.pid if message is not None else "?"
         log.debug("delivery %d (job %s) failed: %s (%s)", delivery_id, job, failure.summary,
@@ -308,20 +311,6 @@ def exit_process(code: int) -> NoReturn:
         with contextlib.suppress(Exception):  # a closed stream must not stop the exit
             stream.flush()
     os._exit(code)
-
-
-class Title:
-    """The process title, changed only when the busy/idle state changes."""
-
-    def __init__(self, queue: str, place: int) -> None:
-        self._prefix = f"queue-supervisor: {queue} handler {place}"
-        self._busy: bool | None = None
-        self.set_busy(False)
-
-    def set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
-            self._busy = busy
-            setproctitle.setproctitle(f"{self._prefix} {'busy' if busy else 'idle'}")
 
 
 def _configure_logging(place: int) -> None:

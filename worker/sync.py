@@ -70,8 +70,10 @@ class SyncRunner(Runner):
         handler = self._handler
         try:
             message = Message.from_raw(raw, delivery_id, attempts, plain)
+            self._title.job(message.pid, message.attempts)
             handler.call(message)
         except Exception as error:
+            self._began[delivery_id] = began  # the failure is timed too (Runner._failed)
             self._fail(delivery_id, message, error, failure_of(error))
             return
         except BaseException as error:  # sys.exit(), KeyboardInterrupt: the process ends

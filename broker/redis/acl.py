@@ -48,10 +48,11 @@ WHY = {
     "script|load": "load a script again after NOSCRIPT (server restart, SCRIPT FLUSH)",
     "blmove": "wait on an idle queue: ready list -> the registered reservation",
     "zrem": "drop an empty reservation after that wait",
-    "set": "the fleet's reap lock (SET NX EX) and the sweep cursor",
+    "set": "the fleet's reap lock (SET NX EX), the sweep cursor and the running jobs' copy",
+    "del": "the running jobs' copy, once nothing runs and at a stop",
     "llen": "sizes of lists",
     "lrange": "read list windows (processing, failed, reservations)",
-    "get": "the sweep cursor; counters and supervisor records (status)",
+    "get": "the sweep cursor; counters, supervisor records and their running jobs (status)",
     "mget": "claims and owners of the pids a sweep looks at (job records go through records.lua)",
     "time": "the server's clock (recovery age, reservation deadlines)",
     "lpush": "publish: envelopes onto the ready list",
@@ -60,7 +61,7 @@ WHY = {
              "check, the metrics)",
     "zrange": "list registered reservations and their deadlines; the next delayed retry's "
               "due time (status)",
-    "pttl": "time left of a supervisor record",
+    "pttl": "time left of a supervisor record and of its running jobs' copy",
     "zadd": "a stop abandons an idle wait, or a reservation made ahead is given back: the "
             "reservation is marked expired",
     "memory|usage": "status: a reservation list's size, so that its payloads are read only "
@@ -114,6 +115,7 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "reap-lock.{q}": _fixed("reap_lock"),
     "reap-cursor.{q}": _fixed("reap_cursor"),
     "supervisors.{q}.*": _under(lambda keys: keys.supervisor("")),
+    "supervisor-running.{q}.*": _under(lambda keys: keys.running("")),
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
     "supervisor-delayed.{q}": _fixed("delayed"),
     "supervisor-errors.{q}.*": _under(lambda keys: keys.error("")),
@@ -170,7 +172,7 @@ ROLES: tuple[Role, ...] = (
             "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*", "failed.{q}",
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
-            "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
+            "supervisor-delayed.{q}", "supervisor-errors.{q}.*", "supervisor-running.{q}.*",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -182,7 +184,7 @@ ROLES: tuple[Role, ...] = (
         (
             "queue.{q}", "processing.{q}", "failed.{q}", "dead.{q}", "poison.{q}",
             "stats.{q}.*", "reservations.{q}", "reservations.{q}.*", "supervisors.{q}.*",
-            "supervisor-delayed.{q}",
+            "supervisor-delayed.{q}", "supervisor-running.{q}.*",
         ),
     ),
     Role("recover", "python -m supervisor recover", _SWEEP_COMMANDS, "~", _SWEEP_KEYS,
@@ -226,7 +228,8 @@ ROLES: tuple[Role, ...] = (
          ("oldest", "records", "retry", "delete"),
          read_keys=("processing.{q}", "stats.{q}.*", "supervisor-delayed.{q}",
                     "supervisor-tokens.{q}", "supervisors.{q}.*", "reservations.{q}",
-                    "reservations.{q}.*", "owners.{q}.*", "claims.{q}.*")),
+                    "reservations.{q}.*", "owners.{q}.*", "claims.{q}.*",
+                    "supervisor-running.{q}.*")),
 )
 BY_NAME = {role.name: role for role in ROLES}
 

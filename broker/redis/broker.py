@@ -246,6 +246,7 @@ class RedisBroker:
         self._claim_prefix = self.keys.claim("")
         self._record = self.keys.supervisor(self.consumer_id)
         self._record_value = f"{socket.gethostname()} {os.getpid()}"
+        self._running = self.keys.running(self.consumer_id)
         #: settle.lua's keys before the items' own (the same for every call).
         self._settle_keys = (
             self.keys.ready, self.keys.processing, self.keys.failed,
@@ -938,6 +939,10 @@ class RedisBroker:
         was lost) is ours and gone: the next sweep of ours, or ``recover``, takes it at
         once."""
         await self._renew(deliveries, 0)
+        # What its handlers ran goes with the record (else it expires as the record would:
+        # an ACL user made before the copy existed may not delete it).
+        with contextlib.suppress(redis.exceptions.RedisError, OSError):
+            await self.client.delete(self._running)
         await self._return_ahead()
         if not deliveries:
             return
@@ -975,6 +980,15 @@ class RedisBroker:
                 reply = await self.scripts.call("extend", keys, args)
                 owned += [flag == 1 for flag in reply]
         return owned
+
+    async def publish_running(self, record: bytes | None, ttl: int) -> None:
+        """This supervisor's running jobs (``supervisor.running``), for ``status`` and the
+        dashboard: kept ``ttl`` s, as the supervisor's record is; None deletes them."""
+        async with _broker_errors("running jobs"):
+            if record is None:
+                await self.client.delete(self._running)
+            else:
+                await self.client.set(self._running, record, ex=ttl)
 
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the next message to be received was published (None: none)."""

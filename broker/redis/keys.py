@@ -31,6 +31,9 @@ supervisors use (16 hex, one per supervisor run) -> ``"<last renewal, unix s> <c
 an owner token starting with a registered prefix is known to be ours, and it is ours *and
 dead* once that supervisor's record has expired (``broker.redis.recovery``). Queue 5 never
 reads either key; where they are missing, queue 5's recovery rule applies.
+``supervisor-running.{q}.{consumer id}`` is this project's copy of the jobs a supervisor's
+handler processes run (``supervisor.running``: JSON), for ``status`` and the dashboard: it
+expires with the supervisor's record and is deleted with it at a stop; nothing depends on it.
 ``supervisor-errors.{q}.{pid}`` is this project's failure record of a failed or dead pid
 (``broker.failure``), and ``supervisor-delayed.{q}`` a sorted set of the envelopes of
 retries waiting for their backoff, scored by when they are due: queue 5 reads neither.
@@ -122,6 +125,11 @@ class QueueKeys:
 
     def supervisor(self, consumer_id: str) -> str:
         return f"{self._key('supervisors')}.{consumer_id}"
+
+    def running(self, consumer_id: str) -> str:
+        """This project's copy of what a supervisor's handler processes run now
+        (``supervisor.running``), expiring with its record."""
+        return f"{self._key('supervisor-running')}.{consumer_id}"
 
     def error(self, pid: str) -> str:
         """This project's failure record of a failed or dead pid (``broker.failure``)."""

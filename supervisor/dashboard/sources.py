@@ -32,7 +32,7 @@ from broker.redis.recovery import server_time
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
-from supervisor.ops import inspect, nats_dead
+from supervisor.ops import inspect, nats_dead, running
 
 #: Entries of a failed, dead or poison list shown per page.
 PAGE = 50
@@ -195,8 +195,15 @@ class RedisSource:
             for record in records:  # uptime and what runs now, where this host can see it
                 record["local"] = await asyncio.to_thread(
                     local.describe, keys.queue, record["where"])
+            await running.add_redis_copies(client, keys, records)  # every host's jobs
             return {
                 "supervisors": records,
+                "running": sorted(({"where": record["where"], **job} for record in records
+                                   if record.get("running")
+                                   for job in record["running"]["jobs"]),
+                                  key=lambda job: -job["elapsed"]),
+                "running_total": sum(record["running"]["running"] for record in records
+                                     if record.get("running")),
                 "reservations": await inspect.reservations(client, keys, show=20),
             }
 
@@ -345,7 +352,15 @@ class NatsSource:
                       done=state["acknowledged"])
 
     async def detail(self) -> dict[str, Any]:
-        return {"nats": self.state or await self._read()}
+        """The JetStream figures, and the jobs this host's supervisors of the queue run
+        (their handler processes' titles: JetStream keeps no records of ours)."""
+        here = await asyncio.to_thread(running.on_this_host, self.config.job.queue,
+                                       self.config.job.slow_job_after)
+        jobs = [{"where": f"{found['host']} {found['pid']}", **job}
+                for found in here for job in found["jobs"]]
+        return {"nats": self.state or await self._read(), "running": jobs,
+                "running_total": sum(job["in_process"] for job in jobs),
+                "this_host_only": True}
 
     async def listing(self, kind: str, page: int = 0, pid: str = "", after: int = 0
                       ) -> Listing:

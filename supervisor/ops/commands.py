@@ -26,7 +26,7 @@ from broker.redis.recovery import promote
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
-from supervisor.ops import failed_commands, inspect, program_name, version
+from supervisor.ops import failed_commands, inspect, program_name, running, version
 from supervisor.ops.opening import Unsupported, json_for_terminal, opened_broker, redis_broker
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import forget_stopped, recover
@@ -236,6 +236,7 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         f"queue {state['queue']} (namespace {state['namespace']})",
         f"  ready         {state['ready']}",
         f"  processing    {state['processing']} (owner records: {state['owners']})",
+        f"  running       {_running(state['supervisors'])}",
         f"  delayed       {_delayed(state['delayed'])}",
         f"  reservations  {reservations['count']} lists, {reservations['payloads']} payloads, "
         f"{reservations['expired']} expired",
@@ -250,13 +251,22 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         f"  poison        {state['poison']}",
         f"  supervisors   {len(state['supervisors'])}",
     ]
-    lines += [f"    {logs.clean(s['id'])}  {logs.clean(s['where'])}  {_record_expiry(s['ttl_ms'])}"
-              for s in state["supervisors"]]
+    for record in state["supervisors"]:
+        lines.append(f"    {logs.clean(record['id'])}  {logs.clean(record['where'])}  "
+                     f"{_record_expiry(record['ttl_ms'])}")
+        lines += [f"      {line}" for line in running.copy_lines(record.get("running"))]
     if state["previous_format"]:
         lines.append(f"  previous-format supervisors still running: {state['previous_format']}"
                      " (stop them: see the README, upgrading)")
     lines.append("  stats         " + "  ".join(f"{k} {_count(v)}" for k, v in stats.items()))
     return lines
+
+
+def _running(records: list[dict[str, Any]]) -> str:
+    """What the supervisors' copies say runs, in one line (each job below its supervisor)."""
+    copies = [record["running"] for record in records if record.get("running")]
+    return running.summary([job for copy in copies for job in copy["jobs"]],
+                           sum(copy["running"] for copy in copies))
 
 
 def _delayed(delayed: dict[str, Any]) -> str:

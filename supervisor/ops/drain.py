@@ -27,9 +27,10 @@ POLL = 0.1
 
 
 def title(process: psutil.Process) -> str:
-    """The process title as ``ps`` shows it (setproctitle rewrites the command line)."""
+    """The process title as ``ps`` shows it (setproctitle rewrites the command line, and
+    pads a title shorter than the one before with spaces: those are left out)."""
     try:
-        return " ".join(process.cmdline())
+        return " ".join(process.cmdline()).rstrip()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return ""
 

@@ -19,6 +19,7 @@ from typing import Any
 from broker.redis.gauges import overdue
 from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
 from broker.redis.recovery import server_time, token_prefix
+from supervisor.ops import running
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -184,6 +185,8 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
     ready, processing, failed, dead, poison, delayed, first, *stats = await pipe.execute()
     owners = await scan_prefix(client, keys.owner(""), show=0)
     now, _ = await server_time(client, keys.delayed)
+    listed = await supervisors(client, keys, show)
+    await running.add_redis_copies(client, keys, listed)
     return {
         "queue": keys.queue,
         "namespace": keys.namespace,
@@ -196,7 +199,7 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
         "dead": dead,
         "poison": poison,
         "owners": owners.count,
-        "supervisors": await supervisors(client, keys, show),
+        "supervisors": listed,
         "previous_format": (await scan_prefix(client, keys.legacy_consumer(""), 0)).count,
         "stats": {name: _counter(value) for name, value in zip(STATS, stats, strict=True)},
     }

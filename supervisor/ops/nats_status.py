@@ -26,8 +26,10 @@ from broker.nats.conn import quiet_error, refusal
 from broker.nats.setup import IDENTITY, QueueNames, identity, read_consumer_policy
 from broker.nats.tls import tls_options
 from broker.urls import redact
+from supervisor import logs
 from supervisor.config import Config
 from supervisor.logs import clean
+from supervisor.ops import running
 
 #: Seconds for one server to accept the connection and say INFO.
 CONNECT_TIMEOUT = 3.0
@@ -60,6 +62,10 @@ async def _queue_status(config: Config) -> dict[str, Any]:
         "broker": "nats",
         **counts(names, work, dead, consumer, config.job.max_attempts),
         "earlier_stream": earlier,
+        # JetStream keeps no supervisor records: this host's, by their process titles.
+        "this_host": await asyncio.to_thread(running.on_this_host, config.job.queue,
+                                             config.job.slow_job_after),
+        "slow_job_after": config.job.slow_job_after,
     }
 
 
@@ -201,7 +207,22 @@ def describe(state: dict[str, Any]) -> list[str]:
         f"{state['waiting_pulls']} waiting pulls"
         if consumer else "  consumer      absent",
         *_earlier_lines(state.get("earlier_stream")),
+        *_this_host_lines(state["queue"], state.get("this_host", []),
+                          state.get("slow_job_after", 0.0)),
     ]
+
+
+def _this_host_lines(queue: str, found: list[dict[str, Any]], slow_after: float) -> list[str]:
+    """This host's supervisors of the queue and the jobs their handlers' titles name."""
+    jobs = [job for supervisor in found for job in supervisor["jobs"]]
+    lines = [f"  this host     {len(found)} supervisor{'s' if len(found) != 1 else ''} of "
+             f"{queue} (by their process titles: "
+             "run status on each host for its own), running "
+             f"{running.summary(jobs, sum(job['in_process'] for job in jobs))}"]
+    for supervisor in found:
+        lines.append(f"    pid {supervisor['pid']}  {logs.clean(supervisor['title'])}")
+        lines += [f"      {running.job_line(job, slow_after)}" for job in supervisor["jobs"]]
+    return lines
 
 
 def _earlier_lines(earlier: dict[str, Any] | None) -> list[str]:
