@@ -55,7 +55,7 @@ def ledger(pids: list[list[str]], starts: list[list[float]]) -> Buffer:
         buffer.add([Delivery(pid, QUEUE, 1, place, {}, b"{}", "receipt") for pid in given])
         buffer.queue(place, len(given))
         for entry, at in zip(buffer.in_state(State.QUEUED, place), started, strict=False):
-            buffer.started_up_to(place, entry.id, at)
+            buffer.started_up_to(place, entry.number, at)
     return buffer
 
 
