@@ -86,7 +86,8 @@ class Arbiter:
         self.capacity = len(places) * slots
         #: Fair hand-out to the handler places (a handler with flush() gets slices).
         self.dispatcher = Dispatcher(self.buffer, places, slots=slots,
-                                     fill=handler.flush is not None, in_order=not self.concurrent)
+                                     fill=handler.flush is not None, in_order=not self.concurrent,
+                                     on_taken_back=self.metrics.taken_back)
         self.fair_look: asyncio.TimerHandle | None = None  # see ``dispatch``
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,

@@ -43,6 +43,7 @@ emptied with it, and what it held is accounted for as for any dead process.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ from supervisor.buffer import Buffer
 from supervisor.handlers import HandlerPlace
 from worker import protocol
 from worker.ring import fence
+
+log = logging.getLogger("supervisor.dispatch")
 
 #: Seconds of work that may wait in a ring behind each task slot's running job: the time
 #: the supervisor has to refill a ring before its process runs dry, on a loaded machine.
@@ -104,6 +107,7 @@ class Dispatcher:
     def __init__(
         self, buffer: Buffer, places: list[HandlerPlace], *, slots: int, fill: bool,
         in_order: bool, clock: Callable[[], float] = time.monotonic,
+        on_taken_back: Callable[[int], None] = lambda count: None,
     ) -> None:
         self.buffer = buffer
         self.places = places
@@ -114,7 +118,8 @@ class Dispatcher:
         self.pace = Pace()
         self.fair = len(places) > 1  # one process: nobody to hand anything else to
         self.share = -(-buffer.prefetch // len(places))  # prefetch's fair share per process
-        self.taken_back = 0  # deliveries taken back so far (for the logs and tests)
+        self.taken_back = 0  # deliveries taken back so far
+        self.on_taken_back = on_taken_back  # told how many, each time (the metrics)
         count = len(places)
         self._mark = [0] * count  # per place: its mark as last read
         self._progress_at = [0.0] * count  # per place: when its mark last moved (or it began)
@@ -226,7 +231,11 @@ class Dispatcher:
         fence()
         reached = place.to_parent.marked
         taken = self.buffer.take_back(place.index, reached, self.in_order, now)
-        self.taken_back += len(taken)
+        if taken:
+            self.taken_back += len(taken)
+            self.on_taken_back(len(taken))
+            log.debug("took back %d deliveries handler %d had not started (it reached number "
+                      "%d of its ring)", len(taken), place.index, reached)
         return len(taken)
 
     def next_look(self) -> float | None:

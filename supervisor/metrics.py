@@ -177,6 +177,10 @@ class Metrics:
     def child_restart(self) -> None:
         """A handler process died unexpectedly and was replaced."""
 
+    def taken_back(self, n: int) -> None:
+        """``n`` deliveries a handler process had not started were handed to others
+        (supervisor.dispatch: it stalled, or held more than the pace of jobs allows)."""
+
     def buffer(self, outstanding: int, prefetch: int, busy: int) -> None:
         """Deliveries outstanding of ``prefetch``; handler processes running a message."""
 
@@ -288,6 +292,8 @@ class PrometheusMetrics(Metrics):
         self._stale = counter("deliveries_stale", "settlements of deliveries recovered meanwhile")
         self._malformed = counter("malformed", "undecodable messages moved to poison")
         self._restarts = counter("child_restarts", "handler processes replaced after dying")
+        self._taken_back = counter("deliveries_taken_back", "deliveries a stalled handler "
+                                   "process had not started, handed to the others")
         self._outstanding = gauge("buffer_outstanding", "deliveries not yet settled")
         self._prefetch = gauge("buffer_prefetch", "bound on outstanding deliveries")
         self._busy = gauge("busy_handlers", "handler processes running a message")
@@ -340,6 +346,9 @@ class PrometheusMetrics(Metrics):
 
     def child_restart(self) -> None:
         self._restarts.inc()
+
+    def taken_back(self, n: int) -> None:
+        self._taken_back.inc(n)
 
     def buffer(self, outstanding: int, prefetch: int, busy: int) -> None:
         self._outstanding.set(outstanding)

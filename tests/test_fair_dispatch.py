@@ -83,6 +83,7 @@ def test_a_plain_handler_stalled_on_a_long_job_gives_back_what_it_has_not_starte
         assert set(broker.committed) == set(pids) and not broker.owned
         assert all(broker.runs[pid] == 1 for pid in pids)  # nothing ran twice
         assert core.arbiter.dispatcher.taken_back == 4
+        assert core.arbiter.dispatcher.on_taken_back == core.arbiter.metrics.taken_back
 
     run(scenario())
 

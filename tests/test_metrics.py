@@ -43,6 +43,8 @@ def test_the_endpoint_serves_the_counters_gauges_and_histograms(served):
     served.stale()
     served.malformed(4)
     served.child_restart()
+    served.taken_back(4)
+    served.taken_back(1)
     served.buffer(outstanding=10, prefetch=100, busy=2)
     served.settle_batch(50, 0.002)
     served.settle_batch(60, 0.004)
@@ -59,6 +61,7 @@ def test_the_endpoint_serves_the_counters_gauges_and_histograms(served):
     assert value(samples, "deliveries_stale_total") == 1
     assert value(samples, "malformed_total") == 4
     assert value(samples, "child_restarts_total") == 1
+    assert value(samples, "deliveries_taken_back_total") == 5
     assert value(samples, "buffer_outstanding") == 10
     assert value(samples, "buffer_prefetch") == 100
     assert value(samples, "busy_handlers") == 2
