@@ -548,6 +548,23 @@ def _wait_replicas_needs_redis(values: Values) -> str | None:
     )
 
 
+def _backoff_below_recovery_age(values: Values) -> str | None:
+    """Issue 39.1: a retry must become ready well before queue 5's publish-age gate could
+    take it from a worker that never renews (promote.lua stamps it when it becomes ready;
+    this bounds what a retry can cost that gate if anything ever moves it unstamped)."""
+    backoff, cap = values["job.retry_backoff"], values["job.retry_backoff_max"]
+    age = values["supervisor.recovery_age"]
+    if not backoff or cap < age or broker_kind(values["broker.url"]) != "redis":
+        return None
+    return (
+        f"{values.label('job', 'retry_backoff_max')} = {show(cap)} reaches "
+        f"{values.label('supervisor', 'recovery_age')} = {show(age)}; a retry waits up to "
+        "retry_backoff_max, and recovery_age is queue 5's reapAfter, the publish age past "
+        "which a sweep takes a delivery from a worker that never renews: set "
+        "retry_backoff_max below recovery_age"
+    )
+
+
 def _ack_wait_covers_renewal(values: Values) -> str | None:
     ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
     if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
@@ -611,6 +628,8 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),
+    CrossCheck("with a Redis URL and `[job] retry_backoff` > 0, `[job] retry_backoff_max` < "
+               "`[supervisor] recovery_age`", _backoff_below_recovery_age),
     CrossCheck("several comma-separated Redis URLs only for a Redis Cluster (`cluster = true`)",
                _seed_list_needs_cluster),
     CrossCheck("`[broker] wait_replicas` > 0 only with a Redis URL", _wait_replicas_needs_redis),
