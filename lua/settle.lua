@@ -6,7 +6,8 @@
 --                failed += 1 (a failed run).
 --   'd' delayed  a retry with a backoff: ZADD the new envelope to the delayed set scored
 --                TIME + delay (whole s of this server's clock), DEL job; failed += 1.
---                promote.lua moves it to ready once due; queue 5 never reads the set.
+--                promote.lua moves it to ready once due, stamped with the time it does
+--                (the envelope's layout is requeued()'s); queue 5 never reads the set.
 --   'f' reject   queue 5's reject: LPUSH pid to failed, the job record kept (EXPIRE job_ttl
 --                if > 0: it starts only now); failed += 1. The failure record (when not '')
 --                is SET in the item's errors key with the same expiry.

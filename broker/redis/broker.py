@@ -881,14 +881,18 @@ class RedisBroker:
         if self.retry.exhausted(delivery.attempts):
             return self._reject_op(settlement, now)
         decoded = delivery.envelope or envelope.decode(delivery.raw)
+        delay = self.retry.whole_seconds(delivery.attempts)
         try:
-            retried = envelope.requeued(decoded, RetryPolicy.next_attempts(delivery.attempts))
+            # A delayed retry is stamped again by promote.lua when it becomes ready (the
+            # server's time); parked, it carries when it is due by this host's clock, which
+            # is what an older promote.lua, moving it as it is, pushes (a rolling upgrade).
+            retried = envelope.requeued(
+                decoded, RetryPolicy.next_attempts(delivery.attempts), int(now) + delay)
         except envelope.Unencodable as error:
             # This delivery alone: the batch it settles with must still go through.
             log.error("job %s failed, and its retry cannot be written as PHP would (%s): it "
                       "goes to the failed list instead", delivery.pid, error)
             return self._reject_op(settlement, now)
-        delay = self.retry.whole_seconds(delivery.attempts)
         retrying = Result(Outcome.OK, f"retrying in {delay} s")
         if delay:
             return "d", [retried, delay], retrying  # waits in supervisor-delayed
