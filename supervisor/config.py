@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL
 from broker.redis.keys import MAX_TTL, hash_tag
 from broker.retry import BACKOFF_MAX
 from broker.tls import TlsFileError, TlsSettings, check_files
@@ -211,7 +212,9 @@ class JobConfig:
         "the supervisor creates; an existing consumer's own budget wins)", at_least(1)
     )
     job_ttl: int = setting(
-        0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0), at_most(MAX_TTL)
+        0, "seconds a failed/dead payload and its failure record are kept; 0 = the payload "
+        f"forever, the record {RECORD_TTL_WITHOUT_JOB_TTL // 86_400} days", at_least(0),
+        at_most(MAX_TTL),
     )
     handler_timeout: float = setting(
         0.0, "hard limit of one handler call (s); 0 = none. An async handler's call is "

@@ -144,6 +144,7 @@ from hypothesis.stateful import (
 
 from broker import envelope
 from broker.base import Action, Outcome, Result, Settlement
+from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL
 from broker.redis import RedisBroker, Reservation, recovery
 from broker.redis.keys import QueueKeys
 from tests.queue5 import LIMIT, REAP_AFTER, NotOwned, Queue5Consumer
@@ -1777,6 +1778,13 @@ class BrokerProtocol(RuleBasedStateMachine):
             *(KEYS.error(pid) for place, pid in entries if place in (FAILED, DEAD)),
         }
         assert keys <= explained, f"unexplained keys: {sorted(keys - explained)}"
+        # Each of our failure records expires, even with job_ttl 0 (issue 39.4).
+        errors = sorted(key for key in keys if key.startswith(KEYS.error("")))
+        pipe = r.pipeline(transaction=False)
+        for key in errors:
+            pipe.ttl(key)
+        for key, lives in zip(errors, pipe.execute(), strict=True):
+            assert 0 < lives <= RECORD_TTL_WITHOUT_JOB_TTL, f"{key} kept for {lives} s"
 
         counted = dict(zip(STATS, (int(v or 0) for v in stats), strict=True))
         expected_stats = {

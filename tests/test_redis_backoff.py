@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from broker import envelope
 from broker.base import Action, Outcome, Settlement
-from broker.failure import Failure
+from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL, Failure
 from broker.redis import RedisBroker, recovery
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
@@ -116,7 +116,8 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
     assert (record.error, record.message, record.outcome) == ("ValueError", "boom", "failed")
     assert (record.attempt, record.consumer) == (6, "sup-1")
     assert record.at > 0
-    assert await redis_client.ttl(KEYS.error(pid)) == -1  # job_ttl 0: kept, as the job is
+    # job_ttl 0: the job record is kept for ever, the failure record for a while (39.4)
+    assert 0 < await redis_client.ttl(KEYS.error(pid)) <= RECORD_TTL_WITHOUT_JOB_TTL
     assert int(await redis_client.get(KEYS.stat("failed"))) == 6
 
 
@@ -131,7 +132,7 @@ async def test_zero_backoff_requeues_at_once_as_queue_5_does(redis_brokers, redi
     result = await reject(broker, delivery)
     assert (result.outcome, result.detail) == (Outcome.OK, "retrying in 0 s")
     _, args = recorded.last("settle")
-    assert args[2] == "r" and len(args) == 4 + 1 + 1  # the 'r' op: token and envelope only
+    assert args[2] == "r" and len(args) == 5 + 1 + 1  # the 'r' op: token and envelope only
     [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
     assert envelope.decode(requeued)["attempts"] == 1
     assert not await redis_client.exists(KEYS.delayed)
@@ -268,7 +269,7 @@ async def test_settle_refuses_a_bad_delay_before_any_write(redis_brokers, redis_
     await broker.settle([Settlement(Action.REJECT, d, "boom") for d in deliveries])
     keys, args = recorded.last("settle")
     assert args[2] == "dd"
-    delay_at = 4 + 2 + 1  # after job_ttl, n, ops, offset, 2 tokens: envelope, delay, ...
+    delay_at = 5 + 2 + 1  # after job_ttl, n, ops, offset, record_ttl, 2 tokens: envelope, ...
     for at in (delay_at, delay_at + 2):
         await restore(redis_client, before)
         changed = [*args]
@@ -543,3 +544,48 @@ async def test_a_promoted_retry_is_protected_from_queue_5s_sweep_for_its_whole_r
     assert await redis_client.llen(KEYS.ready) == await redis_client.llen(KEYS.processing) == 0
     assert int(await redis_client.get(KEYS.stat("success"))) == 1
     assert int(await redis_client.get(KEYS.stat("total"))) == 2  # two runs in all, no third
+
+
+# --- issue 39.4: failure records are bounded ------------------------------------------------
+
+
+@pytest.mark.parametrize("job_ttl", [0, 100])
+async def test_a_failure_record_expires_after_a_queue_5_retry_takes_its_pid(
+    redis_brokers, redis_client, client, job_ttl
+):
+    """Issue 39.4: a queue-5 worker's ``retry()`` pops a failed pid and requeues the job
+    under a new pid, leaving our failure record of the old one where nothing of ours looks
+    again. It must still go: with the job record's expiry, or with ``job_ttl = 0`` (the
+    shipped stats-usage configuration: job records kept for ever) its own."""
+    broker = await redis_brokers(QUEUE, max_attempts=1, job_ttl=job_ttl)
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await redis_client.lpush(KEYS.ready, raw)
+    assert (await reject(broker, await one(broker))).detail == "failed"
+    kept_for = job_ttl or RECORD_TTL_WITHOUT_JOB_TTL
+    assert 0 < await redis_client.ttl(KEYS.error(pid)) <= kept_for
+    worker = Queue5Consumer(client, QUEUE)
+    worker.pop_timeout = 1
+    worker.clock = lambda: time.time() + 60  # a minute later (it stops at younger jobs)
+    worker.retry()
+    [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
+    assert envelope.decode(requeued)["pid"] != pid  # the job lives on under a new pid
+    assert await redis_client.llen(KEYS.failed) == 0
+    assert 0 < await redis_client.ttl(KEYS.error(pid)) <= kept_for  # and the record goes
+
+
+async def test_every_failure_record_expires_without_a_job_ttl(redis_brokers, redis_client):
+    """Rejected, dead-lettered by a sweep, buried at exit: with ``job_ttl = 0`` the job
+    records are kept for ever (queue 5's rule) and each failure record for
+    RECORD_TTL_WITHOUT_JOB_TTL."""
+    broker = await redis_brokers(QUEUE, consumer_id="sup-6", max_attempts=1, job_ttl=0)
+    for pid in ("rejected", "lapsed", "lost"):
+        await redis_client.lpush(KEYS.ready, envelope.encode(
+            {"pid": pid, "queue": QUEUE, "timestamp": 1_700_000_000, "payload": {}}))
+    held = {d.pid: d for d in (await broker.receive(10, 0)).deliveries}
+    await reject(broker, held["rejected"])
+    await redis_client.delete(KEYS.claim("lapsed"), KEYS.supervisor("sup-6"))
+    assert (await broker.maintain(force=True)).dead_consumers == 1
+    await broker.abandon([held["lost"]])
+    for pid in ("rejected", "lapsed", "lost"):
+        assert await redis_client.ttl(KEYS.job(pid)) == -1, pid  # kept: queue 5's job_ttl
+        assert 0 < await redis_client.ttl(KEYS.error(pid)) <= RECORD_TTL_WITHOUT_JOB_TTL, pid

@@ -50,7 +50,7 @@ from broker.base import (
     check_receive_limit,
 )
 from broker.errors import describe
-from broker.failure import Failure
+from broker.failure import Failure, record_ttl
 from broker.redis import recovery, seeds
 from broker.redis.connection import connection_class
 from broker.redis.keys import QueueKeys, hash_tag
@@ -197,6 +197,7 @@ class RedisBroker:
         self.max_attempts = max_attempts
         self.retry = RetryPolicy(max_attempts, retry_backoff, retry_backoff_max)
         self.job_ttl = int(job_ttl)
+        self._record_ttl = record_ttl(self.job_ttl)  # a failure record's expiry
         self.recovery_age = recovery_age
         self.maintenance_interval = max(1, math.ceil(maintenance_interval))
         self.max_envelope_bytes = max_envelope_bytes
@@ -805,7 +806,7 @@ class RedisBroker:
             ops, extras, applied = self._settle_ops(batch, keys)
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args: list[Any] = [self.job_ttl, len(batch), ops, self._job_prefix_bytes,
-                           *tokens, *extras]
+                           self._record_ttl, *tokens, *extras]
         try:
             if self.replication.enabled:
                 # A commit a failover takes back is run again: confirm only what a replica has.
