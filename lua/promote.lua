@@ -16,7 +16,8 @@
 -- JSON string is always escaped, so the pid and the queue cannot hold those bytes); they
 -- are replaced, and the rest is kept byte for byte. A member of any other shape moves as
 -- it is. (A member stays a whole envelope in the set, so an older promote.lua moving it
--- during a rolling upgrade still pushes a valid one, stamped when it was parked.)
+-- during a rolling upgrade still pushes a valid one: parked, it carries its due time by the
+-- parking host's clock.)
 --
 -- KEYS[1]   delayed retries (zset)  {ns}.supervisor-delayed.{q}  envelope -> due (unix s)
 -- KEYS[2]   ready list              {ns}.queue.{q}
