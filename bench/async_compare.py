@@ -183,7 +183,10 @@ def measure(child: subprocess.Popen, done: Any, messages: int, processes: int,
         now = time.monotonic()
         if first is None and count > 0:
             first = (now, count)
-        members = [family, *family.children(recursive=True)]
+        try:  # ended since the last poll: reported below, as the worker's exit
+            members = [family, *family.children(recursive=True)]
+        except psutil.Error:
+            members = []
         rss_sum = pss_sum = 0.0
         for member in members:
             with contextlib.suppress(psutil.Error):

@@ -5,9 +5,9 @@ a bounded traceback), travels to the supervisor on the ring, is logged with the 
 and is kept beside the job when the job stops retrying:
 
 - Redis: ``{ns}.supervisor-errors.{q}.{pid}`` (``QueueKeys.error``) holds ``encode()``'s
-  JSON while the pid is in the failed or dead list, with the job record's expiry. Queue 5
-  never reads the key; it is written in the same script that moves the pid, and deleted
-  when the job leaves the list (retry, delete).
+  JSON while the pid is in the failed or dead list, with the job record's expiry
+  (``record_ttl``). Queue 5 never reads the key; it is written in the same script that
+  moves the pid, and deleted when the job leaves the list by our hand (retry, delete).
 - NATS: the dead-letter copy carries ``encode()`` in the header ``NATS_HEADER``.
 
 The record is one JSON object of bounded size, so a listing of a thousand failed jobs reads
@@ -33,6 +33,18 @@ MAX_WHERE_BYTES = 512
 MAX_TRACEBACK_BYTES = 8192
 #: No encoded record is longer (the bounds above plus the fixed fields, JSON-escaped).
 MAX_RECORD_BYTES = 6 * (MAX_MESSAGE_BYTES + MAX_WHERE_BYTES + MAX_TRACEBACK_BYTES) + 1024
+
+
+#: How long a failure record is kept where job records are kept for ever (``job_ttl = 0``,
+#: queue 5's default): it cannot simply go with its pid, because a queue-5 worker's
+#: ``retry()`` takes the pid out of the failed list and requeues the job under a new pid,
+#: leaving our record of the old one where nothing would ever look for it (issue 39.4).
+RECORD_TTL_WITHOUT_JOB_TTL = 7 * 86_400
+
+
+def record_ttl(job_ttl: int) -> int:
+    """Seconds a failure record is kept: as long as its job record, never for ever."""
+    return job_ttl or RECORD_TTL_WITHOUT_JOB_TTL
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,11 @@ ERROR or UNCERTAIN (applied or not), a receive that fails, a delivery recovered 
 consumer" behind our back. The adapters' own behaviour is tested against real servers; this
 broker only lets the arbiter, the buffer and the settler be tested in one process, fast,
 under any order of events (as Dramatiq's stub broker does for its workers).
+
+With ``retry_backoff`` a failed run's retry waits as on Redis: out of the ready queue (in
+``delayed``, with its due time on ``clock``) until a ``maintain()`` finds it due and moves it
+to the producer end, counted in the report's ``promoted``; ``drain_delayed()`` moves all of
+it, as the rollback does. A test advances ``clock`` instead of waiting.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +40,7 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
-from broker.retry import RetryPolicy
+from broker.retry import BACKOFF_MAX, RetryPolicy
 
 
 @dataclass(slots=True)
@@ -73,13 +78,18 @@ class MemoryBroker:
     owned: dict[str, _Message] = field(default_factory=dict)  # pid -> message
     committed: Counter[str] = field(default_factory=Counter)  # pid -> commits applied
     dead: list[str] = field(default_factory=list)
+    #: Retries waiting for their backoff: (due on ``clock``, message), in the order parked.
+    delayed: list[tuple[float, _Message]] = field(default_factory=list)
+    retry_backoff: float = 0.0  # as [job] retry_backoff: 0 = retried at once
+    retry_backoff_max: float = BACKOFF_MAX
+    clock: Callable[[], float] = time.monotonic
     poisoned: list[bytes] = field(default_factory=list)  # malformed, never handed out
     runs: Counter[str] = field(default_factory=Counter)  # pid -> deliveries handed out
     calls: Counter[str] = field(default_factory=Counter)
     stopped_waiting: bool = False
 
     def __post_init__(self) -> None:
-        self.retry = RetryPolicy(self.max_attempts)
+        self.retry = RetryPolicy(self.max_attempts, self.retry_backoff, self.retry_backoff_max)
         self._tokens = itertools.count(1)
         self._arrived = asyncio.Event()
 
@@ -176,6 +186,7 @@ class MemoryBroker:
             return Result(Outcome.STALE, "not owned")
         del self.owned[delivery.pid]
         message.owner = None
+        detail = None
         if settlement.action is Action.COMMIT:
             self.committed[message.pid] += 1
         elif settlement.action is Action.RELEASE:
@@ -183,12 +194,17 @@ class MemoryBroker:
         elif self.retry.exhausted(message.attempts):
             self.dead.append(message.pid)
         else:
+            delay = self.retry.whole_seconds(message.attempts)
             message.attempts = RetryPolicy.next_attempts(message.attempts)
-            self.ready.append(message)
+            if delay:
+                self.delayed.append((self.clock() + delay, message))
+                detail = f"retrying in {delay} s"
+            else:
+                self.ready.append(message)
         if faults.uncertain_applied:
             faults.uncertain_applied -= 1
             return Result(Outcome.UNCERTAIN, "reply lost, applied (injected)")
-        return Result(Outcome.OK)
+        return Result(Outcome.OK, detail)
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
         self.calls["extend"] += 1
@@ -207,8 +223,26 @@ class MemoryBroker:
             return None  # as Redis: a malformed head has no age to read
 
     async def maintain(self) -> MaintenanceReport:
+        """Moves the retries whose backoff is over to the ready queue (nothing else to
+        recover: another consumer's recovery is ``recover()``)."""
         self.calls["maintain"] += 1
-        return MaintenanceReport()
+        now = self.clock()
+        return MaintenanceReport(promoted=self._promote(lambda due: due <= now))
+
+    def drain_delayed(self) -> int:
+        """Every waiting retry to the ready queue, due or not (the rollback's step)."""
+        return self._promote(lambda due: True)
+
+    def _promote(self, moves: Callable[[float], bool]) -> int:
+        """The chosen retries to the producer end, the earliest due first."""
+        chosen = sorted((entry for entry in self.delayed if moves(entry[0])),
+                        key=lambda entry: entry[0])
+        if not chosen:
+            return 0
+        self.delayed[:] = [entry for entry in self.delayed if not moves(entry[0])]
+        self.ready.extend(message for _, message in chosen)
+        self._arrived.set()
+        return len(chosen)
 
     async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
         """Our deliveries are recovered at once (queue 5's recovery counts an attempt)."""
@@ -223,8 +257,8 @@ class MemoryBroker:
         """Another consumer of this broker's queue (its own options, e.g. ``max_attempts``)."""
         other = MemoryBroker(self.queue, ready=self.ready, owned=self.owned,
                              committed=self.committed, dead=self.dead, runs=self.runs,
-                             poisoned=self.poisoned,
-                             **options)
+                             poisoned=self.poisoned, delayed=self.delayed,
+                             **{"clock": self.clock, **options})
         other._tokens, other._arrived = self._tokens, self._arrived
         return other
 

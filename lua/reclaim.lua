@@ -8,7 +8,7 @@
 --                ready and deletes the job record; 'd' LPUSHes the pid to dead and keeps the
 --                record (EXPIRE job_ttl if > 0), and frees a coalescing marker that still
 --                names this pid; its failure record (when not '') is SET in the item's
---                errors key with the same expiry.
+--                errors key with record_ttl (job_ttl, when there is one: never for ever).
 --   'x' dangling a pid with neither job record nor owner key: LREM it (no counter changes).
 -- Deleting the owner key makes any later settle or renewal by the old owner stale.
 -- Each LREM scans from the end the caller names (1: head, -1: tail), the end nearer to
@@ -22,7 +22,8 @@
 --                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed),
 --                                   failure record {ns}.supervisor-errors.{q}.{pid}
 -- ARGV[1]   job_ttl                 seconds a dead job record is kept; 0 = forever
--- ARGV[7i-5..7i+1]                  item i: mode, expected owner, pid, replacement envelope,
+-- ARGV[2]   record_ttl              seconds a failure record is kept (1 .. 2^31 - 1)
+-- ARGV[7i-4..7i+2]                  item i: mode, expected owner, pid, replacement envelope,
 --                                   direction (1 or -1), keyed ('1' or '0'), failure record
 --                                   ('' = none; 'd' only)
 --
@@ -46,10 +47,10 @@ end
 local MODES = {q = true, d = true, x = true}
 local ready, dead, processing, counter = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local n = (#KEYS - 4) / 5
-local job_ttl = whole(ARGV[1], 0, 2147483647)
-if n ~= math.floor(n) or n > 1000 or #ARGV ~= 1 + 7 * n or not job_ttl then
-  return redis.error_reply('QSARG reclaim needs a job_ttl in whole s, 5 keys and 7 arguments '
-    .. 'per item, at most 1000')
+local job_ttl, record_ttl = whole(ARGV[1], 0, 2147483647), whole(ARGV[2], 1, 2147483647)
+if n ~= math.floor(n) or n > 1000 or #ARGV ~= 2 + 7 * n or not job_ttl or not record_ttl then
+  return redis.error_reply('QSARG reclaim needs a job_ttl and a record_ttl in whole s, 5 keys '
+    .. 'and 7 arguments per item, at most 1000')
 end
 
 local err = wrong_type(ready, 'list') or wrong_type(dead, 'list')
@@ -61,7 +62,7 @@ if count and count ~= '0' and not (#count <= 18 and string.match(count, '^%-?[1-
   return redis.error_reply('QSTYPE ' .. counter .. ' is "' .. count .. '", expected an integer')
 end
 for i = 1, n do
-  local mode, direction = ARGV[7 * i - 5], ARGV[7 * i - 1]
+  local mode, direction = ARGV[7 * i - 4], ARGV[7 * i]
   if not MODES[mode] or (direction ~= '1' and direction ~= '-1') then
     return redis.error_reply('QSARG reclaim item ' .. i .. ': bad mode or direction')
   end
@@ -80,8 +81,8 @@ local results, requeued, buried, records = {}, {}, {}, {}
 local failure_keys, failures = {}, {}
 local removed = 0
 for i = 1, n do
-  local mode, expected, pid = ARGV[7 * i - 5], ARGV[7 * i - 4], ARGV[7 * i - 3]
-  local direction = tonumber(ARGV[7 * i - 1])
+  local mode, expected, pid = ARGV[7 * i - 4], ARGV[7 * i - 3], ARGV[7 * i - 2]
+  local direction = tonumber(ARGV[7 * i])
   local owner, claim, job, marker = KEYS[5 * i], KEYS[1 + 5 * i], KEYS[2 + 5 * i], KEYS[3 + 5 * i]
   local done = 0
   if mode == 'x' then
@@ -95,17 +96,17 @@ for i = 1, n do
     removed = removed + 1
     redis.call('DEL', owner, claim)
     if mode == 'q' then
-      requeued[#requeued + 1] = ARGV[7 * i - 2]
+      requeued[#requeued + 1] = ARGV[7 * i - 1]
       redis.call('DEL', job)
     else
       buried[#buried + 1] = pid
       records[#records + 1] = job
-      if ARGV[7 * i] == '1' and values[2 * i] == pid then
+      if ARGV[7 * i + 1] == '1' and values[2 * i] == pid then
         redis.call('DEL', marker)
       end
-      if ARGV[7 * i + 1] ~= '' then
+      if ARGV[7 * i + 2] ~= '' then
         failure_keys[#failure_keys + 1] = KEYS[4 + 5 * i]
-        failures[#failures + 1] = ARGV[7 * i + 1]
+        failures[#failures + 1] = ARGV[7 * i + 2]
       end
     end
   end
@@ -119,11 +120,7 @@ if job_ttl > 0 then
   for _, record in ipairs(records) do redis.call('EXPIRE', record, job_ttl) end
 end
 for k = 1, #failure_keys do
-  if job_ttl > 0 then
-    redis.call('SET', failure_keys[k], failures[k], 'EX', job_ttl)
-  else
-    redis.call('SET', failure_keys[k], failures[k])
-  end
+  redis.call('SET', failure_keys[k], failures[k], 'EX', record_ttl)
 end
 if removed > 0 then redis.call('DECRBY', counter, removed) end
 return results

@@ -6,10 +6,13 @@
 --                failed += 1 (a failed run).
 --   'd' delayed  a retry with a backoff: ZADD the new envelope to the delayed set scored
 --                TIME + delay (whole s of this server's clock), DEL job; failed += 1.
---                promote.lua moves it to ready once due; queue 5 never reads the set.
+--                promote.lua moves it to ready once due, stamped with the time it does
+--                (the envelope's layout is requeued()'s); queue 5 never reads the set.
 --   'f' reject   queue 5's reject: LPUSH pid to failed, the job record kept (EXPIRE job_ttl
 --                if > 0: it starts only now); failed += 1. The failure record (when not '')
---                is SET in the item's errors key with the same expiry.
+--                is SET in the item's errors key with record_ttl (job_ttl, when there is
+--                one: never for ever, since a queue-5 worker's retry() requeues the job
+--                under a new pid and leaves the record of the old one behind).
 --   'l' release  RPUSH the job record as stored (attempts unchanged) to the consumer end of
 --                ready, DEL job; no outcome counter.
 -- Checks in queue 5's order: owner key ~= token -> 'stale'; job record missing on 'f' or 'l'
@@ -38,8 +41,9 @@
 -- ARGV[3]   ops                     n characters, item i's op (upper case: a keyed message)
 -- ARGV[4]   pid offset              length of the jobs keys' common prefix: an item's pid
 --                                   is its jobs key after it (read, not sent again)
--- ARGV[4+i]                         item i: the owner token it was claimed with
--- ARGV[5+n..]                       then, in item order, what an op needs beyond its token:
+-- ARGV[5]   record_ttl              seconds a failure record is kept (1 .. 2^31 - 1)
+-- ARGV[5+i]                         item i: the owner token it was claimed with
+-- ARGV[6+n..]                       then, in item order, what an op needs beyond its token:
 --                                   'r' the new envelope; 'd' the new envelope and its
 --                                   delay (whole s, 1 .. 2^31 - 1); 'f' the failure record
 --                                   ('' = none); 'c' and 'l' nothing
@@ -78,10 +82,10 @@ local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l', [100] = 'd',
              [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l', [68] = 'd'}
 local ready, processing, failed, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
 local n, job_ttl, ops = whole(ARGV[2], 0, 1000), whole(ARGV[1], 0, 2147483647), ARGV[3]
-local offset = whole(ARGV[4], 0, 2147483647)
-if not n or not job_ttl or not offset or not ops or #ops ~= n then
-  return redis.error_reply('QSARG settle needs a job_ttl in whole s, a count, an op per item and a '
-    .. 'pid offset')
+local offset, record_ttl = whole(ARGV[4], 0, 2147483647), whole(ARGV[5], 1, 2147483647)
+if not n or not job_ttl or not offset or not record_ttl or not ops or #ops ~= n then
+  return redis.error_reply('QSARG settle needs a job_ttl in whole s, a count, an op per item, a '
+    .. 'pid offset and a record_ttl in whole s')
 end
 if string.find(ops, '[^crfldCRFLD]') then
   return redis.error_reply('QSARG settle ops must be c, r, d, f or l, not ' .. ops)
@@ -90,13 +94,13 @@ local _, keyed = string.gsub(ops, '%u', '')
 local _, retries = string.gsub(ops, '[rR]', '')
 local _, waits = string.gsub(ops, '[dD]', '')
 local _, rejects = string.gsub(ops, '[fF]', '')
-if #KEYS ~= 7 + 3 * n + keyed + rejects or #ARGV ~= 4 + n + retries + 2 * waits + rejects then
+if #KEYS ~= 7 + 3 * n + keyed + rejects or #ARGV ~= 5 + n + retries + 2 * waits + rejects then
   return redis.error_reply('QSARG settle needs 3 keys (4 if keyed, 1 more per reject) and a '
     .. 'token per item, an envelope per retry (and a delay if delayed), a record per reject, '
     .. 'at most 1000 items')
 end
 -- Where each item's extra arguments start, and every delay checked before the first write.
-local extra_at, cursor = {}, 4 + n
+local extra_at, cursor = {}, 5 + n
 for i = 1, n do
   local op = OPS[string.byte(ops, i)]
   extra_at[i] = cursor + 1
@@ -164,7 +168,7 @@ local ndoomed, nrequeued, nreleased, nrejected, nwaiting = 0, 0, 0, 0, 0
 local commits, failures, applied, settled, markers, reject_no = 0, 0, 0, {}, 0, 0
 for i = 1, n do
   local code = string.byte(ops, i)
-  local op, token = OPS[code], ARGV[4 + i]
+  local op, token = OPS[code], ARGV[5 + i]
   local at = 4 + 3 * i
   local claim, job, owner = KEYS[at + 1], KEYS[at + 2], KEYS[at + 3]
   local marker_at = 0  -- the index in KEYS of this item's marker (0: not keyed)
@@ -269,11 +273,7 @@ if nrejected > 0 then
   end
   for k = 1, nrejected do
     if record_values[k] ~= '' then
-      if job_ttl > 0 then
-        redis.call('SET', record_keys[k], record_values[k], 'EX', job_ttl)
-      else
-        redis.call('SET', record_keys[k], record_values[k])
-      end
+      redis.call('SET', record_keys[k], record_values[k], 'EX', record_ttl)
     end
   end
 end

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL
 from broker.redis.keys import MAX_TTL, hash_tag
 from broker.retry import BACKOFF_MAX
 from broker.tls import TlsFileError, TlsSettings, check_files
@@ -211,7 +212,9 @@ class JobConfig:
         "the supervisor creates; an existing consumer's own budget wins)", at_least(1)
     )
     job_ttl: int = setting(
-        0, "seconds a failed/dead payload is kept; 0 = forever", at_least(0), at_most(MAX_TTL)
+        0, "seconds a failed/dead payload and its failure record are kept; 0 = the payload "
+        f"forever, the record {RECORD_TTL_WITHOUT_JOB_TTL // 86_400} days", at_least(0),
+        at_most(MAX_TTL),
     )
     handler_timeout: float = setting(
         0.0, "hard limit of one handler call (s); 0 = none. An async handler's call is "
@@ -553,6 +556,23 @@ def _wait_replicas_needs_redis(values: Values) -> str | None:
     )
 
 
+def _backoff_below_recovery_age(values: Values) -> str | None:
+    """Issue 39.1: a retry must become ready well before queue 5's publish-age gate could
+    take it from a worker that never renews (promote.lua stamps it when it becomes ready;
+    this bounds what a retry can cost that gate if anything ever moves it unstamped)."""
+    backoff, cap = values["job.retry_backoff"], values["job.retry_backoff_max"]
+    age = values["supervisor.recovery_age"]
+    if not backoff or cap < age or broker_kind(values["broker.url"]) != "redis":
+        return None
+    return (
+        f"{values.label('job', 'retry_backoff_max')} = {show(cap)} reaches "
+        f"{values.label('supervisor', 'recovery_age')} = {show(age)}; a retry waits up to "
+        "retry_backoff_max, and recovery_age is queue 5's reapAfter, the publish age past "
+        "which a sweep takes a delivery from a worker that never renews: set "
+        "retry_backoff_max below recovery_age"
+    )
+
+
 def _ack_wait_covers_renewal(values: Values) -> str | None:
     ack_wait, lease = values["nats.ack_wait"], values["supervisor.lease"]
     if broker_kind(values["broker.url"]) != "nats" or ack_wait >= 2 * lease / 3:
@@ -616,6 +636,8 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(
         "with a NATS URL, `[nats] ack_wait` >= `2/3 * [supervisor] lease`", _ack_wait_covers_renewal
     ),
+    CrossCheck("with a Redis URL and `[job] retry_backoff` > 0, `[job] retry_backoff_max` < "
+               "`[supervisor] recovery_age`", _backoff_below_recovery_age),
     CrossCheck("several comma-separated Redis URLs only for a Redis Cluster (`cluster = true`)",
                _seed_list_needs_cluster),
     CrossCheck("`[broker] wait_replicas` > 0 only with a Redis URL", _wait_replicas_needs_redis),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import psutil
 import redis
 
 from broker.redis.keys import QueueKeys
+from support import processes
 
 ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "e2e"
@@ -80,11 +80,7 @@ class Supervisor:
 
     def family(self) -> list[psutil.Process]:
         """The supervisor and every process below it (fork server, handlers)."""
-        try:
-            parent = psutil.Process(self.pid)
-            return [parent, *parent.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return processes.family(self.pid)
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.process.send_signal(sig)
@@ -101,8 +97,7 @@ class Supervisor:
     def stop(self) -> None:
         """Make sure nothing of it survives the test."""
         for process in self.family():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
+            processes.kill(process)
         if self.process.poll() is None:
             self.process.wait(10)
         self.log_file.close()

@@ -12,7 +12,9 @@ with default flags (``\\/``, ``\\uXXXX``, ``[]`` for an empty array). A PHP work
 dies is modelled by dropping this object at any point; ``receive_reserve_only`` stops
 between the reservation and the claim. ``adapter`` picks the worker's renewal: Swoole renews
 its claims, Workerman and KubernetesJob never do (``extend`` is a no-op), so their claims
-lapse while a long handler runs; ``reap_after`` defaults to queue 5's 90,000 s.
+lapse while a long handler runs; ``reap_after`` defaults to queue 5's 90,000 s. ``clock`` is
+PHP's ``time()`` (a test moves it forward to stand for a handler's run time: what a sweep
+then sees as its publish age).
 """
 
 from __future__ import annotations
@@ -442,6 +444,7 @@ class Queue5Consumer:
         self.claim_ttl, self.reap_interval, self.reap_after = claim_ttl, reap_interval, reap_after
         self.job_ttl, self.max_attempts, self.newer_than = job_ttl, max_attempts, newer_than
         self.pop_timeout: float = POP_TIMEOUT
+        self.clock: Callable[[], float] = time.time  # PHP's time()
         self.scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     # keys -------------------------------------------------------------------------------
@@ -571,7 +574,7 @@ class Queue5Consumer:
 
     # publish ----------------------------------------------------------------------------
     def envelope(self, payload: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {"pid": self.new_pid(), "queue": self.queue, "timestamp": int(time.time()),
+        return {"pid": self.new_pid(), "queue": self.queue, "timestamp": int(self.clock()),
                 "payload": payload, **extra}
 
     def publish(self, payload: dict[str, Any]) -> str:
@@ -594,7 +597,7 @@ class Queue5Consumer:
 
         PHP runs this only for queues its broker has called receive() on; callers decide.
         """
-        if not self.client.set(self.key("reap-lock"), str(int(time.time())), nx=True,
+        if not self.client.set(self.key("reap-lock"), str(int(self.clock())), nx=True,
                                ex=self.reap_interval):
             return None
         registry = self.key("reservations")
@@ -616,7 +619,7 @@ class Queue5Consumer:
 
     def retry_payload(self, job: Message, pid: str, key: str | None = None) -> str:
         envelope: dict[str, Any] = {"pid": pid, "queue": self.queue,
-                                    "timestamp": int(time.time()), "payload": job.payload,
+                                    "timestamp": int(self.clock()), "payload": job.payload,
                                     "attempts": job.attempts + 1}
         if key is not None:
             envelope["key"] = key
@@ -626,7 +629,7 @@ class Queue5Consumer:
              max_attempts: int | None = None, newer_than: int | None = None,
              scan: int | None = None) -> int:
         processing = self.key("processing")
-        now = int(time.time())
+        now = int(self.clock())
         requeued = 0
         size = self.client.llen(processing)
         if size == 0:
@@ -677,7 +680,7 @@ class Queue5Consumer:
     def retry(self, limit: int | None = None, max_attempts: int | None = None,
               newer_than: int | None = None) -> None:
         """The manual failed-list sweep (BRPOP with PHP's 2 s wait; see ``pop_timeout``)."""
-        start, processed = int(time.time()), 0
+        start, processed = int(self.clock()), 0
         failed = self.key("failed")
         while limit is None or processed < limit:
             popped = self.client.brpop([failed], self.pop_timeout)

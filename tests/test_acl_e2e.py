@@ -25,6 +25,7 @@ from broker import envelope
 from broker.base import BrokerError
 from broker.redis import RedisBroker, acl
 from broker.redis.keys import QueueKeys
+from support import processes
 from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 
 PASSWORD = "s3cret-pw"
@@ -91,7 +92,7 @@ def script_loads(admin: redis.Redis) -> int:
 
 def kill_family(supervisor: Supervisor) -> None:
     for process in supervisor.family():
-        process.kill()
+        processes.kill(process)
     supervisor.wait(10)
 
 

@@ -26,7 +26,14 @@ the protocol must survive:
   no registry names;
 - settle, on either side: commit, reject (ours: a retry with the same pid, or failed at
   ``max_attempts``; PHP's: failed), release; several in one call, the same delivery twice;
-  a PHP worker releasing all it holds;
+  a PHP worker releasing all it holds. Every other consumer of ours has a ``retry_backoff``
+  (issue 39): its retry waits in ``supervisor-delayed`` (the envelope with the pid, payload
+  and attempts of the retry; due in whole seconds of the server clock, within the delay its
+  settlement reported), out of every consumer's and sweep's reach, until its backoff passes
+  (a rule makes it due and stamps it with the time of its failure, that long ago, as
+  versions before issue 39 parked it):
+  then the next maintenance of ours, whatever the lock, moves it to the ready list stamped
+  with the server's time of the promotion;
 - extend (also done automatically, as the renewal loops would, for every actor that is not
   stalled and renews; ours also renews its record and token registration with it), a claim
   key deleted (its owner stalled past the lease; it may come back later), a record of ours
@@ -137,6 +144,7 @@ from hypothesis.stateful import (
 
 from broker import envelope
 from broker.base import Action, Outcome, Result, Settlement
+from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL
 from broker.redis import RedisBroker, Reservation, recovery
 from broker.redis.keys import QueueKeys
 from tests.queue5 import LIMIT, REAP_AFTER, NotOwned, Queue5Consumer
@@ -205,12 +213,15 @@ ADVANCE_ACTIONS = (Action.COMMIT, Action.REJECT, Action.COMMIT, Action.RELEASE)
 PHP_OPS = ("commit", "reject", "commit", "release")
 
 # Where a message is (the model's view).
-READY, RESERVED, PROCESSING, FAILED, DEAD, POISON, DONE = (
-    "ready", "reserved", "processing", "failed", "dead", "poison", "done",
+READY, RESERVED, PROCESSING, DELAYED, FAILED, DEAD, POISON, DONE = (
+    "ready", "reserved", "processing", "delayed", "failed", "dead", "poison", "done",
 )
 TOKEN = re.compile(r"[0-9a-f]{32}")
 #: Places a coalesced message holds its marker in (it is freed in the others).
-PENDING = (READY, RESERVED, PROCESSING)
+PENDING = (READY, RESERVED, PROCESSING, DELAYED)
+#: The ``retry_backoff`` of every other consumer of ours: its shortest delay (half of it,
+#: the jitter's floor) is far longer than an example runs, so nothing becomes due by itself.
+RETRY_BACKOFF = 600
 
 
 @dataclass(eq=False)
@@ -232,6 +243,8 @@ class Item:
     holder: str | None = None  # the actor that claimed it, while PROCESSING
     claim: bool = False  # its claims key exists (PROCESSING)
     renewed: float = 0.0  # model time (see TICK) the claims key was last written
+    waited: int = 0  # DELAYED: the delay its settlement reported (whole seconds)
+    due: bool = False  # DELAYED: its backoff passed (a rule made it due)
     depth: int = 0  # hostile: the payload holds arrays nested this deep (envelope: 2 more)
     pad: int = 0  # oversized: the payload carries this many bytes more than ENVELOPE_LIMIT
 
@@ -354,6 +367,7 @@ class BrokerProtocol(RuleBasedStateMachine):
             self.url, QUEUE, namespace=NS, consumer_id=name, lease=LEASE,
             max_attempts=MAX_ATTEMPTS, recovery_age=RECOVERY_AGE,
             max_envelope_bytes=ENVELOPE_LIMIT,
+            retry_backoff=RETRY_BACKOFF if self.spawned["ours"] % 2 == 0 else 0,
         )
         actor = self.actors[name] = Actor(name, broker=broker)
         return actor
@@ -1112,7 +1126,8 @@ class BrokerProtocol(RuleBasedStateMachine):
             f"expected {expected}"
         )
         released, retried = [], []
-        for (delivery, action), outcome in zip(chosen, outcomes, strict=True):
+        for (delivery, action), result in zip(chosen, results, strict=True):
+            outcome = result.outcome
             if outcome is not Outcome.OK:
                 event("settle of a delivery no longer owned is stale")
                 continue
@@ -1135,11 +1150,73 @@ class BrokerProtocol(RuleBasedStateMachine):
                 else:
                     item.place, item.attempts = READY, ran_before(delivery.attempts) + 1
                     item.old = False
+                    if self._waits(actor, item, ran_before(delivery.attempts), result):
+                        continue
                     retried.append(item.uid)
         for delivery, _ in chosen:
             if delivery in actor.held:
                 actor.held.remove(delivery)
         return released, retried
+
+    @staticmethod
+    def _waits(actor: Actor, item: Item, runs: int, result: Result) -> bool:
+        """A retry of a consumer with a backoff waits in the delayed set: True, and the
+        model has it there; its delay is the policy's, jittered (half to all of it)."""
+        assert actor.broker is not None
+        policy = actor.broker.retry
+        if not policy.backoff:
+            assert result.detail == "retrying in 0 s", result
+            return False
+        ceiling = policy.delay(runs)
+        waited = int((result.detail or "").removeprefix("retrying in ").removesuffix(" s"))
+        assert math.ceil(ceiling / 2) <= waited <= ceiling, (result, ceiling)
+        event("a retry waits for its backoff")
+        item.place, item.waited, item.due = DELAYED, waited, False
+        return True
+
+    @precondition(lambda self: any(item.place == DELAYED and not item.due
+                                   for item in self.items.values()))
+    @rule(i=st.integers(0, 29))
+    def backoff_passes(self, i: int) -> None:
+        """A waiting retry's backoff passes: it is due, and the time stamped in its envelope
+        is its failure's, now as far in the past as its delay (as versions before issue 39
+        parked it: the promotion must stamp it anew, or it would look that old)."""
+        self._tick()
+        waiting = [item for item in self._in(DELAYED) if not item.due]
+        self._backoff_passes(waiting[i % len(waiting)])
+
+    def _backoff_passes(self, item: Item) -> None:
+        for member in self.redis.zrange(KEYS.delayed, 0, -1):
+            found, parked = self._identify(member)
+            if found is item and parked is not None:
+                failed_at = self._server_now() - item.waited - 1
+                older = envelope.requeued(parked, parked["attempts"], failed_at)
+                self.redis.zrem(KEYS.delayed, member)
+                self.redis.zadd(KEYS.delayed, {older: 1})
+                item.due = True
+                note(f"the backoff of {item.uid} passes")
+                return
+        raise AssertionError(f"{item.uid} is not in the delayed set")
+
+    def _promote(self, promoted: int, since: int) -> None:
+        """Our maintenance moved ``promoted`` retries to the ready list: exactly the due
+        ones, each stamped with the server's time of the promotion (from ``since`` on)."""
+        due = [item for item in self._in(DELAYED) if item.due]
+        assert promoted == len(due), f"promoted {promoted}, due {[i.uid for i in due]}"
+        stamps = {}
+        for raw in self.redis.lrange(KEYS.ready, 0, -1):
+            item, decoded = self._identify(raw)
+            if decoded is not None:
+                stamps[item.uid] = decoded["timestamp"]
+        for item in due:
+            assert stamps.get(item.uid, -1) >= since, (
+                f"{item.uid} promoted with the timestamp {stamps.get(item.uid)}, before {since}")
+            item.place, item.due = READY, False
+        if due:
+            event("our maintenance promotes due retries, stamped with the server's time")
+
+    def _server_now(self) -> int:
+        return int(self.redis.time()[0])
 
     @precondition(lambda self: any(a.held for a in self._acting(ours=False)))
     @rule(
@@ -1316,8 +1393,10 @@ class BrokerProtocol(RuleBasedStateMachine):
         assert actor.broker is not None
         if mode == "locked":
             self.redis.set(KEYS.reap_lock, str(int(time.time())), ex=60)
+            since = self._server_now()
             report = self.run(actor.broker.maintain())
             assert report.skipped and report.total == 0, report
+            self._promote(report.promoted, since)  # every pass promotes, lock or not
             self.redis.delete(KEYS.reap_lock)
             return
         self.run(self._maintain_ours(actor, force=mode == "forced"))
@@ -1333,7 +1412,9 @@ class BrokerProtocol(RuleBasedStateMachine):
                     and holder.holds_live(item):
                 who = "consumer of ours" if holder.ours else "PHP worker"
                 event(f"our sweep keeps a living {who}'s delivery whose claim lapsed")
+        since = self._server_now()
         report = await actor.broker.maintain(force=force)
+        self._promote(report.promoted, since)
         expected = (
             sum(len(r.uids) for r in expired),
             sum(1 for item in candidates if item.owner is not None),
@@ -1444,11 +1525,14 @@ class BrokerProtocol(RuleBasedStateMachine):
 
         original = recovery._read_state
         fired: list[bool] = []
+        due = sum(1 for item in self._in(DELAYED) if item.due)
+        since = self._server_now()
 
         async def read_then_act(*args: Any, **options: Any) -> Any:
             state = await original(*args, **options)
             if not fired:
                 fired.append(True)
+                self._promote(due, since)  # the pass promoted first, then read
                 for res in expired:  # recovered before the reads
                     self._returned(res)
                 read.extend((i, i.pid, i.owner) for i in self._recoverable("ours", LIMIT))
@@ -1461,6 +1545,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         finally:
             recovery._read_state = original
         assert fired, "someone owns work, so the sweep reads the processing entries"
+        assert report.promoted == due, f"promoted {report.promoted}, due {due}"
         if read:
             event(f"{meanwhile} between our sweep's reads and its recovery script")
         recovered = [
@@ -1565,7 +1650,9 @@ class BrokerProtocol(RuleBasedStateMachine):
         pipe.mget([KEYS.stat(name) for name in STATS])
         pipe.keys(f"{NS}.*")
         pipe.time()
-        ready, processing, failed, dead, poison, registry, stats, keys, now = pipe.execute()
+        pipe.zrange(KEYS.delayed, 0, -1, withscores=True)
+        ready, processing, failed, dead, poison, registry, stats, keys, now, delayed = (
+            pipe.execute())
         keys = {key.decode() for key in keys}
         markers = sorted(k for k in keys if k.startswith(KEYS.pending("")))
         registry = {key.decode(): score for key, score in registry}
@@ -1604,6 +1691,14 @@ class BrokerProtocol(RuleBasedStateMachine):
         for raw in ready:
             item, decoded = self._identify(raw)
             found(item, READY, decoded)
+
+        for member, score in delayed:  # due: in whole seconds of the server clock
+            item, decoded = self._identify(member)
+            found(item, DELAYED, decoded)
+            assert score == int(score) and (score <= now[0]) == item.due, (
+                f"{item.uid} delayed until {score} (now {now[0]}), expected due: {item.due}")
+            assert item.due or score <= now[0] + item.waited, (
+                f"{item.uid} delayed until {score}, more than {item.waited} s after {now[0]}")
 
         expected_registry = {key for key, res in self.res.items() if res.registered}
         assert set(registry) == expected_registry, (
@@ -1656,7 +1751,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         for item in self.items.values():
             expected = {
                 READY: [READY], PROCESSING: [PROCESSING], FAILED: [FAILED], DEAD: [DEAD],
-                POISON: [POISON], DONE: [],
+                POISON: [POISON], DONE: [], DELAYED: [DELAYED],
                 RESERVED: [f"reservation {self._short(item.reservation or '')}"],
             }[item.place]
             assert seen.get(item.uid, []) == expected, (
@@ -1683,6 +1778,13 @@ class BrokerProtocol(RuleBasedStateMachine):
             *(KEYS.error(pid) for place, pid in entries if place in (FAILED, DEAD)),
         }
         assert keys <= explained, f"unexplained keys: {sorted(keys - explained)}"
+        # Each of our failure records expires, even with job_ttl 0 (issue 39.4).
+        errors = sorted(key for key in keys if key.startswith(KEYS.error("")))
+        pipe = r.pipeline(transaction=False)
+        for key in errors:
+            pipe.ttl(key)
+        for key, lives in zip(errors, pipe.execute(), strict=True):
+            assert 0 < lives <= RECORD_TTL_WITHOUT_JOB_TTL, f"{key} kept for {lives} s"
 
         counted = dict(zip(STATS, (int(v or 0) for v in stats), strict=True))
         expected_stats = {
@@ -1722,6 +1824,9 @@ class BrokerProtocol(RuleBasedStateMachine):
             for item in self._in(PROCESSING):
                 if item.claim:
                     self._lapse(item)
+            for item in self._in(DELAYED):
+                if not item.due:
+                    self._backoff_passes(item)
             self.run(self._maintain_ours(ours, force=True))
             self._php_maintain(php)  # owner-less entries younger than RECOVERY_AGE too
             for _ in range(MAX_ITEMS):
@@ -1731,7 +1836,7 @@ class BrokerProtocol(RuleBasedStateMachine):
                 if ours.held:
                     self.run(self._settle_ours(ours, [(d, Action.COMMIT) for d in ours.held]))
             self.every_message_is_in_exactly_one_place()
-            if not any(self._in(place) for place in (READY, RESERVED, PROCESSING)):
+            if not any(self._in(place) for place in (READY, RESERVED, PROCESSING, DELAYED)):
                 break
         future = [i for i in self.items.values() if self._stranded_by_its_timestamp(i)]
         left = {i.uid: i.place for i in self.items.values() if i.place not in (
@@ -1740,7 +1845,7 @@ class BrokerProtocol(RuleBasedStateMachine):
         pipe = self.redis.pipeline(transaction=False)
         pipe.llen(KEYS.ready)
         pipe.llen(KEYS.processing)
-        pipe.exists(KEYS.reservations)
+        pipe.exists(KEYS.reservations, KEYS.delayed)
         pipe.get(KEYS.stat("processing"))
         pipe.keys(f"{NS}.*")
         ready, processing, registry, in_process, keys = pipe.execute()

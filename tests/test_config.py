@@ -454,6 +454,26 @@ def test_retry_backoff_works_on_both_brokers_with_a_cap(tmp_path):
         tmp_path, with_job(f"retry_backoff_max = {2**31}\n"))
 
 
+def test_a_retry_backoff_cap_that_reaches_recovery_age_is_refused_on_redis(tmp_path):
+    """Issue 39.1: a retry waits up to retry_backoff_max; it must become ready well inside
+    recovery_age (queue 5's reapAfter), the publish age past which a sweep takes a delivery
+    from a worker that never renews. Without a backoff nothing waits; NATS has no age gate."""
+    supervisor = "[supervisor]\nrecovery_age = 600\n"
+    refused = with_job("retry_backoff = 5\nretry_backoff_max = 600\n") + supervisor
+    message = error_of(tmp_path, refused)
+    assert "[job] retry_backoff_max = 600.0" in message
+    assert "[supervisor] recovery_age = 600" in message
+    assert "below" in message
+    # The default cap (3600 s) with a short recovery_age: the same, naming the default.
+    message = error_of(tmp_path, with_job("retry_backoff = 5\n") + supervisor)
+    assert "[job] retry_backoff_max = 3600.0" in message
+    allowed = with_job("retry_backoff = 5\nretry_backoff_max = 599\n") + supervisor
+    assert load_text(tmp_path, allowed).job.retry_backoff_max == 599
+    assert load_text(tmp_path, with_job("") + supervisor).supervisor.recovery_age == 600
+    nats = {"QUEUE_BROKER_URL": "nats://127.0.0.1:4222"}
+    assert load_text(tmp_path, refused, environ=nats).job.retry_backoff_max == 600
+
+
 # --- async handlers --------------------------------------------------------------------------
 
 

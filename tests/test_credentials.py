@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from supervisor import exits
+from support import processes
 from support.servers import NatsServer, RedisServer, environ_without_broker, free_port
 from support.supervision import ROOT, Supervisor, wait_for, write_config
 
@@ -106,7 +107,7 @@ def test_the_password_is_shown_nowhere_in_any_form(tmp_path: Path, protected_red
     try:
         wait_for(lambda: "consuming e2e on redis://" in running.output(), 30, "the start")
         metrics = wait_for(lambda: scrape(metrics_port), 15, "the metrics endpoint")
-        titles = [" ".join(process.cmdline()) for process in running.family()]
+        titles = [processes.title(process) for process in running.family()]
         text = run_command("status", str(config))
         as_json = run_command("status", str(config), "--json")
         running.signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ import redis
 from broker import envelope
 from broker.redis.keys import QueueKeys
 from supervisor.ops.drain import is_supervisor_of
+from support import processes
 from support.operator import command
 from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
 
@@ -219,7 +220,7 @@ def test_rollback_leaves_nothing_owned_by_a_retired_supervisor(tmp_path, redis_u
         wait_for(lambda: not client.exists(keys.claim(long_running.pid)), 10,
                  "the Workerman worker's claim to lapse (its handler still runs)")
         for process in killed.family():
-            process.kill()
+            processes.kill(process)
         killed.process.wait(10)
         dead_held = [pid.decode() for pid in client.lrange(keys.processing, 0, -1)
                      if client.get(keys.owner(pid.decode())) != long_running.receipt.encode()]

@@ -111,8 +111,9 @@ async def test_settle(broker, redis_client):
     await broker.settle([Settlement(Action.REJECT, d, "boom") for d in deliveries])
     keys, args = recorded.last("settle")
     assert args[2] == "fff"
-    for at, bads in ((0, BAD_NUMBERS), (1, ["1.5", "x", "-1"]), (3, ["1.5", "x", "-1"])):
-        for bad in bads:  # job_ttl, n, pid offset
+    for at, bads in ((0, BAD_NUMBERS), (1, ["1.5", "x", "-1"]), (3, ["1.5", "x", "-1"]),
+                     (4, [*BAD_NUMBERS, "0"])):
+        for bad in bads:  # job_ttl, n, pid offset, record_ttl
             await refused_without_writes(redis_client, "settle", keys, args, at, bad, before)
     await restore(redis_client, before)
     assert await redis_client.eval(lua_source("settle"), len(keys), *keys, *args) == [b"ok"] * 3
@@ -147,8 +148,9 @@ async def test_reclaim(broker, redis_client):
                             max_attempts=1, job_ttl=MAX_TTL, force=True)
     assert report.dead_consumers == 3
     keys, args = recorded.last("reclaim")
-    for bad in BAD_NUMBERS:
-        await refused_without_writes(redis_client, "reclaim", keys, args, 0, bad, before)
+    for at, bads in ((0, BAD_NUMBERS), (1, [*BAD_NUMBERS, "0"])):  # job_ttl, record_ttl
+        for bad in bads:
+            await refused_without_writes(redis_client, "reclaim", keys, args, at, bad, before)
     # A counter DECRBY refuses (leading zeros, "-0") is refused before the first write too.
     for bad in (b"007", b"-0", b"+1", b" 1"):
         await restore(redis_client, before)

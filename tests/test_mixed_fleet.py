@@ -36,6 +36,7 @@ import redis
 
 from broker.base import Delivery, Outcome
 from broker.redis.keys import QueueKeys
+from support import processes
 from support.supervision import QUEUE as E2E_QUEUE
 from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
 from support.waiting import until
@@ -649,7 +650,7 @@ def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, clien
         origin[dying.publish({"n": n, "sleep": 0.1})] = n
     wait_for(lambda: len(handled()) >= 40, 20, "some of the new work")
     for process in supervisor.family():
-        process.kill()
+        processes.kill(process)
     supervisor.process.wait(10)
     assert supervisor.process.returncode == -signal.SIGKILL
     assert outstanding(client) > 0, "the supervisor died holding nothing"
@@ -732,7 +733,7 @@ def test_a_worker_that_never_renews_keeps_its_deliveries_beside_supervisor_sweep
                           if (client.get(k.owner(pid.decode())) or b"").decode()
                           .startswith(prefix)]
         for process in runs["killed"].family():
-            process.kill()
+            processes.kill(process)
         runs["killed"].process.wait(10)
         wait_for(lambda: set(lines(tmp_path / "living" / "handled")) >= set(origin) - php_pids,
                  30, "the living supervisor to run the rest, the dead one's work too")

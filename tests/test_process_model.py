@@ -14,6 +14,7 @@ import orjson
 import psutil
 import pytest
 
+from support import processes
 from support.envelopes import publish
 from support.supervision import ROOT, lines, wait_for, write_config
 
@@ -97,7 +98,7 @@ def test_the_fork_server_killed_is_noticed_at_once_and_nothing_is_blamed(
     wait_for(lambda: lines(tmp_path / "started") and lines(tmp_path / "started")[-1]
              .startswith(hung), 15, "the hanging message to start")
     [server] = [p for p in supervisor.family()
-                if " ".join(p.cmdline()).startswith("queue-supervisor: fork server")]
+                if processes.title(p).startswith("queue-supervisor: fork server")]
     began = time.monotonic()
     server.kill()
     assert supervisor.wait(10) == 4

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker import envelope
 from broker.base import Action, Outcome, Settlement
-from broker.failure import Failure
+from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL, Failure
 from broker.redis import RedisBroker, recovery
 from broker.redis.keys import QueueKeys
+from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
 from supervisor.ops.retry import retry
+from tests.queue5 import REAP_AFTER, Queue5Consumer
 
 QUEUE = "backoff"
 KEYS = QueueKeys("utopia-queue", QUEUE)
@@ -35,6 +40,17 @@ async def make_due(client) -> None:
     """Every delayed retry due now (its score in the past), as if its backoff had passed."""
     for member in await client.zrange(KEYS.delayed, 0, -1):
         await client.zadd(KEYS.delayed, {member: 1})
+
+
+async def backoff_passes(client, seconds: int) -> None:
+    """``seconds`` pass for every delayed retry: it is due, and the time written in its
+    envelope is that much further in the past (as when it was parked stamped with the time
+    of its failure, as versions before issue 39 parked it)."""
+    for member in await client.zrange(KEYS.delayed, 0, -1):
+        parked = envelope.decode(member)
+        older = envelope.requeued(parked, parked["attempts"], parked["timestamp"] - seconds)
+        await client.zrem(KEYS.delayed, member)
+        await client.zadd(KEYS.delayed, {older: 1})
 
 
 async def one(broker: RedisBroker):
@@ -68,9 +84,9 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
     for attempts in range(5):
         delivery = await one(broker)
         assert (delivery.pid, delivery.attempts) == (pid, attempts)
-        before = await server_now(redis_client)
+        before, here = await server_now(redis_client), int(time.time())
         result = await reject(broker, delivery)
-        after = await server_now(redis_client)
+        after, later = await server_now(redis_client), int(time.time())
         ceiling = min(10, 2 * 2**attempts)
         waited = int(result.detail.removeprefix("retrying in ").removesuffix(" s"))
         assert result.outcome is Outcome.OK and result.detail == f"retrying in {waited} s"
@@ -78,6 +94,9 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
         [(member, score)] = await redis_client.zrange(KEYS.delayed, 0, -1, withscores=True)
         assert before + waited <= score <= after + waited  # due: server clock + the delay
         assert orjson.loads(member)["attempts"] == attempts + 1
+        # Parked, it carries when it is due (this host's clock): an older promote.lua that
+        # moves it as it is (a rolling upgrade) still pushes it about as young.
+        assert here + waited <= orjson.loads(member)["timestamp"] <= later + waited
         # Nothing is ready or processing while it waits: no handler is held by it.
         assert await redis_client.llen(KEYS.ready) == 0
         assert await redis_client.llen(KEYS.processing) == 0
@@ -97,7 +116,8 @@ async def test_delays_grow_and_are_capped_then_the_job_fails_with_its_record(
     assert (record.error, record.message, record.outcome) == ("ValueError", "boom", "failed")
     assert (record.attempt, record.consumer) == (6, "sup-1")
     assert record.at > 0
-    assert await redis_client.ttl(KEYS.error(pid)) == -1  # job_ttl 0: kept, as the job is
+    # job_ttl 0: the job record is kept for ever, the failure record for a while (39.4)
+    assert 0 < await redis_client.ttl(KEYS.error(pid)) <= RECORD_TTL_WITHOUT_JOB_TTL
     assert int(await redis_client.get(KEYS.stat("failed"))) == 6
 
 
@@ -112,7 +132,7 @@ async def test_zero_backoff_requeues_at_once_as_queue_5_does(redis_brokers, redi
     result = await reject(broker, delivery)
     assert (result.outcome, result.detail) == (Outcome.OK, "retrying in 0 s")
     _, args = recorded.last("settle")
-    assert args[2] == "r" and len(args) == 4 + 1 + 1  # the 'r' op: token and envelope only
+    assert args[2] == "r" and len(args) == 5 + 1 + 1  # the 'r' op: token and envelope only
     [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
     assert envelope.decode(requeued)["attempts"] == 1
     assert not await redis_client.exists(KEYS.delayed)
@@ -249,7 +269,7 @@ async def test_settle_refuses_a_bad_delay_before_any_write(redis_brokers, redis_
     await broker.settle([Settlement(Action.REJECT, d, "boom") for d in deliveries])
     keys, args = recorded.last("settle")
     assert args[2] == "dd"
-    delay_at = 4 + 2 + 1  # after job_ttl, n, ops, offset, 2 tokens: envelope, delay, ...
+    delay_at = 5 + 2 + 1  # after job_ttl, n, ops, offset, record_ttl, 2 tokens: envelope, ...
     for at in (delay_at, delay_at + 2):
         await restore(redis_client, before)
         changed = [*args]
@@ -387,3 +407,185 @@ async def test_status_recover_and_check_tell_of_delayed_retries(
     assert await redis_client.lrange(KEYS.ready, 0, -1) == [b"due"]
     code, out = await run("check", conf)
     assert code == 1 and "  1 delayed retries" in out
+
+
+# --- issue 39.1: a retry is stamped when it becomes ready -----------------------------------
+
+
+async def promoted_with_the_server_time(client, parked: list[bytes]) -> list[bytes]:
+    """ZADD ``parked`` as due retries, promote them, and check that each reached the ready
+    list as exactly ``requeued()`` of it with the server's time of the promotion (which
+    is returned, oldest due first)."""
+    await client.zadd(KEYS.delayed, {member: n + 1 for n, member in enumerate(parked)})
+    before = await server_now(client)
+    assert await recovery.promote(Scripts(client), KEYS) == len(parked)
+    after = await server_now(client)
+    ready = (await client.lrange(KEYS.ready, 0, -1))[::-1]  # the first due at the tail
+    assert len(ready) == len(parked)
+    for member, pushed in zip(parked, ready, strict=True):
+        stamp = envelope.decode(pushed)["timestamp"]
+        assert before <= stamp <= after
+        was = envelope.decode(member)
+        assert pushed == envelope.requeued(was, was["attempts"], stamp), (member, pushed)
+    return ready
+
+
+HOSTILE_PIDS = [
+    'a","timestamp":1,"payload":[],"x":"',  # the field's text inside the pid: escaped there
+    ',"timestamp":',
+    'p\\', 'p\\"', '\\",\\"timestamp\\":', "", "café/☃ 𝄞", "0" * 40,
+    '{"pid":"', "\x00\x7f\n",
+]
+
+
+@pytest.mark.parametrize("pid", HOSTILE_PIDS)
+async def test_a_promoted_retry_is_stamped_with_the_server_time_whatever_its_pid(
+    redis_client, pid
+):
+    """promote.lua writes the server's time into the envelope, byte for byte what
+    ``json_encode`` writes with that time, without parsing it: the digits after the first
+    ``,"timestamp":`` of the bytes ``requeued()`` wrote, which can only be the field itself
+    (a ``"`` inside a JSON string is always escaped)."""
+    payload = {"text": ',"timestamp":5,"payload":[]', "url": "a/b", "deep": [[{"k": 1.5}]]}
+    for attempts, key in ((1, None), (2**63 - 1, "user-7")):
+        fields = {"pid": pid, "queue": QUEUE, "timestamp": 1_700_000_000, "payload": payload,
+                  "attempts": 0, **({"key": key} if key else {})}
+        parked = envelope.requeued(fields, attempts, 1_700_000_000)
+        await promoted_with_the_server_time(redis_client, [parked])
+        await redis_client.delete(KEYS.ready)
+
+
+async def test_retries_parked_by_an_older_version_are_stamped_too(redis_client):
+    """A rolling upgrade: members an older version parked (stamped with the failure time,
+    the same layout) are stamped when they become ready; an empty payload and every kind of
+    timestamp length are the same bytes as json_encode's."""
+    parked = [
+        envelope.requeued({"pid": f"old-{n}", "queue": QUEUE, "payload": payload}, 1, stamp)
+        for n, (payload, stamp) in enumerate([({}, 1_700_000_000), ({"n": 1}, 0),
+                                              ([1, 2], 99), ({"a": "b"}, 2**62)])
+    ]
+    await promoted_with_the_server_time(redis_client, parked)
+
+
+INT64 = st.integers(-(2**63), 2**63 - 1)
+JSON_VALUES = st.text() | INT64 | st.floats(allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pid=st.text(), queue=st.text(), stamp=st.integers(0, 2**63 - 1), attempts=INT64,
+       key=st.none() | st.text(),
+       payload=st.dictionaries(st.text(), JSON_VALUES | st.lists(JSON_VALUES)))
+def test_any_envelope_requeued_writes_is_stamped_exactly(
+    client, pid, queue, stamp, attempts, key, payload
+):
+    """The same, for any pid, queue, key and payload ``requeued()`` can write."""
+    from broker.redis.scripts import lua_source
+
+    fields = {"pid": pid, "queue": queue, "payload": payload, "key": key}
+    parked = envelope.requeued(fields, attempts, stamp)
+    client.delete(KEYS.ready)
+    client.zadd(KEYS.delayed, {parked: 1})
+    before = int(client.time()[0])
+    assert client.eval(lua_source("promote"), 2, KEYS.delayed, KEYS.ready, 10, "due") == 1
+    [pushed] = client.lrange(KEYS.ready, 0, -1)
+    now = envelope.decode(pushed)["timestamp"]
+    assert before <= now <= int(client.time()[0])
+    assert pushed == envelope.requeued(fields, attempts, now)
+
+
+@pytest.mark.parametrize("member", [
+    b"due",  # not an envelope at all
+    b'{"pid":7,"queue":"backoff","timestamp":1,"payload":[],"attempts":1}',  # not our layout
+    b'{"pid":"p","queue":"backoff","timestamp":"1","payload":[],"attempts":1}',
+    b'{"pid":"p","queue":"backoff","timestamp":-1,"payload":[],"attempts":1}',
+    b'{"pid":"p","queue":"backoff","timestamp":1,"attempts":1,"payload":[]}',
+    b'{"pid":"p","queue":"backoff","timestamp":1',
+    b'{"pid":"p","queue":"backoff","payload":[],"attempts":1}',
+])
+async def test_a_member_not_written_by_requeued_is_moved_as_it_is(redis_client, member):
+    """Nothing else of ours parks retries, but a member of another shape (written by hand,
+    by a tool) still moves, unchanged: the script only ever replaces what it recognises."""
+    await redis_client.zadd(KEYS.delayed, {member: 1})
+    assert await recovery.promote(Scripts(redis_client), KEYS) == 1
+    assert await redis_client.lrange(KEYS.ready, 0, -1) == [member]
+
+
+@pytest.mark.parametrize("reap_after, backoff", [(REAP_AFTER, 80_000), (25, 20)])
+async def test_a_promoted_retry_is_protected_from_queue_5s_sweep_for_its_whole_reap_after(
+    redis_brokers, redis_client, client, reap_after, backoff
+):
+    """Issue 39.1, with the queue-5 model at its default ``reapAfter`` and at a short one:
+    a retry that waited ``backoff`` s runs on a Workerman worker (it never renews, so its
+    claim lapses while the handler runs); ``reapAfter - backoff + 5`` s into that run a
+    renewing PHP worker sweeps. Stamped when parked, the retry would look ``reapAfter + 5``
+    s old and be run a second time, the first run's commit refused ("no longer owned").
+    Stamped when it became ready, it is younger than ``reapAfter`` and stays with its owner.
+    (Time passes by the delayed retry's score and stamp, and by the sweeper's clock.)"""
+    broker = await redis_brokers(QUEUE, max_attempts=3, retry_backoff=backoff,
+                                 retry_backoff_max=backoff, recovery_age=reap_after)
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await redis_client.lpush(KEYS.ready, raw)
+    result = await reject(broker, await one(broker))
+    waited = int(result.detail.removeprefix("retrying in ").removesuffix(" s"))
+    await backoff_passes(redis_client, waited)
+    assert (await broker.maintain()).promoted == 1
+    workerman = Queue5Consumer(client, QUEUE, reap_after=reap_after, adapter="workerman")
+    sweeper = Queue5Consumer(client, QUEUE, reap_after=reap_after, adapter="swoole")
+    [message] = workerman.receive(1, 0)
+    assert (message.pid, message.attempts) == (pid, 1)
+    running = reap_after - waited + 5  # the handler has run this long
+    assert 0 < running < reap_after - 2
+    client.delete(KEYS.claim(pid))  # its claim lapsed: Workerman never renews it
+    sweeper.clock = lambda: time.time() + running
+    client.delete(KEYS.reap_lock)  # the fleet's sweep interval passed since ours
+    assert sweeper.maintain() == 0  # young by its stamp: left to its owner
+    workerman.commit(message)  # still owned
+    assert await redis_client.llen(KEYS.ready) == await redis_client.llen(KEYS.processing) == 0
+    assert int(await redis_client.get(KEYS.stat("success"))) == 1
+    assert int(await redis_client.get(KEYS.stat("total"))) == 2  # two runs in all, no third
+
+
+# --- issue 39.4: failure records are bounded ------------------------------------------------
+
+
+@pytest.mark.parametrize("job_ttl", [0, 100])
+async def test_a_failure_record_expires_after_a_queue_5_retry_takes_its_pid(
+    redis_brokers, redis_client, client, job_ttl
+):
+    """Issue 39.4: a queue-5 worker's ``retry()`` pops a failed pid and requeues the job
+    under a new pid, leaving our failure record of the old one where nothing of ours looks
+    again. It must still go: with the job record's expiry, or with ``job_ttl = 0`` (the
+    shipped stats-usage configuration: job records kept for ever) its own."""
+    broker = await redis_brokers(QUEUE, max_attempts=1, job_ttl=job_ttl)
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await redis_client.lpush(KEYS.ready, raw)
+    assert (await reject(broker, await one(broker))).detail == "failed"
+    kept_for = job_ttl or RECORD_TTL_WITHOUT_JOB_TTL
+    assert 0 < await redis_client.ttl(KEYS.error(pid)) <= kept_for
+    worker = Queue5Consumer(client, QUEUE)
+    worker.pop_timeout = 1
+    worker.clock = lambda: time.time() + 60  # a minute later (it stops at younger jobs)
+    worker.retry()
+    [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
+    assert envelope.decode(requeued)["pid"] != pid  # the job lives on under a new pid
+    assert await redis_client.llen(KEYS.failed) == 0
+    assert 0 < await redis_client.ttl(KEYS.error(pid)) <= kept_for  # and the record goes
+
+
+async def test_every_failure_record_expires_without_a_job_ttl(redis_brokers, redis_client):
+    """Rejected, dead-lettered by a sweep, buried at exit: with ``job_ttl = 0`` the job
+    records are kept for ever (queue 5's rule) and each failure record for
+    RECORD_TTL_WITHOUT_JOB_TTL."""
+    broker = await redis_brokers(QUEUE, consumer_id="sup-6", max_attempts=1, job_ttl=0)
+    for pid in ("rejected", "lapsed", "lost"):
+        await redis_client.lpush(KEYS.ready, envelope.encode(
+            {"pid": pid, "queue": QUEUE, "timestamp": 1_700_000_000, "payload": {}}))
+    held = {d.pid: d for d in (await broker.receive(10, 0)).deliveries}
+    await reject(broker, held["rejected"])
+    await redis_client.delete(KEYS.claim("lapsed"), KEYS.supervisor("sup-6"))
+    assert (await broker.maintain(force=True)).dead_consumers == 1
+    await broker.abandon([held["lost"]])
+    for pid in ("rejected", "lapsed", "lost"):
+        assert await redis_client.ttl(KEYS.job(pid)) == -1, pid  # kept: queue 5's job_ttl
+        assert 0 < await redis_client.ttl(KEYS.error(pid)) <= RECORD_TTL_WITHOUT_JOB_TTL, pid

@@ -6,11 +6,11 @@ reports while anything is there and ``status`` counts."""
 from __future__ import annotations
 
 import re
-import signal
 import uuid
 
 from broker import envelope
 from broker.redis.keys import QueueKeys
+from support import processes
 from support.dashboard import Dashboard
 from support.operator import command
 from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
@@ -38,7 +38,7 @@ def test_kill_9_with_delayed_retries_loses_none(tmp_path, redis_url, client):
         # Every first run failed: all 20 wait for their backoff (300 to 600 s).
         wait_for(lambda: client.zcard(keys.delayed) == 20, 30, "20 delayed retries")
         for process in reversed(first.family()):
-            process.send_signal(signal.SIGKILL)
+            processes.kill(process)
         first.wait(10)
     finally:
         first.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+from support import processes
 from support.envelopes import publish
 from support.supervision import counter, lines, outstanding, wait_for, write_config
 
@@ -55,7 +56,7 @@ def test_sighup_to_handler_processes_and_fork_server_kills_neither(
     children = supervisor.family()[1:]
     assert len(children) == 2  # the fork server and the one handler process
     for process in children:
-        process.send_signal(signal.SIGHUP)
+        processes.kill(process, signal.SIGHUP)
     [second] = publish(client, [{"n": 2}])
     wait_for(lambda: handled(tmp_path) == [first, second], 15, "a message after the hang-up")
     # The same handler process ran both: it was not killed and replaced.

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from broker import envelope
+from support import processes
 from support.envelopes import publish
 from support.servers import environ_without_broker
 from support.supervision import (
@@ -203,7 +204,7 @@ def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, sta
     first = start(config)
     wait_for(lambda: len(handled(tmp_path)) > 100, 30, "some progress")
     for process in first.family():
-        process.kill()
+        processes.kill(process)
     first.wait(10)
     assert outstanding(client) > 0  # it died holding work
     second = start(config)
@@ -375,7 +376,7 @@ def test_process_titles_show_queue_buffer_and_busy_state(tmp_path, redis_url, cl
     wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
 
     def titles() -> list[str]:
-        return [" ".join(filter(None, p.cmdline())) for p in supervisor.family()]
+        return [processes.title(p).strip() for p in supervisor.family()]
 
     wait_for(lambda: any("[buffer 1/10, 1/1 busy]" in t for t in titles()), 5, "parent title")
     assert any(t.startswith("queue-supervisor: e2e running") for t in titles())

@@ -27,6 +27,7 @@ from examples.usage import NoTotals, Usage, open_store, wal, wire
 from examples.usage.clickhouse import rows_of
 from examples.usage.local import WriterError, WriterUnavailable
 from examples.usage.writer import Engine
+from support import processes
 from support.envelopes import publish
 from support.supervision import ROOT, counter, python_script, wait_for, write_config
 
@@ -79,8 +80,7 @@ def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_
         first.add([usage("a", executions=1)])
         second.add([usage("b", executions=2)])
         first.close()  # its writer stops; the next request of the second starts another
-        wait_for(lambda: not writer.is_running() or writer.status() == psutil.STATUS_ZOMBIE,
-                 10, "the first writer to stop")
+        wait_for(lambda: processes.gone(writer), 10, "the first writer to stop")
         assert second.totals() == {("p1", "executions"): 3}
         assert len(writers(path)) == 1
     finally:

@@ -50,7 +50,7 @@ from broker.base import (
     check_receive_limit,
 )
 from broker.errors import describe
-from broker.failure import Failure
+from broker.failure import Failure, record_ttl
 from broker.redis import recovery, seeds
 from broker.redis.connection import connection_class
 from broker.redis.keys import QueueKeys, hash_tag
@@ -197,6 +197,7 @@ class RedisBroker:
         self.max_attempts = max_attempts
         self.retry = RetryPolicy(max_attempts, retry_backoff, retry_backoff_max)
         self.job_ttl = int(job_ttl)
+        self._record_ttl = record_ttl(self.job_ttl)  # a failure record's expiry
         self.recovery_age = recovery_age
         self.maintenance_interval = max(1, math.ceil(maintenance_interval))
         self.max_envelope_bytes = max_envelope_bytes
@@ -806,7 +807,7 @@ class RedisBroker:
             ops, extras, applied = self._settle_ops(batch, keys)
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args: list[Any] = [self.job_ttl, len(batch), ops, self._job_prefix_bytes,
-                           *tokens, *extras]
+                           self._record_ttl, *tokens, *extras]
         try:
             if self.replication.enabled:
                 # A commit a failover takes back is run again: confirm only what a replica has.
@@ -882,14 +883,18 @@ class RedisBroker:
         if self.retry.exhausted(delivery.attempts):
             return self._reject_op(settlement, now)
         decoded = delivery.envelope or envelope.decode(delivery.raw)
+        delay = self.retry.whole_seconds(delivery.attempts)
         try:
-            retried = envelope.requeued(decoded, RetryPolicy.next_attempts(delivery.attempts))
+            # A delayed retry is stamped again by promote.lua when it becomes ready (the
+            # server's time); parked, it carries when it is due by this host's clock, which
+            # is what an older promote.lua, moving it as it is, pushes (a rolling upgrade).
+            retried = envelope.requeued(
+                decoded, RetryPolicy.next_attempts(delivery.attempts), int(now) + delay)
         except envelope.Unencodable as error:
             # This delivery alone: the batch it settles with must still go through.
             log.error("job %s failed, and its retry cannot be written as PHP would (%s): it "
                       "goes to the failed list instead", delivery.pid, error)
             return self._reject_op(settlement, now)
-        delay = self.retry.whole_seconds(delivery.attempts)
         retrying = Result(Outcome.OK, f"retrying in {delay} s")
         if delay:
             return "d", [retried, delay], retrying  # waits in supervisor-delayed

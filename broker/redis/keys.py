@@ -17,7 +17,8 @@ State of one message (each pid is in exactly one place at any moment):
 - delayed (this project's own, ``[job] retry_backoff`` > 0): a retry's new envelope is a
   member of the sorted set ``supervisor-delayed.{q}``, scored by when it is due (whole
   seconds of the server clock); ``promote.lua`` moves it to ``queue`` once due, ``drain``
-  all of it. PHP workers never read the set.
+  all of it, stamping each with the server's time as it moves. PHP workers never read the
+  set.
 - failed / dead: the pid is in ``failed`` or ``dead``; its record stays in ``jobs.{q}.{pid}``
   (with job_ttl), and our failure record beside it in ``supervisor-errors.{q}.{pid}``.
 - poison: the undecodable raw bytes are in ``poison``.

@@ -60,7 +60,7 @@ from redis.exceptions import RedisClusterException, ResponseError
 
 from broker import envelope
 from broker.base import MAX_BATCH, MaintenanceReport, WrongTypeError
-from broker.failure import Failure
+from broker.failure import Failure, record_ttl
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
@@ -408,7 +408,7 @@ async def reclaim(
     applied: list[bool] = []
     for part in _calls(candidates):
         item_keys: list[str] = []
-        args: list[Any] = [job_ttl]
+        args: list[Any] = [job_ttl, record_ttl(job_ttl)]
         for c in part:
             job = keys.job(c.pid)
             item_keys += [keys.owner(c.pid), keys.claim(c.pid), job, c.marker or job,

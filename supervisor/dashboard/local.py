@@ -19,10 +19,10 @@ def describe(queue: str, where: str) -> dict[str, Any] | None:
     if not found:
         return None
     process = found[0]
-    try:
+    try:  # a child that ends after it is listed reads as "" (processes.title): skipped
         uptime = time.time() - process.create_time()
         children = process.children(recursive=True)
-    except psutil.Error:
+    except (psutil.Error, OSError):
         return None
     prefix = processes.TITLE.format(queue=queue)
     handlers = [title[len(prefix):] for title in map(processes.title, children)

@@ -28,10 +28,12 @@ POLL = 0.1
 
 def title(process: psutil.Process) -> str:
     """The process title as ``ps`` shows it (setproctitle rewrites the command line, and
-    pads a title shorter than the one before with spaces: those are left out)."""
+    pads a title shorter than the one before with spaces: those are left out); "" for one
+    that ended since it was listed (a zombie too) or cannot be read. (psutil lets a bare
+    FileNotFoundError through when /proc/<pid> is half gone.)"""
     try:
         return " ".join(process.cmdline()).rstrip()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    except (psutil.Error, OSError):
         return ""
 
 
@@ -53,7 +55,7 @@ def find_supervisors(
             continue
         if not pid.isdecimal() or int(pid) == os.getpid():
             continue
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.Error):  # gone, or another user's (hidepid)
             process = psutil.Process(int(pid))
             if is_supervisor_of(title(process), queue):
                 found.append(process)
