@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import nats
+from nats.js.errors import NotFoundError
+
 from broker.nats import NatsBroker
+from broker.nats.setup import QueueNames
 from support.servers import NatsServer
 from support.supervision import QUEUE, write_config
 
@@ -31,3 +35,15 @@ def publish(
             await broker.close()
 
     return asyncio.run(send())
+
+
+async def queue_exists(server: NatsServer, queue: str = QUEUE) -> bool:
+    """The queue's stream and its durable consumer (``worker``) exist on ``server``."""
+    client = await nats.connect(server.url)
+    try:
+        await client.jetstream().consumer_info(QueueNames.of(queue).stream, "worker")
+        return True
+    except NotFoundError:
+        return False
+    finally:
+        await client.close()

@@ -11,10 +11,10 @@ import os
 import signal
 import socket
 
+from support.nats_jobs import queue_exists
 from support.supervision import QUEUE, write_config
 from support.waiting import until
 from tests.queue5_nats import Queue5NatsWorker
-from tests.test_nats_mixed_fleet import queue_exists
 
 
 async def test_check_and_drain_a_live_supervisor_beside_a_php_worker(

@@ -15,11 +15,11 @@ from pathlib import Path
 import nats
 import orjson
 import pytest
-from nats.js.errors import NotFoundError
 
 from broker.nats.setup import QueueNames
 from support import envelopes
 from support.envelopes import publish_nats
+from support.nats_jobs import queue_exists
 from support.servers import NatsServer
 from support.supervision import QUEUE, lines, write_config
 from support.waiting import until
@@ -43,17 +43,6 @@ async def state(server: NatsServer) -> dict[str, int]:
     }
     await client.close()
     return result
-
-
-async def queue_exists(server: NatsServer) -> bool:
-    client = await nats.connect(server.url)
-    try:
-        await client.jetstream().consumer_info(NAMES.stream, "worker")
-        return True
-    except NotFoundError:
-        return False
-    finally:
-        await client.close()
 
 
 class PhpFleet:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -11,23 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from support.readme import block_after, commands
 from support.supervision import ROOT
-
-README = (ROOT / "README.md").read_text()
-
-
-def block_after(heading: str) -> str:
-    start = README.index(heading)
-    match = re.compile(r"```sh\n(.*?)```", re.S).search(README, start)
-    assert match, heading
-    return match.group(1)
-
-
-def commands(block: str) -> list[str]:
-    """The command lines of a shell block (comments and continuations folded)."""
-    text = block.replace("\\\n", " ")
-    return [line.split("  #")[0].strip() for line in text.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_ci_runs_the_quick_starts_test_command_word_for_word():

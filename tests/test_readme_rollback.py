@@ -19,9 +19,9 @@ import redis
 
 from broker import envelope
 from broker.redis.keys import QueueKeys
+from support.readme import block_after, commands
 from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 from tests.queue5 import REAP_AFTER, Queue5Consumer
-from tests.test_readme import block_after, commands
 
 HANDLER = "tests.handlers.fails_until:handle"
 #: The kinds of key a finished queue-5 queue keeps (PHP's own leftovers included).
