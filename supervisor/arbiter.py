@@ -32,8 +32,8 @@ from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
 from supervisor.settlement import Settler
 from worker import protocol
-from worker.forkserver import SERVER_PLACE, Spawner
-from worker.handler import Handler
+from worker.forkserver import SERVER_PLACE, Spawner, status_text
+from worker.handler import Handler, Shape
 from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
@@ -68,7 +68,7 @@ class Arbiter:
         broker: Broker,
         places: list[HandlerPlace],
         forkserver: Spawner,
-        handler: Handler,
+        handler: Handler | Shape,
         notifier: systemd.Notifier | None = None,
         metrics: Metrics | None = None,
     ) -> None:
@@ -84,7 +84,7 @@ class Arbiter:
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
-        self.fills = handler.flush is not None  # dispatch fills a process before the next
+        self.fills = handler.flushes  # dispatch fills a process before the next
         self.capacity = len(places) * (config.job.tasks_per_process if self.concurrent else 1)
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
@@ -834,9 +834,11 @@ class Arbiter:
 
     def handle_forkserver_events(self) -> None:
         for event in self.forkserver.read_events():
-            if event.place == SERVER_PLACE:  # the fork server itself died: no more handlers
+            if event.place == SERVER_PLACE:  # a server died: no more handlers
                 asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
-                log.error("fork server %d exited (%s): stopping", event.pid, event.status)
+                server = (f"handler server {event.pid} (code generation {event.generation})"
+                          if event.generation else f"fork server {event.pid}")
+                log.error("%s exited (%s): stopping", server, status_text(event.status))
                 self.request_stop(exits.BROKEN)
                 self.lose_all_handlers()
                 continue

@@ -43,17 +43,17 @@ def test_sighup_replaces_the_handler_processes_and_loses_nothing(
     assert "worker lost" not in supervisor.output()
 
 
-def test_sighup_to_handler_processes_and_fork_server_kills_neither(
+def test_sighup_to_handler_processes_and_servers_kills_none(
     tmp_path, redis_url, client, supervisors
 ):
     # A terminal that hangs up signals every process of the foreground group: the handlers
-    # and the fork server leave it to the supervisor (which reloads, as above).
+    # and the servers leave it to the supervisor (which reloads, as above).
     config = write_config(tmp_path, redis_url, job={"coroutines": 1, "prefetch": 1})
     supervisor = supervisors(config, redis_url=redis_url)
     [first] = publish(client, [{"n": 1}])
     wait_for(lambda: handled(tmp_path) == [first], 15, "the first message")
     children = supervisor.family()[1:]
-    assert len(children) == 2  # the fork server and the one handler process
+    assert len(children) == 3  # the fork server, the handler server, one handler process
     for process in children:
         process.send_signal(signal.SIGHUP)
     [second] = publish(client, [{"n": 2}])
