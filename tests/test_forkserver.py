@@ -102,9 +102,10 @@ def test_children_start_exit_and_are_replaced(make_server) -> None:
     server.stop()
     assert not alive(server.pid) and not alive(handler_server)
     assert not any(alive(pid) for pid in children)
-    exits = server.read_events()
-    assert sorted(e.pid for e in exits if e.place != SERVER_PLACE) == sorted(children)
-    assert exits[-1] == Event("exited", SERVER_PLACE, server.pid, 0)
+    # The children killed at the end are not reported: a root killed ends its handler
+    # server the same way (its pipe's EOF may come before the kernel's SIGKILL), and a
+    # process reported killed would read as a worker lost, its job blamed.
+    assert server.read_events() == [Event("exited", SERVER_PLACE, server.pid, 0)]
 
 
 def test_exit_codes_of_returning_and_raising_targets(make_server) -> None:

@@ -35,11 +35,12 @@ Lifetimes are chained: the kernel SIGKILLs the root when the supervisor dies, a 
 server when the root dies and a handler process when its handler server dies (PDEATHSIG;
 each also checks that its parent did not die before it asked). When the request pipe
 reaches EOF (the supervisor stopped or died) the root closes the request pipes of its
-handler servers, which SIGKILL their children, reap them and exit; the root reaps them and
-exits. Every server closes the pipe ends of the others it inherited through fork: an old
-handler server must see its own pipe's EOF, and a new one must not hold it open. The servers
-run in a process group of their own with their children and ignore SIGINT, SIGTERM and
-SIGHUP: signals for the job go to the supervisor, which passes on what its handlers should get.
+handler servers, which SIGKILL their children, reap them and exit, reporting nothing more;
+the root reaps them and exits. Every server closes the pipe ends of the others it inherited
+through fork: an old handler server must see its own pipe's EOF, and a new one must not hold
+it open. The servers run in a process group of their own with their children and ignore
+SIGINT, SIGTERM and SIGHUP: signals for the job go to the supervisor, which passes on what its
+handlers should get.
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class ForkServer:
         return events
 
     def stop(self, timeout: float = 5.0) -> None:
-        """End the servers: each SIGKILLs its children, reaps them and exits.
+        """End the servers: each SIGKILLs its children (unreported), reaps them and exits.
 
         Waits up to ``timeout`` seconds, then SIGKILLs the root (the handler servers and
         their children follow it). Events that arrive meanwhile are kept for
@@ -650,11 +651,18 @@ class _HandlerServer(_Server):
                 self.report(_EXITED, self._generation, place, pid, status)
 
     def close(self) -> None:
-        """EOF (the supervisor stopped) or retired and empty: no child may outlive us."""
+        """EOF or retired and empty: no child may outlive us.
+
+        EOF is the end of the job, or of the root. Their deaths are not reported: a root
+        killed closes its pipes before the kernel kills us for it, and a process reported
+        killed then would read as a worker lost (its job blamed) instead of one of all the
+        processes the supervisor lost with the root (nothing blamed).
+        """
         for pid in self._children:
             with contextlib.suppress(ProcessLookupError):  # exited already: reaped below
                 os.kill(pid, signal.SIGKILL)
-        self.reap(0)
+        for pid, _ in self.exited(0):
+            self._children.pop(pid, None)
 
 
 def _why(error: BaseException) -> str:
