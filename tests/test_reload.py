@@ -178,3 +178,17 @@ def test_no_reload_during_a_stop(caplog):
         run(scenario())
     assert "SIGHUP received while stopping: ignored" in caplog.messages
     assert "the reload's import ended during the stop: not used" in caplog.messages
+
+
+def test_the_report_of_any_handler_fits_one_atomic_pipe_write():
+    from worker.forkserver import DETAIL_LIMIT
+
+    strange = "\udc80é" * 5000  # a path undecodable as UTF-8, and long
+    shape = Shape("é" * 5000 + ":handle", True, ("init", "flush", "on_success", "on_error"),
+                  "/srv/" + strange + ".py", 1e9, strange)
+    report = shape.encode()
+    assert len(report.encode()) <= DETAIL_LIMIT
+    decoded = Shape.decode(report)
+    assert decoded.file is not None and decoded.file.startswith("/srv/\udc80é")
+    assert decoded.file.endswith("é.py") and "..." in decoded.file
+    assert (decoded.is_async, decoded.hooks) == (True, shape.hooks)

@@ -209,6 +209,8 @@ def test_sighup_imports_the_edited_handler_and_replaces_processes_after_their_wo
              15, "the old handler server to exit")
     wait_for(lambda: messages(supervisor, "(code generation 1) exited: its processes were all "
                                           "replaced", "info"), 10, "the line that says so")
+    # Reaped: the fork server, the new handler server and its two processes, no zombie.
+    assert [alive(process) for process in supervisor.family()[1:]] == [True] * 4
     supervisor.signal(signal.SIGTERM)
     assert supervisor.wait(15) == 0, supervisor.output()
     assert "worker lost" not in supervisor.output()

@@ -69,9 +69,10 @@ class Handler:
                      None if version is None else str(version))
 
 
-#: The longest text of each field a Shape carries to the supervisor (the whole report must fit
-#: one atomic pipe write: see worker.forkserver).
-SHAPE_FIELD_LIMIT = 800
+#: The longest text of each field a Shape carries to the supervisor, cut in the middle beyond:
+#: its report must fit one atomic pipe write (worker.forkserver.DETAIL_LIMIT, 4,077 bytes),
+#: and JSON writes a character as up to 6 bytes (``\udc80``).
+SHAPE_FIELD_LIMIT = 200
 
 
 @dataclass(slots=True, frozen=True)
