@@ -31,11 +31,12 @@ from supervisor.dispatch import Dispatcher
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
+from supervisor.reload import CODE_EVENTS, HandlerCode
 from supervisor.running import run_seconds as running_seconds
 from supervisor.settlement import Settler
 from worker import protocol
-from worker.forkserver import SERVER_PLACE, Spawner
-from worker.handler import Handler
+from worker.forkserver import SERVER_PLACE, Event, Spawner, status_text
+from worker.handler import Handler, Shape
 from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
@@ -66,7 +67,7 @@ class Arbiter:
         broker: Broker,
         places: list[HandlerPlace],
         forkserver: Spawner,
-        handler: Handler,
+        handler: Handler | Shape,
         notifier: systemd.Notifier | None = None,
         metrics: Metrics | None = None,
     ) -> None:
@@ -78,6 +79,9 @@ class Arbiter:
         self.broker = broker
         self.places = places
         self.forkserver = forkserver
+        #: The handler code its processes run, reloaded on SIGHUP.
+        self.code = HandlerCode(forkserver,
+                                handler if isinstance(handler, Shape) else handler.shape)
         self.buffer = Buffer(config.job.prefetch, len(places))
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
@@ -86,7 +90,7 @@ class Arbiter:
         self.capacity = len(places) * slots
         #: Fair hand-out to the handler places (a handler with flush() gets slices).
         self.dispatcher = Dispatcher(self.buffer, places, slots=slots,
-                                     fill=handler.flush is not None, in_order=not self.concurrent,
+                                     fill=handler.flushes, in_order=not self.concurrent,
                                      on_taken_back=self.metrics.taken_back)
         self.fair_look: asyncio.TimerHandle | None = None  # see ``dispatch``
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
@@ -286,18 +290,23 @@ class Arbiter:
         self.request_stop()
 
     def handle_reload_signal(self) -> None:
-        """SIGHUP, as gunicorn reads it: replace every handler process. Each takes no more
-        work, exits once what it holds is finished and settled, and a fresh one (forked
-        from the preloaded handler) takes its place; nothing is released or requeued."""
+        """SIGHUP, as gunicorn reads it without preload_app: the handler is imported anew
+        (supervisor.reload), and once that worked every handler process is replaced (see
+        ``code_event``)."""
         if self.stopping:
             log.info("SIGHUP received while stopping: ignored")
             return
+        self.code.reload()
+
+    def code_event(self, event: Event) -> None:
+        """A reload's import ended, or an old handler server exited. New code adopted: each
+        process takes no more work, exits once what it holds is finished and settled, and
+        one forked from the new code takes its place; nothing is released or requeued."""
         alive = [place for place in self.places if place.alive and not place.retiring]
-        log.info("SIGHUP received: reloading %d handler processes, each after its current "
-                 "work", len(alive))
-        for place in alive:
-            place.retire()
-            self.retire_if_idle(place)
+        if self.code.finished(event, len(alive), self.stopping):
+            for place in alive:
+                place.retire()
+                self.retire_if_idle(place)
 
     def request_stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:
@@ -852,15 +861,22 @@ class Arbiter:
 
     def handle_forkserver_events(self) -> None:
         for event in self.forkserver.read_events():
-            if event.place == SERVER_PLACE:  # the fork server itself died: no more handlers
+            if event.kind in CODE_EVENTS:
+                self.code_event(event)
+                continue
+            if event.place == SERVER_PLACE:  # a server died: no more handlers
                 asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
-                log.error("fork server %d exited (%s): stopping", event.pid, event.status)
+                server = (f"handler server {event.pid} (code generation {event.generation})"
+                          if event.generation else f"fork server {event.pid}")
+                log.error("%s exited (%s): stopping", server, status_text(event.status))
                 self.request_stop(exits.BROKEN)
                 self.lose_all_handlers()
                 continue
             place = self.places[event.place]
             if event.kind == "started":
                 place.started(event.pid)
+                if self.code.outdated(event.generation):  # spawned before a reload adopted
+                    place.retire()
             elif event.kind == "exited":
                 self.handle_child_exit(place, event.pid, event.status)
 

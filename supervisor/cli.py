@@ -1,9 +1,11 @@
 """``python -m supervisor CONF``: run one job in the foreground until SIGTERM/SIGINT.
 
-Order matters: the configuration is checked and the handler module imported first (a bad
-file exits 2 before anything is consumed), then the shared memory and the fork server are
-created while this process is still single-threaded and holds no connection, and only then
-does the asyncio loop start and connect to the broker.
+Order matters: the configuration is checked first, then the shared memory and the fork
+server are created while this process is still single-threaded and holds no connection, and
+only then does the asyncio loop start and connect to the broker. This process never imports
+the handler: the fork server's first handler server does, and reports what it found (a
+handler that does not import exits 2 before anything is consumed); a SIGHUP imports it anew
+in another (worker.forkserver).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib
 import logging
 import os
 import sys
@@ -55,7 +58,7 @@ def start(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=version())
     args = parser.parse_args(argv)
     try:
-        config = load(args.config)
+        config = load(args.config, import_handler=False)  # the handler servers import it
     except ConfigError as error:
         print(logs.error_line(error), file=sys.stderr)
         return exits.CONFIG
@@ -72,12 +75,13 @@ def setup_logging(config: Config) -> None:
 def run(config: Config) -> int:
     from supervisor.arbiter import Arbiter
     from supervisor.brokers import make_broker
+    from supervisor.config import tasks_problem
     from supervisor.handlers import RingMemoryError, make_places
-    from worker.forkserver import ForkServer
+    from worker.forkserver import ForkServer, Loaded, LoadError
+    from worker.handler import Shape
+    from worker.handler import load as load_handler
     from worker.runner import run as run_handler  # here: the fork server inherits it
 
-    handler = config.handler  # loaded by load(): the arbiter and, through fork, the handlers
-    assert handler is not None, "the job file was loaded without its handler"
     sup = config.supervisor
     try:
         places = make_places(config.job.coroutines, sup.ring_slots, sup.ring_slot_size)
@@ -86,13 +90,21 @@ def run(config: Config) -> int:
                               "ring_slot_size, or [job] coroutines"), file=sys.stderr)
         return exits.CONFIG
 
-    def handler_process(index: int) -> NoReturn:
-        place = places[index]
-        run_handler(
-            index, place.to_child, place.to_parent, handler,
-            flush_every=config.job.flush_every, queue=config.job.queue,
-            tasks=config.job.tasks_per_process, timeout=config.job.handler_timeout,
-        )
+    def load_code() -> Loaded:
+        """In each handler server, at start and at each reload: the handler imported from
+        its files as they are now, and what its processes run."""
+        importlib.invalidate_caches()  # the import system's view of the folders may be old
+        handler = load_handler(config.job.handler)  # HandlerError: the reason, reported
+
+        def handler_process(index: int) -> NoReturn:
+            place = places[index]
+            run_handler(
+                index, place.to_child, place.to_parent, handler,
+                flush_every=config.job.flush_every, queue=config.job.queue,
+                tasks=config.job.tasks_per_process, timeout=config.job.handler_timeout,
+            )
+
+        return Loaded(handler_process, handler.shape.encode())
 
     # First, before the environment changes: the title library finds the memory it may
     # overwrite by walking from argv into environ (NOTIFY_SOCKET may be the first entry).
@@ -101,8 +113,19 @@ def run(config: Config) -> int:
     # and must not see the broker's credentials (the config has them already).
     notifier = systemd.Notifier.from_environ()
     os.environ.pop(ENV_BROKER_URL, None)
-    forkserver = ForkServer(handler_process)
-    forkserver.start()  # before any thread, event loop or connection exists
+    forkserver = ForkServer(load=load_code)
+    try:
+        # Before any thread, event loop or connection exists; returns once the first
+        # handler server imported the handler.
+        handler = Shape.decode(forkserver.start())
+    except LoadError as error:
+        print(logs.error_line(f"{config.path}: [job] {error}"), file=sys.stderr)
+        return exits.CONFIG
+    problem = tasks_problem(config.job.tasks_per_process, handler.spec, handler.is_async)
+    if problem:
+        forkserver.stop()
+        print(logs.error_line(f"{config.path}: {problem}"), file=sys.stderr)
+        return exits.CONFIG
     try:
         recorder = start_metrics(config)  # a thread: only now that the fork server exists
     except OSError as error:
@@ -111,6 +134,8 @@ def run(config: Config) -> int:
                               f"{config.supervisor.metrics_port} cannot be served: {error}"),
               file=sys.stderr)
         return exits.CONFIG
+    log.info("handler %s loaded from %s", handler.spec, handler.source())  # not before: a
+    # failed check above is the one line of its output
     try:
         broker = make_broker(config, supervisor=True)
         arbiter = Arbiter(config, broker, places, forkserver, handler,

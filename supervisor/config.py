@@ -334,8 +334,8 @@ class Config:
     nats: NatsConfig = field(default_factory=NatsConfig)
     path: str = "<memory>"
     warnings: tuple[str, ...] = ()
-    #: ``[job] handler`` loaded once by ``load`` (None: not imported, as asked), for the
-    #: arbiter and, through fork, every handler process.
+    #: ``[job] handler`` as ``load`` imported it to check it (None: not imported, as asked;
+    #: the supervisor asks so: its handler servers import it, see worker.forkserver).
     handler: Handler | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -451,16 +451,24 @@ class _JobFile(Values):
             handler = handler_paths.load(spec)
         except handler_paths.HandlerError as error:
             self.fail(f"[job] {error}")
-        tasks = self["job.tasks_per_process"]
-        if tasks > 1 and not handler.is_async:
-            self.fail(f"{self.label('job', 'tasks_per_process')} = {tasks} needs an async def "
-                      f'handler; "{spec}" is a plain def, one delivery at a time per process '
-                      "(raise coroutines instead, or make it async def)")
+        problem = tasks_problem(self["job.tasks_per_process"], spec, handler.is_async,
+                                self.label("job", "tasks_per_process"))
+        if problem:
+            self.fail(problem)
         return handler
 
     def build(self, handler: Handler | None = None) -> Config:
         sections = {name: SECTIONS[name](**values) for name, values in self.by_section.items()}
         return Config(**sections, path=self.path, warnings=tuple(self.warnings), handler=handler)
+
+
+def tasks_problem(tasks: int, spec: str, is_async: bool,
+                  label: str = "[job] tasks_per_process") -> str | None:
+    """Why the handler cannot run ``tasks`` deliveries at once in each process."""
+    if tasks > 1 and not is_async:
+        return (f'{label} = {tasks} needs an async def handler; "{spec}" is a plain def, one '
+                "delivery at a time per process (raise coroutines instead, or make it async def)")
+    return None
 
 
 # The legacy keys are validated as the integers they always were.

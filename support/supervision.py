@@ -63,11 +63,12 @@ class Supervisor:
     def __init__(self, config: Path, workdir: Path, redis_url: str,
                  namespace: str = NAMESPACE, module: str = "supervisor", **env: str) -> None:
         """``namespace`` is passed on to the handler's on_success check (E2E_NAMESPACE);
-        ``module`` is what runs the job file (``tests.faults TARGET`` injects a failure)."""
+        ``module`` is what runs the job file (``tests.faults TARGET`` injects a failure);
+        ``env`` may replace PYTHONPATH (the checkout's folder, where the test handlers are)."""
         self.log_path = workdir / f"supervisor-{time.monotonic_ns()}.log"
         environ = {k: v for k, v in os.environ.items() if k != "QUEUE_BROKER_URL"}
-        environ.update(E2E_DIR=str(workdir), E2E_REDIS=redis_url, E2E_NAMESPACE=namespace,
-                       PYTHONPATH=str(ROOT), **env)
+        environ.update({"E2E_DIR": str(workdir), "E2E_REDIS": redis_url,
+                        "E2E_NAMESPACE": namespace, "PYTHONPATH": str(ROOT), **env})
         self.log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
         self.process = subprocess.Popen(
             [sys.executable, "-m", *module.split(), str(config)], cwd=ROOT, env=environ,

@@ -25,7 +25,7 @@ from supervisor.buffer import Buffer, State
 from supervisor.config import Config, loads
 from supervisor.handlers import HandlerPlace, make_places
 from worker import protocol
-from worker.forkserver import Event, Spawner
+from worker.forkserver import SERVER_PLACE, Event, Spawner
 from worker.ring import fence
 
 FIRST_PID = 4_000_000_000  # above any real pid (pid_max is at most 2**22)
@@ -164,6 +164,12 @@ class InProcessForkServer:
         self.processes: dict[int, PlayedProcess] = {}  # place index -> current process
         self.spawned = 0
         self.concurrent = False  # async handlers report STARTED; plain ones only mark it
+        # Reloads: the test ends each import it asked for (``loaded``, ``load_failed``).
+        self.generation = 1
+        self.loads: list[int] = []  # generations asked for, in order
+        self.adopted: list[int] = []
+        self.discarded: list[int] = []
+        self.generation_of: dict[int, int] = {}  # pid -> the generation that forked it
         for place in places:
             place.send_signal = self.signal
 
@@ -176,7 +182,25 @@ class InProcessForkServer:
         self.spawned += 1
         process = PlayedProcess(self, self.places[index], self._next_pid)
         self.processes[index] = process
-        self.post(Event("started", index, process.pid))
+        self.generation_of[process.pid] = self.generation
+        self.post(Event("started", index, process.pid, generation=self.generation))
+
+    def reload(self) -> int:
+        self.loads.append(max([self.generation, *self.loads]) + 1)
+        return self.loads[-1]
+
+    def loaded(self, generation: int, report: str) -> None:
+        self.post(Event("loaded", SERVER_PLACE, 0, generation=generation, detail=report))
+
+    def load_failed(self, generation: int, why: str) -> None:
+        self.post(Event("load_failed", SERVER_PLACE, 0, generation=generation, detail=why))
+
+    def adopt(self, generation: int) -> None:
+        self.generation = generation
+        self.adopted.append(generation)
+
+    def discard(self, generation: int) -> None:
+        self.discarded.append(generation)
 
     def signal(self, pid: int, sig: int) -> None:
         for process in self.processes.values():

@@ -125,8 +125,8 @@ def test_a_signal_to_the_process_group_reaches_only_the_supervisor(tmp_path, red
     process = subprocess.Popen([sys.executable, "-m", "supervisor", str(config)], cwd=ROOT,
                                env=env, start_new_session=True, stderr=subprocess.PIPE)
     try:
-        wait_for(lambda: len(psutil.Process(process.pid).children(recursive=True)) == 2, 15,
-                 "fork server and handler")
+        wait_for(lambda: len(psutil.Process(process.pid).children(recursive=True)) == 3, 15,
+                 "fork server, handler server and handler")
         time.sleep(0.5)  # idle, blocked in a receive
         began = time.monotonic()
         os.killpg(process.pid, signal.SIGTERM)

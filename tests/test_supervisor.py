@@ -407,7 +407,7 @@ def test_no_process_survives_a_killed_supervisor(tmp_path, redis_url, client, st
     supervisor = start(write_config(tmp_path, redis_url, job={"coroutines": 2, "prefetch": 2}))
     wait_for(lambda: lines(tmp_path / "started"), 15, "the handler to start")
     family = supervisor.family()
-    assert len(family) == 4  # supervisor, fork server, two handlers
+    assert len(family) == 5  # supervisor, fork server, handler server, two handlers
     supervisor.signal(signal.SIGKILL)
     _, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, f"orphans: {alive}"

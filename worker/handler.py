@@ -1,11 +1,16 @@
-"""Finding the handler function and its optional module hooks by dotted path."""
+"""Finding the handler function and its optional module hooks by dotted path, and what the
+supervisor knows of it (``Shape``: it never imports the handler itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import json
+import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,8 +30,8 @@ class HandlerError(ValueError):
 class Handler:
     """The handler function and the module-level hooks its module defines (or None).
 
-    Loaded once, by the configuration check in the supervisor (before the fork server
-    starts): the arbiter reads it, and every handler process inherits it through fork.
+    Loaded in each handler server (``worker.forkserver``), at start and at every reload:
+    its handler processes inherit it through fork; the supervisor learns its ``shape``.
     """
 
     spec: str  # the path it was loaded from, as configured (for log lines)
@@ -43,6 +48,105 @@ class Handler:
     def wants_confirm(self) -> bool:
         """The supervisor tells the process how each success settled (for ``on_success``)."""
         return self.on_success is not None
+
+    @property
+    def flushes(self) -> bool:
+        """The module defines ``flush()``: dispatch fills one process before the next."""
+        return self.flush is not None
+
+    @property
+    def shape(self) -> Shape:
+        hooks = tuple(name for name in HOOKS if getattr(self, name) is not None)
+        file = getattr(self.module, "__file__", None)
+        modified = None
+        if file:
+            # Gone or unreadable since the import: the log line says less.
+            with contextlib.suppress(OSError):
+                modified = os.stat(file).st_mtime
+        top = sys.modules.get(self.module.__name__.partition(".")[0])
+        version = getattr(self.module, "__version__", None) or getattr(top, "__version__", None)
+        return Shape(self.spec, self.is_async, hooks, file, modified,
+                     None if version is None else str(version))
+
+
+#: The longest text of each field a Shape carries to the supervisor, cut in the middle beyond:
+#: its report must fit one atomic pipe write (worker.forkserver.DETAIL_LIMIT, 4,077 bytes),
+#: and JSON writes a character as up to 6 bytes (``\udc80``).
+SHAPE_FIELD_LIMIT = 200
+
+
+@dataclass(slots=True, frozen=True)
+class Shape:
+    """What the supervisor knows of the handler loaded in a handler server: its kind and
+    hooks, which the supervisor's dispatch and settlement were set up for, and where its code
+    came from (for the log line of a start or a reload)."""
+
+    spec: str
+    is_async: bool
+    hooks: tuple[str, ...]
+    file: str | None = None
+    modified: float | None = None  # the file's modification time (seconds since the epoch)
+    version: str | None = None  # the module's __version__ (or its top package's)
+
+    @property
+    def wants_confirm(self) -> bool:
+        return "on_success" in self.hooks
+
+    @property
+    def flushes(self) -> bool:
+        return "flush" in self.hooks
+
+    @property
+    def kind(self) -> str:
+        return "async def" if self.is_async else "plain def"
+
+    def encode(self) -> str:
+        fields = {"spec": self.spec, "is_async": self.is_async, "hooks": self.hooks,
+                  "file": self.file, "modified": self.modified, "version": self.version}
+        return json.dumps({name: _cut(value) for name, value in fields.items()})
+
+    @classmethod
+    def decode(cls, text: str) -> Shape:
+        fields = json.loads(text)
+        return cls(fields["spec"], bool(fields["is_async"]), tuple(fields["hooks"]),
+                   fields["file"], fields["modified"], fields["version"])
+
+    def source(self) -> str:
+        """Where the code came from: ``/srv/jobs/usage.py (modified 2025-06-01 10:00:03 UTC,
+        version 2.1)``."""
+        about = []
+        if self.modified is not None:
+            about.append("modified " + time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                     time.gmtime(self.modified)))
+        if self.version is not None:
+            about.append(f"version {self.version}")
+        where = self.file or f"module {split(self.spec)[0]} (no file)"
+        return f"{where} ({', '.join(about)})" if about else where
+
+    def change_problem(self, new: Shape) -> str | None:
+        """Why handler processes running ``new`` cannot replace those running this code: the
+        supervisor set up its dispatch and settlement at start for this kind of handler and
+        these hooks. init() and on_error() may come and go (their process alone uses them)."""
+        changes = []
+        if new.is_async != self.is_async:
+            changes.append(f"is now an {new.kind} (it was a {self.kind})")
+        for hook in ("on_success", "flush"):
+            if hook in new.hooks and hook not in self.hooks:
+                changes.append(f"now defines {hook}(), which this job was started without")
+            elif hook in self.hooks and hook not in new.hooks:
+                changes.append(f"no longer defines {hook}(), which this job was started with")
+        if not changes:
+            return None
+        return (f'handler "{new.spec}" {"; ".join(changes)}: the supervisor set up its dispatch '
+                "and settlement for the handler it started with, so such a change needs a "
+                "restart of the service")
+
+
+def _cut(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > SHAPE_FIELD_LIMIT:
+        half = SHAPE_FIELD_LIMIT // 2
+        return f"{value[:half]}...{value[-half:]}"
+    return value
 
 
 def is_async(function: object) -> bool:

@@ -1,7 +1,7 @@
 """The main function of a handler process: prepare the process, pick the loop, run it.
 
-The handler comes loaded (``worker.handler.load``, in the supervisor before the fork
-server started): the process inherits it through fork and imports nothing more.
+The handler comes loaded (``worker.handler.load``, by the handler server that forked this
+process: worker.forkserver): the process inherits it through fork and imports nothing more.
 ``worker.base`` holds what both loops share; ``worker.sync`` runs a plain ``def`` handler
 one delivery at a time, ``worker.aio`` an ``async def`` one on an event loop.
 """
