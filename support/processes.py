@@ -18,7 +18,7 @@ import psutil
 
 from supervisor.ops.drain import running, title
 
-__all__ = ["family", "gone", "kill", "name", "running", "title"]
+__all__ = ["family", "gone", "handlers", "kill", "name", "running", "title"]
 
 
 def family(pid: int) -> list[psutil.Process]:
@@ -28,6 +28,13 @@ def family(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def handlers(pid: int, queue: str) -> list[psutil.Process]:
+    """The handler processes below supervisor ``pid`` (titled ``queue-supervisor: <queue>
+    handler <n> ...``; not the fork server nor its handler servers), as listed now."""
+    prefix = f"queue-supervisor: {queue} handler "
+    return [process for process in family(pid)[1:] if title(process).startswith(prefix)]
 
 
 def name(process: psutil.Process) -> str:

@@ -16,8 +16,9 @@ import signal
 
 import pytest
 
+from support import processes
 from support.envelopes import publish
-from support.supervision import counter, keys, lines, wait_for, write_config
+from support.supervision import QUEUE, counter, keys, lines, wait_for, write_config
 
 SHORT = 24
 
@@ -78,8 +79,8 @@ def test_a_frozen_handler_process_holds_up_only_the_job_it_runs(
                           job={"coroutines": 2, "prefetch": 20})
     supervisor = start(config)
     wait_for(lambda: len(lines(tmp_path / "handled")) >= 50, 30, "the stream under way")
-    victim = next(process for process in supervisor.family()
-                  if " handler 0 " in " ".join(process.cmdline()) + " ")
+    victim = next(process for process in processes.handlers(supervisor.pid, QUEUE)
+                  if " handler 0 " in processes.title(process) + " ")
     os.kill(victim.pid, signal.SIGSTOP)
     try:
         frozen = [line.split()[0] for line in lines(tmp_path / "started")

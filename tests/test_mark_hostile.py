@@ -17,7 +17,15 @@ import pytest
 
 from support import processes
 from support.envelopes import publish
-from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
+from support.supervision import (
+    QUEUE,
+    counter,
+    keys,
+    lines,
+    outstanding,
+    wait_for,
+    write_config,
+)
 
 
 @pytest.fixture
@@ -212,8 +220,7 @@ def test_random_kills_under_a_frozen_supervisor_keep_every_attempt_exact(
         assert supervisor.process.poll() is None, supervisor.output()
         time.sleep(rng.uniform(0.2, 0.6))
         # The handler killed last round may still be a zombie: it reads as "" (issue 39.6).
-        handlers = [p for p in processes.family(supervisor.pid)[1:]
-                    if "handler" in processes.title(p)]
+        handlers = processes.handlers(supervisor.pid, QUEUE)
         if not handlers:
             continue
         supervisor.signal(signal.SIGSTOP)
