@@ -45,14 +45,19 @@ end
 -- Owner keys are only read (MGET: one of another type reads as stale); claims and the record
 -- are replaced or deleted whatever their type, the registry's type was checked: no write can
 -- fail halfway.
--- The registry entry's until is now + lease, or now at lease 0: a supervisor that stopped is
--- no longer counted alive (``check``, the metrics), and its entry still names it ours.
+-- The registry entry's until is now + lease; at lease 0 an entry that exists ends now: a
+-- supervisor that stopped is no longer counted alive (``check``, the metrics), and its entry
+-- still names it ours. None is made at lease 0: a consumer that never renewed never made its
+-- tokens known for ours, and its exit must not (queue 5's rule keeps applying to them).
 local now = tonumber(redis.call('TIME')[1])
-redis.call('HSET', KEYS[2], ARGV[3], string.format('%d %s', now + lease, ARGV[4]))
 if lease > 0 then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', lease)
+  redis.call('HSET', KEYS[2], ARGV[3], string.format('%d %s', now + lease, ARGV[4]))
 else
   redis.call('DEL', KEYS[1])
+  if redis.call('HMGET', KEYS[2], ARGV[3])[1] then
+    redis.call('HSET', KEYS[2], ARGV[3], string.format('%d %s', now, ARGV[4]))
+  end
 end
 local owned = {}
 if n == 0 then return owned end
