@@ -211,7 +211,7 @@ def test_the_job_and_every_operator_command_run_as_their_acl_users(tmp_path, own
         until(lambda: set(last) <= handled(), 60, "the retried jobs")
         # A job that runs a while: the job's user writes the copy of what runs, status's
         # user reads it.
-        publish([{"n": 99, "sleep": 10}])
+        publish([{"n": 99, "sleep": 5}])
 
         def shown_running() -> bool:
             # The live supervisor's copy (one killed earlier may have left one of its own
