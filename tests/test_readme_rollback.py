@@ -102,7 +102,8 @@ def test_the_readme_rollback_word_for_word(tmp_path, redis_url, client, reap_aft
     assert client.llen(keys.ready) == client.llen(keys.processing) == 0
     assert sorted(pid.decode() for pid in client.lrange(keys.failed, 0, -1)) == \
         sorted(pid for pid, _ in failing)
-    assert left_behind(client, keys) == []
+    assert left_behind(client, keys) == [], (
+        client.zrange(keys.reservations, 0, -1, withscores=True), client.time())
 
 
 def procedure() -> list[str]:
