@@ -323,3 +323,32 @@ def summaries(outcomes: list) -> list:
     """Outcomes with each FAILED record's failure read as its one-line summary."""
     return [(kind, delivery_id, data.summary if isinstance(data, Failure) else data)
             for kind, delivery_id, data in outcomes]
+
+
+def test_a_plain_handlers_title_is_written_from_its_note_only_when_it_changed() -> None:
+    """The process's loop notes each job (one store); the title's thread writes what the
+    note says at each tick, only when it changed (a new run is a new note)."""
+    written: list[tuple] = []
+
+    class Recorder:
+        def job(self, pid: str, attempts: int, since: float) -> None:
+            written.append(("job", pid, attempts, since))
+
+        def set_busy(self, busy: bool) -> None:
+            written.append(("busy", busy))
+
+    watched = titles.Watched(Recorder())  # type: ignore[arg-type]
+    watched.show()  # idle, as the title already says
+    watched.state = True
+    watched.show()
+    watched.show()
+    began = time.monotonic() - 5
+    watched.state = ("p1", 0, began)
+    watched.show()
+    watched.state = ("p1", 0, began)  # the same job run again: a new note
+    watched.show()
+    watched.state = False
+    watched.show()
+    assert [entry[:3] for entry in written] == [
+        ("busy", True), ("job", "p1", 0), ("job", "p1", 0), ("busy", False)]
+    assert all(abs(entry[3] - (time.time() - 5)) < 2 for entry in written if entry[0] == "job")

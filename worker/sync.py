@@ -8,12 +8,13 @@ no timers.
 from __future__ import annotations
 
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from broker.failure import Failure
 from worker import protocol
 from worker.base import BATCH, Runner, exit_if_orphaned, failure_of
 from worker.message import Message
+from worker.titles import Watched
 
 _IDLE_AFTER = 0.05  # seconds of waiting before the title says idle (saves title churn)
 _PARENT_CHECK = 1.0  # seconds between checks that the parent is still there
@@ -22,18 +23,25 @@ _PARENT_CHECK = 1.0  # seconds between checks that the parent is still there
 class SyncRunner(Runner):
     """The delivery loop of one handler process running a plain ``def`` handler."""
 
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        #: What it runs, for its title's thread (noted per job, written every TICK).
+        self._watched = Watched(self._title)
+
     def run(self) -> NoReturn:
         if self._handler.init is not None:
             self._init_until_ready(self._handler.init)
         self._ready(self._handler.spec)
+        self._watched.start()  # the title's writer from now on
         self.serve()
 
     def serve(self) -> NoReturn:
-        inbox, dispatch = self._inbox, self.dispatch
+        inbox, dispatch, watched = self._inbox, self.dispatch, self._watched
         while True:
             records = inbox.get_many(BATCH)
             if records:
-                self._title.set_busy(True)
+                if watched.state is False:
+                    watched.state = True
                 for record in records:
                     dispatch(record)
                 if not (inbox.stop_requested and inbox.waiting):
@@ -70,7 +78,7 @@ class SyncRunner(Runner):
         handler = self._handler
         try:
             message = Message.from_raw(raw, delivery_id, attempts, plain)
-            self._title.job(message.pid, message.attempts)
+            self._watched.state = (message.pid, message.attempts, began)  # titles.Watched
             handler.call(message)
         except Exception as error:
             self._began[delivery_id] = began  # the failure is timed too (Runner._failed)
@@ -128,6 +136,6 @@ class SyncRunner(Runner):
     def _sleep(self) -> None:
         if self._inbox.wait(_IDLE_AFTER):
             return
-        self._title.set_busy(False)
+        self._watched.state = False
         while not self._inbox.wait(_PARENT_CHECK):
             exit_if_orphaned(self._parent)
