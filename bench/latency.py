@@ -18,11 +18,22 @@ _pack = struct.Struct("<d").pack
 _fd: int | None = None
 
 
+def own_file(prefix: str) -> int:
+    """This process's file in ``$BENCH_LATENCY_DIR`` (``<prefix>-<pid>.bin``), to append to."""
+    folder = os.environ.get(ENV_DIR) or "."
+    return os.open(os.path.join(folder, f"{prefix}-{os.getpid()}.bin"),
+                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
+def files(folder: str, prefix: str) -> list[str]:
+    """Every process's file of ``prefix`` in ``folder``."""
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+            if name.startswith(f"{prefix}-") and name.endswith(".bin")]
+
+
 def _open() -> int:
     global _fd
-    folder = os.environ.get(ENV_DIR) or "."
-    _fd = os.open(os.path.join(folder, f"latency-{os.getpid()}.bin"),
-                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    _fd = own_file("latency")
     return _fd
 
 
@@ -40,9 +51,8 @@ def handle(message: Any) -> None:
 def read(folder: str) -> list[float]:
     """Every latency (seconds) the handler processes wrote in ``folder``."""
     samples: list[float] = []
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("latency-") and name.endswith(".bin"):
-            with open(os.path.join(folder, name), "rb") as file:
-                data = file.read()
-            samples += [value for (value,) in struct.iter_unpack("<d", data[: len(data) // 8 * 8])]
+    for path in files(folder, "latency"):
+        with open(path, "rb") as file:
+            data = file.read()
+        samples += [value for (value,) in struct.iter_unpack("<d", data[: len(data) // 8 * 8])]
     return samples
