@@ -39,6 +39,19 @@ async def fair_core(
     return core, broker, pids
 
 
+async def two_with_five_each(messages: int = 10) -> tuple[Core, MemoryBroker, list[str]]:
+    """Two plain handler processes, prefetch 10: each ring holds five once received."""
+    core, broker, pids = await fair_core(messages, prefetch=10, coroutines=2)
+    buffer = core.arbiter.buffer
+    await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
+    return core, broker, pids
+
+
+async def stops_with_each_run_once(core: Core, broker: MemoryBroker, pids: list[str]) -> None:
+    assert await core.stop() == exits.OK
+    assert all(broker.runs[pid] == 1 for pid in pids)  # nothing ran twice
+
+
 def ids(entries) -> list[int]:
     return [entry.id for entry in entries]
 
@@ -55,9 +68,8 @@ async def drain(core: Core, until, *processes) -> None:
 
 def test_a_plain_handler_stalled_on_a_long_job_gives_back_what_it_has_not_started():
     async def scenario():
-        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2)
+        core, broker, pids = await two_with_five_each()
         buffer = core.arbiter.buffer
-        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
         slow, fast = core.process(0), core.process(1)
         slow.start_next()  # a long job: it does not return while the others run
         (long_job,) = slow.running
@@ -93,9 +105,8 @@ def test_the_delivery_reached_as_the_cut_comes_runs_in_one_process_only():
     supervisor writes its cut and reads the mark, the process reads the cut. The reached
     one stays with the process until it reports WITHDRAWN, then goes to the other."""
     async def scenario():
-        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2)
+        core, broker, pids = await two_with_five_each()
         buffer, dispatcher = core.arbiter.buffer, core.arbiter.dispatcher
-        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
         slow, fast = core.process(0), core.process(1)
         slow.start_next()
         slow.finish()  # the first job was long but ends: its DONE waits to be read
@@ -115,17 +126,15 @@ def test_the_delivery_reached_as_the_cut_comes_runs_in_one_process_only():
         # the cut); what it reads of before the cut it withdraws.
         await drain(core, lambda: len(broker.committed) == 10, slow, fast)
         assert slow.withdrawn[:4] == [reached, *rest]
-        assert await core.stop() == exits.OK
-        assert all(broker.runs[pid] == 1 for pid in pids)
+        await stops_with_each_run_once(core, broker, pids)
 
     run(scenario())
 
 
 def test_a_delivery_started_before_the_cut_stays_with_its_process():
     async def scenario():
-        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2)
+        core, broker, pids = await two_with_five_each()
         buffer, dispatcher = core.arbiter.buffer, core.arbiter.dispatcher
-        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
         slow, fast = core.process(0), core.process(1)
         started, *rest = ids(buffer.in_state(State.QUEUED, 0))
         core.now += 1.0
@@ -137,8 +146,7 @@ def test_a_delivery_started_before_the_cut_stays_with_its_process():
         slow.finish()
         await drain(core, lambda: len(broker.committed) == 10, slow, fast)
         assert slow.withdrawn[:4] == rest
-        assert await core.stop() == exits.OK
-        assert all(broker.runs[pid] == 1 for pid in pids)
+        await stops_with_each_run_once(core, broker, pids)
 
     run(scenario())
 
@@ -166,8 +174,7 @@ def test_an_async_process_with_every_slot_busy_gives_back_its_queue_one_with_a_f
         busy.work()
         assert busy.withdrawn == behind
         await drain(core, lambda: len(broker.committed) == 7, other)
-        assert await core.stop() == exits.OK
-        assert all(broker.runs[pid] == 1 for pid in pids)
+        await stops_with_each_run_once(core, broker, pids)
 
     run(scenario())
 
@@ -214,8 +221,7 @@ def test_a_flush_slice_whose_process_is_stalled_goes_to_another_process_in_one_s
         stuck.finish()
         stuck.work()
         assert stuck.withdrawn == behind
-        assert await core.stop() == exits.OK
-        assert all(broker.runs[pid] == 1 for pid in pids)
+        await stops_with_each_run_once(core, broker, pids)
 
     run(scenario())
 
@@ -238,9 +244,8 @@ def test_one_handler_process_keeps_its_ring_however_long_its_job_runs():
 
 def test_a_process_killed_after_a_take_back_loses_nothing_and_runs_nothing_twice():
     async def scenario():
-        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2)
+        core, broker, pids = await two_with_five_each()
         buffer = core.arbiter.buffer
-        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
         slow, fast = core.process(0), core.process(1)
         slow.start_next()
         (long_job,) = slow.running
@@ -265,9 +270,8 @@ def test_a_process_killed_after_a_take_back_loses_nothing_and_runs_nothing_twice
 
 def test_a_stop_releases_what_comes_back_withdrawn():
     async def scenario():
-        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2)
-        buffer, dispatcher = core.arbiter.buffer, core.arbiter.dispatcher
-        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
+        core, broker, pids = await two_with_five_each()
+        dispatcher = core.arbiter.dispatcher
         slow, fast = core.process(0), core.process(1)
         slow.start_next()
         slow.finish()
@@ -316,9 +320,8 @@ def test_a_ring_filled_beyond_the_pace_gives_back_to_an_idle_process():
     slow: when one process has nothing to run, the other's surplus is taken back and
     shared (the surplus one keeps what the pace allows)."""
     async def scenario():
-        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2)
+        core, broker, pids = await two_with_five_each()
         buffer, dispatcher = core.arbiter.buffer, core.arbiter.dispatcher
-        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [5, 5])
         busy, idle = core.process(0), core.process(1)
         busy.start_next()
         for _ in range(5):
@@ -332,8 +335,7 @@ def test_a_ring_filled_beyond_the_pace_gives_back_to_an_idle_process():
         await drain(core, lambda: len(broker.committed) == 9, idle)
         busy.finish()
         await drain(core, lambda: len(broker.committed) == 10, busy, idle)
-        assert await core.stop() == exits.OK
-        assert all(broker.runs[pid] == 1 for pid in pids)
+        await stops_with_each_run_once(core, broker, pids)
 
     run(scenario())
 
