@@ -7,6 +7,7 @@ way producers and other consumers would leave it; each command then runs as the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from broker import envelope
 from supervisor import cli
 from supervisor.config import load
+from supervisor.ops import inspect
 from support import envelopes
 from support.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
 
@@ -171,6 +173,54 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
     assert code == 1 and "1 registered reservations" in out
     waiting.stop_waiting()
     await blocked
+
+
+async def killed_while_waiting(redis_client, redis_brokers, block_timeout: int) -> bytes:
+    """A supervisor (lease 1 s) killed inside a blocking receive on the idle queue: its
+    BLMOVE ends with its connection, its registration stays, deadline lease + block_timeout
+    after it was made, block_timeout past the supervisor's own lapse. Returns its key, once
+    the supervisor no longer counts as alive."""
+    dying = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="dying", lease=1)
+    await dying.extend([])  # its record and its token registry entry, both for 1 s
+    blocked = asyncio.ensure_future(dying.receive(1, block_timeout=block_timeout))
+    async with asyncio.timeout(5):
+        while not await redis_client.zcard(keys().reservations):
+            await asyncio.sleep(0.01)
+    blocked.cancel()  # as SIGKILL: nothing of it runs any more, the ZREM included
+    with contextlib.suppress(asyncio.CancelledError):
+        await blocked
+    async with asyncio.timeout(10):
+        while await inspect.live_supervisors(redis_client, keys()):
+            await asyncio.sleep(0.1)
+    [(key, deadline)] = await redis_client.zrange(keys().reservations, 0, -1, withscores=True)
+    assert deadline > (await redis_client.time())[0]  # registered, not yet expired
+    assert not await redis_client.exists(key)  # and empty
+    return key
+
+
+async def test_check_fails_while_a_dead_supervisors_blocking_receive_is_registered(
+    conf, run, redis_client, redis_brokers
+):
+    """Once no supervisor of ours is alive, no receive of ours waits in an empty
+    registration before its deadline: one left by a supervisor killed while it waited is a
+    leftover (drain forgets the token registry entries that say whose it is)."""
+    key = await killed_while_waiting(redis_client, redis_brokers, block_timeout=30)
+    code, out = await run("check", conf)
+    assert code == 1 and "1 registered reservations" in out and key.decode() in out, out
+    assert "alive" not in out
+
+
+async def test_drain_waits_out_a_dead_supervisors_blocking_receive(
+    conf, run, redis_client, redis_brokers
+):
+    """drain's "ok" leaves no registration of ours: that of a supervisor killed while it
+    waited is removed once its deadline passed (a move into it can land until then)."""
+    await killed_while_waiting(redis_client, redis_brokers, block_timeout=8)
+    code, out = await run("drain", conf)
+    assert code == 0 and "ok: no reservation and no owner record" in out, out
+    assert await redis_client.zcard(keys().reservations) == 0
+    code, out = await run("check", conf)
+    assert code == 0 and out.startswith("ok:"), out
 
 
 async def test_check_counts_only_what_our_supervisors_hold(

@@ -119,7 +119,10 @@ async def publish(config: Config, args: argparse.Namespace) -> int:
 
 
 async def drain(config: Config, args: argparse.Namespace) -> int:
-    timeout = args.timeout or config.supervisor.shutdown_deadline + config.supervisor.lease + 15
+    # Long enough for a supervisor killed just before: its lease, then its blocking
+    # receive's registration (block_timeout more), besides the stops of this host's.
+    timeout = args.timeout or (config.supervisor.shutdown_deadline + config.supervisor.lease
+                               + math.ceil(config.broker.block_timeout) + 15)
     deadline = time.monotonic() + timeout
     if config.broker.kind == "nats":
         return await drain_nats(config, timeout, deadline)
@@ -307,7 +310,8 @@ def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
         lines.append(f"  {left.delayed} delayed retries (waiting for their backoff{late}; PHP "
                      "workers never read them: `drain` moves them to the ready list)")
     for label, found in (
-        ("registered reservations", left.registered),
+        ("registered reservations (`drain` waits for each to expire and returns what it "
+         "holds)", left.registered),
         ("reservation lists", left.lists),
         ("owner records", left.owners),
         ("running supervisors of the previous format (stop them before this version runs; "
@@ -412,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="print only this user (repeatable; default: all)")
     sub["drain"].add_argument(
         "--timeout", type=_seconds, default=None,
-        help="seconds for the whole drain (default shutdown_deadline + lease + 15)")
+        help="seconds for the whole drain (default shutdown_deadline + lease + "
+        "block_timeout + 15)")
     parser.set_defaults(subparsers=sub)
     return parser
 

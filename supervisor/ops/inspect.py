@@ -9,6 +9,8 @@ entry in the token registry is current (``"<until> <id>"``, until in the future)
 is renewed with its deliveries and lapses a lease after the last renewal (a supervisor
 killed with SIGKILL counts until then); a graceful stop deletes the record and ends the
 entry (``extend.lua`` with lease 0). ``check`` and ``drain`` fail while one is alive.
+Once none is, an empty registration of ours before its deadline is a leftover too: the
+blocking receive of one killed while it waited, registered past its lapse.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class Leftovers:
     registry, or is a previous-format ``<consumer>:<nonce>``): what other consumers (PHP
     queue-5 workers, running during a rollback) hold is theirs, counted in ``others``."""
 
-    registered: Found  # registered reservations of ours, expired or holding payloads
+    #: Registered reservations of ours: expired or holding payloads (with none of ours
+    #: alive: any)
+    registered: Found
     lists: Found  # reservation list keys of ours (registered or not)
     owners: Found  # owner records of deliveries of ours
     #: Live heartbeats of the previous format's supervisors (``consumers.{q}.*``): they must
@@ -92,15 +96,21 @@ async def leftovers(client: Any, keys: QueueKeys, show: int = SHOW) -> Leftovers
     ours = await our_prefixes(client, keys)
     others = Found()
     reservation = keys.reservation("")
-    registered = _split(await stale_registrations(client, keys, SHOW_ALL), reservation, ours,
-                        Found(), show)  # others' lists are counted once, below
+    stale, blocking = await stale_registrations(client, keys, SHOW_ALL)
     lists = _split(await scan_prefix(client, reservation, SHOW_ALL), reservation, ours, others,
                    show)
     owners = await owner_records(client, keys, ours, others, show)
     previous = await scan_prefix(client, keys.legacy_consumer(""), show)
     others.names.sort()
     delayed, overdue = await delayed_retries(client, keys)
-    alive = await live_supervisors(client, keys)
+    alive = await live_supervisors(client, keys)  # last: one that started meanwhile counts
+    if not alive:
+        # No receive of ours is blocked in an empty registration before its deadline: one
+        # there is a killed supervisor's, registered until lease + block_timeout after it
+        # was made, past that supervisor's lapse.
+        for name in blocking.names:
+            stale.add(name, SHOW_ALL)
+    registered = _split(stale, reservation, ours, Found(), show)  # others' counted in lists
     return Leftovers(registered, lists, owners, previous, others, delayed, int(overdue), alive)
 
 
@@ -154,12 +164,14 @@ async def owner_records(
     return mine
 
 
-async def stale_registrations(client: Any, keys: QueueKeys, show: int = SHOW) -> Found:
-    """Registered reservations that are leftovers: expired, or holding payloads. An empty
-    one before its deadline is a running consumer's blocking receive (a supervisor's or a
-    PHP worker's), not something left behind."""
+async def stale_registrations(
+    client: Any, keys: QueueKeys, show: int = SHOW
+) -> tuple[Found, Found]:
+    """Registered reservations that are leftovers: expired, or holding payloads; and apart,
+    the empty ones before their deadline: blocking receives (a supervisor's or a PHP
+    worker's), left behind only if their consumer is gone."""
     now_ms = await server_ms(client)
-    found = Found()
+    found, blocking = Found(), Found()
     start = 0
     while batch := await client.zrange(keys.reservations, start, start + SCAN_COUNT - 1,
                                        withscores=True):
@@ -168,9 +180,9 @@ async def stale_registrations(client: Any, keys: QueueKeys, show: int = SHOW) ->
         for key, _ in batch:
             pipe.llen(key)
         for (key, score), length in zip(batch, await pipe.execute(), strict=True):
-            if length or deadline_in_ms(score) <= now_ms:
-                found.add(_text(key), show)
-    return found
+            stale = length or deadline_in_ms(score) <= now_ms
+            (found if stale else blocking).add(_text(key), show)
+    return found, blocking
 
 
 async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[str, Any]:
