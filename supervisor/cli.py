@@ -102,6 +102,7 @@ def run(config: Config) -> int:
                 index, place.to_child, place.to_parent, handler,
                 flush_every=config.job.flush_every, queue=config.job.queue,
                 tasks=config.job.tasks_per_process, timeout=config.job.handler_timeout,
+                alone=config.job.coroutines == 1,
             )
 
         return Loaded(handler_process, handler.shape.encode())

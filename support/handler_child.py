@@ -24,6 +24,7 @@ class Child:
     def __init__(
         self, handler: str | Handler, *, flush_every: int = 100, slots: int = 256,
         slot_size: int = 256, outcome_slots: int = 256, tasks: int = 1, timeout: float = 0.0,
+        alone: bool = False,
     ) -> None:
         inbox_bytes = Ring.nbytes(slots, slot_size)
         memory = mmap.mmap(-1, inbox_bytes + Ring.nbytes(outcome_slots, 64))
@@ -36,7 +37,7 @@ class Child:
         self.server = ForkServer(
             lambda place: runner.run(
                 place, self.to_child, self.to_parent, loaded, flush_every=flush_every,
-                queue="tests", tasks=tasks, timeout=timeout,
+                queue="tests", tasks=tasks, timeout=timeout, alone=alone,
             )
         )
         self.events: list = []

@@ -99,3 +99,14 @@ def collect(child, ids: set[int], started_too: bool) -> dict[int, list[str]]:
     assert all(kinds.count("STARTED") <= 1 for kinds in got.values())
     assert started_too or not any("STARTED" in kinds for kinds in got.values())
     return got
+
+
+def test_the_jobs_only_process_reads_no_cut(children):
+    """With one handler process nothing is ever taken back (supervisor.dispatch), so its
+    process skips the fence and the read of the cut: it marks and runs."""
+    child = children("tests.handlers.noop:handle", alone=True)
+    assert child.outcomes(1)[0][0] == "READY"
+    child.to_child.mark(1000)  # a cut no supervisor of a single process writes
+    sent = child.deliver({}, {})
+    assert child.outcomes(2) == [("DONE", delivery_id, None) for delivery_id, _ in sent]
+    assert child.to_parent.marked == 2

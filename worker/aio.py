@@ -66,10 +66,10 @@ class AsyncRunner(Runner):
 
     def __init__(
         self, place: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
-        queue: str, flush_every: int, tasks: int, timeout: float,
+        queue: str, flush_every: int, tasks: int, timeout: float, alone: bool = False,
     ) -> None:
         super().__init__(place, inbox, outbox, handler, parent=parent, queue=queue,
-                         flush_every=flush_every)
+                         flush_every=flush_every, alone=alone)
         self._capacity = max(1, tasks)
         self._timeout = timeout
         self._loop = _new_loop()

@@ -81,7 +81,7 @@ class Runner:
 
     def __init__(
         self, place: int, inbox: Ring, outbox: Ring, handler: Handler, *, parent: int,
-        queue: str, flush_every: int,
+        queue: str, flush_every: int, alone: bool = False,
     ) -> None:
         self._place = place
         self._inbox = inbox
@@ -100,6 +100,9 @@ class Runner:
         #: DELIVER records read so far: the number of the last one (see protocol, "Taking
         #: back"); the supervisor counts the same records, so no number travels.
         self._received = 0
+        #: The job's only handler process: nothing is ever taken back from it (a single
+        #: process keeps its deep ring, supervisor.dispatch), so it reads no cut.
+        self._alone = alone
         self.serving = False  # READY sent: an exit from now on is never a failed init()
         # A FAILED record must fit the outcome ring (a small one in tests), header included.
         self._failure_limit = min(protocol.MAX_FAILURE_BYTES,
@@ -143,6 +146,8 @@ class Runner:
         The mark is stored before the cut is read, and the supervisor stores the cut
         before it reads the mark (protocol, "Taking back"): one fence each way."""
         self._outbox.mark(number)
+        if self._alone:
+            return False
         fence()
         if number >= self._inbox.marked:
             return False

@@ -27,18 +27,20 @@ def run(
     queue: str = "",
     tasks: int = 1,
     timeout: float = 0.0,
+    alone: bool = False,
 ) -> NoReturn:
     """Called in the forked child. An ``async def`` handler runs up to ``tasks`` deliveries
     at once, each cancelled after ``timeout`` seconds (0: never); a plain one runs one at
-    a time, and its timeout is the supervisor's kill."""
+    a time, and its timeout is the supervisor's kill. ``alone``: the job's only handler
+    process, from which nothing is ever taken back (it reads no cut: Runner._taken_back)."""
     parent = prepare_process(place)
     runner: Runner
     if handler.is_async:
         runner = AsyncRunner(place, to_child, to_parent, handler, parent=parent, queue=queue,
-                             flush_every=flush_every, tasks=tasks, timeout=timeout)
+                             flush_every=flush_every, alone=alone, tasks=tasks, timeout=timeout)
     else:
         runner = SyncRunner(place, to_child, to_parent, handler, parent=parent, queue=queue,
-                            flush_every=flush_every)
+                            flush_every=flush_every, alone=alone)
     try:
         runner.run()
     except BaseException as error:  # what a handler raised that is not an Exception
