@@ -41,6 +41,7 @@ import psutil
 
 from bench.chaos.sides import Check, RedisSide
 from bench.chaos.usage_db import NAMES, UsageReader
+from support import processes
 from support.soak_ledger import Ledger
 from support.soak_workload import ENVELOPE_LIMIT, FLAKY, FLAKY_FAIL, INVALID, SLOW, generate
 from support.supervision import Supervisor, write_config
@@ -285,15 +286,10 @@ def running(supervisor: Supervisor) -> bool:
 
 
 def handlers(supervisor: Supervisor) -> list[psutil.Process]:
-    """The handler processes (children of the fork server) of a supervisor; not the
-    stats-usage writer a handler process may have started."""
-    found = []
-    for process in supervisor.family()[1:]:
-        with contextlib.suppress(psutil.Error):
-            title = " ".join(process.cmdline())
-            if process.ppid() != supervisor.pid and " handler " in title:
-                found.append(process)
-    return found
+    """The handler processes of a supervisor, by their titles: not its fork server nor its
+    handler servers (a SIGKILL of one of those stops the supervisor, exit 4: that is a
+    fault of its own kind), nor the stats-usage writer a handler process may have started."""
+    return processes.handlers(supervisor.pid, QUEUE)
 
 
 def kill_writer(db: Path) -> str:
