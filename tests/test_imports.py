@@ -142,3 +142,31 @@ def test_the_handler_process_modules_import_only_downwards() -> None:
 
 def test_the_project_imports_no_circle() -> None:
     assert circles(import_graph()) == []
+
+
+#: The layers, lowest first: a module may import its own layer and the ones below, never one
+#: above. broker/ knows nothing of ours but itself; worker/ (the handler process) builds on
+#: broker/ (envelope, failure records); supervisor/ on both. support/, examples/ and bench/
+#: are their clients (tests, the example handler, the benchmarks): nothing of the three
+#: layers may import them.
+LAYERS = ("broker", "worker", "supervisor")
+CLIENTS = ("support", "examples", "bench", "tests")
+
+
+def test_the_layers_import_only_downwards() -> None:
+    graph = import_graph()
+    upward = sorted(
+        (module, other) for module, imported in graph.items()
+        if (layer := module.split(".")[0]) in LAYERS
+        for other in imported
+        if (other.split(".")[0] in LAYERS
+            and LAYERS.index(other.split(".")[0]) > LAYERS.index(layer))
+        or other.split(".")[0] in CLIENTS
+    )
+    assert upward == [], "imports that climb a layer (module, what it imports): " + repr(upward)
+
+
+def test_the_ring_imports_nothing_of_ours() -> None:
+    """The shared-memory ring is a struct module (as Dramatiq's canteen): both sides of a
+    fork use it, and it must not drag the project in."""
+    assert import_graph()["worker.ring"] == set()
