@@ -17,8 +17,8 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Coroutine, Sequence
+from typing import Any, NoReturn
 
 import setproctitle
 
@@ -176,7 +176,7 @@ def start_metrics(config: Config) -> metrics.Metrics:
                          broker_kind(config.broker.url))
 
 
-def asyncio_run(coroutine) -> int:
+def asyncio_run(coroutine: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
     except ImportError:

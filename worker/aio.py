@@ -76,12 +76,12 @@ class AsyncRunner(Runner):
         asyncio.set_event_loop(self._loop)
         #: Read, not started: (delivery id, attempts, raw, plain, number in the ring).
         self._waiting: deque[tuple[int, int | None, bytes, bool, int]] = deque()
-        self._tasks: set[asyncio.Task] = set()  # everything that counts against capacity
-        self._handling: dict[int, asyncio.Task] = {}  # delivery id -> task in handle()
+        self._tasks: set[asyncio.Task[Any]] = set()  # everything that counts against capacity
+        self._handling: dict[int, asyncio.Task[Any]] = {}  # delivery id -> task in handle()
         self._jobs: dict[int, Message] = {}  # decoded, in handle(): for the title
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._late: set[int] = set()  # their timeout expired: cancelled
-        self._flushing: asyncio.Task | None = None
+        self._flushing: asyncio.Task[Any] | None = None
         self._pump_scheduled = False
         self._exiting = False
 
@@ -192,13 +192,13 @@ class AsyncRunner(Runner):
             self._timers[delivery_id] = self._loop.call_later(
                 self._timeout, self._expire, delivery_id)
 
-    def _track(self, coroutine: Any) -> asyncio.Task:
+    def _track(self, coroutine: Any) -> asyncio.Task[Any]:
         task = self._loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("handler process task failed", exc_info=task.exception())
@@ -288,7 +288,7 @@ class AsyncRunner(Runner):
         for delivery_id, message in held:
             self._succeed(delivery_id, message)
 
-    def _flush_done(self, task: asyncio.Task) -> None:
+    def _flush_done(self, task: asyncio.Task[Any]) -> None:
         self._flushing = None
         if task.cancelled() or task.exception() is not None:
             log.error("flush bookkeeping failed", exc_info=None if task.cancelled()

@@ -205,7 +205,8 @@ def resolve(spec: str) -> Callable[..., Any]:
             ) from None
     if not callable(target):
         raise HandlerError(f'handler "{spec}" is a {type(target).__name__}, not a callable')
-    return target
+    handler: Callable[..., Any] = target
+    return handler
 
 
 def not_found_hint(module_name: str, missing: str | None) -> str:

@@ -25,7 +25,7 @@ def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+        return bool(libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 

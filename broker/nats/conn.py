@@ -339,7 +339,7 @@ class Connection:
             # mark). The bytes may be on their way: a failure here is the connection's end,
             # which fails the waiting requests as sent (uncertain), not as unsent.
             with contextlib.suppress(OSError):
-                await client._transport.drain()
+                await client._transport.drain()  # type: ignore[no-untyped-call]
             return
         try:
             await client._send_command(command)

@@ -80,7 +80,8 @@ async def _info(broker: NatsBroker, subject: str) -> dict[str, Any]:
         # A replicated group answered by a server that knows it has no leader (a quorum
         # lost): the figures are that server's, not the group's.
         raise Leaderless(f"{subject}: the group has no leader")
-    return info
+    found: dict[str, Any] = info
+    return found
 
 
 def _messages(info: dict[str, Any]) -> int:

@@ -28,6 +28,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 from nats.aio.msg import Msg
@@ -248,7 +249,9 @@ class Puller:
                                      self._request_timeout)
         await self._until(lambda: len(self._backlog) - start >= room, status, room)
 
-    async def _request(self, conn: Connection, body: dict, timeout: float) -> asyncio.Future[Msg]:
+    async def _request(
+        self, conn: Connection, body: dict[str, Any], timeout: float
+    ) -> asyncio.Future[Msg]:
         reply, status = conn.expect_reply(timeout, "pull request")
         try:
             await conn.publish(self._next, orjson.dumps(body), reply=reply)

@@ -328,7 +328,7 @@ class _Api:
             if "error" not in created:
                 log.info("created NATS stream %s (%d replicas)", name,
                          config.get("num_replicas", 1))
-                return created["config"]
+                return _config(created)
             found = await self._call(api.stream_info(name))  # lost a creation race?
             if _not_found(found):  # no: the creation itself was refused, say why
                 return _config_or_raise(created, f"stream {name} not created")
@@ -342,7 +342,7 @@ class _Api:
             created = await self._call(api.consumer_create(stream, name), body)
             if "error" not in created:
                 log.info("created NATS consumer %s on %s", name, stream)
-                return created["config"]
+                return _config(created)
             found = await self.consumer_info(stream, name)
         return _config_or_raise(found, f"consumer {name} on {stream}")
 
@@ -367,7 +367,8 @@ class _Api:
         error = answer.get("error") if isinstance(answer, dict) else None
         if error and error.get("code") == 503:
             raise NotReady(f"JetStream not ready: {error.get('description')}")
-        return answer
+        parsed: dict[str, Any] = answer
+        return parsed
 
 
 async def reread_consumer(
@@ -396,4 +397,9 @@ def _config_or_raise(answer: dict[str, Any], what: str) -> dict[str, Any]:
         error = answer["error"]
         raise BrokerError(f"NATS {what}: {error.get('description')} (code {error.get('code')}, "
                           f"err_code {error.get('err_code')})")
-    return answer["config"]
+    return _config(answer)
+
+
+def _config(answer: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = answer["config"]
+    return config

@@ -38,10 +38,11 @@ class _BrokerConnection:
     """What the broker's connections change in redis-py's (a mixin: first among the bases)."""
 
     __slots__ = ()
-    _packer = HiredisRespSerializer()
+    _packer = HiredisRespSerializer()  # type: ignore[no-untyped-call]
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        return self._packer.pack(*args)
+        packed: list[bytes] = self._packer.pack(*args)
+        return packed
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True

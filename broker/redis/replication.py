@@ -122,12 +122,14 @@ async def _pipeline(
         for command in commands:
             pipe.execute_command(*command)
         pipe.execute_command(*wait, target_nodes=client.get_node_from_key(key))
-        return await pipe.execute(raise_on_error=False, allow_redirections=False)
+        replies: list[Any] = await pipe.execute(raise_on_error=False, allow_redirections=False)
+        return replies
     pipe = client.pipeline(transaction=False)
     for command in commands:
         pipe.execute_command(*command)
     pipe.execute_command(*wait)
-    return await pipe.execute(raise_on_error=False)
+    replies = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 async def _reload(client: RedisCluster) -> None:

@@ -27,7 +27,8 @@ from broker.urls import split_servers
 def settings(url: str) -> dict[str, Any]:
     """redis-py's settings of a URL or a seed list: the first seed's (credentials, database,
     TLS), which are the client's."""
-    return parse_url(split_servers(url)[0])
+    found: dict[str, Any] = parse_url(split_servers(url)[0])  # type: ignore[no-untyped-call]
+    return found
 
 
 def cluster_client(url: str, **options: Any) -> RedisCluster:

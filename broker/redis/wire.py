@@ -181,7 +181,7 @@ class _BoundedReplies(_Replies):
             if len(buffer) > 65536:
                 raise redis.exceptions.InvalidResponse("no reply header in 64 KiB")
             return _INCOMPLETE
-        kind, line = buffer[:1], bytes(buffer[1:end])
+        kind, line = bytes(buffer[:1]), bytes(buffer[1:end])
         if kind == b"$" and int(line) >= 0:
             length = int(line)
             if length > self._limit:
