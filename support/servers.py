@@ -62,6 +62,18 @@ class _ServerProcess:
         self.start()
 
 
+def redis_server_version() -> tuple[str, tuple[int, ...]]:
+    """(name, version) of the ``redis-server`` first on the PATH (Valkey's reads as "valkey"):
+    what the tests run against, so that they can skip what a server cannot do."""
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+    said = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    name = "valkey" if said.lower().startswith("valkey") else "redis"
+    number = said.partition(" v=")[2].split()[0] if " v=" in said else "0"
+    return name, tuple(int(part) for part in number.split(".") if part.isdigit())
+
+
 class RedisServer(_ServerProcess):
     """A ``redis-server`` process we own. ``persist=True`` turns on appendonly/fsync always."""
 

@@ -26,7 +26,13 @@ from broker.base import BrokerError
 from broker.redis import RedisBroker, acl
 from broker.redis.keys import QueueKeys
 from support import processes
+from support.servers import redis_server_version
 from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
+
+#: The users' read-only and write-only key patterns (%R~, %W~) came in Redis 7.0.
+pytestmark = pytest.mark.skipif(
+    redis_server_version()[0] == "redis" and redis_server_version()[1] < (7, 0),
+    reason="the ACL users' %R~ and %W~ key patterns need Redis 7.0 or later")
 
 PASSWORD = "s3cret-pw"
 ADMIN = ("admin", "admin-pw")
@@ -269,7 +275,8 @@ def test_a_user_reaches_no_other_queue_and_no_other_command(own_redis_server):
     keys, other = QueueKeys(NAMESPACE, "mine"), QueueKeys(NAMESPACE, "other")
     user = acl.user_name(keys.queue, "job")
     admin.execute_command("ACL", "SETUSER", user, *acl.rules(acl.BY_NAME["job"], keys, PASSWORD))
-    job = redis.Redis(port=port, username=user, password=PASSWORD)
+    job = redis.Redis(port=port, username=user, password=PASSWORD,
+                      lib_name=None, lib_version=None)  # no CLIENT SETINFO, as ours
     job.lpush(keys.ready, b"x")  # its own queue: allowed
     read_other = job.register_script("return redis.call('LLEN', ARGV[1])")
     attempts = [

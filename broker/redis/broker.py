@@ -52,6 +52,7 @@ from broker.base import (
 from broker.errors import describe
 from broker.failure import Failure, record_ttl
 from broker.redis import recovery, seeds
+from broker.redis import version as server_version
 from broker.redis.connection import connection_class
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
@@ -294,6 +295,7 @@ class RedisBroker:
             check_placement(self.keys)
         try:
             await self.client.ping()
+            await server_version.check(self.client, f"Redis at {redact(self.url)}")
         except _REFUSALS as error:
             raise BrokerRefused(self._refusal(error)) from error
         except _UNREACHABLE as error:
