@@ -34,7 +34,7 @@ from broker import envelope
 from broker.base import BrokerError
 from broker.failure import NATS_HEADER
 from broker.nats import api
-from broker.nats.broker import _header_token
+from broker.nats.dead import header_token
 from broker.nats.setup import QueueNames
 from supervisor.config import Config
 from supervisor.ops.jobs import Job, read_failure
@@ -168,7 +168,7 @@ class DeadStream:
         return not ack.duplicate
 
     async def publish(self, letter: Letter) -> Any:
-        headers = {"Nats-Msg-Id": f"{_header_token(letter.job.pid)}.redrive.{letter.job.seq}",
+        headers = {"Nats-Msg-Id": f"{header_token(letter.job.pid)}.redrive.{letter.job.seq}",
                    CONTENT_TYPE: letter.headers.get(CONTENT_TYPE, "application/json")}
         return await self.js.publish(self.names.subject, letter.job.raw or b"",
                                      timeout=REQUEST_TIMEOUT, stream=self.names.stream,
