@@ -23,16 +23,18 @@ import orjson
 from broker import envelope, errors
 from broker.base import BrokerError
 from broker.failure import Failure
+from broker.nats import admin as nats_dead
 from broker.nats import tls as nats_tls
 from broker.nats.conn import quiet_error, refusal
 from broker.nats.setup import QueueNames
 from broker.nats.tls import tls_options
+from broker.redis.admin import status as inspect
 from broker.redis.gauges import overdue
 from broker.redis.recovery import server_time
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
-from supervisor.ops import inspect, nats_dead, running
+from supervisor.ops import running
 
 #: Entries of a failed, dead or poison list shown per page.
 PAGE = 50
@@ -320,27 +322,26 @@ class NatsSource:
             await _quietly(client.close())
 
     async def dead_stream(self) -> nats_dead.DeadStream:
-        """The dead stream, through ``dead``'s own reader (``supervisor.ops.nats_dead``)."""
+        """The dead stream, through ``dead``'s own reader (``broker.nats.admin``)."""
         return nats_dead.DeadStream(await self._js(), QueueNames.of(self.config.job.queue))
 
     async def _read(self) -> dict[str, Any]:
         """What ``status`` reads (its helpers), and the two figures the dashboard plots."""
-        from supervisor.ops import nats_status as status
-
         names = QueueNames.of(self.config.job.queue)
         try:
-            async with asyncio.timeout(status.STATUS_TIMEOUT):
+            async with asyncio.timeout(nats_dead.STATUS_TIMEOUT):
                 dead_stream = await self.dead_stream()
-                js = dead_stream.client.jetstream(timeout=status.CONNECT_TIMEOUT)
-                work = await status._stream(js, names.stream)
+                js = dead_stream.client.jetstream(timeout=nats_dead.CONNECT_TIMEOUT)
+                work = await nats_dead.stream_info(js, names.stream)
                 dead = await dead_stream.info()
-                consumer = await status._consumer(js, names)
+                consumer = await nats_dead.consumer_info(js, names)
         except (TimeoutError, OSError, nats.errors.Error) as error:
             await self.close()
             raise BrokerError(f"NATS at {redact(self.config.broker.url)} did not answer "
                               f"the JetStream API: {error!r}") from error
         return {
-            **status.counts(names, work, dead, consumer, self.config.job.max_attempts),
+            **nats_dead.QueueInfo(names, work, dead, consumer).counts(
+                self.config.job.max_attempts),
             "acknowledged": consumer.ack_floor.consumer_seq
             if consumer and consumer.ack_floor else 0,
         }
@@ -421,12 +422,10 @@ def _dead_entry(letter: nats_dead.Letter) -> Entry:
 async def _nats_connect(config: Config) -> Any:
     """A client of the job's NATS, kept open between samples: one quick try per server,
     as ``status`` connects (nats-py alone would retry a refused server 60 times)."""
-    from supervisor.ops import nats_status as status
-
     options = tls_options(config.broker.url, config.broker.tls)
     try:
         return await nats_tls.connect(
-            config.broker.url, connect_timeout=status.CONNECT_TIMEOUT, allow_reconnect=False,
+            config.broker.url, connect_timeout=nats_dead.CONNECT_TIMEOUT, allow_reconnect=False,
             max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=quiet_error,
             name=f"queue-supervisor dashboard {config.job.queue}", **options)
     except Exception as error:  # whatever nats-py raises: say where, and why if we know

@@ -1,0 +1,3 @@
+"""What the operator commands and the dashboard read and write of a Redis queue, beside the
+broker: its failed, dead and poison lists (``lists``), retry (``retry``) and the queue's
+state (``status``). Each takes the connected broker's client, scripts and key names."""
