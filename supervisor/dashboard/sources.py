@@ -6,7 +6,7 @@ searched up to ``SEARCH_DEPTH``) and none writes. The sampler's read of a Redis 
 pipeline (sizes, counters, the supervisors' token registry, the delayed retry due first),
 the server's ``TIME``, one ``EXISTS`` per registered supervisor and ``oldest.lua``: no
 ``SCAN``, which costs a walk of the whole keyspace; the queue page's supervisor list
-(``inspect.supervisors``) does scan, only while it is viewed.
+(``broker.redis.admin.status.supervisors``) does scan, only while it is viewed.
 A broker that cannot be reached raises ``BrokerError``; the next call connects again.
 """
 
@@ -20,15 +20,13 @@ from typing import Any
 import nats.errors
 import orjson
 
-from broker import envelope, errors
+from broker import envelope
 from broker.base import BrokerError
 from broker.failure import Failure
-from broker.nats import admin as nats_dead
-from broker.nats import tls as nats_tls
-from broker.nats.conn import quiet_error, refusal
+from broker.nats import admin as nats_admin
+from broker.nats.dead import REASON_HEADER
 from broker.nats.setup import QueueNames
-from broker.nats.tls import tls_options
-from broker.redis.admin import status as inspect
+from broker.redis.admin import status as redis_status
 from broker.redis.gauges import overdue
 from broker.redis.recovery import server_time
 from broker.urls import redact
@@ -193,7 +191,7 @@ class RedisSource:
     async def detail(self) -> dict[str, Any]:
         async def read(broker: Any) -> dict[str, Any]:
             client, keys = broker.client, broker.keys
-            records = await inspect.supervisors(client, keys, show=100)
+            records = await redis_status.supervisors(client, keys, show=100)
             for record in records:  # uptime and what runs now, where this host can see it
                 record["local"] = await asyncio.to_thread(
                     local.describe, keys.queue, record["where"])
@@ -206,7 +204,7 @@ class RedisSource:
                                   key=lambda job: -job["elapsed"]),
                 "running_total": sum(record["running"]["running"] for record in records
                                      if record.get("running")),
-                "reservations": await inspect.reservations(client, keys, show=20),
+                "reservations": await redis_status.reservations(client, keys, show=20),
             }
 
         return await self._call(read)
@@ -313,7 +311,11 @@ class NatsSource:
     async def _js(self) -> Any:
         async with self._lock:
             if self._client is None or self._client.is_closed:
-                self._client = await _nats_connect(self.config)
+                # One quick try per server, as ``status`` connects (nats-py alone would
+                # retry a refused server 60 times); kept open between samples.
+                self._client = await nats_admin.connect(
+                    self.config.broker.url, self.config.broker.tls,
+                    f"queue-supervisor dashboard {self.config.job.queue}")
             return self._client
 
     async def close(self) -> None:
@@ -321,30 +323,22 @@ class NatsSource:
             client, self._client = self._client, None
             await _quietly(client.close())
 
-    async def dead_stream(self) -> nats_dead.DeadStream:
+    async def dead_stream(self) -> nats_admin.DeadStream:
         """The dead stream, through ``dead``'s own reader (``broker.nats.admin``)."""
-        return nats_dead.DeadStream(await self._js(), QueueNames.of(self.config.job.queue))
+        return nats_admin.DeadStream(await self._js(), QueueNames.of(self.config.job.queue))
 
     async def _read(self) -> dict[str, Any]:
-        """What ``status`` reads (its helpers), and the two figures the dashboard plots."""
+        """What ``status`` reads, and the two figures the dashboard plots."""
         names = QueueNames.of(self.config.job.queue)
         try:
-            async with asyncio.timeout(nats_dead.STATUS_TIMEOUT):
-                dead_stream = await self.dead_stream()
-                js = dead_stream.client.jetstream(timeout=nats_dead.CONNECT_TIMEOUT)
-                work = await nats_dead.stream_info(js, names.stream)
-                dead = await dead_stream.info()
-                consumer = await nats_dead.consumer_info(js, names)
+            async with asyncio.timeout(nats_admin.STATUS_TIMEOUT):
+                js = (await self._js()).jetstream(timeout=nats_admin.CONNECT_TIMEOUT)
+                info = await nats_admin.read_queue(js, names)
         except (TimeoutError, OSError, nats.errors.Error) as error:
             await self.close()
             raise BrokerError(f"NATS at {redact(self.config.broker.url)} did not answer "
                               f"the JetStream API: {error!r}") from error
-        return {
-            **nats_dead.QueueInfo(names, work, dead, consumer).counts(
-                self.config.job.max_attempts),
-            "acknowledged": consumer.ack_floor.consumer_seq
-            if consumer and consumer.ack_floor else 0,
-        }
+        return {**info.counts(self.config.job.max_attempts), "acknowledged": info.acknowledged}
 
     async def counts(self) -> Counts:
         self.state = state = await self._read()
@@ -406,34 +400,17 @@ class NatsSource:
         }
 
 
-def _dead_entry(letter: nats_dead.Letter) -> Entry:
+def _dead_entry(letter: nats_admin.Letter) -> Entry:
     """A row of the dead list, from ``dead``'s reading of the letter."""
     job = letter.job
     note = job.failure_note
-    if job.failure is None and letter.headers.get(nats_dead.REASON_HEADER):
-        note = f"(no record) {nats_dead.REASON_HEADER}: {letter.headers[nats_dead.REASON_HEADER]}"
+    if job.failure is None and letter.headers.get(REASON_HEADER):
+        note = f"(no record) {REASON_HEADER}: {letter.headers[REASON_HEADER]}"
     raw = job.raw or b""
     facts = envelope_facts(raw) if len(raw) <= VALUE_BYTES else {}
     return Entry(job.pid, len(raw), text(raw[:PREVIEW_BYTES]), job.failure,
                  note or "(no record)", attempts=job.deliveries,
                  at=job.stored_at or facts.get("timestamp"), seq=job.seq)
-
-
-async def _nats_connect(config: Config) -> Any:
-    """A client of the job's NATS, kept open between samples: one quick try per server,
-    as ``status`` connects (nats-py alone would retry a refused server 60 times)."""
-    options = tls_options(config.broker.url, config.broker.tls)
-    try:
-        return await nats_tls.connect(
-            config.broker.url, connect_timeout=nats_dead.CONNECT_TIMEOUT, allow_reconnect=False,
-            max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=quiet_error,
-            name=f"queue-supervisor dashboard {config.job.queue}", **options)
-    except Exception as error:  # whatever nats-py raises: say where, and why if we know
-        refused = refusal(config.broker.url, error)
-        if refused is not None:
-            raise refused from error
-        raise BrokerError(f"cannot reach NATS at {redact(config.broker.url)}: "
-                          f"{errors.describe(error)}") from error
 
 
 def make_source(config: Config) -> RedisSource | NatsSource:
