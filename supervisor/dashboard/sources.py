@@ -2,11 +2,11 @@
 listings and jobs of the pages.
 
 Every read is bounded (pages of ``PAGE`` entries, values read up to ``VALUE_BYTES``, lists
-searched up to ``SEARCH_DEPTH``) and none writes. The sampler's read of a Redis queue is one
-pipeline (sizes, counters, the supervisors' token registry, the delayed retry due first),
-the server's ``TIME``, one ``EXISTS`` per registered supervisor and ``oldest.lua``: no
-``SCAN``, which costs a walk of the whole keyspace; the queue page's supervisor list
-(``broker.redis.admin.status.supervisors``) does scan, only while it is viewed.
+searched up to ``SEARCH_DEPTH``) and none writes. The reads are the admin modules'
+(``broker.redis.admin.browse`` and ``.status``, ``broker.nats.admin``): this module turns
+them into rows and pages. The sampler's read of a Redis queue (``browse.sample``, then
+``oldest.lua``) does no ``SCAN``, which costs a walk of the whole keyspace; the queue page's
+supervisor list (``broker.redis.admin.status.supervisors``) does scan, only while viewed.
 A broker that cannot be reached raises ``BrokerError``; the next call connects again.
 """
 
@@ -26,9 +26,8 @@ from broker.failure import Failure
 from broker.nats import admin as nats_admin
 from broker.nats.dead import REASON_HEADER
 from broker.nats.setup import QueueNames
+from broker.redis.admin import browse
 from broker.redis.admin import status as redis_status
-from broker.redis.gauges import overdue
-from broker.redis.recovery import server_time
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
@@ -169,22 +168,10 @@ class RedisSource:
         return await self._call(self._counts)
 
     async def _counts(self, broker: Any) -> Counts:
-        client, keys = broker.client, broker.keys
-        pipe = client.pipeline(transaction=False)
-        for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
-            pipe.llen(key)
-        pipe.get(keys.stat("success"))
-        pipe.get(keys.stat("failed"))
-        pipe.zcard(keys.delayed)
-        pipe.hlen(keys.supervisor_tokens)
-        pipe.zrange(keys.delayed, 0, 0, withscores=True)
-        ready, processing, failed, dead, poison, success, failures, delayed, tokens, first = (
-            await pipe.execute())
-        counts = Counts(ready, processing, failed, dead, poison, delayed,
-                        _int(success) + _int(failures))
-        counts.supervisors = await _live_supervisors(client, keys, tokens)
-        now, _ = await server_time(client, keys.delayed)
-        counts.delayed_overdue = overdue(first, now)
+        found = await browse.sample(broker.client, broker.keys, MAX_TOKENS)
+        counts = Counts(found.ready, found.processing, found.failed, found.dead, found.poison,
+                        found.delayed, found.done, supervisors=found.supervisors,
+                        delayed_overdue=found.delayed_overdue)
         counts.oldest_age = await broker.oldest_ready_age()
         return counts
 
@@ -212,30 +199,23 @@ class RedisSource:
     async def listing(self, kind: str, page: int = 0, pid: str = "") -> Listing:
         async def read(broker: Any) -> Listing:
             client, keys = broker.client, broker.keys
-            key = {"failed": keys.failed, "dead": keys.dead, "poison": keys.poison}[kind]
+            key = browse.list_key(keys, kind)
             total = await client.llen(key)
             if kind == "poison":
                 return await _poison(client, key, total, page)
             if pid:
-                found = await client.lpos(key, pid, maxlen=SEARCH_DEPTH)
-                pids = [pid] if found is not None else []
+                pids = [pid] if await browse.search(client, key, pid, SEARCH_DEPTH) else []
                 listing = Listing(kind, total, searched=pid)
             else:
-                pids = [text(p) for p in
-                        await client.lrange(key, page * PAGE, page * PAGE + PAGE - 1)]
+                pids = await browse.newest(client, key, page * PAGE, PAGE)
                 listing = Listing(kind, total, page=page)
-            pipe = client.pipeline(transaction=False)
-            for item in pids:
-                pipe.strlen(keys.job(item))
-                pipe.getrange(keys.job(item), 0, PREVIEW_BYTES - 1)
-                pipe.get(keys.error(item))
-            replies = await pipe.execute() if pids else []
-            for index, item in enumerate(pids):
-                size, head, error = replies[3 * index:3 * index + 3]
-                failure, note = failure_of(error)
+            for record in await browse.records(client, keys, pids, PREVIEW_BYTES):
+                failure, note = failure_of(record.error)
+                size, head = record.size, record.head
                 facts = envelope_facts(head) if size <= PREVIEW_BYTES else {}
                 listing.entries.append(Entry(
-                    item, size, text(head), failure, note if size else "(job record expired)",
+                    record.pid, size, text(head), failure,
+                    note if size else "(job record expired)",
                     attempts=facts.get("attempts"), at=facts.get("timestamp")))
             return listing
 
@@ -243,53 +223,28 @@ class RedisSource:
 
     async def job(self, pid: str) -> dict[str, Any]:
         async def read(broker: Any) -> dict[str, Any]:
-            client, keys = broker.client, broker.keys
-            pipe = client.pipeline(transaction=False)
-            for key in (keys.failed, keys.dead, keys.processing):
-                pipe.lpos(key, pid, maxlen=SEARCH_DEPTH)
-            pipe.strlen(keys.job(pid))
-            pipe.getrange(keys.job(pid), 0, VALUE_BYTES - 1)
-            pipe.ttl(keys.job(pid))
-            pipe.get(keys.error(pid))
-            pipe.get(keys.owner(pid))
-            pipe.pttl(keys.claim(pid))
-            failed, dead, processing, size, raw, ttl, error, owner, claim = await pipe.execute()
-            where = [name for name, at in (("failed", failed), ("dead", dead),
-                                           ("processing", processing)) if at is not None]
-            failure, note = failure_of(error)
+            found = await browse.job(broker.client, broker.keys, pid, VALUE_BYTES, SEARCH_DEPTH)
+            size, raw = found["size"], found["raw"]
+            failure, note = failure_of(found["error"])
             return {
-                "pid": pid, "where": where, "size": size, "record": text(raw),
-                "cut": size > len(raw), "ttl": ttl, "failure": failure, "failure_note": note,
-                "owner": text(owner), "claim_ms": claim,
+                "pid": pid, "where": found["where"], "size": size, "record": text(raw),
+                "cut": size > len(raw), "ttl": found["ttl"], "failure": failure,
+                "failure_note": note, "owner": text(found["owner"]),
+                "claim_ms": found["claim_ms"],
                 "facts": envelope_facts(raw) if size <= VALUE_BYTES else {},
             }
 
         return await self._call(read)
 
 
-async def _live_supervisors(client: Any, keys: Any, registered: int) -> int | None:
-    """Supervisors whose record still exists, by the token registry (None: too many to
-    check in one sample)."""
-    if registered > MAX_TOKENS:
-        return None
-    entries = await client.hgetall(keys.supervisor_tokens) if registered else {}
-    consumers = sorted({text(value).partition(" ")[2] for value in entries.values()} - {""})
-    if not consumers:
-        return 0
-    pipe = client.pipeline(transaction=False)
-    for consumer in consumers:
-        pipe.exists(keys.supervisor(consumer))
-    return sum(await pipe.execute())
-
-
 async def _poison(client: Any, key: str, total: int, page: int) -> Listing:
     listing = Listing("poison", total, page=page)
-    size = await client.memory_usage(key, samples=0) if total else 0
-    if (size or 0) > POISON_LIST_BYTES:
+    size, raws = await browse.poison_page(client, key, total, page * PAGE, PAGE,
+                                          POISON_LIST_BYTES)
+    if raws is None:
         listing.note = (f"the poison list holds {size:,} bytes: too big to page through "
                         f"here (at most {POISON_LIST_BYTES:,}); read it with redis-cli")
         return listing
-    raws = await client.lrange(key, page * PAGE, page * PAGE + PAGE - 1)
     for index, raw in enumerate(raws):
         listing.entries.append(Entry(str(page * PAGE + index), len(raw),
                                      text(raw[:PREVIEW_BYTES])))
@@ -415,13 +370,6 @@ def _dead_entry(letter: nats_admin.Letter) -> Entry:
 
 def make_source(config: Config) -> RedisSource | NatsSource:
     return NatsSource(config) if config.broker.kind == "nats" else RedisSource(config)
-
-
-def _int(value: bytes | None) -> int:
-    try:
-        return int(value or 0)
-    except ValueError:
-        return 0
 
 
 async def _quietly(closing: Any) -> None:
