@@ -169,9 +169,9 @@ async def test_delete_needs_exactly_one_selection(conf, run, redis_client, capsy
 
 async def test_a_pid_deleted_meanwhile_is_skipped_not_doubled(redis_client, redis_brokers):
     """Two operators delete and retry the same pids at once: each pid is acted on once."""
+    from broker.redis.admin import lists
+    from broker.redis.admin.retry import retry
     from broker.redis.keys import QueueKeys
-    from supervisor.ops import failed as lists
-    from supervisor.ops.retry import retry
 
     pids = await fail_all(redis_client, redis_brokers, 50)
     for pid in pids:

@@ -16,10 +16,10 @@ import pytest
 from broker import envelope
 from broker.base import Action, Delivery, Outcome, Settlement
 from broker.redis import RedisBroker
+from broker.redis.admin.retry import retry
 from broker.redis.keys import QueueKeys
 from broker.redis.recovery import maintain
 from broker.redis.scripts import Scripts
-from supervisor.ops.retry import retry
 
 QUEUE = "hostile"
 KEYS = QueueKeys("utopia-queue", QUEUE)

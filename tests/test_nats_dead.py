@@ -19,8 +19,8 @@ import pytest
 from broker import envelope
 from broker.base import Action, Settlement
 from broker.failure import NATS_HEADER, Failure
+from broker.nats import admin as nats_dead
 from supervisor import cli
-from supervisor.ops import nats_dead
 from support.brokers import receive_all
 from support.nats_dead_letters import NAMES, bury, dead_pids, work_messages
 from support.supervision import QUEUE, ROOT, write_config

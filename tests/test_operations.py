@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from broker import envelope
+from broker.redis.admin import status as inspect
 from supervisor import cli
 from supervisor.config import load
-from supervisor.ops import inspect
 from support import envelopes
 from support.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
 

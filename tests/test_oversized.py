@@ -162,8 +162,8 @@ async def test_a_sweep_and_retry_never_read_an_oversized_job_record(redis_client
     unread to dead once it is old by its pid (kept while its age cannot be known), and
     retry leaves it where it is."""
     from broker.redis import recovery
+    from broker.redis.admin.retry import retry
     from broker.redis.scripts import Scripts
-    from supervisor.ops.retry import retry
 
     keys = QueueKeys("utopia-queue", "oversized-records")
     scripts = Scripts(redis_client)
@@ -192,7 +192,7 @@ async def test_a_sweep_and_retry_never_read_an_oversized_job_record(redis_client
 async def test_status_shows_a_large_reservation_without_reading_its_payloads(redis_client):
     """A reservation may hold payloads of any size (a PHP worker takes them all): status
     measures the list first and reads its payloads only when it is small."""
-    from supervisor.ops import inspect
+    from broker.redis.admin import status as inspect
 
     keys = QueueKeys("utopia-queue", "oversized-status")
     small, large = keys.reservation("a" * 32), keys.reservation("b" * 32)

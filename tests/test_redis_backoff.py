@@ -22,10 +22,10 @@ from broker import envelope
 from broker.base import Action, Outcome, Settlement
 from broker.failure import RECORD_TTL_WITHOUT_JOB_TTL, Failure
 from broker.redis import RedisBroker, recovery
+from broker.redis.admin.retry import retry
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
 from broker.retry import RetryPolicy
-from supervisor.ops.retry import retry
 from tests.queue5 import REAP_AFTER, Queue5Consumer
 
 QUEUE = "backoff"
@@ -314,7 +314,7 @@ async def test_delayed_retries_and_records_on_a_redis_cluster(redis_cluster):
     from redis.asyncio.cluster import RedisCluster
     from redis.crc import key_slot
 
-    from supervisor.ops import inspect
+    from broker.redis.admin import status as inspect
 
     keys = QueueKeys("{utopia-queue}", QUEUE)
     assert key_slot(keys.delayed.encode()) == key_slot(keys.ready.encode())

@@ -65,7 +65,7 @@ async def test_a_lost_publish_reply_mid_retry_names_the_letter_and_what_to_do(
     moved before it, not that it may now be in both streams and how to finish."""
     import nats.errors
 
-    from supervisor.ops import nats_dead
+    from broker.nats import admin as nats_dead
     from support.nats_dead_letters import NAMES, bury, dead_pids, work_messages
 
     job = str(write_config(tmp_path, nats_server.url, handler="examples.noop:handle"))

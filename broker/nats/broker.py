@@ -41,12 +41,8 @@ stays valid, since its acks go to its own reply subject from whichever connectio
 from __future__ import annotations
 
 import asyncio
-import base64
-import collections
-import contextlib
 import dataclasses
 import datetime
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,10 +68,11 @@ from broker.base import (
     Settlement,
     check_receive_limit,
 )
-from broker.failure import NATS_HEADER, Failure
+from broker.failure import Failure
 from broker.nats import acks, api, presence, version
 from broker.nats.acks import NO_RESPONDERS
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
+from broker.nats.dead import CONTENT_TYPE, Burial, header_token
 from broker.nats.held import Holdings
 from broker.nats.link import RETRYABLE, Link, Unavailable
 from broker.nats.pull import Puller
@@ -100,14 +97,11 @@ log = logging.getLogger("broker.nats")
 
 ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 _SUPERSEDED = Result(Outcome.STALE, "superseded by a newer delivery")
-CONTENT_TYPE = "Content-Type"
 JSON = "application/json"
 #: Queue 5's queue group for the max-deliveries advisory: one subscriber of the fleet each.
 ADVISORY_GROUP = "utopia_queue_dead_letter"
 #: Seconds a released message waits on a size-limited stream (queue 5's release delay).
 RELEASE_DELAY = 5.0
-#: Advisories kept for the next burial pass at most (they are rare; this bounds memory).
-MAX_EXHAUSTED = 10_000
 #: Seconds a maintenance pass trusts the consumer's budget as last read (queue 5 re-adopts
 #: at most every 30 s); a dead-letter verdict reads it again whatever its age.
 POLICY_MAX_AGE = 30.0
@@ -119,12 +113,6 @@ RECONNECT_SETUP_TIMEOUT = 1.0
 LEADERLESS_BACKOFF = (0.1, 1.0)
 #: JetStream's error code for a stream sequence it does not store ("no message found").
 MSG_NOT_FOUND = 10037
-#: The failure record in a dead letter's header (NATS_HEADER) takes at most this many bytes
-#: (ASCII JSON, no line breaks), less when the message leaves less of the server's
-#: max_payload (headers count against it): the traceback gives way first.
-MAX_FAILURE_HEADER = 16384
-#: Bytes of a header block besides its lines ("NATS/1.0\r\n" ... "\r\n"), and slack.
-_HEADER_BLOCK = 64
 
 
 @dataclass(slots=True)
@@ -210,8 +198,7 @@ class NatsBroker:
         self._arrived_seen = 0  # the puller's arrivals when _read_done last looked
         self._acked = False  # a settle call's ack was answered since _read_done last looked
         self._held = Holdings()
-        self._exhausted: collections.deque[int] = collections.deque(maxlen=MAX_EXHAUSTED)
-        self._burying: asyncio.Future[None] | None = None  # see _bury_announced
+        self._burial = Burial(self._names, self._js_publish, self._api, self._max_payload)
         self._rereading: asyncio.Future[None] | None = None  # see _refresh_policy
         self._policy_read = 0.0  # time.monotonic() of the last read of the consumer
         self._gone: asyncio.Future[bool] | None = None  # see _consumer_gone
@@ -270,11 +257,7 @@ class NatsBroker:
         leftovers = self._puller.take_backlog()
         if leftovers and self._link.connection is not None:
             await asyncio.gather(*(self._release_unreturned(msg) for msg in leftovers))
-        if self._burying is not None and not self._burying.done():
-            # A burial cut short leaves a copy in dead and the original in work: let it end.
-            with contextlib.suppress(Exception, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._burying), self._timeout)
-            self._burying.cancel()
+        await self._burial.close(self._timeout)
         if self._rereading is not None:
             self._rereading.cancel()
         await self._link.close()
@@ -300,31 +283,10 @@ class NatsBroker:
         already (JetStream redelivers the rest)."""
         if time.monotonic() - self._policy_read >= POLICY_MAX_AGE:
             await self._refresh_policy()
-        burying = self._bury_announced()
+        burying = self._burial.announced()
         if burying is not None:
             await asyncio.shield(burying)
         return MaintenanceReport()
-
-    def _bury_announced(self) -> asyncio.Future[None] | None:
-        """The pass over what the advisories named, started unless one runs. Queue 5 drains
-        them on every receive; here a receive starts the pass and does not wait for it."""
-        if self._burying is None or self._burying.done():
-            if not self._exhausted:
-                return None
-            self._burying = asyncio.ensure_future(self._bury_exhausted_all())
-            self._burying.add_done_callback(_log_burial_failure)
-        return self._burying
-
-    async def _bury_exhausted_all(self) -> None:
-        for _ in range(len(self._exhausted)):
-            seq = self._exhausted.popleft()
-            try:
-                await self._bury_exhausted(seq)
-            except BrokerError as error:
-                log.warning("stream seq %d ran out of deliveries; not dead-lettered yet, "
-                            "tried again at the next pass: %s", seq, error)
-                self._exhausted.append(seq)
-                break
 
     async def abandon(self, deliveries: Sequence[Delivery] = ()) -> None:
         """Nothing to do: JetStream redelivers unacknowledged deliveries after ack_wait."""
@@ -335,7 +297,7 @@ class NatsBroker:
         check_receive_limit(max_messages)
         conn = self._link.connection or await self._connection(
             max(block_timeout, self._connect_timeout))
-        self._bury_announced()
+        self._burial.announced()
         msgs = await self._puller.pull(conn, max_messages, block_timeout)
         received = Received()
         poison: list[asyncio.Future[Poisoned | None]] = []
@@ -411,7 +373,7 @@ class NatsBroker:
         self._puller.take_ready(max_messages)
         for delivery in deliveries:
             self._held.add(delivery.receipt.stream_seq, delivery.receipt.delivered)
-        self._bury_announced()
+        self._burial.announced()
         return Received(deliveries)
 
     async def _poison(
@@ -424,8 +386,9 @@ class NatsBroker:
                           message=reason, attempt=receipt.delivered, at=time.time(),
                           outcome="dead")
         try:
-            await self._dead_letter(msg.data, receipt, reason, keep_content_type=True,
-                                    failure=failure)
+            await self._burial.dead_letter(msg.data, receipt.stream_seq, reason,
+                                           delivered=receipt.delivered,
+                                           content_type=receipt.content_type, failure=failure)
         except BrokerError as error:
             log.warning("stream seq %d not dead-lettered yet (%s), it comes back after "
                         "ack_wait: %s", receipt.stream_seq, reason, error)
@@ -569,8 +532,9 @@ class NatsBroker:
         receipt: NatsReceipt = settlement.delivery.receipt
         failure = settlement.failure or Failure.from_text(settlement.error)
         try:
-            await self._dead_letter(settlement.delivery.raw, receipt, settlement.error or "",
-                                    failure=failure.replace(outcome="dead"))
+            await self._burial.dead_letter(settlement.delivery.raw, receipt.stream_seq,
+                                           settlement.error or "", delivered=receipt.delivered,
+                                           failure=failure.replace(outcome="dead"))
         except BrokerError as error:
             return Result(Outcome.ERROR, f"dead letter not stored, delivery kept: {error}")
         result = await self._respond(receipt, TERM)
@@ -598,7 +562,7 @@ class NatsBroker:
         if gone:
             return Result(Outcome.STALE, "no copy: the message is no longer stored (acknowledged "
                                          "by another consumer after its redelivery)")
-        headers = {"Nats-Msg-Id": f"{_header_token(delivery.pid)}.released.{receipt.stream_seq}"}
+        headers = {"Nats-Msg-Id": f"{header_token(delivery.pid)}.released.{receipt.stream_seq}"}
         if receipt.content_type is not None:
             headers[CONTENT_TYPE] = receipt.content_type
         try:
@@ -711,38 +675,6 @@ class NatsBroker:
         _log_unsure(results, "renewal")
         return [r.outcome is not Outcome.STALE for r in results]
 
-    # -- exhausted deliveries (max-deliveries advisories) ---------------------------------
-
-    def _on_advisory(self, msg: Msg) -> None:
-        try:
-            seq = orjson.loads(msg.data).get("stream_seq")
-        except (orjson.JSONDecodeError, AttributeError):
-            seq = None
-        if isinstance(seq, int) and seq > 0:
-            self._exhausted.append(seq)
-
-    async def _bury_exhausted(self, seq: int) -> None:
-        """Copy the stored message to the dead stream (confirmed), then delete it."""
-        stream = self._names.stream
-        found = await self._api(api.stream_msg_get(stream), {"seq": seq})
-        if "error" in found:
-            return  # acknowledged, deleted or buried by another worker since the advisory
-        stored = found["message"]
-        raw = base64.b64decode(stored.get("data") or "")
-        content_type = _stored_header(stored, CONTENT_TYPE)
-        receipt = NatsReceipt("", seq, 0, stored.get("subject", ""), content_type)
-        reason = "max deliveries exceeded (server advisory)"
-        failure = Failure(error="MaxDeliveriesExceeded", outcome="dead", at=time.time(),
-                          message=f"stream seq {seq} of {stream} ran out of deliveries while no "
-                                  f"worker held it (each run ended unsettled: a killed worker, "
-                                  f"or a release); reported by the server's advisory")
-        await self._dead_letter(raw, receipt, reason, keep_content_type=True, failure=failure)
-        deleted = await self._api(api.stream_msg_delete(stream), {"seq": seq})
-        if "error" in deleted and deleted["error"].get("code") != 404:
-            raise BrokerError(f"dead-lettered, but not deleted: {deleted['error']}")
-        log.warning("stream seq %d ran out of deliveries while nobody held it: moved to %s",
-                    seq, self._names.dead_stream)
-
     # -- publish -----------------------------------------------------------------------
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
@@ -767,45 +699,6 @@ class NatsBroker:
                               f"(the others are stored): {failed[0]}")
         return [pid for pid, _ in built]
 
-    async def _dead_letter(
-        self, raw: bytes, receipt: NatsReceipt, reason: str, keep_content_type: bool = False,
-        failure: Failure | None = None,
-    ) -> None:
-        """The bytes as they arrived, on the dead subject. Queue 5 copies the Content-Type
-        when it parks a message; the id makes a repeated dead-lettering of the same message
-        a no-op (duplicate window); the Queue-* headers say why, and NATS_HEADER holds the
-        failure record (queue 5 ignores them all)."""
-        headers = {"Nats-Msg-Id": f"{self._names.stream}:{receipt.stream_seq}"}
-        if keep_content_type and receipt.content_type is not None:
-            headers[CONTENT_TYPE] = receipt.content_type
-        if receipt.delivered:
-            headers["Queue-Attempts"] = str(receipt.delivered)
-        if reason:
-            headers["Queue-Reason"] = _header_value(reason)
-        if failure is not None:
-            record = await self._failure_header(failure, raw, headers)
-            if record is not None:
-                headers[NATS_HEADER] = record
-        await self._js_publish(self._names.dead_subject, raw, headers)
-
-    async def _failure_header(
-        self, failure: Failure, raw: bytes, headers: dict[str, str]
-    ) -> str | None:
-        """The failure record as one header value, in what the server's max_payload leaves
-        beside the message and the other headers (a larger message would be refused, and
-        the connection with it). None (logged) when not even the error class fits."""
-        conn = await self._connection(self._timeout)
-        used = len(raw) + _HEADER_BLOCK + sum(len(k) + len(v) + 4 for k, v in headers.items())
-        room = min(MAX_FAILURE_HEADER,
-                   conn.client.max_payload - used - len(NATS_HEADER) - 4)
-        try:
-            return failure.encode_within(room, ascii=True).decode("ascii")
-        except ValueError:
-            log.warning("stream seq %d dead-lettered without its failure record (%s): the "
-                        "message leaves no room for it under the server's max_payload",
-                        receipt_seq(headers), failure.summary)
-            return None
-
     async def _js_publish(self, subject: str, raw: bytes, headers: dict[str, str]) -> None:
         """JetStream publish, PubAck awaited. Every caller sets Nats-Msg-Id, so sending
         again after a lost reply is deduplicated by the stream: safe to retry."""
@@ -828,6 +721,10 @@ class NatsBroker:
     async def _connection(self, timeout: float) -> Connection:
         return await self._link.current(timeout)
 
+    async def _max_payload(self) -> int:
+        """The server's max_payload (a dead letter's failure record fits in what it leaves)."""
+        return (await self._connection(self._timeout)).client.max_payload
+
     async def _prepare(self, conn: Connection) -> None:
         """Every new connection: adopt the queue's settings, subscribe to the advisory."""
         # A reconnection, often to a cluster electing leaders (where the API stays silent
@@ -848,7 +745,7 @@ class NatsBroker:
             policy = self._policy
         self._use(policy)
         self._policy_read = time.monotonic()
-        await conn.subscribe(self._names.advisory_subject, self._on_advisory,
+        await conn.subscribe(self._names.advisory_subject, self._burial.on_advisory,
                              queue=ADVISORY_GROUP)
         if self._presence is not None:
             await self._presence.listen(conn)
@@ -975,13 +872,6 @@ class NatsBroker:
         return (info.get("error") or {}).get("code") == 404
 
 
-def _log_burial_failure(task: asyncio.Future[None]) -> None:
-    """A pass no maintain() awaited must not fail unseen."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("burying exhausted deliveries failed; tried again at the next pass: %r",
-                  task.exception())
-
-
 def _receipt(msg: Msg) -> NatsReceipt | None:
     counters = _ack_counters(msg.reply)
     if counters is None:
@@ -1027,16 +917,6 @@ def _nak_after(delay: float) -> bytes:
     return NAK + b" " + orjson.dumps({"delay": int(delay * 1e9)})
 
 
-def _stored_header(stored: dict[str, Any], name: str) -> str | None:
-    """One header of a message read with STREAM.MSG.GET (NATS/1.0 header block, base64)."""
-    block = base64.b64decode(stored.get("hdrs") or "").decode("utf-8", "replace")
-    for line in block.split("\r\n")[1:]:
-        key, _, value = line.partition(":")
-        if key.strip().lower() == name.lower():
-            return value.strip()
-    return None
-
-
 def _check_puback(subject: str, reply: Msg) -> None:
     if (reply.headers or {}).get("Status") == "503":
         raise BrokerError(f"no JetStream stream stores {subject!r} (or the one that does "
@@ -1049,23 +929,6 @@ def _check_puback(subject: str, reply: Msg) -> None:
             f"unexpected reply to a publish on {subject}: {reply.data[:200]!r}") from None
     if "error" in ack:
         raise BrokerError(f"publish on {subject} refused: {ack['error'].get('description')}")
-
-
-def _header_token(pid: str) -> str:
-    """The pid as queue 5 puts it in a message id, unless it could not be a header value
-    (control characters, spaces, too long): then a digest that is still one per pid."""
-    if 0 < len(pid) <= 256 and pid.isascii() and pid.isprintable() and " " not in pid:
-        return pid
-    return "sha256-" + hashlib.sha256(pid.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def receipt_seq(headers: dict[str, str]) -> str:
-    """The stream seq a dead letter's id names ("<stream>:<seq>"), for a log line."""
-    return headers.get("Nats-Msg-Id", "").rpartition(":")[2] or "?"
-
-
-def _header_value(text: str) -> str:
-    return " ".join(text.split())[:1024]
 
 
 def _log_unsure(results: Sequence[Result], what: str) -> None:

@@ -4,8 +4,9 @@ queue, retry or delete one dead letter. Each returns one line for the operator a
 action log.
 
 Each is the operator commands' own function (``failed retry PID``, ``failed delete PID``,
-``poison delete --count N``, ``dead retry PID`` and ``dead delete PID`` on NATS): the job
-moves or goes only if it is still where and what was read.
+``poison delete --count N``, ``dead retry PID`` and ``dead delete PID`` on NATS), from
+``broker.redis.admin`` and ``broker.nats.admin``: the job moves or goes only if it is still
+where and what was read.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import signal
 from typing import Any
 
 from broker.base import MAX_BATCH
+from broker.nats import admin as nats_admin
+from broker.redis.admin import lists as redis_lists
+from broker.redis.admin import retry as retrying
+from broker.redis.admin import status as redis_status
 from supervisor.ops import drain as processes
-from supervisor.ops import failed, inspect, nats_dead
-from supervisor.ops import retry as retrying
 
 SOURCES = retrying.SOURCES  # "failed", "dead"
 
@@ -38,7 +41,7 @@ async def retry_job(broker: Any, source: str, pid: str) -> str:
 
 async def delete_job(broker: Any, source: str, pid: str) -> str:
     queue = broker.keys.queue
-    report = await failed.delete(broker.client, broker.scripts, broker.keys, source, [pid])
+    report = await redis_lists.delete(broker.client, broker.scripts, broker.keys, source, [pid])
     if not report.deleted:
         return f"job {pid} of {queue} was not in {source} any more: nothing deleted"
     return f"job {pid} of {queue} deleted from {source} with its job and failure records"
@@ -48,12 +51,12 @@ async def delete_poison(broker: Any, count: int) -> str:
     """Drop the ``count`` oldest poison entries (those the page showed: entries pushed since
     are at the head, and LTRIM keeps them)."""
     queue = broker.keys.queue
-    dropped = await failed.delete_poison(broker.client, broker.keys, count)
+    dropped = await redis_lists.delete_poison(broker.client, broker.keys, count)
     return (f"{dropped} oldest poison entries of {queue} deleted (asked for {count}; entries "
             f"pushed since the page was read are kept)")
 
 
-async def nats_dead_letter(stream: nats_dead.DeadStream, queue: str, action: str,
+async def nats_dead_letter(stream: nats_admin.DeadStream, queue: str, action: str,
                            selector: str, depth: int) -> str:
     """Retry (publish to the work subject, acknowledged, then delete) or delete the dead
     letter ``selector`` names (``seq:N``, or a pid: every copy among the oldest ``depth``)."""
@@ -61,9 +64,9 @@ async def nats_dead_letter(stream: nats_dead.DeadStream, queue: str, action: str
     letters, _ = await stream.find([selector], depth=depth)
     if not letters:
         return f"dead letter {selector} of {queue} is not in {dead} any more: nothing done"
-    report = nats_dead.Moved()
+    report = nats_admin.Moved()
     for letter in letters:
-        step = nats_dead.retry if action == "retry" else nats_dead.remove
+        step = nats_admin.retry if action == "retry" else nats_admin.remove
         await step(stream, letter, report)
     lines = []
     if report.done and action == "retry":
@@ -88,7 +91,7 @@ async def drain_supervisor(broker: Any, consumer: str) -> str:
     """SIGTERM the supervisor ``consumer`` if it runs on this host (it then stops taking
     work, finishes or releases what it holds, and exits: the supervisor's own drain)."""
     keys, queue = broker.keys, broker.keys.queue
-    records = await inspect.supervisors(broker.client, keys, show=MAX_BATCH)
+    records = await redis_status.supervisors(broker.client, keys, show=MAX_BATCH)
     record = next((r for r in records if r["id"] == consumer), None)
     if record is None:
         return f"supervisor {consumer} of {queue} has no record (stopped meanwhile?): no signal"

@@ -2,11 +2,11 @@
 listings and jobs of the pages.
 
 Every read is bounded (pages of ``PAGE`` entries, values read up to ``VALUE_BYTES``, lists
-searched up to ``SEARCH_DEPTH``) and none writes. The sampler's read of a Redis queue is one
-pipeline (sizes, counters, the supervisors' token registry, the delayed retry due first),
-the server's ``TIME``, one ``EXISTS`` per registered supervisor and ``oldest.lua``: no
-``SCAN``, which costs a walk of the whole keyspace; the queue page's supervisor list
-(``inspect.supervisors``) does scan, only while it is viewed.
+searched up to ``SEARCH_DEPTH``) and none writes. The reads are the admin modules'
+(``broker.redis.admin.browse`` and ``.status``, ``broker.nats.admin``): this module turns
+them into rows and pages. The sampler's read of a Redis queue (``browse.sample``, then
+``oldest.lua``) does no ``SCAN``, which costs a walk of the whole keyspace; the queue page's
+supervisor list (``broker.redis.admin.status.supervisors``) does scan, only while viewed.
 A broker that cannot be reached raises ``BrokerError``; the next call connects again.
 """
 
@@ -20,19 +20,18 @@ from typing import Any
 import nats.errors
 import orjson
 
-from broker import envelope, errors
+from broker import envelope
 from broker.base import BrokerError
 from broker.failure import Failure
-from broker.nats import tls as nats_tls
-from broker.nats.conn import quiet_error, refusal
+from broker.nats import admin as nats_admin
+from broker.nats.dead import REASON_HEADER
 from broker.nats.setup import QueueNames
-from broker.nats.tls import tls_options
-from broker.redis.gauges import overdue
-from broker.redis.recovery import server_time
+from broker.redis.admin import browse
+from broker.redis.admin import status as redis_status
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
-from supervisor.ops import inspect, nats_dead, running
+from supervisor.ops import running
 
 #: Entries of a failed, dead or poison list shown per page.
 PAGE = 50
@@ -169,29 +168,17 @@ class RedisSource:
         return await self._call(self._counts)
 
     async def _counts(self, broker: Any) -> Counts:
-        client, keys = broker.client, broker.keys
-        pipe = client.pipeline(transaction=False)
-        for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
-            pipe.llen(key)
-        pipe.get(keys.stat("success"))
-        pipe.get(keys.stat("failed"))
-        pipe.zcard(keys.delayed)
-        pipe.hlen(keys.supervisor_tokens)
-        pipe.zrange(keys.delayed, 0, 0, withscores=True)
-        ready, processing, failed, dead, poison, success, failures, delayed, tokens, first = (
-            await pipe.execute())
-        counts = Counts(ready, processing, failed, dead, poison, delayed,
-                        _int(success) + _int(failures))
-        counts.supervisors = await _live_supervisors(client, keys, tokens)
-        now, _ = await server_time(client, keys.delayed)
-        counts.delayed_overdue = overdue(first, now)
+        found = await browse.sample(broker.client, broker.keys, MAX_TOKENS)
+        counts = Counts(found.ready, found.processing, found.failed, found.dead, found.poison,
+                        found.delayed, found.done, supervisors=found.supervisors,
+                        delayed_overdue=found.delayed_overdue)
         counts.oldest_age = await broker.oldest_ready_age()
         return counts
 
     async def detail(self) -> dict[str, Any]:
         async def read(broker: Any) -> dict[str, Any]:
             client, keys = broker.client, broker.keys
-            records = await inspect.supervisors(client, keys, show=100)
+            records = await redis_status.supervisors(client, keys, show=100)
             for record in records:  # uptime and what runs now, where this host can see it
                 record["local"] = await asyncio.to_thread(
                     local.describe, keys.queue, record["where"])
@@ -204,7 +191,7 @@ class RedisSource:
                                   key=lambda job: -job["elapsed"]),
                 "running_total": sum(record["running"]["running"] for record in records
                                      if record.get("running")),
-                "reservations": await inspect.reservations(client, keys, show=20),
+                "reservations": await redis_status.reservations(client, keys, show=20),
             }
 
         return await self._call(read)
@@ -212,30 +199,23 @@ class RedisSource:
     async def listing(self, kind: str, page: int = 0, pid: str = "") -> Listing:
         async def read(broker: Any) -> Listing:
             client, keys = broker.client, broker.keys
-            key = {"failed": keys.failed, "dead": keys.dead, "poison": keys.poison}[kind]
+            key = browse.list_key(keys, kind)
             total = await client.llen(key)
             if kind == "poison":
                 return await _poison(client, key, total, page)
             if pid:
-                found = await client.lpos(key, pid, maxlen=SEARCH_DEPTH)
-                pids = [pid] if found is not None else []
+                pids = [pid] if await browse.search(client, key, pid, SEARCH_DEPTH) else []
                 listing = Listing(kind, total, searched=pid)
             else:
-                pids = [text(p) for p in
-                        await client.lrange(key, page * PAGE, page * PAGE + PAGE - 1)]
+                pids = await browse.newest(client, key, page * PAGE, PAGE)
                 listing = Listing(kind, total, page=page)
-            pipe = client.pipeline(transaction=False)
-            for item in pids:
-                pipe.strlen(keys.job(item))
-                pipe.getrange(keys.job(item), 0, PREVIEW_BYTES - 1)
-                pipe.get(keys.error(item))
-            replies = await pipe.execute() if pids else []
-            for index, item in enumerate(pids):
-                size, head, error = replies[3 * index:3 * index + 3]
-                failure, note = failure_of(error)
+            for record in await browse.records(client, keys, pids, PREVIEW_BYTES):
+                failure, note = failure_of(record.error)
+                size, head = record.size, record.head
                 facts = envelope_facts(head) if size <= PREVIEW_BYTES else {}
                 listing.entries.append(Entry(
-                    item, size, text(head), failure, note if size else "(job record expired)",
+                    record.pid, size, text(head), failure,
+                    note if size else "(job record expired)",
                     attempts=facts.get("attempts"), at=facts.get("timestamp")))
             return listing
 
@@ -243,53 +223,28 @@ class RedisSource:
 
     async def job(self, pid: str) -> dict[str, Any]:
         async def read(broker: Any) -> dict[str, Any]:
-            client, keys = broker.client, broker.keys
-            pipe = client.pipeline(transaction=False)
-            for key in (keys.failed, keys.dead, keys.processing):
-                pipe.lpos(key, pid, maxlen=SEARCH_DEPTH)
-            pipe.strlen(keys.job(pid))
-            pipe.getrange(keys.job(pid), 0, VALUE_BYTES - 1)
-            pipe.ttl(keys.job(pid))
-            pipe.get(keys.error(pid))
-            pipe.get(keys.owner(pid))
-            pipe.pttl(keys.claim(pid))
-            failed, dead, processing, size, raw, ttl, error, owner, claim = await pipe.execute()
-            where = [name for name, at in (("failed", failed), ("dead", dead),
-                                           ("processing", processing)) if at is not None]
-            failure, note = failure_of(error)
+            found = await browse.job(broker.client, broker.keys, pid, VALUE_BYTES, SEARCH_DEPTH)
+            size, raw = found["size"], found["raw"]
+            failure, note = failure_of(found["error"])
             return {
-                "pid": pid, "where": where, "size": size, "record": text(raw),
-                "cut": size > len(raw), "ttl": ttl, "failure": failure, "failure_note": note,
-                "owner": text(owner), "claim_ms": claim,
+                "pid": pid, "where": found["where"], "size": size, "record": text(raw),
+                "cut": size > len(raw), "ttl": found["ttl"], "failure": failure,
+                "failure_note": note, "owner": text(found["owner"]),
+                "claim_ms": found["claim_ms"],
                 "facts": envelope_facts(raw) if size <= VALUE_BYTES else {},
             }
 
         return await self._call(read)
 
 
-async def _live_supervisors(client: Any, keys: Any, registered: int) -> int | None:
-    """Supervisors whose record still exists, by the token registry (None: too many to
-    check in one sample)."""
-    if registered > MAX_TOKENS:
-        return None
-    entries = await client.hgetall(keys.supervisor_tokens) if registered else {}
-    consumers = sorted({text(value).partition(" ")[2] for value in entries.values()} - {""})
-    if not consumers:
-        return 0
-    pipe = client.pipeline(transaction=False)
-    for consumer in consumers:
-        pipe.exists(keys.supervisor(consumer))
-    return sum(await pipe.execute())
-
-
 async def _poison(client: Any, key: str, total: int, page: int) -> Listing:
     listing = Listing("poison", total, page=page)
-    size = await client.memory_usage(key, samples=0) if total else 0
-    if (size or 0) > POISON_LIST_BYTES:
+    size, raws = await browse.poison_page(client, key, total, page * PAGE, PAGE,
+                                          POISON_LIST_BYTES)
+    if raws is None:
         listing.note = (f"the poison list holds {size:,} bytes: too big to page through "
                         f"here (at most {POISON_LIST_BYTES:,}); read it with redis-cli")
         return listing
-    raws = await client.lrange(key, page * PAGE, page * PAGE + PAGE - 1)
     for index, raw in enumerate(raws):
         listing.entries.append(Entry(str(page * PAGE + index), len(raw),
                                      text(raw[:PREVIEW_BYTES])))
@@ -311,7 +266,11 @@ class NatsSource:
     async def _js(self) -> Any:
         async with self._lock:
             if self._client is None or self._client.is_closed:
-                self._client = await _nats_connect(self.config)
+                # One quick try per server, as ``status`` connects (nats-py alone would
+                # retry a refused server 60 times); kept open between samples.
+                self._client = await nats_admin.connect(
+                    self.config.broker.url, self.config.broker.tls,
+                    f"queue-supervisor dashboard {self.config.job.queue}")
             return self._client
 
     async def close(self) -> None:
@@ -319,31 +278,22 @@ class NatsSource:
             client, self._client = self._client, None
             await _quietly(client.close())
 
-    async def dead_stream(self) -> nats_dead.DeadStream:
-        """The dead stream, through ``dead``'s own reader (``supervisor.ops.nats_dead``)."""
-        return nats_dead.DeadStream(await self._js(), QueueNames.of(self.config.job.queue))
+    async def dead_stream(self) -> nats_admin.DeadStream:
+        """The dead stream, through ``dead``'s own reader (``broker.nats.admin``)."""
+        return nats_admin.DeadStream(await self._js(), QueueNames.of(self.config.job.queue))
 
     async def _read(self) -> dict[str, Any]:
-        """What ``status`` reads (its helpers), and the two figures the dashboard plots."""
-        from supervisor.ops import nats_status as status
-
+        """What ``status`` reads, and the two figures the dashboard plots."""
         names = QueueNames.of(self.config.job.queue)
         try:
-            async with asyncio.timeout(status.STATUS_TIMEOUT):
-                dead_stream = await self.dead_stream()
-                js = dead_stream.client.jetstream(timeout=status.CONNECT_TIMEOUT)
-                work = await status._stream(js, names.stream)
-                dead = await dead_stream.info()
-                consumer = await status._consumer(js, names)
+            async with asyncio.timeout(nats_admin.STATUS_TIMEOUT):
+                js = (await self._js()).jetstream(timeout=nats_admin.CONNECT_TIMEOUT)
+                info = await nats_admin.read_queue(js, names)
         except (TimeoutError, OSError, nats.errors.Error) as error:
             await self.close()
             raise BrokerError(f"NATS at {redact(self.config.broker.url)} did not answer "
                               f"the JetStream API: {error!r}") from error
-        return {
-            **status.counts(names, work, dead, consumer, self.config.job.max_attempts),
-            "acknowledged": consumer.ack_floor.consumer_seq
-            if consumer and consumer.ack_floor else 0,
-        }
+        return {**info.counts(self.config.job.max_attempts), "acknowledged": info.acknowledged}
 
     async def counts(self) -> Counts:
         self.state = state = await self._read()
@@ -405,12 +355,12 @@ class NatsSource:
         }
 
 
-def _dead_entry(letter: nats_dead.Letter) -> Entry:
+def _dead_entry(letter: nats_admin.Letter) -> Entry:
     """A row of the dead list, from ``dead``'s reading of the letter."""
     job = letter.job
     note = job.failure_note
-    if job.failure is None and letter.headers.get(nats_dead.REASON_HEADER):
-        note = f"(no record) {nats_dead.REASON_HEADER}: {letter.headers[nats_dead.REASON_HEADER]}"
+    if job.failure is None and letter.headers.get(REASON_HEADER):
+        note = f"(no record) {REASON_HEADER}: {letter.headers[REASON_HEADER]}"
     raw = job.raw or b""
     facts = envelope_facts(raw) if len(raw) <= VALUE_BYTES else {}
     return Entry(job.pid, len(raw), text(raw[:PREVIEW_BYTES]), job.failure,
@@ -418,34 +368,8 @@ def _dead_entry(letter: nats_dead.Letter) -> Entry:
                  at=job.stored_at or facts.get("timestamp"), seq=job.seq)
 
 
-async def _nats_connect(config: Config) -> Any:
-    """A client of the job's NATS, kept open between samples: one quick try per server,
-    as ``status`` connects (nats-py alone would retry a refused server 60 times)."""
-    from supervisor.ops import nats_status as status
-
-    options = tls_options(config.broker.url, config.broker.tls)
-    try:
-        return await nats_tls.connect(
-            config.broker.url, connect_timeout=status.CONNECT_TIMEOUT, allow_reconnect=False,
-            max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=quiet_error,
-            name=f"queue-supervisor dashboard {config.job.queue}", **options)
-    except Exception as error:  # whatever nats-py raises: say where, and why if we know
-        refused = refusal(config.broker.url, error)
-        if refused is not None:
-            raise refused from error
-        raise BrokerError(f"cannot reach NATS at {redact(config.broker.url)}: "
-                          f"{errors.describe(error)}") from error
-
-
 def make_source(config: Config) -> RedisSource | NatsSource:
     return NatsSource(config) if config.broker.kind == "nats" else RedisSource(config)
-
-
-def _int(value: bytes | None) -> int:
-    try:
-        return int(value or 0)
-    except ValueError:
-        return 0
 
 
 async def _quietly(closing: Any) -> None:

@@ -21,16 +21,17 @@ import redis.exceptions
 
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
 from broker.redis import acl as redis_acl
+from broker.redis.admin import status as redis_status
+from broker.redis.admin.retry import SOURCES, retry
 from broker.redis.keys import QueueKeys
 from broker.redis.recovery import promote
 from supervisor import exits, logs
 from supervisor.config import Config, ConfigError, load
 from supervisor.ops import drain as processes
-from supervisor.ops import failed_commands, inspect, program_name, running, version
+from supervisor.ops import failed_commands, program_name, running, version
 from supervisor.ops.opening import Unsupported, json_for_terminal, opened_broker, redis_broker
 from supervisor.ops.publish import InputError, SizeLimit, publish_all, read_payloads
 from supervisor.ops.recover import forget_stopped, recover
-from supervisor.ops.retry import SOURCES, retry
 
 #: Names of leftover keys printed per kind by ``check`` and ``drain``.
 LIST_AT_MOST = 20
@@ -52,7 +53,8 @@ async def status(config: Config, args: argparse.Namespace) -> int:
         lines = nats_status.describe(state)
     else:
         async with redis_broker(config, "status") as broker:
-            state = await inspect.queue_status(broker.client, broker.keys)
+            state = await redis_status.queue_status(broker.client, broker.keys)
+            await running.add_redis_copies(broker.client, broker.keys, state["supervisors"])
         lines = describe_status(state)
     state["url"] = config.broker.safe_url  # which broker, never with its credentials
     lines.insert(1, f"  broker        {state['url']}")
@@ -127,7 +129,7 @@ async def drain(config: Config, args: argparse.Namespace) -> int:
     if config.broker.kind == "nats":
         return await drain_nats(config, timeout, deadline)
     async with redis_broker(config, "drain") as broker:
-        records = await inspect.supervisors(broker.client, broker.keys, show=MAX_BATCH)
+        records = await redis_status.supervisors(broker.client, broker.keys, show=MAX_BATCH)
         if not await stop_this_hosts(config.job.queue, [r["where"] for r in records], timeout):
             return exits.LEFT
         recovered, promoted, left = await recover_until_empty(broker, deadline)
@@ -184,7 +186,7 @@ async def check(config: Config, args: argparse.Namespace) -> int:
         print("\n".join(nats_status.describe_alive(config.job.queue, answered, figures)))
         return exits.LEFT if answered else exits.OK
     async with redis_broker(config, "check") as broker:
-        left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
+        left = await redis_status.leftovers(broker.client, broker.keys, LIST_AT_MOST)
     print("\n".join(describe_leftovers(left, config.job.queue)))
     return exits.OK if left.empty else exits.LEFT
 
@@ -208,7 +210,7 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
 
 async def recover_until_empty(
     broker: Any, deadline: float
-) -> tuple[int, int, inspect.Leftovers]:
+) -> tuple[int, int, redis_status.Leftovers]:
     """Recover until no reservation, owner record or delayed retry is left, or the deadline
     passed; returns what was recovered, the delayed retries moved to the ready list (all of
     them, due or not: no supervisor is left to promote them) and what is left.
@@ -224,7 +226,7 @@ async def recover_until_empty(
         recovered += report.total
         promoted += report.promoted
         promoted += await promote(broker.scripts, broker.keys, everything=True, rounds=0)
-        left = await inspect.leftovers(broker.client, broker.keys, LIST_AT_MOST)
+        left = await redis_status.leftovers(broker.client, broker.keys, LIST_AT_MOST)
         if left.empty or time.monotonic() >= deadline:
             return recovered, promoted, left
         await asyncio.sleep(0.5)
@@ -290,7 +292,7 @@ def _count(value: int | str) -> str:
 
 
 #: What ``logs.escape`` escapes and orjson writes as it is (it escapes C0 controls only).
-def describe_leftovers(left: inspect.Leftovers, queue: str) -> list[str]:
+def describe_leftovers(left: redis_status.Leftovers, queue: str) -> list[str]:
     theirs = ([f"  (other consumers, such as queue-5 workers, hold {left.others.count} "
                "reservations and owner records: theirs to settle, not counted)"]
               if left.others.count else [])

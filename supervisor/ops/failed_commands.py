@@ -1,5 +1,5 @@
 """``failed`` / ``dead`` / ``poison JOB ACTION``: list, show, delete and retry the jobs that
-stopped, on Redis (``supervisor.ops.failed``) and NATS (``supervisor.ops.nats_dead``).
+stopped, on Redis (``broker.redis.admin``) and NATS (``broker.nats.admin``).
 
     failed JOB list [--limit N] [--json]              oldest first
     failed JOB show PID [--json]
@@ -24,14 +24,15 @@ import nats.errors
 import redis.exceptions
 
 from broker.base import MAX_BATCH, BrokerError, BrokerRefused
+from broker.nats import admin as nats_dead
 from broker.nats.setup import DUPLICATE_WINDOW
+from broker.redis.admin import lists as redis_lists
+from broker.redis.admin.retry import retry
+from broker.stopped import Job
 from supervisor import exits, logs
 from supervisor.config import Config
-from supervisor.ops import failed as redis_lists
-from supervisor.ops import nats_dead
-from supervisor.ops.jobs import NAMED_AT_MOST, PREVIEW_CHARS, Job, list_lines, show_lines
+from supervisor.ops.jobs import NAMED_AT_MOST, PREVIEW_CHARS, job_dict, list_lines, show_lines
 from supervisor.ops.opening import json_for_terminal, redis_broker
-from supervisor.ops.retry import retry
 
 #: Jobs a listing shows unless ``--limit`` says otherwise.
 LIST_DEFAULT = 20
@@ -161,7 +162,8 @@ async def _redis(config: Config, args: argparse.Namespace, source: str, broker: 
 
 async def _nats(config: Config, args: argparse.Namespace, source: str) -> int:
     queue = config.job.queue
-    async with nats_dead.dead_stream(config, source) as stream:
+    async with nats_dead.dead_stream(config.broker.url, config.broker.tls, queue,
+                                     source) as stream:
         where = f"dead stream {stream.names.dead_stream}"
         if args.action == "list":
             jobs = [letter.job async for letter in stream.letters(args.limit)]
@@ -242,7 +244,7 @@ def _print_list(args: argparse.Namespace, source: str, queue: str, total: int,
     at = f" ({where})" if where else ""
     if args.json:
         return _print(args, {"queue": queue, "list": source, "order": "oldest first",
-                             "total": total, "jobs": [job.as_dict() for job in jobs]}, [],
+                             "total": total, "jobs": [job_dict(job) for job in jobs]}, [],
                       exits.OK)
     title = f"{source} jobs of {queue}{at}: {total}, the oldest {len(jobs)} shown, oldest first"
     if source == "poison":
@@ -265,7 +267,7 @@ def _print_show(args: argparse.Namespace, source: str, queue: str, job: Job | No
               f"or never there")
         return exits.LEFT
     if args.json:
-        return _print(args, {"queue": queue, "list": source, **job.as_dict(whole=True)}, [],
+        return _print(args, {"queue": queue, "list": source, **job_dict(job, whole=True)}, [],
                       exits.OK)
     return _print(args, {}, show_lines(f"{source} job", job, time.time()), exits.OK)
 

@@ -9,13 +9,12 @@ listing shows a bounded preview of each payload. ``show`` prints the whole envel
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from broker import envelope
 from broker.failure import Failure
+from broker.stopped import Job
 from supervisor import logs
 
 #: Characters of a payload a listing shows (``show`` prints it whole).
@@ -26,92 +25,28 @@ NO_RECORD = "(no record: failed by a worker that keeps none, e.g. a PHP queue-5 
 NAMED_AT_MOST = 20
 
 
-@dataclass(slots=True)
-class Job:
-    """One failed, dead or poison entry as read: any field may be missing."""
-
-    pid: str  # "" for an undecodable NATS dead letter and for poison
-    raw: bytes | None = None  # the envelope (poison: the bytes) as stored; None: not read
-    size: int = 0  # bytes of the stored record (0: there is none)
-    failure: Failure | None = None
-    failure_note: str = ""  # why there is no readable failure record
-    seq: int | None = None  # NATS: the dead stream's sequence number
-    ttl_ms: int | None = None  # Redis: time left of the job record (-1: none; None: unknown)
-    position: int | None = None  # poison: index from the oldest
-    deliveries: int | None = None  # NATS: deliveries before it was dead-lettered, if known
-    stored_at: float | None = None  # NATS: when the dead letter was stored (unix s)
-
-    @property
-    def runs(self) -> int | None:
-        """How many times it ran, the failed run included: the failure record's count,
-        else JetStream's deliveries, else the envelope's earlier runs (queue 5 counts those
-        in ``attempts``) plus the one that failed."""
-        if self.failure is not None and self.failure.attempt:
-            return self.failure.attempt
-        if self.deliveries is not None:
-            return self.deliveries
-        decoded = self.decoded
-        return decoded["attempts"] + 1 if decoded else None
-
-    @property
-    def failed_at(self) -> float | None:
-        if self.failure is not None and self.failure.at:
-            return self.failure.at
-        return self.stored_at
-
-    @property
-    def attempts(self) -> int | None:
-        """The envelope's ``attempts`` (earlier runs, as queue 5 counts them on Redis)."""
-        decoded = self.decoded
-        return decoded["attempts"] if decoded else None
-
-    @property
-    def decoded(self) -> dict[str, Any] | None:
-        if self.raw is None:
-            return None
-        try:
-            return envelope.decode(self.raw, None)  # the read was bounded already
-        except (envelope.MalformedEnvelope, ValueError):
-            return None
-
-    @property
-    def note(self) -> str:
-        """Why there is no envelope to show, if there is none."""
-        if self.size == 0 and self.raw is None:
-            return "(no job record: it expired, job_ttl)"
-        if self.raw is None:
-            return f"({self.size:,} bytes: over the job's envelope limit, not read)"
-        if self.decoded is None:
-            return "(undecodable)"
-        return ""
-
-    def summary(self) -> str:
-        if self.failure is not None:
-            return self.failure.summary
-        return self.failure_note or "(no record)"
-
-    def as_dict(self, whole: bool = False) -> dict[str, Any]:
-        """JSON-ready; ``whole``: the envelope as text, else a bounded preview."""
-        decoded = self.decoded
-        text = _text(self.raw) if self.raw is not None else None
-        shown: dict[str, Any] = {
-            "pid": self.pid, "attempts": self.attempts, "runs": self.runs,
-            "failed_at": self.failed_at,
-            "enqueued_at": decoded.get("timestamp") if decoded else None,
-            "bytes": self.size, "note": self.note or None,
-            "error": _failure_dict(self.failure), "error_note": self.failure_note or None,
-        }
-        if self.seq is not None:
-            shown["seq"] = self.seq
-        if self.ttl_ms is not None:
-            shown["ttl_ms"] = self.ttl_ms
-        if self.position is not None:
-            shown["position"] = self.position
-        if whole:
-            shown["envelope"] = text
-        else:
-            shown["preview"] = preview(text) if text is not None else None
-        return shown
+def job_dict(job: Job, whole: bool = False) -> dict[str, Any]:
+    """JSON-ready; ``whole``: the envelope as text, else a bounded preview."""
+    decoded = job.decoded
+    text = _text(job.raw) if job.raw is not None else None
+    shown: dict[str, Any] = {
+        "pid": job.pid, "attempts": job.attempts, "runs": job.runs,
+        "failed_at": job.failed_at,
+        "enqueued_at": decoded.get("timestamp") if decoded else None,
+        "bytes": job.size, "note": job.note or None,
+        "error": _failure_dict(job.failure), "error_note": job.failure_note or None,
+    }
+    if job.seq is not None:
+        shown["seq"] = job.seq
+    if job.ttl_ms is not None:
+        shown["ttl_ms"] = job.ttl_ms
+    if job.position is not None:
+        shown["position"] = job.position
+    if whole:
+        shown["envelope"] = text
+    else:
+        shown["preview"] = preview(text) if text is not None else None
+    return shown
 
 
 def _failure_dict(failure: Failure | None) -> dict[str, Any] | None:
@@ -120,18 +55,6 @@ def _failure_dict(failure: Failure | None) -> dict[str, Any] | None:
     return {"class": failure.error, "message": failure.message, "where": failure.where,
             "traceback": failure.traceback, "attempt": failure.attempt, "at": failure.at,
             "outcome": failure.outcome, "consumer": failure.consumer}
-
-
-def read_failure(data: bytes | int | None) -> tuple[Failure | None, str]:
-    """A failure record as read (bytes, its length when too long, or None)."""
-    if data is None:
-        return None, ""
-    if isinstance(data, int):
-        return None, f"(failure record of {data:,} bytes: too long, not read)"
-    try:
-        return Failure.decode(data), ""
-    except ValueError as error:
-        return None, f"(failure record unreadable: {error})"
 
 
 def preview(text: str, chars: int = PREVIEW_CHARS) -> str:

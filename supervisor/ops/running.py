@@ -1,9 +1,10 @@
 """The running jobs as ``status`` and the dashboard show them (``supervisor.running``).
 
 - Redis: each supervisor's copy, ``supervisor-running.{q}.<consumer id>``, read beside its
-  record (``inspect.supervisors``): the jobs of every host, each with its run time as of
-  now (the copy's own plus the time since it was written, from its expiry). A copy is
-  written within a second of a change; a job that starts and ends within one may not show.
+  record (``broker.redis.admin.status.supervisors``): the jobs of every host, each with its
+  run time as of now (the copy's own plus the time since it was written, from its expiry).
+  A copy is written within a second of a change; a job that starts and ends within one may
+  not show.
 - NATS: JetStream keeps no records of ours. The supervisors of the queue on this host are
   found by their process titles, and their handler processes' titles (``worker.titles``)
   name the job each runs (an async one: how many, and the oldest), with its start to the
@@ -44,8 +45,8 @@ def copy_dict(copy: Copy) -> dict[str, Any]:
 
 
 async def add_redis_copies(client: Any, keys: QueueKeys, records: list[dict[str, Any]]) -> None:
-    """Each supervisor record (``inspect.supervisors``) gets ``running``: its copy, or None
-    when it has none (nothing runs, or a version before copies)."""
+    """Each supervisor record (``broker.redis.admin.status.supervisors``) gets ``running``:
+    its copy, or None when it has none (nothing runs, or a version before copies)."""
     if not records:
         return
     pipe = client.pipeline(transaction=False)

@@ -1,4 +1,6 @@
-"""Read one Redis queue's state: sizes, reservations, supervisors, owner records, counters.
+"""Read one Redis queue's state: sizes, reservations, supervisors, owner records, counters
+(``status``, ``check``, ``drain`` and the dashboard; the running jobs each supervisor's copy
+names are added by ``supervisor.ops.running``).
 
 Keys that carry a pid, token or consumer id cannot be listed by name, so they are found
 with ``SCAN MATCH <prefix>* COUNT 1000``: bounded work per round trip, never ``KEYS``.
@@ -21,7 +23,6 @@ from typing import Any
 from broker.redis.gauges import overdue
 from broker.redis.keys import MS_DEADLINES_FROM, QueueKeys, glob_escape
 from broker.redis.recovery import server_time, token_prefix
-from supervisor.ops import running
 
 #: Keys looked at per SCAN call.
 SCAN_COUNT = 1000
@@ -186,7 +187,8 @@ async def stale_registrations(
 
 
 async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[str, Any]:
-    """Everything ``status`` prints, as a JSON-ready dict."""
+    """Everything ``status`` prints, as a JSON-ready dict, but the running jobs (the caller
+    adds those to each of ``supervisors``: ``supervisor.ops.running.add_redis_copies``)."""
     pipe = client.pipeline(transaction=False)
     for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
         pipe.llen(key)
@@ -198,7 +200,6 @@ async def queue_status(client: Any, keys: QueueKeys, show: int = SHOW) -> dict[s
     owners = await scan_prefix(client, keys.owner(""), show=0)
     now, _ = await server_time(client, keys.delayed)
     listed = await supervisors(client, keys, show)
-    await running.add_redis_copies(client, keys, listed)
     return {
         "queue": keys.queue,
         "namespace": keys.namespace,

@@ -1,4 +1,5 @@
-"""``failed`` / ``dead`` / ``poison`` on Redis: read, delete and retry the jobs of those lists.
+"""The failed, dead and poison lists of a Redis queue: read and delete their jobs (the
+``failed`` / ``dead`` / ``poison`` commands and the dashboard; retry: ``retry``).
 
 The lists hold pids (poison: raw bytes), LPUSHed as jobs fail: the tail is the oldest.
 Listings and ``--count`` go oldest first, in windows of at most 1,000, like ``retry``.
@@ -21,8 +22,7 @@ from broker.base import MAX_BATCH
 from broker.failure import MAX_RECORD_BYTES
 from broker.redis.keys import QueueKeys
 from broker.redis.scripts import Scripts
-from supervisor.ops.jobs import Job, read_failure
-from supervisor.ops.retry import in_list
+from broker.stopped import Job, read_failure
 
 #: Bytes of a poison entry read to show it (``show``: the limit of the job's envelopes).
 POISON_PREVIEW_BYTES = 400
@@ -171,6 +171,15 @@ async def delete_poison(client: Any, keys: QueueKeys, count: int | None,
         # LTRIM keeps the newest: entries pushed meanwhile (at the head) are never dropped.
         await client.ltrim(keys.poison, 0, -(count + 1))
     return count
+
+
+async def in_list(client: Any, list_key: str, pids: Sequence[str]) -> set[str]:
+    """Which of ``pids`` are in the list (LPOS each: a scan of the list in the server)."""
+    pipe = client.pipeline(transaction=False)
+    for pid in pids:
+        pipe.lpos(list_key, pid)
+    found = await pipe.execute() if pids else []
+    return {pid for pid, position in zip(pids, found, strict=True) if position is not None}
 
 
 def _text(value: bytes | str) -> str:

@@ -1,7 +1,15 @@
-"""``failed`` / ``dead`` on NATS: the dead stream ``Q_<NAME>_DEAD`` (subject ``q.<name>.dead``).
+"""What the operator commands and the dashboard read and write of a NATS JetStream queue: the
+admin connection, the queue's figures (stream, dead stream, consumer) and its dead letters.
 
-JetStream has one place for jobs that stopped retrying: the supervisor (and a queue-5 PHP
-worker) publishes them to the dead subject. Messages are read one by one with
+Nothing is created here (unlike the broker's connect, which creates what is missing): a
+stream or consumer that does not exist is reported as absent. Bounded: an unreachable
+server is one quick try (nats-py alone would try 60 times, 2 s apart), a silent one (a port
+that accepts and never speaks) ``CONNECT_TIMEOUT``; either ends in a ``BrokerError`` naming
+the server (with a hint when a TLS server seems to want a client certificate).
+
+The dead stream ``Q_<NAME>_DEAD`` (subject ``q.<name>.dead``) is JetStream's one place for
+jobs that stopped retrying: the supervisor (``broker.nats.dead``) and a queue-5 PHP worker
+publish them to the dead subject. Messages are read one by one with
 ``STREAM.MSG.GET`` (next by subject from a sequence), oldest first; a job's "pid" is its
 envelope's. The failure record is the ``broker.failure.NATS_HEADER`` header when the
 supervisor that buried it wrote one (a PHP worker writes none; the ``Queue-Reason`` header
@@ -15,11 +23,13 @@ within the work stream's duplicate window (120 s) is dropped by the server: only
 repeated after that window, of a dead letter whose delete was lost, runs the job twice.
 The new message starts at attempt 1 (JetStream counts deliveries), as ``--reset-attempts``.
 
-Naming a pid scans the dead stream (one request per message), as does ``--all``.
+Naming a pid scans the dead stream (one request per message), as does ``--all``. The
+operator commands (``supervisor.ops``) and the dashboard print what these read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import datetime
@@ -30,22 +40,31 @@ from typing import Any
 import orjson
 from nats.js.errors import APIError, NotFoundError
 
-from broker import envelope
+from broker import envelope, errors
 from broker.base import BrokerError
 from broker.failure import NATS_HEADER
-from broker.nats import api
-from broker.nats.broker import _header_token
-from broker.nats.setup import QueueNames
-from supervisor.config import Config
-from supervisor.ops.jobs import Job, read_failure
-from supervisor.ops.nats_status import connected
+from broker.nats import api, presence
+from broker.nats import tls as nats_tls
+from broker.nats.conn import quiet_error, refusal
+from broker.nats.dead import (
+    ATTEMPTS_HEADER,
+    CONTENT_TYPE,
+    REASON_HEADER,
+    header_token,
+    parse_headers,
+)
+from broker.nats.setup import IDENTITY, QueueNames, identity, read_consumer_policy
+from broker.nats.tls import tls_options
+from broker.stopped import Job, read_failure
+from broker.tls import TlsSettings
+from broker.urls import redact
 
+#: Seconds for one server to accept the connection and say INFO.
+CONNECT_TIMEOUT = 3.0
+#: Seconds for a whole status read: connecting (each server of a list) and three API calls.
+STATUS_TIMEOUT = 10.0
 #: Seconds for each JetStream API call and publish.
 REQUEST_TIMEOUT = 5.0
-#: Our supervisors' header naming why a message was dead-lettered (``broker.nats.broker``).
-REASON_HEADER = "Queue-Reason"
-ATTEMPTS_HEADER = "Queue-Attempts"
-CONTENT_TYPE = "Content-Type"
 #: JetStream's error code for STREAM.MSG.DELETE of a sequence that holds no message.
 NO_MESSAGE_FOUND = 10057
 
@@ -168,7 +187,7 @@ class DeadStream:
         return not ack.duplicate
 
     async def publish(self, letter: Letter) -> Any:
-        headers = {"Nats-Msg-Id": f"{_header_token(letter.job.pid)}.redrive.{letter.job.seq}",
+        headers = {"Nats-Msg-Id": f"{header_token(letter.job.pid)}.redrive.{letter.job.seq}",
                    CONTENT_TYPE: letter.headers.get(CONTENT_TYPE, "application/json")}
         return await self.js.publish(self.names.subject, letter.job.raw or b"",
                                      timeout=REQUEST_TIMEOUT, stream=self.names.stream,
@@ -202,9 +221,10 @@ async def remove(stream: DeadStream, letter: Letter, report: Moved, dry_run: boo
 
 
 @contextlib.asynccontextmanager
-async def dead_stream(config: Config, command: str) -> AsyncIterator[DeadStream]:
-    async with connected(config, command) as client:
-        yield DeadStream(client, QueueNames.of(config.job.queue))
+async def dead_stream(url: str, tls: TlsSettings, queue: str, command: str
+                      ) -> AsyncIterator[DeadStream]:
+    async with connected(url, tls, f"queue-supervisor {command} {queue}") as client:
+        yield DeadStream(client, QueueNames.of(queue))
 
 
 def is_seq(selector: str) -> bool:
@@ -234,18 +254,177 @@ def _letter(stored: dict[str, Any]) -> Letter:
                       deliveries=int(attempts) if attempts.isdecimal() else None), headers)
 
 
-def parse_headers(block: bytes) -> dict[str, str]:
-    """A ``NATS/1.0`` header block as UTF-8 (the first value of a repeated name)."""
-    headers: dict[str, str] = {}
-    for line in block.decode("utf-8", "replace").split("\r\n")[1:]:
-        name, colon, value = line.partition(":")
-        if colon and name.strip():
-            headers.setdefault(name.strip(), value.strip())
-    return headers
-
-
 def _unix(stamp: Any) -> float | None:
     try:
         return datetime.datetime.fromisoformat(stamp).timestamp() if stamp else None
     except (TypeError, ValueError):
         return None
+
+
+# -- the admin connection ---------------------------------------------------------------------
+
+
+async def connect(url: str, tls: TlsSettings, name: str) -> Any:
+    """A nats-py client of ``url`` (the caller closes it): one quick try per server, a
+    ``BrokerError`` saying where and why when none answers."""
+    options = tls_options(url, tls)
+    try:
+        return await nats_tls.connect(
+            url, connect_timeout=CONNECT_TIMEOUT, allow_reconnect=False,
+            # nats-py retries a refused server 60 times 2 s apart, reconnects or not.
+            max_reconnect_attempts=1, reconnect_time_wait=0.1,
+            name=name, error_cb=quiet_error, **options,
+        )
+    except Exception as error:  # whatever nats-py raises: say where, and why if we know
+        refused = refusal(url, error)
+        if refused is not None:
+            raise refused from error
+        hint = tls.hint(error) if options else ""
+        raise BrokerError(
+            f"cannot reach NATS at {redact(url)}: {_describe(error)}{hint}"
+        ) from error
+
+
+@contextlib.asynccontextmanager
+async def connected(url: str, tls: TlsSettings, name: str) -> AsyncIterator[Any]:
+    """``connect``, closed afterwards."""
+    client = await connect(url, tls, name)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@contextlib.asynccontextmanager
+async def answering_within(url: str, seconds: float) -> AsyncIterator[None]:
+    """The body, given ``seconds`` in all: longer ends in a ``BrokerError`` naming the server."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise BrokerError(f"NATS at {redact(url)} did not answer within {seconds:g}s") from None
+
+
+def silent_jetstream(url: str) -> BrokerError:
+    return BrokerError(f"NATS at {redact(url)} took the connection, but its "
+                       f"JetStream API did not answer within {CONNECT_TIMEOUT:g}s (no "
+                       f"JetStream on that server, or a cluster without a leader)")
+
+
+def _describe(error: BaseException) -> str:
+    """As everywhere (``broker.errors.describe``), but a connect timeout says how long."""
+    if isinstance(error, TimeoutError):
+        return f"no answer within {CONNECT_TIMEOUT:g}s"
+    return errors.describe(error)
+
+
+# -- the queue's figures ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class QueueInfo:
+    """What JetStream says of one queue: its stream, dead stream and consumer info (each
+    None when absent)."""
+
+    names: QueueNames
+    work: Any
+    dead: Any
+    consumer: Any
+
+    def counts(self, max_attempts: int) -> dict[str, Any]:
+        """What ``status`` and the dashboard show of the queue."""
+        work, dead, consumer = self.work, self.dead, self.consumer
+        return {
+            "stream": self.names.stream if work else None,
+            "messages": work.state.messages if work else 0,
+            "ready": consumer.num_pending if consumer else 0,
+            "processing": consumer.num_ack_pending if consumer else 0,
+            "redelivered": consumer.num_redelivered if consumer else 0,
+            "waiting_pulls": consumer.num_waiting if consumer else 0,
+            "dead": dead.state.messages if dead else 0,
+            "consumer": _consumer_settings(consumer, max_attempts),
+        }
+
+    @property
+    def acknowledged(self) -> int:
+        """The consumer's acknowledged deliveries so far (its ack floor)."""
+        consumer = self.consumer
+        return consumer.ack_floor.consumer_seq if consumer and consumer.ack_floor else 0
+
+
+async def read_queue(js: Any, names: QueueNames) -> QueueInfo:
+    """The stream, dead stream and consumer info, in that order (absent: None)."""
+    work = await stream_info(js, names.stream)
+    dead = await stream_info(js, names.dead_stream)
+    return QueueInfo(names, work, dead, await consumer_info(js, names))
+
+
+async def queue_status(client: Any, url: str, queue: str, namespace: str,
+                       max_attempts: int) -> dict[str, Any]:
+    """What ``status`` shows of the queue (JetStream's part of it)."""
+    names = QueueNames.of(queue)
+    try:
+        js = client.jetstream(timeout=CONNECT_TIMEOUT)
+        info = await read_queue(js, names)
+        earlier = await earlier_stream(js, queue, namespace)
+    except TimeoutError:
+        raise silent_jetstream(url) from None
+    return {"queue": queue, "broker": "nats", **info.counts(max_attempts),
+            "earlier_stream": earlier}
+
+
+async def alive(url: str, tls: TlsSettings, queue: str, max_attempts: int,
+                wait: float = presence.WAIT) -> tuple[list[str], dict[str, Any]]:
+    """For ``check`` and ``drain``: the supervisors of ours that answered (``"host pid"``,
+    ``broker.nats.presence``) and the consumer's figures, which count every worker."""
+    async with answering_within(url, STATUS_TIMEOUT + wait):
+        names = QueueNames.of(queue)
+        async with connected(url, tls, f"queue-supervisor check {queue}") as client:
+            answered = await presence.ask(client, names.stream, wait)
+            try:
+                js = client.jetstream(timeout=CONNECT_TIMEOUT)
+                figures = (await read_queue(js, names)).counts(max_attempts)
+            except TimeoutError:
+                raise silent_jetstream(url) from None
+        return answered, figures
+
+
+async def earlier_stream(js: Any, queue: str, namespace: str) -> dict[str, Any] | None:
+    """This queue's stream under the name an earlier release gave a non-ASCII queue (a
+    start refuses while it exists): its name and message count, else None."""
+    old = QueueNames.legacy(queue)
+    info = await stream_info(js, old.stream) if old else None
+    if old is None or info is None:
+        return None
+    if (info.config.metadata or {}).get(IDENTITY) != identity(namespace, queue):
+        return None  # another queue's own stream ("caf_" has Q_CAF_)
+    return {"name": old.stream, "messages": info.state.messages}
+
+
+async def stream_info(js: Any, name: str) -> Any:
+    try:
+        return await js.stream_info(name)
+    except NotFoundError:
+        return None
+
+
+async def consumer_info(js: Any, names: QueueNames) -> Any:
+    try:
+        return await js.consumer_info(names.stream, names.consumer)
+    except NotFoundError:
+        return None
+
+
+def _consumer_settings(consumer: Any, max_attempts: int) -> dict[str, Any] | None:
+    if consumer is None:
+        return None
+    budget, spare = read_consumer_policy(
+        {"max_deliver": consumer.config.max_deliver, "metadata": consumer.config.metadata},
+        max_attempts)
+    return {
+        "name": consumer.name,
+        "ack_wait": consumer.config.ack_wait,
+        "max_deliver": consumer.config.max_deliver,
+        "attempts": budget,  # as the supervisor reads the consumer (queue 5's rules)
+        "spare_delivery": spare,
+    }

@@ -1,5 +1,5 @@
-"""``retry``: move failed (or dead) jobs back to the ready list, oldest first (or the pids
-named), bounded.
+"""Retry on Redis (the ``retry`` and ``failed retry`` commands, the dashboard): move failed
+(or dead) jobs back to the ready list, oldest first (or the pids named), bounded.
 
 The pids are read from the tail of the source list (the oldest end: failures are LPUSHed)
 in windows of at most 1,000, their job records fetched, and ``lua/retry.lua`` moves each
@@ -23,6 +23,7 @@ from typing import Any
 
 from broker import envelope
 from broker.base import MAX_BATCH
+from broker.redis.admin.lists import in_list
 from broker.redis.keys import QueueKeys
 from broker.redis.recovery import RECORD_LIMIT
 from broker.redis.scripts import Scripts
@@ -110,15 +111,6 @@ async def _retry_named(
         elif items:
             await _move(scripts, keys, source_key, items, report, named=True)
     return report
-
-
-async def in_list(client: Any, list_key: str, pids: Sequence[str]) -> set[str]:
-    """Which of ``pids`` are in the list (LPOS each: a scan of the list in the server)."""
-    pipe = client.pipeline(transaction=False)
-    for pid in pids:
-        pipe.lpos(list_key, pid)
-    found = await pipe.execute() if pids else []
-    return {pid for pid, position in zip(pids, found, strict=True) if position is not None}
 
 
 def _count_planned(items: list[tuple[str, bytes, bytes]], report: RetryReport) -> None:
