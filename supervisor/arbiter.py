@@ -22,7 +22,18 @@ from collections.abc import Callable
 import psutil
 import setproctitle
 
-from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
+from broker.base import (
+    MAX_BATCH,
+    Broker,
+    BrokerError,
+    BrokerRefused,
+    Leased,
+    PushesArrivals,
+    Received,
+    RecordsRunning,
+    ReservesAhead,
+    WatchesConnection,
+)
 from broker.failure import Failure
 from supervisor import blame, eager, exits, failures, gauges, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
@@ -122,9 +133,13 @@ class Arbiter:
         #: Settlement calls that may run at once (several on JetStream: see settle_loop).
         self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
         #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
-        self.reserve_ahead: Callable[[int], bool] | None = getattr(broker, "reserve_ahead", None)
+        ahead = broker if isinstance(broker, ReservesAhead) else None
+        self.reserve_ahead: Callable[[int], bool] | None = (
+            ahead.reserve_ahead if ahead is not None else None)
         #: The most one receive takes: see ``batch_limit``.
-        self.batch = batch_limit(self.buffer.prefetch, getattr(broker, "reserves_ahead", False))
+        self.batch = batch_limit(self.buffer.prefetch, ahead is not None and ahead.reserves_ahead)
+        #: A broker that is pushed what it pulled (NATS): see ``take_arrivals``.
+        self.arrivals = broker if isinstance(broker, PushesArrivals) else None
         self.ahead_settling: asyncio.Event | None = None  # a settle call reserving ahead runs
         #: The room asked for by the receive under way (0: none). Its deliveries are not
         #: counted yet: take_arrivals must not fill that room, reserve_for must not ask again.
@@ -139,7 +154,7 @@ class Arbiter:
         #: What each handler process runs: slow-job warnings, metrics, the broker's copy.
         self.running = running.RunningJobs(
             config, places, self.buffer, self.metrics, concurrent=self.concurrent,
-            write=getattr(broker, "publish_running", None))
+            write=broker.publish_running if isinstance(broker, RecordsRunning) else None)
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -171,13 +186,11 @@ class Arbiter:
             log.info("%s", logs.Explanation(notice))
         self.connected = True
         self.outage.lease = self.lease()  # an adopted NATS consumer's ack wait is known now
-        watch = getattr(self.broker, "watch_connection", None)
-        if watch is not None:  # a broker with a connection of its own tells when it breaks
+        if isinstance(self.broker, WatchesConnection):  # it tells when its connection breaks
             self.outage.by_connection = True
-            watch(self.outage.connection_lost, self.outage.connection_back)
-        arrivals = getattr(self.broker, "on_arrival", None)
-        if arrivals is not None:  # a broker that is pushed what it pulled (NATS)
-            arrivals(self.guarded(self.take_arrivals))
+            self.broker.watch_connection(self.outage.connection_lost, self.outage.connection_back)
+        if self.arrivals is not None:  # a broker that is pushed what it pulled (NATS)
+            self.arrivals.on_arrival(self.guarded(self.take_arrivals))
         self.notify_ready_once()
         self.tasks = [
             self.start_task(coro)
@@ -195,7 +208,8 @@ class Arbiter:
     def lease(self) -> float:
         """How long an unrenewed delivery stays ours (an adopted NATS consumer may hold
         deliveries for less than our lease)."""
-        return min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
+        own = self.broker.lease if isinstance(self.broker, Leased) else math.inf
+        return min(self.config.supervisor.lease, own)
 
     def broker_failed(self, error: Exception, began: float, line: str, *args: object) -> None:
         """A broker call failed: an outage is told once, by ``self.outage``; anything else
@@ -369,11 +383,12 @@ class Arbiter:
         own, would cost a turn of the event loop more before the handler gets its job (at
         prefetch 1, one per job). The broker gives them only when that takes no request
         and no wait; otherwise the receive loop's receive does it."""
-        if (self.stopping or self.receiving or not self.first_renewal.is_set()
-                or not self.receive_due()):
+        arrivals = self.arrivals
+        if (arrivals is None or self.stopping or self.receiving
+                or not self.first_renewal.is_set() or not self.receive_due()):
             return
         room = min(self.receive_room(), self.batch)
-        received = self.broker.receive_nowait(room)  # type: ignore[attr-defined]
+        received = arrivals.receive_nowait(room)
         if received is not None:
             self.metrics.broker_call("receive", 0.0)  # counted as the receive it replaces
             self.took(received)

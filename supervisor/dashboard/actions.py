@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from broker.base import MAX_BATCH
+from broker.base import MAX_BATCH, EnvelopeLimited
 from supervisor.ops import drain as processes
 from supervisor.ops import failed, inspect, nats_dead
 from supervisor.ops import retry as retrying
@@ -23,7 +23,8 @@ SOURCES = retrying.SOURCES  # "failed", "dead"
 
 async def retry_job(broker: Any, source: str, pid: str) -> str:
     keys, queue = broker.keys, broker.keys.queue
-    limit = getattr(broker, "max_envelope_bytes", 0) or retrying.RECORD_LIMIT
+    own = broker.max_envelope_bytes if isinstance(broker, EnvelopeLimited) else 0
+    limit = own or retrying.RECORD_LIMIT
     report = await retrying.retry(broker.client, broker.scripts, keys, source=source,
                                   pids=[pid], max_record_bytes=limit)
     if report.moved:
