@@ -14,12 +14,10 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
 
-import psutil
 import setproctitle
 
 from broker.base import (
@@ -35,40 +33,25 @@ from broker.base import (
     WatchesConnection,
 )
 from broker.failure import Failure
-from supervisor import blame, eager, exits, failures, gauges, logs, running, systemd
+from supervisor import eager, exits, gauges, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
-from supervisor.config import CANCEL_GRACE, Config
+from supervisor.config import Config
 from supervisor.dispatch import Dispatcher
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
-from supervisor.reload import CODE_EVENTS, HandlerCode
-from supervisor.running import run_seconds as running_seconds
+from supervisor.pool import HandlerPool
 from supervisor.settlement import Settler
 from worker import protocol
-from worker.forkserver import SERVER_PLACE, Event, Spawner, status_text
+from worker.forkserver import Spawner
 from worker.handler import Handler, Shape
-from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
 
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
-#: A place whose processes die this many times in a row before they are ready stops us (exit 4,
-#: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
-MAX_EARLY_DEATHS, RESPAWN_DELAY = 5, 0.5
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
 RETRY_EVERY = 5.0  # the longest pause between receives while the broker cannot be reached
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process, read straight from /proc (cheap enough per job)."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * PAGE_SIZE
-    except FileNotFoundError:
-        return psutil.Process(pid).memory_info().rss
 
 
 class Arbiter:
@@ -89,14 +72,14 @@ class Arbiter:
         self.ready = asyncio.Event()
         self.broker = broker
         self.places = places
-        self.forkserver = forkserver
-        #: The handler code its processes run, reloaded on SIGHUP.
-        self.code = HandlerCode(forkserver,
-                                handler if isinstance(handler, Shape) else handler.shape)
         self.buffer = Buffer(config.job.prefetch, len(places))
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
+        #: The handler processes' lifecycle: replaced, recycled, reloaded, killed, stopped.
+        self.pool = HandlerPool(config, places, forkserver,
+                                handler if isinstance(handler, Shape) else handler.shape,
+                                self.buffer, self.metrics, self, concurrent=self.concurrent)
         slots = config.job.tasks_per_process if self.concurrent else 1
         self.capacity = len(places) * slots
         #: Fair hand-out to the handler places (a handler with flush() gets slices).
@@ -113,7 +96,6 @@ class Arbiter:
         self.exit_code = exits.OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
-        self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
         # Set after the first renewal was tried: on Redis it registers this supervisor's
         # owner-token prefix, so no delivery of ours exists that recovery cannot tell for ours.
         self.first_renewal = asyncio.Event()
@@ -162,19 +144,20 @@ class Arbiter:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
-        loop.add_signal_handler(signal.SIGHUP, self.guarded(self.handle_reload_signal))
-        loop.add_reader(self.forkserver.events_fd, self.guarded(self.handle_forkserver_events))
+        pool = self.pool
+        loop.add_signal_handler(signal.SIGHUP, self.guarded(pool.handle_reload_signal))
+        loop.add_reader(pool.forkserver.events_fd, self.guarded(pool.handle_forkserver_events))
         for place in self.places:
             loop.add_reader(place.to_parent.wake_fd, self.guarded(self.handle_outcomes), place)
             self.arm(place)
-            self.forkserver.spawn(place.index)
+            pool.forkserver.spawn(place.index)
         try:
             await self.broker.connect()
         except (BrokerError, OSError) as error:
             log.error("cannot connect to the broker: %s", error)
             refused = isinstance(error, BrokerRefused)
             self.exit_code, self.stopping = (exits.REFUSED if refused else exits.BROKER), True
-            await self.stop_children(deadline=time.monotonic() + 5)
+            await self.pool.stop_children(deadline=time.monotonic() + 5)
             return self.exit_code
         log.info(
             "consuming %s on %s with %d handler processes, prefetch %d",
@@ -302,25 +285,6 @@ class Arbiter:
             return
         log.info("%s received: stopping", signal.Signals(sig).name)
         self.request_stop()
-
-    def handle_reload_signal(self) -> None:
-        """SIGHUP, as gunicorn reads it without preload_app: the handler is imported anew
-        (supervisor.reload), and once that worked every handler process is replaced (see
-        ``code_event``)."""
-        if self.stopping:
-            log.info("SIGHUP received while stopping: ignored")
-            return
-        self.code.reload()
-
-    def code_event(self, event: Event) -> None:
-        """A reload's import ended, or an old handler server exited. New code adopted: each
-        process takes no more work, exits once what it holds is finished and settled, and
-        one forked from the new code takes its place; nothing is released or requeued."""
-        alive = [place for place in self.places if place.alive and not place.retiring]
-        if self.code.finished(event, len(alive), self.stopping):
-            for place in alive:
-                place.retire()
-                self.retire_if_idle(place)
 
     def request_stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:
@@ -553,7 +517,7 @@ class Arbiter:
         if self.dispatcher.fair:  # rings sized from the pace of jobs (supervisor.dispatch)
             self.dispatcher.observe(seconds)
         self.metrics.handlers_done(seconds)
-        self.jobs_finished(place, len(ids))
+        self.pool.jobs_finished(place, len(ids))
 
     def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
         """One record of any kind but DONE (``handle_records`` takes those in runs)."""
@@ -587,15 +551,7 @@ class Arbiter:
             self.metrics.handler_done(failure.seconds)
         elif entry.started_at:
             self.metrics.handler_done(time.monotonic() - entry.started_at)
-        self.jobs_finished(place, 1)
-
-    def jobs_finished(self, place: HandlerPlace, count: int) -> None:
-        """Its process finished ``count`` more deliveries: time to recycle it?"""
-        jobs = place.job_finished(count)
-        job = self.config.job
-        if ((job.max_jobs_per_process or job.max_rss_mb) and not place.retiring
-                and self.should_recycle(place, jobs)):
-            place.retire()  # before the next dispatch, so it gets nothing more
+        self.pool.jobs_finished(place, 1)
 
     def note_started(self, place: HandlerPlace) -> None:
         """A plain handler reports no start: its mark on the outcome ring names the delivery
@@ -700,7 +656,7 @@ class Arbiter:
             self.ahead_settled(ahead)
             self.opened()
             for place in self.places:
-                self.retire_if_idle(place)
+                self.pool.retire_if_idle(place)
             if ok:
                 self.settle_failures = 0
             else:  # the broker is unhappy: back off before trying those again
@@ -793,7 +749,7 @@ class Arbiter:
 
     async def watch_loop(self) -> None:
         while not self.closed:
-            self.enforce_limits()
+            self.pool.enforce_limits()
             self.update_title()
             self.metrics.beat()  # /healthz: this loop goes round
             self.metrics.readiness(self.not_ready())
@@ -829,155 +785,6 @@ class Arbiter:
                 self.broker_trouble.pop("sample", None)
                 self.metrics.gauges(figures)
             await asyncio.sleep(gauges.SAMPLE_PERIOD)
-
-    def enforce_limits(self) -> None:
-        job = self.config.job
-        now = time.monotonic()
-        # A plain handler is killed at its timeout; an async one cancelled itself by then.
-        limit = job.handler_timeout + (CANCEL_GRACE if self.concurrent else 0.0)
-        for place in self.places:
-            if not place.alive:
-                continue
-            self.note_started(place)
-            overdue = (
-                self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
-            )
-            if overdue and not place.kill_reason:
-                log.error("handler %d exceeded handler_timeout %ss: killing process %d",
-                          place.index, job.handler_timeout, place.pid)
-                reason = f"handler timeout after {job.handler_timeout}s" + (
-                    f" (not cancelled within {CANCEL_GRACE:g}s)" if self.concurrent else "")
-                place.kill(signal.SIGKILL, reason, overdue)
-                continue
-            self.retire_if_idle(place)
-
-    def retire_if_idle(self, place: HandlerPlace) -> None:
-        """A recycled handler exits once nothing of it is queued, running or unconfirmed."""
-        if place.retiring and place.alive and not place.exit_sent and self.idle(place):
-            place.request_exit()
-
-    def should_recycle(self, place: HandlerPlace, jobs: int) -> bool:
-        """After its process finished its ``jobs``-th delivery."""
-        job = self.config.job
-        if job.max_jobs_per_process and jobs >= job.max_jobs_per_process:
-            log.info("recycling handler %d after %d jobs", place.index, jobs)
-            return True
-        if job.max_rss_mb and place.pid:
-            with contextlib.suppress(psutil.Error, OSError):
-                rss_mb = rss_bytes(place.pid) / 2**20
-                if rss_mb > job.max_rss_mb:
-                    log.info("recycling handler %d at %.0f MiB RSS", place.index, rss_mb)
-                    return True
-        return False
-
-    def idle(self, place: HandlerPlace) -> bool:
-        """Nothing of this handler is queued, running or waiting for its confirmation."""
-        return self.buffer.load(place.index) == 0 and not self.buffer.unsettled(place.index)
-
-    def handle_forkserver_events(self) -> None:
-        for event in self.forkserver.read_events():
-            if event.kind in CODE_EVENTS:
-                self.code_event(event)
-                continue
-            if event.place == SERVER_PLACE:  # a server died: no more handlers
-                asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
-                server = (f"handler server {event.pid} (code generation {event.generation})"
-                          if event.generation else f"fork server {event.pid}")
-                log.error("%s exited (%s): stopping", server, status_text(event.status))
-                self.request_stop(exits.BROKEN)
-                self.lose_all_handlers()
-                continue
-            place = self.places[event.place]
-            if event.kind == "started":
-                place.started(event.pid)
-                if self.code.outdated(event.generation):  # spawned before a reload adopted
-                    place.retire()
-            elif event.kind == "exited":
-                self.handle_child_exit(place, event.pid, event.status)
-
-    def lose_all_handlers(self) -> None:
-        """The fork server is gone and its children with it (they follow it by PDEATHSIG;
-        killed here too, to be sure): no exit event will come for them. What they held goes
-        back unblamed (they did not fail), so the stop need not wait for them."""
-        for place in self.places:
-            if not place.alive:
-                continue
-            place.kill(signal.SIGKILL)
-            place.gone()
-            self.buffer.handler_gone(place.index)
-        self.release_waiting()
-        self.progress.set()
-
-    def handle_child_exit(self, place: HandlerPlace, pid: int, status: int | None) -> None:
-        # What it wrote before it died counts (a DONE or HELD not read yet would otherwise
-        # make a finished delivery look running): the ring outlives the process.
-        try:
-            self.read_outcomes(place)
-        except Exception as error:  # a bug; the accounting below must still run
-            if self.stopping:  # already failing: one "stopping" line is enough
-                log.error("outcomes of handler process %d unreadable: %r", pid, error)
-            else:
-                self.fail("reading a dead handler's outcomes failed", error)
-        expected, was_ready = place.exit_sent, place.ready
-        failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
-                   else failures.lost(pid, status))
-        reason = place.kill_reason or f"worker lost: {failure.message}"
-        self.note_started(place)  # the mark outlives the process, as the ring does
-        running = self.buffer.running_in(place.index)
-        blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
-        place.gone()
-        self.arm(place)
-        if self.abandoning:
-            # Stopped at the deadline: what was running stays owned and is recovered later.
-            self.buffer.handler_gone(place.index, abandon=True)
-        else:
-            # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
-            # Timed out or lost: a failed run, timed here (no process timed it).
-            self.metrics.handlers_done(running_seconds(blamed, time.monotonic()))
-            replaced = ("" if self.stopping or status == CHILD_INIT_FAILED
-                        else "; a new handler process takes its place")
-            if running:
-                pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
-                more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
-                log.error("%s while handling %s%s: that run failed (the job's outcome line "
-                          "says what follows)%s", reason, pids, more, replaced)
-            elif not expected and not self.stopping and was_ready:
-                log.error("%s%s", reason, replaced)
-        if self.stopping:  # nothing is dispatched any more: what came back is released
-            self.release_waiting()
-        elif status == CHILD_INIT_FAILED:
-            # init() failed: that repeats in every new process, so halt (gunicorn does too).
-            log.error("handler process %d failed to start (%s): halting", pid, reason)
-            self.request_stop(exits.HANDLER_INIT)
-        elif not was_ready and not expected:  # asked to exit (a reload): replaced at once
-            self.respawn_later(place, pid, reason)
-        else:
-            if not expected:
-                self.metrics.child_restart()
-            self.forkserver.spawn(place.index)
-        self.settle_wanted.set()
-        self.progress.set()
-
-    def respawn_later(self, place: HandlerPlace, pid: int, reason: str) -> None:
-        """Killed before it was ready (the OOM killer, a stray kill during a respawn): not
-        a reason to halt for good. Replaced after a growing pause; if it keeps dying, stop
-        with an exit code systemd restarts, so the whole service starts afresh."""
-        deaths = place.died_early()
-        if deaths >= MAX_EARLY_DEATHS:
-            log.error("handler process %d died before it was ready, %d times in a row (%s): "
-                      "stopping", pid, deaths, reason)
-            self.request_stop(exits.BROKEN)
-            return
-        delay = min(RESPAWN_DELAY * 2 ** (deaths - 1), 10.0)
-        log.error("handler process %d died before it was ready (%s): another in %.1fs",
-                  pid, reason, delay)
-        self.metrics.child_restart()
-        asyncio.get_running_loop().call_later(delay, self.guarded(self.respawn), place)
-
-    def respawn(self, place: HandlerPlace) -> None:
-        if not self.stopping and not place.alive:
-            self.forkserver.spawn(place.index)
 
     def update_title(self) -> None:
         busy, running = self.buffer.busy()
@@ -1016,13 +823,13 @@ class Arbiter:
         grace = min(TERM_GRACE, self.config.supervisor.shutdown_deadline / 5)
         await self.wait_until(self.nothing_in_handlers, deadline - grace)
         if not self.nothing_in_handlers():
-            self.signal_busy(signal.SIGTERM)
+            self.pool.signal_busy(signal.SIGTERM)
             await self.wait_until(self.nothing_in_handlers, deadline)
         if not self.nothing_in_handlers():
             self.killing = True
-            self.signal_busy(signal.SIGKILL)
+            self.pool.signal_busy(signal.SIGKILL)
         await self.settle_remaining()
-        await self.stop_children(deadline=max(deadline, time.monotonic() + 1))
+        await self.pool.stop_children(deadline=max(deadline, time.monotonic() + 1))
         self.closed = True
         for task in (*self.tasks, *self.settling):
             task.cancel()
@@ -1052,25 +859,11 @@ class Arbiter:
     def all_settled(self) -> bool:
         return self.buffer.nothing_to_settle()
 
-    def signal_busy(self, sig: int) -> None:
-        self.abandoning = True
-        for place in self.places:
-            if self.buffer.load(place.index):
-                place.kill(sig)
-
     async def settle_remaining(self) -> None:
         """One last settlement round (bounded by SETTLE_ROUND) for everything completed."""
         self.release_waiting()
         bound = time.monotonic() + SETTLE_ROUND
         await self.wait_until(self.all_settled, bound, interruptible=False)
-
-    async def stop_children(self, deadline: float) -> None:
-        for place in self.places:
-            place.request_exit()
-        await self.wait_until(lambda: not any(p.alive for p in self.places), deadline)
-        for place in self.places:
-            place.kill(signal.SIGKILL)
-        await self.wait_until(lambda: not any(p.alive for p in self.places), time.monotonic() + 2)
 
     async def wait_until(
         self, condition: Callable[[], bool], deadline: float, interruptible: bool = True
