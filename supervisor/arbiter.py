@@ -18,8 +18,6 @@ import signal
 import time
 from collections.abc import Callable
 
-import setproctitle
-
 from broker.base import (
     MAX_BATCH,
     Broker,
@@ -33,7 +31,7 @@ from broker.base import (
     WatchesConnection,
 )
 from broker.failure import Failure
-from supervisor import eager, exits, gauges, logs, running, systemd
+from supervisor import eager, exits, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import Config
 from supervisor.dispatch import Dispatcher
@@ -41,6 +39,7 @@ from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
 from supervisor.pool import HandlerPool
+from supervisor.reporting import Reporter
 from supervisor.settlement import Settler
 from worker import protocol
 from worker.forkserver import Spawner
@@ -69,7 +68,6 @@ class Arbiter:
         self.notifier = notifier or systemd.Notifier(None)
         self.metrics = metrics or Metrics()
         self.connected = False
-        self.ready = asyncio.Event()
         self.broker = broker
         self.places = places
         self.buffer = Buffer(config.job.prefetch, len(places))
@@ -90,6 +88,9 @@ class Arbiter:
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
                              retry_every=RETRY_EVERY, lease=self.lease())
+        #: READY and STATUS to systemd, /readyz, the title, the progress line, the gauges.
+        self.reporter = Reporter(config, broker, self.buffer, places, self.metrics,
+                                 self.notifier, self.outage, self, concurrent=self.concurrent)
         self.settler = Settler(broker, self.buffer,
                                self.confirm if self.wants_confirm else None, self.metrics,
                                self.opened, self.outage)
@@ -174,13 +175,14 @@ class Arbiter:
             self.broker.watch_connection(self.outage.connection_lost, self.outage.connection_back)
         if self.arrivals is not None:  # a broker that is pushed what it pulled (NATS)
             self.arrivals.on_arrival(self.guarded(self.take_arrivals))
-        self.notify_ready_once()
+        self.reporter.notify_ready_once()
+        reporter = self.reporter
         self.tasks = [
             self.start_task(coro)
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
-                self.keepalive_loop(), self.progress_loop(), self.sample_loop(),
+                reporter.keepalive_loop(), reporter.progress_loop(), reporter.sample_loop(),
                 self.running.watch(lambda: self.closed),
             )
         ]
@@ -235,48 +237,6 @@ class Arbiter:
         elif self.exit_code == exits.OK:
             self.exit_code = exits.BROKEN
 
-    def notify_ready_once(self) -> None:
-        """READY=1 once the broker is connected and every handler process is up."""
-        if self.ready.is_set() or not self.connected or self.stopping:
-            return
-        if all(place.ready for place in self.places):
-            self.update_title()  # "running" before systemd (and a person) hears it
-            self.ready.set()
-            self.metrics.readiness(self.not_ready())
-            if self.notifier.ready():
-                log.info("ready: told systemd")
-
-    async def keepalive_loop(self) -> None:
-        """STATUS and WATCHDOG pings from this loop, from READY on (systemd's watchdog
-        starts with the service's start-up completed)."""
-        await self.ready.wait()
-        await systemd.keepalive(self.notifier, self.status_text)
-
-    async def progress_loop(self) -> None:
-        """An info line now and then: what a person tailing the log wants to know."""
-        period = self.config.supervisor.progress_interval
-        while period and not self.closed:
-            await asyncio.sleep(period)
-            began = self.outage.now()
-            try:
-                age = await self.broker.oldest_ready_age()
-            except (BrokerError, OSError) as error:
-                oldest = f"unknown ({error})"
-                if unreachable(error):
-                    self.outage.lost(error, began)
-                    oldest = "unknown (the broker is unreachable)"
-            else:
-                self.outage.back(began)
-                oldest = "none waiting" if age is None else f"{age:.1f}s"
-            log.info("progress: %.1f jobs/s, %s; outstanding %d/%d; oldest ready %s",
-                     self.metrics.throughput.per_second(), self.metrics.summary(),
-                     self.buffer.outstanding, self.buffer.prefetch, oldest)
-
-    def status_text(self) -> str:
-        return systemd.status_text(
-            self.buffer.outstanding, self.buffer.prefetch, self.metrics.throughput.per_second()
-        )
-
     def handle_stop_signal(self, sig: int) -> None:
         if self.stopping:
             log.warning("second %s: killing handlers now", signal.Signals(sig).name)
@@ -290,7 +250,7 @@ class Arbiter:
         if exit_code is not None:
             self.exit_code = exit_code
         self.stopping = True
-        self.metrics.readiness(self.not_ready())
+        self.metrics.readiness(self.reporter.not_ready())
         self.stop_requested.set()
         self.room.set()
 
@@ -536,7 +496,7 @@ class Arbiter:
                 self.release_waiting()
         elif kind == protocol.READY:
             place.became_ready()
-            self.notify_ready_once()
+            self.reporter.notify_ready_once()
             self.room.set()  # its share of prefetch can be received now
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
@@ -750,52 +710,10 @@ class Arbiter:
     async def watch_loop(self) -> None:
         while not self.closed:
             self.pool.enforce_limits()
-            self.update_title()
+            self.reporter.update_title()
             self.metrics.beat()  # /healthz: this loop goes round
-            self.metrics.readiness(self.not_ready())
+            self.metrics.readiness(self.reporter.not_ready())
             await asyncio.sleep(WATCH_PERIOD)
-
-    def not_ready(self) -> str | None:
-        """Why /readyz answers 503 now (one line), or None when it answers 200."""
-        if self.stopping:
-            return "stopping: taking no more work"
-        if not self.connected:
-            return "connecting to the broker"
-        if self.broker_trouble:
-            return f"broker unreachable: {next(iter(self.broker_trouble.values()))}"
-        if not any(place.accepting for place in self.places):
-            alive = sum(place.alive for place in self.places)
-            return (f"no handler process ready to take work ({alive} of {len(self.places)} "
-                    "started, none ready)")
-        return None
-
-    async def sample_loop(self) -> None:
-        """The queue gauges of the metrics endpoint, every SAMPLE_PERIOD (metrics on only)."""
-        sample = gauges.sampler_of(self.broker) if self.metrics.enabled else None
-        leadership = gauges.Leadership()
-        await self.first_renewal.wait()  # on Redis it registers us: "supervisors alive" counts us
-        while sample is not None and not self.closed:
-            try:
-                with self.metrics.timed("sample"):
-                    figures = leadership.seen(await sample())
-            except (BrokerError, OSError) as error:
-                self.broker_trouble["sample"] = str(error)
-                self.metrics.gauges(None, str(error))
-            else:
-                self.broker_trouble.pop("sample", None)
-                self.metrics.gauges(figures)
-            await asyncio.sleep(gauges.SAMPLE_PERIOD)
-
-    def update_title(self) -> None:
-        busy, running = self.buffer.busy()
-        self.metrics.buffer(self.buffer.outstanding, self.buffer.prefetch, busy)
-        state = "stopping" if self.stopping else "running"
-        tasks = f", {running} running" if self.concurrent else ""
-        setproctitle.setproctitle(
-            f"queue-supervisor: {self.config.job.queue} {state} "
-            f"[buffer {self.buffer.outstanding}/{self.buffer.prefetch}, "
-            f"{busy}/{len(self.places)} busy{tasks}]"
-        )
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -807,7 +725,7 @@ class Arbiter:
         """
         deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
         self.notifier.stopping()
-        self.update_title()
+        self.reporter.update_title()
         self.broker.stop_waiting()  # an idle receive returns at once
         receiving = self.task("receive_loop")
         if receiving is not None:
