@@ -6,6 +6,9 @@ One asyncio loop owns every broker call. Handler processes are forked by the for
     broker -> buffer -> ring -> handler -> ring -> settlement -> broker
 
 Signals only set flags and events; the shutdown reads top to bottom in ``shutdown``.
+The handler processes' lifecycle (replacements, recycling, reload, the kill at the
+deadline) is the handler pool's (supervisor.pool); readiness, the title, the progress line
+and the queue gauges are the reporter's (supervisor.reporting).
 """
 
 from __future__ import annotations

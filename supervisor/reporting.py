@@ -2,7 +2,8 @@
 
 READY, STATUS and the watchdog pings to systemd (supervisor.systemd), the reason /readyz
 answers 503, the process title, a progress line now and then, and the queue gauges of the
-metrics endpoint (supervisor.gauges). All of it reads the arbiter's state and changes none.
+metrics endpoint (supervisor.gauges). All of it reads the arbiter's state; the one thing
+it writes there is the gauge sampler's entry in ``broker_trouble`` (/readyz reads it).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ log = logging.getLogger("supervisor")
 
 
 class State(Protocol):
-    """What the reporter reads of the arbiter."""
+    """What the reporter reads of the arbiter (and, for its sampler, ``broker_trouble``)."""
 
     connected: bool  # to the broker
     stopping: bool
     closed: bool  # the background loops end
-    #: The last error of each broker-facing loop still failing (receive, sample).
+    #: The last error of each broker-facing loop still failing (receive, sample: ours).
     broker_trouble: dict[str, str]
     first_renewal: asyncio.Event  # on Redis it registers this supervisor
 
