@@ -6,6 +6,11 @@ missing delivery never hides the result of another.
 
 Data path: ``receive`` -> handler -> ``settle`` (commit / reject / release), with
 ``extend`` renewing everything outstanding and ``maintain`` recovering abandoned work.
+
+What only some brokers offer is declared below ``Broker`` as small protocols, each one a
+feature the supervisor uses when it is there (``isinstance``): reserving ahead and a record
+of running jobs (Redis), arrivals pushed and a connection watched (NATS), a lease and a
+consumer name of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from broker.failure import Failure
 
@@ -183,6 +188,10 @@ class Broker(Publisher, Protocol):
     #: is lost must not hold back the completions that come after it).
     settle_concurrency: int
 
+    @property
+    def max_attempts(self) -> int:
+        """Runs a message gets before it is dead (NATS: the adopted consumer's budget)."""
+
     async def connect(self) -> None:
         """Open connections and prepare the queue (scripts, streams). Raises BrokerError."""
 
@@ -225,3 +234,80 @@ class Broker(Publisher, Protocol):
         as recovery would (attempts + 1), so that nothing this consumer owns outlives it;
         NATS redelivers them. Commits and rejects nothing."""
 
+
+
+# -- features of some brokers: the supervisor finds them with isinstance ---------------------
+# (runtime_checkable checks only that the members exist: mypy checks their types, and
+# supervisor.brokers that each adapter offers what it claims.)
+
+
+@runtime_checkable
+class Leased(Protocol):
+    """A broker whose deliveries stay ours for a time of its own (Redis: the lease it was
+    given; NATS: the adopted consumer's ack wait, which may be shorter than ours)."""
+
+    @property
+    def lease(self) -> float:
+        """Seconds an unrenewed delivery stays ours."""
+
+
+@runtime_checkable
+class Identified(Protocol):
+    """A broker that is a named consumer (Redis): the name goes in failure records."""
+
+    @property
+    def consumer_id(self) -> str:
+        """This consumer's name ("" is none: the supervisor then uses ``<host>-<pid>``)."""
+
+
+@runtime_checkable
+class ReservesAhead(Protocol):
+    """A broker whose settle call can reserve, in its own write, the room it frees (Redis):
+    the receive after it then claims at once."""
+
+    @property
+    def reserves_ahead(self) -> bool:
+        """Its settle calls can reserve ahead now (the supervisor then receives in smaller
+        batches: see ``supervisor.arbiter.batch_limit``)."""
+
+    def reserve_ahead(self, room: int) -> bool:
+        """Reserve ``room`` in the next settle call's write. False: not done."""
+
+
+@runtime_checkable
+class WatchesConnection(Protocol):
+    """A broker with a connection of its own that tells when it breaks and is back (NATS)."""
+
+    def watch_connection(self, lost: Callable[[str], None], back: Callable[[], None]) -> None:
+        """``lost(reason)`` when the connection breaks, ``back()`` once a new one is ready."""
+
+
+@runtime_checkable
+class PushesArrivals(Protocol):
+    """A broker that is pushed what it pulled (NATS): it tells when messages arrived, and
+    hands them out without a wait."""
+
+    def on_arrival(self, callback: Callable[[], None]) -> None:
+        """``callback()`` when messages arrived that ``receive_nowait`` may take."""
+
+    def receive_nowait(self, max_messages: int) -> Received | None:
+        """What ``receive(max_messages, ...)`` would return, when it needs nothing awaited;
+        None otherwise (``receive`` does it)."""
+
+
+@runtime_checkable
+class RecordsRunning(Protocol):
+    """A broker that keeps this supervisor's record of running jobs (Redis: for
+    ``status``)."""
+
+    async def publish_running(self, record: bytes | None, ttl: int) -> None:
+        """Write the record (None: remove it), kept ``ttl`` seconds."""
+
+
+@runtime_checkable
+class EnvelopeLimited(Protocol):
+    """A broker with a limit on the envelopes it reads (Redis: records moved back too)."""
+
+    @property
+    def max_envelope_bytes(self) -> int | None:
+        """The longest envelope read (None or 0: no limit of its own)."""

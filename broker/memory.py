@@ -73,6 +73,9 @@ class MemoryBroker:
     #: Tell each result as it is made (``on_result``), as JetStream does; False: only all
     #: at once in the returned list, as Redis does.
     early_results: bool = True
+    #: Never reserves ahead (``reserve_ahead`` declines); True makes the supervisor receive
+    #: in the batches it takes from a broker that does (``supervisor.arbiter.batch_limit``).
+    reserves_ahead: bool = False
     faults: Faults = field(default_factory=Faults)
     ready: deque[_Message] = field(default_factory=deque)
     owned: dict[str, _Message] = field(default_factory=dict)  # pid -> message
@@ -205,6 +208,10 @@ class MemoryBroker:
             faults.uncertain_applied -= 1
             return Result(Outcome.UNCERTAIN, "reply lost, applied (injected)")
         return Result(Outcome.OK, detail)
+
+    def reserve_ahead(self, room: int) -> bool:
+        """Declined: a settle call here reserves nothing (see ``reserves_ahead``)."""
+        return False
 
     async def extend(self, deliveries: Sequence[Delivery]) -> list[bool]:
         self.calls["extend"] += 1

@@ -6,6 +6,9 @@ One asyncio loop owns every broker call. Handler processes are forked by the for
     broker -> buffer -> ring -> handler -> ring -> settlement -> broker
 
 Signals only set flags and events; the shutdown reads top to bottom in ``shutdown``.
+The handler processes' lifecycle (replacements, recycling, reload, the kill at the
+deadline) is the handler pool's (supervisor.pool); readiness, the title, the progress line
+and the queue gauges are the reporter's (supervisor.reporting).
 """
 
 from __future__ import annotations
@@ -14,50 +17,43 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
 
-import psutil
-import setproctitle
-
-from broker.base import MAX_BATCH, Broker, BrokerError, BrokerRefused, Received
+from broker.base import (
+    MAX_BATCH,
+    Broker,
+    BrokerError,
+    BrokerRefused,
+    Leased,
+    PushesArrivals,
+    Received,
+    RecordsRunning,
+    ReservesAhead,
+    WatchesConnection,
+)
 from broker.failure import Failure
-from supervisor import blame, eager, exits, failures, gauges, logs, running, systemd
+from supervisor import eager, exits, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
-from supervisor.config import CANCEL_GRACE, Config
+from supervisor.config import Config
 from supervisor.dispatch import Dispatcher
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
-from supervisor.reload import CODE_EVENTS, HandlerCode
-from supervisor.running import run_seconds as running_seconds
+from supervisor.pool import HandlerPool
+from supervisor.reporting import Reporter
 from supervisor.settlement import Settler
 from worker import protocol
-from worker.forkserver import SERVER_PLACE, Event, Spawner, status_text
+from worker.forkserver import Spawner
 from worker.handler import Handler, Shape
-from worker.process import CHILD_INIT_FAILED
 
 log = logging.getLogger("supervisor")
 
 TERM_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to handlers at the deadline
-#: A place whose processes die this many times in a row before they are ready stops us (exit 4,
-#: which systemd restarts); before that each replacement waits RESPAWN_DELAY * 2**n (<= 10 s).
-MAX_EARLY_DEATHS, RESPAWN_DELAY = 5, 0.5
 SETTLE_ROUND = 5.0  # the last settlement round at stop may take this long
 WATCH_PERIOD = 0.25  # handler timeouts, recycling and the process title
 RETRY_EVERY = 5.0  # the longest pause between receives while the broker cannot be reached
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process, read straight from /proc (cheap enough per job)."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * PAGE_SIZE
-    except FileNotFoundError:
-        return psutil.Process(pid).memory_info().rss
 
 
 class Arbiter:
@@ -75,17 +71,16 @@ class Arbiter:
         self.notifier = notifier or systemd.Notifier(None)
         self.metrics = metrics or Metrics()
         self.connected = False
-        self.ready = asyncio.Event()
         self.broker = broker
         self.places = places
-        self.forkserver = forkserver
-        #: The handler code its processes run, reloaded on SIGHUP.
-        self.code = HandlerCode(forkserver,
-                                handler if isinstance(handler, Shape) else handler.shape)
         self.buffer = Buffer(config.job.prefetch, len(places))
         self.wants_confirm = handler.wants_confirm
         # async def: several deliveries run at once in each process (worker.aio).
         self.concurrent = handler.is_async
+        #: The handler processes' lifecycle: replaced, recycled, reloaded, killed, stopped.
+        self.pool = HandlerPool(config, places, forkserver,
+                                handler if isinstance(handler, Shape) else handler.shape,
+                                self.buffer, self.metrics, self, concurrent=self.concurrent)
         slots = config.job.tasks_per_process if self.concurrent else 1
         self.capacity = len(places) * slots
         #: Fair hand-out to the handler places (a handler with flush() gets slices).
@@ -96,13 +91,15 @@ class Arbiter:
         #: The broker's reachability, told once each way (``down``, ``outages``: readable).
         self.outage = Outage(config.broker.safe_url, lambda: self.buffer.outstanding,
                              retry_every=RETRY_EVERY, lease=self.lease())
+        #: READY and STATUS to systemd, /readyz, the title, the progress line, the gauges.
+        self.reporter = Reporter(config, broker, self.buffer, places, self.metrics,
+                                 self.notifier, self.outage, self, concurrent=self.concurrent)
         self.settler = Settler(broker, self.buffer,
                                self.confirm if self.wants_confirm else None, self.metrics,
                                self.opened, self.outage)
         self.exit_code = exits.OK
         self.stopping = False
         self.killing = False  # the deadline passed (or a second signal): no more waiting
-        self.abandoning = False  # handlers were signalled at stop: what they ran stays owned
         # Set after the first renewal was tried: on Redis it registers this supervisor's
         # owner-token prefix, so no delivery of ours exists that recovery cannot tell for ours.
         self.first_renewal = asyncio.Event()
@@ -122,9 +119,13 @@ class Arbiter:
         #: Settlement calls that may run at once (several on JetStream: see settle_loop).
         self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
         #: A broker that can reserve, in a settle call's write, the room it frees (Redis).
-        self.reserve_ahead: Callable[[int], bool] | None = getattr(broker, "reserve_ahead", None)
+        ahead = broker if isinstance(broker, ReservesAhead) else None
+        self.reserve_ahead: Callable[[int], bool] | None = (
+            ahead.reserve_ahead if ahead is not None else None)
         #: The most one receive takes: see ``batch_limit``.
-        self.batch = batch_limit(self.buffer.prefetch, getattr(broker, "reserves_ahead", False))
+        self.batch = batch_limit(self.buffer.prefetch, ahead is not None and ahead.reserves_ahead)
+        #: A broker that is pushed what it pulled (NATS): see ``take_arrivals``.
+        self.arrivals = broker if isinstance(broker, PushesArrivals) else None
         self.ahead_settling: asyncio.Event | None = None  # a settle call reserving ahead runs
         #: The room asked for by the receive under way (0: none). Its deliveries are not
         #: counted yet: take_arrivals must not fill that room, reserve_for must not ask again.
@@ -139,7 +140,7 @@ class Arbiter:
         #: What each handler process runs: slow-job warnings, metrics, the broker's copy.
         self.running = running.RunningJobs(
             config, places, self.buffer, self.metrics, concurrent=self.concurrent,
-            write=getattr(broker, "publish_running", None))
+            write=broker.publish_running if isinstance(broker, RecordsRunning) else None)
 
     # -- the whole life ------------------------------------------------------------------
 
@@ -147,19 +148,20 @@ class Arbiter:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
-        loop.add_signal_handler(signal.SIGHUP, self.guarded(self.handle_reload_signal))
-        loop.add_reader(self.forkserver.events_fd, self.guarded(self.handle_forkserver_events))
+        pool = self.pool
+        loop.add_signal_handler(signal.SIGHUP, self.guarded(pool.handle_reload_signal))
+        loop.add_reader(pool.forkserver.events_fd, self.guarded(pool.handle_forkserver_events))
         for place in self.places:
             loop.add_reader(place.to_parent.wake_fd, self.guarded(self.handle_outcomes), place)
             self.arm(place)
-            self.forkserver.spawn(place.index)
+            pool.forkserver.spawn(place.index)
         try:
             await self.broker.connect()
         except (BrokerError, OSError) as error:
             log.error("cannot connect to the broker: %s", error)
             refused = isinstance(error, BrokerRefused)
             self.exit_code, self.stopping = (exits.REFUSED if refused else exits.BROKER), True
-            await self.stop_children(deadline=time.monotonic() + 5)
+            await self.pool.stop_children(deadline=time.monotonic() + 5)
             return self.exit_code
         log.info(
             "consuming %s on %s with %d handler processes, prefetch %d",
@@ -171,20 +173,19 @@ class Arbiter:
             log.info("%s", logs.Explanation(notice))
         self.connected = True
         self.outage.lease = self.lease()  # an adopted NATS consumer's ack wait is known now
-        watch = getattr(self.broker, "watch_connection", None)
-        if watch is not None:  # a broker with a connection of its own tells when it breaks
+        if isinstance(self.broker, WatchesConnection):  # it tells when its connection breaks
             self.outage.by_connection = True
-            watch(self.outage.connection_lost, self.outage.connection_back)
-        arrivals = getattr(self.broker, "on_arrival", None)
-        if arrivals is not None:  # a broker that is pushed what it pulled (NATS)
-            arrivals(self.guarded(self.take_arrivals))
-        self.notify_ready_once()
+            self.broker.watch_connection(self.outage.connection_lost, self.outage.connection_back)
+        if self.arrivals is not None:  # a broker that is pushed what it pulled (NATS)
+            self.arrivals.on_arrival(self.guarded(self.take_arrivals))
+        self.reporter.notify_ready_once()
+        reporter = self.reporter
         self.tasks = [
             self.start_task(coro)
             for coro in (
                 self.receive_loop(), self.settle_loop(), self.renew_loop(),
                 self.maintenance_loop(), self.watch_loop(),
-                self.keepalive_loop(), self.progress_loop(), self.sample_loop(),
+                reporter.keepalive_loop(), reporter.progress_loop(), reporter.sample_loop(),
                 self.running.watch(lambda: self.closed),
             )
         ]
@@ -195,7 +196,8 @@ class Arbiter:
     def lease(self) -> float:
         """How long an unrenewed delivery stays ours (an adopted NATS consumer may hold
         deliveries for less than our lease)."""
-        return min(self.config.supervisor.lease, getattr(self.broker, "lease", math.inf))
+        own = self.broker.lease if isinstance(self.broker, Leased) else math.inf
+        return min(self.config.supervisor.lease, own)
 
     def broker_failed(self, error: Exception, began: float, line: str, *args: object) -> None:
         """A broker call failed: an outage is told once, by ``self.outage``; anything else
@@ -238,48 +240,6 @@ class Arbiter:
         elif self.exit_code == exits.OK:
             self.exit_code = exits.BROKEN
 
-    def notify_ready_once(self) -> None:
-        """READY=1 once the broker is connected and every handler process is up."""
-        if self.ready.is_set() or not self.connected or self.stopping:
-            return
-        if all(place.ready for place in self.places):
-            self.update_title()  # "running" before systemd (and a person) hears it
-            self.ready.set()
-            self.metrics.readiness(self.not_ready())
-            if self.notifier.ready():
-                log.info("ready: told systemd")
-
-    async def keepalive_loop(self) -> None:
-        """STATUS and WATCHDOG pings from this loop, from READY on (systemd's watchdog
-        starts with the service's start-up completed)."""
-        await self.ready.wait()
-        await systemd.keepalive(self.notifier, self.status_text)
-
-    async def progress_loop(self) -> None:
-        """An info line now and then: what a person tailing the log wants to know."""
-        period = self.config.supervisor.progress_interval
-        while period and not self.closed:
-            await asyncio.sleep(period)
-            began = self.outage.now()
-            try:
-                age = await self.broker.oldest_ready_age()
-            except (BrokerError, OSError) as error:
-                oldest = f"unknown ({error})"
-                if unreachable(error):
-                    self.outage.lost(error, began)
-                    oldest = "unknown (the broker is unreachable)"
-            else:
-                self.outage.back(began)
-                oldest = "none waiting" if age is None else f"{age:.1f}s"
-            log.info("progress: %.1f jobs/s, %s; outstanding %d/%d; oldest ready %s",
-                     self.metrics.throughput.per_second(), self.metrics.summary(),
-                     self.buffer.outstanding, self.buffer.prefetch, oldest)
-
-    def status_text(self) -> str:
-        return systemd.status_text(
-            self.buffer.outstanding, self.buffer.prefetch, self.metrics.throughput.per_second()
-        )
-
     def handle_stop_signal(self, sig: int) -> None:
         if self.stopping:
             log.warning("second %s: killing handlers now", signal.Signals(sig).name)
@@ -289,30 +249,11 @@ class Arbiter:
         log.info("%s received: stopping", signal.Signals(sig).name)
         self.request_stop()
 
-    def handle_reload_signal(self) -> None:
-        """SIGHUP, as gunicorn reads it without preload_app: the handler is imported anew
-        (supervisor.reload), and once that worked every handler process is replaced (see
-        ``code_event``)."""
-        if self.stopping:
-            log.info("SIGHUP received while stopping: ignored")
-            return
-        self.code.reload()
-
-    def code_event(self, event: Event) -> None:
-        """A reload's import ended, or an old handler server exited. New code adopted: each
-        process takes no more work, exits once what it holds is finished and settled, and
-        one forked from the new code takes its place; nothing is released or requeued."""
-        alive = [place for place in self.places if place.alive and not place.retiring]
-        if self.code.finished(event, len(alive), self.stopping):
-            for place in alive:
-                place.retire()
-                self.retire_if_idle(place)
-
     def request_stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:
             self.exit_code = exit_code
         self.stopping = True
-        self.metrics.readiness(self.not_ready())
+        self.metrics.readiness(self.reporter.not_ready())
         self.stop_requested.set()
         self.room.set()
 
@@ -369,11 +310,12 @@ class Arbiter:
         own, would cost a turn of the event loop more before the handler gets its job (at
         prefetch 1, one per job). The broker gives them only when that takes no request
         and no wait; otherwise the receive loop's receive does it."""
-        if (self.stopping or self.receiving or not self.first_renewal.is_set()
-                or not self.receive_due()):
+        arrivals = self.arrivals
+        if (arrivals is None or self.stopping or self.receiving
+                or not self.first_renewal.is_set() or not self.receive_due()):
             return
         room = min(self.receive_room(), self.batch)
-        received = self.broker.receive_nowait(room)  # type: ignore[attr-defined]
+        received = arrivals.receive_nowait(room)
         if received is not None:
             self.metrics.broker_call("receive", 0.0)  # counted as the receive it replaces
             self.took(received)
@@ -538,7 +480,7 @@ class Arbiter:
         if self.dispatcher.fair:  # rings sized from the pace of jobs (supervisor.dispatch)
             self.dispatcher.observe(seconds)
         self.metrics.handlers_done(seconds)
-        self.jobs_finished(place, len(ids))
+        self.pool.jobs_finished(place, len(ids))
 
     def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
         """One record of any kind but DONE (``handle_records`` takes those in runs)."""
@@ -557,7 +499,7 @@ class Arbiter:
                 self.release_waiting()
         elif kind == protocol.READY:
             place.became_ready()
-            self.notify_ready_once()
+            self.reporter.notify_ready_once()
             self.room.set()  # its share of prefetch can be received now
         elif kind == protocol.INIT_FAILED:
             log.error("handler init() failed in process %s: %s", place.pid, data)
@@ -572,15 +514,7 @@ class Arbiter:
             self.metrics.handler_done(failure.seconds)
         elif entry.started_at:
             self.metrics.handler_done(time.monotonic() - entry.started_at)
-        self.jobs_finished(place, 1)
-
-    def jobs_finished(self, place: HandlerPlace, count: int) -> None:
-        """Its process finished ``count`` more deliveries: time to recycle it?"""
-        jobs = place.job_finished(count)
-        job = self.config.job
-        if ((job.max_jobs_per_process or job.max_rss_mb) and not place.retiring
-                and self.should_recycle(place, jobs)):
-            place.retire()  # before the next dispatch, so it gets nothing more
+        self.pool.jobs_finished(place, 1)
 
     def note_started(self, place: HandlerPlace) -> None:
         """A plain handler reports no start: its mark on the outcome ring names the delivery
@@ -685,7 +619,7 @@ class Arbiter:
             self.ahead_settled(ahead)
             self.opened()
             for place in self.places:
-                self.retire_if_idle(place)
+                self.pool.retire_if_idle(place)
             if ok:
                 self.settle_failures = 0
             else:  # the broker is unhappy: back off before trying those again
@@ -778,202 +712,11 @@ class Arbiter:
 
     async def watch_loop(self) -> None:
         while not self.closed:
-            self.enforce_limits()
-            self.update_title()
+            self.pool.enforce_limits()
+            self.reporter.update_title()
             self.metrics.beat()  # /healthz: this loop goes round
-            self.metrics.readiness(self.not_ready())
+            self.metrics.readiness(self.reporter.not_ready())
             await asyncio.sleep(WATCH_PERIOD)
-
-    def not_ready(self) -> str | None:
-        """Why /readyz answers 503 now (one line), or None when it answers 200."""
-        if self.stopping:
-            return "stopping: taking no more work"
-        if not self.connected:
-            return "connecting to the broker"
-        if self.broker_trouble:
-            return f"broker unreachable: {next(iter(self.broker_trouble.values()))}"
-        if not any(place.accepting for place in self.places):
-            alive = sum(place.alive for place in self.places)
-            return (f"no handler process ready to take work ({alive} of {len(self.places)} "
-                    "started, none ready)")
-        return None
-
-    async def sample_loop(self) -> None:
-        """The queue gauges of the metrics endpoint, every SAMPLE_PERIOD (metrics on only)."""
-        sample = gauges.sampler_of(self.broker) if self.metrics.enabled else None
-        leadership = gauges.Leadership()
-        await self.first_renewal.wait()  # on Redis it registers us: "supervisors alive" counts us
-        while sample is not None and not self.closed:
-            try:
-                with self.metrics.timed("sample"):
-                    figures = leadership.seen(await sample())
-            except (BrokerError, OSError) as error:
-                self.broker_trouble["sample"] = str(error)
-                self.metrics.gauges(None, str(error))
-            else:
-                self.broker_trouble.pop("sample", None)
-                self.metrics.gauges(figures)
-            await asyncio.sleep(gauges.SAMPLE_PERIOD)
-
-    def enforce_limits(self) -> None:
-        job = self.config.job
-        now = time.monotonic()
-        # A plain handler is killed at its timeout; an async one cancelled itself by then.
-        limit = job.handler_timeout + (CANCEL_GRACE if self.concurrent else 0.0)
-        for place in self.places:
-            if not place.alive:
-                continue
-            self.note_started(place)
-            overdue = (
-                self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
-            )
-            if overdue and not place.kill_reason:
-                log.error("handler %d exceeded handler_timeout %ss: killing process %d",
-                          place.index, job.handler_timeout, place.pid)
-                reason = f"handler timeout after {job.handler_timeout}s" + (
-                    f" (not cancelled within {CANCEL_GRACE:g}s)" if self.concurrent else "")
-                place.kill(signal.SIGKILL, reason, overdue)
-                continue
-            self.retire_if_idle(place)
-
-    def retire_if_idle(self, place: HandlerPlace) -> None:
-        """A recycled handler exits once nothing of it is queued, running or unconfirmed."""
-        if place.retiring and place.alive and not place.exit_sent and self.idle(place):
-            place.request_exit()
-
-    def should_recycle(self, place: HandlerPlace, jobs: int) -> bool:
-        """After its process finished its ``jobs``-th delivery."""
-        job = self.config.job
-        if job.max_jobs_per_process and jobs >= job.max_jobs_per_process:
-            log.info("recycling handler %d after %d jobs", place.index, jobs)
-            return True
-        if job.max_rss_mb and place.pid:
-            with contextlib.suppress(psutil.Error, OSError):
-                rss_mb = rss_bytes(place.pid) / 2**20
-                if rss_mb > job.max_rss_mb:
-                    log.info("recycling handler %d at %.0f MiB RSS", place.index, rss_mb)
-                    return True
-        return False
-
-    def idle(self, place: HandlerPlace) -> bool:
-        """Nothing of this handler is queued, running or waiting for its confirmation."""
-        return self.buffer.load(place.index) == 0 and not self.buffer.unsettled(place.index)
-
-    def handle_forkserver_events(self) -> None:
-        for event in self.forkserver.read_events():
-            if event.kind in CODE_EVENTS:
-                self.code_event(event)
-                continue
-            if event.place == SERVER_PLACE:  # a server died: no more handlers
-                asyncio.get_running_loop().remove_reader(self.forkserver.events_fd)
-                server = (f"handler server {event.pid} (code generation {event.generation})"
-                          if event.generation else f"fork server {event.pid}")
-                log.error("%s exited (%s): stopping", server, status_text(event.status))
-                self.request_stop(exits.BROKEN)
-                self.lose_all_handlers()
-                continue
-            place = self.places[event.place]
-            if event.kind == "started":
-                place.started(event.pid)
-                if self.code.outdated(event.generation):  # spawned before a reload adopted
-                    place.retire()
-            elif event.kind == "exited":
-                self.handle_child_exit(place, event.pid, event.status)
-
-    def lose_all_handlers(self) -> None:
-        """The fork server is gone and its children with it (they follow it by PDEATHSIG;
-        killed here too, to be sure): no exit event will come for them. What they held goes
-        back unblamed (they did not fail), so the stop need not wait for them."""
-        for place in self.places:
-            if not place.alive:
-                continue
-            place.kill(signal.SIGKILL)
-            place.gone()
-            self.buffer.handler_gone(place.index)
-        self.release_waiting()
-        self.progress.set()
-
-    def handle_child_exit(self, place: HandlerPlace, pid: int, status: int | None) -> None:
-        # What it wrote before it died counts (a DONE or HELD not read yet would otherwise
-        # make a finished delivery look running): the ring outlives the process.
-        try:
-            self.read_outcomes(place)
-        except Exception as error:  # a bug; the accounting below must still run
-            if self.stopping:  # already failing: one "stopping" line is enough
-                log.error("outcomes of handler process %d unreadable: %r", pid, error)
-            else:
-                self.fail("reading a dead handler's outcomes failed", error)
-        expected, was_ready = place.exit_sent, place.ready
-        failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
-                   else failures.lost(pid, status))
-        reason = place.kill_reason or f"worker lost: {failure.message}"
-        self.note_started(place)  # the mark outlives the process, as the ring does
-        running = self.buffer.running_in(place.index)
-        blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
-        place.gone()
-        self.arm(place)
-        if self.abandoning:
-            # Stopped at the deadline: what was running stays owned and is recovered later.
-            self.buffer.handler_gone(place.index, abandon=True)
-        else:
-            # Blamed deliveries count an attempt; the rest run again unchanged (see blame).
-            self.buffer.handler_gone(place.index, blamed, failure.summary, failure=failure)
-            # Timed out or lost: a failed run, timed here (no process timed it).
-            self.metrics.handlers_done(running_seconds(blamed, time.monotonic()))
-            replaced = ("" if self.stopping or status == CHILD_INIT_FAILED
-                        else "; a new handler process takes its place")
-            if running:
-                pids = ", ".join(entry.delivery.pid for entry in blamed[:5])
-                more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
-                log.error("%s while handling %s%s: that run failed (the job's outcome line "
-                          "says what follows)%s", reason, pids, more, replaced)
-            elif not expected and not self.stopping and was_ready:
-                log.error("%s%s", reason, replaced)
-        if self.stopping:  # nothing is dispatched any more: what came back is released
-            self.release_waiting()
-        elif status == CHILD_INIT_FAILED:
-            # init() failed: that repeats in every new process, so halt (gunicorn does too).
-            log.error("handler process %d failed to start (%s): halting", pid, reason)
-            self.request_stop(exits.HANDLER_INIT)
-        elif not was_ready and not expected:  # asked to exit (a reload): replaced at once
-            self.respawn_later(place, pid, reason)
-        else:
-            if not expected:
-                self.metrics.child_restart()
-            self.forkserver.spawn(place.index)
-        self.settle_wanted.set()
-        self.progress.set()
-
-    def respawn_later(self, place: HandlerPlace, pid: int, reason: str) -> None:
-        """Killed before it was ready (the OOM killer, a stray kill during a respawn): not
-        a reason to halt for good. Replaced after a growing pause; if it keeps dying, stop
-        with an exit code systemd restarts, so the whole service starts afresh."""
-        deaths = place.died_early()
-        if deaths >= MAX_EARLY_DEATHS:
-            log.error("handler process %d died before it was ready, %d times in a row (%s): "
-                      "stopping", pid, deaths, reason)
-            self.request_stop(exits.BROKEN)
-            return
-        delay = min(RESPAWN_DELAY * 2 ** (deaths - 1), 10.0)
-        log.error("handler process %d died before it was ready (%s): another in %.1fs",
-                  pid, reason, delay)
-        self.metrics.child_restart()
-        asyncio.get_running_loop().call_later(delay, self.guarded(self.respawn), place)
-
-    def respawn(self, place: HandlerPlace) -> None:
-        if not self.stopping and not place.alive:
-            self.forkserver.spawn(place.index)
-
-    def update_title(self) -> None:
-        busy, running = self.buffer.busy()
-        self.metrics.buffer(self.buffer.outstanding, self.buffer.prefetch, busy)
-        state = "stopping" if self.stopping else "running"
-        tasks = f", {running} running" if self.concurrent else ""
-        setproctitle.setproctitle(
-            f"queue-supervisor: {self.config.job.queue} {state} "
-            f"[buffer {self.buffer.outstanding}/{self.buffer.prefetch}, "
-            f"{busy}/{len(self.places)} busy{tasks}]"
-        )
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -985,7 +728,7 @@ class Arbiter:
         """
         deadline = time.monotonic() + self.config.supervisor.shutdown_deadline
         self.notifier.stopping()
-        self.update_title()
+        self.reporter.update_title()
         self.broker.stop_waiting()  # an idle receive returns at once
         receiving = self.task("receive_loop")
         if receiving is not None:
@@ -1001,13 +744,13 @@ class Arbiter:
         grace = min(TERM_GRACE, self.config.supervisor.shutdown_deadline / 5)
         await self.wait_until(self.nothing_in_handlers, deadline - grace)
         if not self.nothing_in_handlers():
-            self.signal_busy(signal.SIGTERM)
+            self.pool.signal_busy(signal.SIGTERM)
             await self.wait_until(self.nothing_in_handlers, deadline)
         if not self.nothing_in_handlers():
             self.killing = True
-            self.signal_busy(signal.SIGKILL)
+            self.pool.signal_busy(signal.SIGKILL)
         await self.settle_remaining()
-        await self.stop_children(deadline=max(deadline, time.monotonic() + 1))
+        await self.pool.stop_children(deadline=max(deadline, time.monotonic() + 1))
         self.closed = True
         for task in (*self.tasks, *self.settling):
             task.cancel()
@@ -1037,25 +780,11 @@ class Arbiter:
     def all_settled(self) -> bool:
         return self.buffer.nothing_to_settle()
 
-    def signal_busy(self, sig: int) -> None:
-        self.abandoning = True
-        for place in self.places:
-            if self.buffer.load(place.index):
-                place.kill(sig)
-
     async def settle_remaining(self) -> None:
         """One last settlement round (bounded by SETTLE_ROUND) for everything completed."""
         self.release_waiting()
         bound = time.monotonic() + SETTLE_ROUND
         await self.wait_until(self.all_settled, bound, interruptible=False)
-
-    async def stop_children(self, deadline: float) -> None:
-        for place in self.places:
-            place.request_exit()
-        await self.wait_until(lambda: not any(p.alive for p in self.places), deadline)
-        for place in self.places:
-            place.kill(signal.SIGKILL)
-        await self.wait_until(lambda: not any(p.alive for p in self.places), time.monotonic() + 2)
 
     async def wait_until(
         self, condition: Callable[[], bool], deadline: float, interruptible: bool = True

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
-from broker.base import Broker
+from typing import TYPE_CHECKING
+
+from broker.base import (
+    Broker,
+    EnvelopeLimited,
+    Identified,
+    Leased,
+    PushesArrivals,
+    RecordsRunning,
+    ReservesAhead,
+    WatchesConnection,
+)
 from broker.urls import broker_kind
 from supervisor.config import Config
+
+if TYPE_CHECKING:
+    from broker.memory import MemoryBroker
+    from broker.nats import NatsBroker
+    from broker.redis import RedisBroker
 
 
 def make_broker(config: Config, *, supervisor: bool = False) -> Broker:
@@ -35,3 +51,13 @@ def make_broker(config: Config, *, supervisor: bool = False) -> Broker:
             replicas=config.nats.replicas, tls=config.broker.tls, announce=supervisor,
         )
     raise AssertionError(kind)
+
+
+if TYPE_CHECKING:
+    # The features each adapter offers (broker.base): the supervisor finds them with
+    # isinstance, which looks only at names; here mypy checks the types.
+    Features = tuple[Leased, Identified, ReservesAhead, RecordsRunning, EnvelopeLimited,
+                     Leased, WatchesConnection, PushesArrivals, ReservesAhead]
+
+    def _offered(redis: RedisBroker, nats: NatsBroker, memory: MemoryBroker) -> Features:
+        return redis, redis, redis, redis, redis, nats, nats, nats, memory

@@ -2,12 +2,13 @@
 
 The fork server imports the handler anew in a new handler server (``Spawner.reload``;
 worker.forkserver says why there and how). Only once that import succeeded, and the new code
-has the shape this job was set up for (``Shape.change_problem``), does the arbiter replace
-the handler processes, each after its current work, as at recycling. Until then, and for
-good if the import failed or the shape changed, the running processes keep consuming with the
-code they have, and one error line says why. One import runs at a time: a SIGHUP during one
-asks for another once it is done (the files may have changed after it read them). What the
-new code does once running is judged as at start: an init() that cannot heal halts (exit 3).
+has the shape this job was set up for (``Shape.change_problem``), does the handler pool
+(supervisor.pool) replace the handler processes, each after its current work, as at
+recycling. Until then, and for good if the import failed or the shape changed, the running
+processes keep consuming with the code they have, and one error line says why. One import
+runs at a time: a SIGHUP during one asks for another once it is done (the files may have
+changed after it read them). What the new code does once running is judged as at start: an
+init() that cannot heal halts (exit 3).
 """
 
 from __future__ import annotations

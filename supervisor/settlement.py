@@ -18,7 +18,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from broker.base import APPLIED, Action, Broker, Outcome, Result, ResultCallback, Settlement
+from broker.base import (
+    APPLIED,
+    Action,
+    Broker,
+    Identified,
+    Outcome,
+    Result,
+    ResultCallback,
+    Settlement,
+)
 from broker.errors import describe
 from supervisor import failures
 from supervisor.buffer import Buffer, Entry
@@ -78,7 +87,7 @@ class Settler:
         self.progress = progress  # room opened before the call returned (early results)
         # Who ran a failed job, in its failure record: the Redis consumer id, or (NATS has
         # none of ours) "<host>-<pid>" of this supervisor.
-        self.consumer = str(getattr(broker, "consumer_id", "") or "") or (
+        self.consumer = (broker.consumer_id if isinstance(broker, Identified) else "") or (
             f"{socket.gethostname()}-{os.getpid()}")
         self.outage = outage or Outage("the broker", lambda: buffer.outstanding,
                                        retry_every=2.0, lease=0.0)
@@ -257,9 +266,7 @@ class Settler:
     def _log_failed_run(self, settlement: Settlement, result: Result) -> None:
         """The one line of a failed run, once its reject is settled (see failures), and its
         count by outcome and error class."""
-        budget = getattr(self.broker, "max_attempts", 0)
-        outcome, error = failures.log_outcome(log, settlement, result,
-                                              budget if isinstance(budget, int) else 0)
+        outcome, error = failures.log_outcome(log, settlement, result, self.broker.max_attempts)
         self.metrics.rejected(outcome, error)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from broker.redis import RedisBroker
-from supervisor import arbiter, cli, settlement, systemd
+from supervisor import arbiter, cli, pool, settlement, systemd
 
 Arbiter = arbiter.Arbiter
 
@@ -51,10 +51,10 @@ TARGETS = {
     "settle": lambda: armed(settlement.Settler, "settle"),
     "renew": lambda: armed(RedisBroker, "extend"),
     "maintain": lambda: armed(RedisBroker, "maintain"),
-    "watch": lambda: armed(Arbiter, "enforce_limits", after=8),
+    "watch": lambda: armed(pool.HandlerPool, "enforce_limits", after=8),
     "keepalive": lambda: armed(systemd, "status_text", after=1),
     "outcomes": lambda: armed(Arbiter, "handle_records", after=3),
-    "forkserver": lambda: armed(Arbiter, "handle_forkserver_events", after=0),
+    "forkserver": lambda: armed(pool.HandlerPool, "handle_forkserver_events", after=0),
 }
 
 

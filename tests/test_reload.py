@@ -46,7 +46,7 @@ def test_processes_are_replaced_after_their_work_once_the_import_succeeded(caplo
     async def scenario():
         core, broker, pids = await running()
         old = [core.process(0), core.process(1)]
-        core.arbiter.handle_reload_signal()
+        core.arbiter.pool.handle_reload_signal()
         assert core.server.loads == [2]
         await core.settle_down()
         assert retiring(core) == [False, False]  # importing: the processes keep consuming
@@ -79,13 +79,13 @@ def test_processes_are_replaced_after_their_work_once_the_import_succeeded(caplo
 def test_a_failed_or_refused_reload_keeps_every_process(caplog, change, reason):
     async def scenario() -> str:
         core, broker, pids = await running()
-        running_code = core.arbiter.code.source()
-        core.arbiter.handle_reload_signal()
+        running_code = core.arbiter.pool.code.source()
+        core.arbiter.pool.handle_reload_signal()
         if change is None:
             core.server.load_failed(2, "SyntaxError: invalid syntax (noop.py, line 3)")
         else:
             core.server.loaded(2, dataclasses.replace(PLAIN, **change).encode())
-        await core.wait_for(lambda: core.arbiter.code.loading is None)
+        await core.wait_for(lambda: core.arbiter.pool.code.loading is None)
         await core.settle_down()
         assert retiring(core) == [False, False] and core.server.adopted == []
         assert core.server.discarded == ([] if change is None else [2])
@@ -93,7 +93,7 @@ def test_a_failed_or_refused_reload_keeps_every_process(caplog, change, reason):
             process.work()
         await core.wait_for(lambda: len(broker.committed) == len(pids))
         assert core.server.spawned == 2  # nothing was replaced
-        core.arbiter.handle_reload_signal()  # the next SIGHUP tries again
+        core.arbiter.pool.handle_reload_signal()  # the next SIGHUP tries again
         assert core.server.loads == [2, 3]
         assert await core.stop() == exits.OK
         return running_code
@@ -119,9 +119,9 @@ def test_init_and_on_error_may_come_and_go():
 def test_a_sighup_during_an_import_asks_for_one_more_after_it():
     async def scenario():
         core, _, _ = await running()
-        core.arbiter.handle_reload_signal()
-        core.arbiter.handle_reload_signal()
-        core.arbiter.handle_reload_signal()
+        core.arbiter.pool.handle_reload_signal()
+        core.arbiter.pool.handle_reload_signal()
+        core.arbiter.pool.handle_reload_signal()
         assert core.server.loads == [2]  # one import at a time
         core.server.loaded(2, PLAIN.encode())
         await core.wait_for(lambda: core.server.loads == [2, 3])  # the SIGHUPs since: one
@@ -138,7 +138,7 @@ def test_a_sighup_during_an_import_asks_for_one_more_after_it():
 def test_a_process_forked_from_the_old_code_during_the_import_is_replaced_too():
     async def scenario():
         core, _, _ = await running(0)
-        core.arbiter.handle_reload_signal()
+        core.arbiter.pool.handle_reload_signal()
         # Its replacement is asked of the old code; the import's success is read before
         # the replacement's start.
         core.process(0).die(-signal.SIGKILL)
@@ -166,9 +166,9 @@ def test_a_process_forked_from_the_old_code_during_the_import_is_replaced_too():
 def test_no_reload_during_a_stop(caplog):
     async def scenario():
         core, _, _ = await running(0)
-        core.arbiter.handle_reload_signal()
+        core.arbiter.pool.handle_reload_signal()
         core.arbiter.handle_stop_signal(signal.SIGTERM)
-        core.arbiter.handle_reload_signal()  # ignored
+        core.arbiter.pool.handle_reload_signal()  # ignored
         core.server.loaded(2, PLAIN.encode())  # the import under way ends during the stop
         assert await core.stop() == exits.OK
         assert core.server.loads == [2]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from broker.base import MAX_BATCH
+from broker.base import MAX_BATCH, EnvelopeLimited
 from broker.nats import admin as nats_admin
 from broker.redis.admin import lists as redis_lists
 from broker.redis.admin import retry as retrying
@@ -26,7 +26,8 @@ SOURCES = retrying.SOURCES  # "failed", "dead"
 
 async def retry_job(broker: Any, source: str, pid: str) -> str:
     keys, queue = broker.keys, broker.keys.queue
-    limit = getattr(broker, "max_envelope_bytes", 0) or retrying.RECORD_LIMIT
+    own = broker.max_envelope_bytes if isinstance(broker, EnvelopeLimited) else 0
+    limit = own or retrying.RECORD_LIMIT
     report = await retrying.retry(broker.client, broker.scripts, keys, source=source,
                                   pids=[pid], max_record_bytes=limit)
     if report.moved:
