@@ -71,7 +71,10 @@ def test_check_and_drain_fail_while_an_idle_supervisor_runs(tmp_path, redis_url,
     lapsed; ``drain`` waits for that and then reports success."""
     queue = f"idle-{uuid.uuid4().hex[:8]}"
     keys = QueueKeys(NAMESPACE, queue)
-    config = write_config(tmp_path, redis_url, job={"queue": queue})
+    # A lease of 15 s, not 3: after the SIGKILL the record must outlive the start of the
+    # next command on a loaded machine (CI saw a 3 s lease lapse first).
+    config = write_config(tmp_path, redis_url, job={"queue": queue},
+                          supervisor={"lease": 15})
     here = socket.gethostname()
     for stop in ("SIGTERM", "SIGKILL"):
         supervisor = Supervisor(config, tmp_path, redis_url)
