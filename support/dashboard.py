@@ -20,6 +20,8 @@ from support.supervision import ROOT
 
 #: The CSRF token of a page's action forms.
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+#: The one-time action token of a page's action forms.
+ONCE = re.compile(r'name="once" value="([^"]+)"')
 
 
 class Dashboard:
@@ -72,6 +74,7 @@ class Client:
     def __init__(self, base: str) -> None:
         self.base = base
         self.cookies = http.cookiejar.CookieJar()
+        self.headers: dict[str, str] = {}  # of the last answer
         self._opener = urllib.request.build_opener(
             urllib.request.HTTPCookieProcessor(self.cookies), _NoRedirect())
 
@@ -79,8 +82,10 @@ class Client:
         data = urllib.parse.urlencode(fields).encode() if fields is not None else None
         try:
             with self._opener.open(self.base + path, data=data, timeout=30) as answer:
+                self.headers = dict(answer.headers)
                 return answer.status, answer.read().decode()
         except urllib.error.HTTPError as error:
+            self.headers = dict(error.headers)
             return error.code, error.read().decode()
 
     def get(self, path: str) -> tuple[int, str]:
@@ -89,16 +94,27 @@ class Client:
     def post(self, path: str, fields: dict[str, str]) -> tuple[int, str]:
         return self.request(path, fields)
 
-    def login(self, token: str, who: str = "tester") -> int:
-        status, _ = self.post("/login", {"token": token, "who": who})
+    def login(self, token: str, who: str = "tester", target: str | None = None) -> int:
+        fields = {"token": token, "who": who} | ({"next": target} if target else {})
+        status, _ = self.post("/login", fields)
         return status
 
     def csrf(self, path: str) -> str:
         """The CSRF token of the action forms on ``path`` (the session's own)."""
-        _, body = self.get(path)
-        found = CSRF.search(body)
-        assert found, f"no action form on {path}"
-        return html.unescape(found.group(1))
+        return self.form(path)["csrf"]
+
+    def form(self, path: str) -> dict[str, str]:
+        """The CSRF token and the one-time action token of the action forms of a fresh
+        rendering of ``path``: what a person's click on one of them sends besides the
+        action's own fields."""
+        status, body = self.get(path)
+        found, once = CSRF.search(body), ONCE.search(body)
+        assert found and once, f"no action form on {path} ({status}): {body[-1500:]}"
+        return {"csrf": html.unescape(found.group(1)), "once": html.unescape(once.group(1))}
+
+    def act(self, path: str, fields: dict[str, str], index: int = 0) -> tuple[int, str]:
+        """POST the action ``fields`` of queue ``index`` as a form of ``path`` would."""
+        return self.post(f"/q/{index}/action", fields | self.form(path))
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -385,15 +385,16 @@ def test_the_dashboard_reads_every_page_and_acts_as_its_acl_user(tmp_path, own_r
     create_users(port, conf["job"])
     for n in range(3):
         admin.lpush(keys.ready, envelope.build(queue, {"n": n})[1])
-    for pid, source in (("f1", keys.failed), ("f2", keys.failed), ("d1", keys.dead)):
+    f1, f2, d1, p1 = (envelope.new_pid() for _ in range(4))  # pids a page may name
+    for pid, source in ((f1, keys.failed), (f2, keys.failed), (d1, keys.dead)):
         admin.set(keys.job(pid), orjson.dumps({**orjson.loads(envelope.build(queue, {})[1]),
                                                "pid": pid}))
         admin.set(keys.error(pid), Failure("ValueError", f"boom {pid}", attempt=2).encode())
         admin.lpush(source, pid)
     admin.lpush(keys.poison, b"{not json")
-    admin.lpush(keys.processing, b"p1")
-    admin.set(keys.owner("p1"), "tok")
-    admin.set(keys.claim("p1"), "tok", ex=60)
+    admin.lpush(keys.processing, p1)
+    admin.set(keys.owner(p1), "tok")
+    admin.set(keys.claim(p1), "tok", ex=60)
     # Due in an hour: one overdue would (rightly) be shown as unattended, not "ok".
     admin.zadd(keys.delayed, {b"e": int(admin.time()[0]) + 3600})
     admin.zadd(keys.reservations, {keys.reservation("r1"): 2_000_000_000})
@@ -410,23 +411,22 @@ def test_the_dashboard_reads_every_page_and_acts_as_its_acl_user(tmp_path, own_r
                 "/live/overview")[1], re.S)
             return html.unescape(re.sub(r"<[^>]+>", " ", found.group())) if found else ""
 
+        client = dashboard.client
+        assert client.login("t") == 303  # every page needs the login
         wait_for(lambda: " 3 " in overview() and "ok" in overview(), 30, "a sample")
         for path in ("/", "/q/0", "/live/q/0", "/q/0/list/failed", "/q/0/list/dead",
-                     "/q/0/list/poison", "/q/0/list/failed?pid=f2", "/q/0/job?pid=f1",
-                     "/q/0/job?pid=p1"):
+                     "/q/0/list/poison", f"/q/0/list/failed?pid={f2}", f"/q/0/job?pid={f1}",
+                     f"/q/0/job?pid={p1}"):
             status, body = dashboard.client.get(path)
             assert status == 200 and 'class="bad"' not in body, (path, body[-3000:])
             assert denied(admin) == [], path
-        client = dashboard.client
-        assert client.login("t") == 303
-        csrf = client.csrf("/q/0/list/failed")
         for fields, said in (
-                ({"action": "retry", "source": "failed", "pid": "f1"}, "moved from failed"),
-                ({"action": "delete", "source": "failed", "pid": "f2"}, "deleted from failed"),
-                ({"action": "retry", "source": "dead", "pid": "d1"}, "moved from dead"),
+                ({"action": "retry", "source": "failed", "pid": f1}, "moved from failed"),
+                ({"action": "delete", "source": "failed", "pid": f2}, "deleted from failed"),
+                ({"action": "retry", "source": "dead", "pid": d1}, "moved from dead"),
                 ({"action": "delete", "source": "poison", "count": "1"}, "1 oldest poison"),
                 ({"action": "drain", "consumer": "c1"}, "runs on another host")):
-            status, body = client.post("/q/0/action", fields | {"csrf": csrf})
+            status, body = client.act("/q/0", fields)  # a drain form of the page
             assert status == 200 and said in body, (fields, body[-2000:])
             assert denied(admin) == [], fields
         assert admin.llen(keys.failed) == admin.llen(keys.dead) == admin.llen(keys.poison) == 0

@@ -32,6 +32,11 @@ pytest.importorskip("starlette", reason="the dashboard extra is not installed")
 #: A pid and an error an attacker could choose: markup, a bidi override, a script.
 HOSTILE_PID = '<script>alert("pid")</script>\u202e'
 HOSTILE_MESSAGE = '<img src=x onerror=alert(1)> \u202egnp.exe <script>alert("msg")</script>'
+#: Pids of the shape every producer makes (PHP's uniqid('', true)): what a job page and an
+#: action take.
+CLUSTER_PID, BIG_PID, JOB_1, JOB_2, QUIET_PID = (
+    "6b0eee7d691c00.98204487", "6b0eee7d691c12.00000001", "6b0eee7d691c25.12345678",
+    "6b0eee7d691c36.87654321", "6b0eee7d691c47.55555555")
 
 
 @pytest.fixture
@@ -91,6 +96,15 @@ async def fail_job(client: Any, k: QueueKeys, payload: dict[str, Any], pid: str,
     await client.lpush(k.failed if source == "failed" else k.dead, pid)
     if failure is not None:
         await client.set(k.error(pid), failure.encode())
+
+
+async def register(client: Any, k: QueueKeys, consumer: str, where: str) -> None:
+    """A supervisor as one registers itself: its record, and its entry in the token registry
+    (where the sampler and the queue page find it)."""
+    now = int((await client.time())[0])
+    await client.set(k.supervisor(consumer), where, ex=600)
+    prefix = "%016x" % (hash(consumer) & (2**64 - 1))
+    await client.hset(k.supervisor_tokens, prefix, f"{now + 600} {consumer}")
 
 
 # -- counts ---------------------------------------------------------------------------------
@@ -169,14 +183,14 @@ async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, da
     try:
         await envelopes.lpush_each(client, k.ready, envelopes.of(QUEUE, [{"n": 1}] * 4))
         await client.lpush(k.failed, "f1", "f2")
-        await fail_job(client, k, {"n": 2}, "cluster-pid", Failure("KeyError", "'x'"))
+        await fail_job(client, k, {"n": 2}, CLUSTER_PID, Failure("KeyError", "'x'"))
     finally:
         await client.aclose()
     config = write_config(tmp_path, redis_cluster.url, handler="examples.noop:handle",
                           broker={"cluster": True, "namespace": namespace})
     dashboard = dashboards(config)
     overview_shows(dashboard, {"ready": "4", "failed": "3"})
-    status, body = dashboard.client.get("/q/0/list/failed?pid=cluster-pid")
+    status, body = dashboard.client.get(f"/q/0/list/failed?pid={CLUSTER_PID}")
     assert status == 200 and "KeyError: &#39;x&#39;" in body
     status, body = dashboard.client.get("/q/0")  # SCANs every master for the records
     assert status == 200 and "no supervisor record" in body
@@ -227,20 +241,23 @@ async def test_hostile_pids_errors_and_100_kb_values_are_shown_escaped_and_bound
     k = keys()
     big = "<script>alert('big')</script>" + "\u202e" * 10 + "x" * 100_000
     traceback = "Traceback (most recent call last):\n  <script>alert('tb')</script>\n"
-    await fail_job(redis_client, k, {"text": big}, HOSTILE_PID,
+    await fail_job(redis_client, k, {"text": big}, BIG_PID,
                    Failure("ValueError", HOSTILE_MESSAGE, where="<b>h.py</b>:1",
                            traceback=traceback, attempt=3, outcome="failed"))
-    await fail_job(redis_client, k, {"n": 1}, "plain-pid", None)
+    await fail_job(redis_client, k, {"text": big}, HOSTILE_PID, None)  # pushed by hand
+    await fail_job(redis_client, k, {"n": 1}, JOB_1, None)
     await redis_client.lpush(k.poison, big.encode())
-    await redis_client.set(k.supervisor("<script>alert('consumer')</script>"),
-                           "<i>host</i> 1")
+    await register(redis_client, k, "<script>alert('consumer')</script>", "<i>host</i> 1")
     dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
     quoted = "%3Cscript%3Ealert%28%22pid%22%29%3C/script%3E%E2%80%AE"
-    pages = ["/", "/live/overview", "/q/0", "/live/q/0", "/q/0/list/failed",
-             "/q/0/list/poison", f"/q/0/job?pid={quoted}", f"/q/0/list/failed?pid={quoted}"]
-    for path in pages:
+    pages = {"/": 200, "/live/overview": 200, "/q/0": 200, "/live/q/0": 200,
+             "/q/0/list/failed": 200, "/q/0/list/poison": 200, f"/q/0/job?pid={BIG_PID}": 200,
+             f"/q/0/list/failed?pid={BIG_PID}": 200,
+             # not a pid a producer makes: refused, and the refusal shows it escaped
+             f"/q/0/job?pid={quoted}": 400, f"/q/0/list/failed?pid={quoted}": 400}
+    for path, expected in pages.items():
         status, body = dashboard.client.get(path)
-        assert status == 200, (path, body[-2000:])
+        assert status == expected, (path, body[-2000:])
         assert "<script>alert" not in body and "<img src=x" not in body, path
         assert "<b>h.py" not in body and "<i>host" not in body, path
         assert "\u202e" not in body, path  # bidi overrides shown as \u202e, never acted on
@@ -249,7 +266,9 @@ async def test_hostile_pids_errors_and_100_kb_values_are_shown_escaped_and_bound
     assert "ValueError: &lt;img src=x onerror=alert(1)&gt; \\u202egnp.exe" in listing
     assert "&lt;script&gt;alert(&#34;pid&#34;)&lt;/script&gt;\\u202e" in listing
     assert "(no record)" in listing  # the job without a failure record
-    _, job = dashboard.client.get(f"/q/0/job?pid={quoted}")
+    assert "(not a pid a producer makes" in listing  # the hand-pushed one: no link
+    assert f'href="/q/0/job?pid={quoted}"' not in listing
+    _, job = dashboard.client.get(f"/q/0/job?pid={BIG_PID}")
     assert "&lt;script&gt;alert(&#39;tb&#39;)&lt;/script&gt;" in job  # the traceback
     assert "the first 65,536 shown" in job  # a 100 KB record is cut, and says so
     _, queue = dashboard.client.get("/live/q/0")
@@ -277,8 +296,8 @@ async def test_a_crafted_running_copy_is_shown_escaped_and_its_slow_job_marked(
 
     k = keys()
     jobs = [running.Job(0, 4242, HOSTILE_PID, 3, 1_700_000_000.0, 75.0, True),
-            running.Job(1, 4243, "quiet-pid", 1, 1_700_000_070.0, 5.0, False)]
-    await redis_client.set(k.supervisor("sup-a"), "<i>host</i> 17", ex=30)
+            running.Job(1, 4243, QUIET_PID, 1, 1_700_000_070.0, 5.0, False)]
+    await register(redis_client, k, "sup-a", "<i>host</i> 17")
     await redis_client.set(k.running("sup-a"), running.encode(jobs, 30, 60.0), ex=30)
     dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
     status, body = dashboard.client.get("/live/q/0")
@@ -291,10 +310,11 @@ async def test_a_crafted_running_copy_is_shown_escaped_and_its_slow_job_marked(
     assert slow["elapsed"].endswith("past slow_job_after") and slow["supervisor"] == \
         "<i>host</i> 17"
     assert slow["since"] == "2023-11-14 22:13:20 UTC"
-    assert (quiet["slow"], quiet["pid"]) == (False, "quiet-pid")
+    assert (quiet["slow"], quiet["pid"]) == (False, QUIET_PID)
     assert 5 <= int(quiet["elapsed"].removesuffix(" s")) < 60  # plus the time since written
     quoted = "%3Cscript%3Ealert%28%22pid%22%29%3C/script%3E%E2%80%AE"
-    assert f'href="/q/0/job?pid={quoted}"' in body  # its job page, by its pid
+    assert f'href="/q/0/job?pid={quoted}"' not in body  # no producer's pid: no job page
+    assert f'href="/q/0/job?pid={QUIET_PID}"' in body  # its job page, by its pid
 
 
 async def test_the_queue_page_lists_what_a_supervisor_runs_and_marks_a_slow_job(
@@ -348,13 +368,13 @@ async def test_a_nats_queue_page_lists_this_hosts_running_jobs_by_their_titles(
 async def test_without_a_token_the_dashboard_is_read_only_and_refuses_actions(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
-    await fail_job(redis_client, k, {"n": 1}, "job-1", Failure("ValueError", "boom"))
+    await fail_job(redis_client, k, {"n": 1}, JOB_1, Failure("ValueError", "boom"))
     dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
     _, body = dashboard.client.get("/q/0/list/failed")
     assert "read-only: started without a token" in body and 'name="csrf"' not in body
     assert dashboard.client.login("anything") == 403
     status, body = dashboard.client.post(
-        "/q/0/action", {"action": "retry", "source": "failed", "pid": "job-1", "csrf": "x"})
+        "/q/0/action", {"action": "retry", "source": "failed", "pid": JOB_1, "csrf": "x"})
     assert status == 403 and "started without --token" in body
     status, _ = dashboard.client.get("/q/0/action")  # never by GET
     assert status == 405
@@ -364,7 +384,7 @@ async def test_without_a_token_the_dashboard_is_read_only_and_refuses_actions(
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(rebound, timeout=30)
     assert refused.value.code == 400
-    assert await redis_client.lrange(k.failed, 0, -1) == [b"job-1"]
+    assert await redis_client.lrange(k.failed, 0, -1) == [JOB_1.encode()]
     assert await redis_client.llen(k.ready) == 0
     assert "dashboard action refused" in dashboard.output()
 
@@ -372,11 +392,11 @@ async def test_without_a_token_the_dashboard_is_read_only_and_refuses_actions(
 async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_delete(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
-    for pid in ("job-1", "job-2"):
+    for pid in (JOB_1, JOB_2):
         await fail_job(redis_client, k, {"pid": pid}, pid, Failure("ValueError", "boom"))
     dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"),
                            token="s3cret-token")
-    retry = {"action": "retry", "source": "failed", "pid": "job-1"}
+    retry = {"action": "retry", "source": "failed", "pid": JOB_1}
     client = dashboard.client
 
     status, body = client.post("/q/0/action", retry)  # not logged in
@@ -387,26 +407,28 @@ async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_dele
     assert status == 403 and "CSRF token is missing or wrong" in body
     status, body = client.post("/q/0/action", retry | {"csrf": "forged"})
     assert status == 403
-    assert await redis_client.lrange(k.failed, 0, -1) == [b"job-2", b"job-1"]
+    fields = client.form("/q/0/list/failed")
+    status, body = client.post("/q/0/action", retry | fields | {"once": "guessed"})
+    assert status == 403 and "sent already" in body  # a one-time token it never made
+    assert await redis_client.lrange(k.failed, 0, -1) == [JOB_2.encode(), JOB_1.encode()]
     assert await redis_client.llen(k.ready) == 0
 
-    csrf = client.csrf("/q/0/list/failed")
-    status, body = client.post("/q/0/action", retry | {"csrf": csrf})
+    status, body = client.post("/q/0/action", retry | fields)
     assert status == 200 and "moved from failed back to the ready list" in body, body
-    assert await redis_client.lrange(k.failed, 0, -1) == [b"job-2"]
+    assert await redis_client.lrange(k.failed, 0, -1) == [JOB_2.encode()]
     [ready] = await redis_client.lrange(k.ready, 0, -1)
-    assert b'"job-1"' in ready
-    status, body = client.post(
-        "/q/0/action", {"action": "delete", "source": "failed", "pid": "job-2", "csrf": csrf})
+    assert f'"{JOB_1}"'.encode() in ready
+    status, body = client.act("/q/0/list/failed",
+                              {"action": "delete", "source": "failed", "pid": JOB_2})
     assert status == 200 and "deleted from failed" in body
     assert await redis_client.llen(k.failed) == 0
-    assert not await redis_client.exists(k.job("job-2"), k.error("job-2"))
+    assert not await redis_client.exists(k.job(JOB_2), k.error(JOB_2))
     log = dashboard.output()
-    assert "dashboard action by alice <ops>" in log and "job job-1 of e2e moved" in log
-    assert "job job-2 of e2e deleted" in log
+    assert "dashboard action by alice <ops>" in log and f"job {JOB_1} of e2e moved" in log
+    assert f"job {JOB_2} of e2e deleted" in log
 
     other = type(client)(dashboard.url)  # another browser: the token is per session
-    assert other.post("/q/0/action", retry | {"csrf": csrf})[0] == 403
+    assert other.post("/q/0/action", retry | fields)[0] == 403
 
 
 async def test_nats_dead_letters_are_searched_by_pid_retried_and_deleted_as_dead_does(
@@ -428,37 +450,37 @@ async def test_nats_dead_letters_are_searched_by_pid_retried_and_deleted_as_dead
     dashboard = dashboards(write_config(tmp_path, nats_server.url,
                                         handler="examples.noop:handle"), token="t0ken")
     client = dashboard.client
-    status, body = client.get(f"/q/0/list/dead?pid={second}")
-    assert status == 200 and f"pid {second}: found" in body, body
-    assert "job?pid=seq%3A2" in body and "job?pid=seq%3A1" not in body
-    _, body = client.get("/q/0/list/dead?pid=no-such-pid")
-    assert "not among the oldest 10,000 dead letters" in body
     retry = {"action": "retry", "source": "dead", "pid": "seq:1"}
     status, body = client.post("/q/0/action", retry)  # the Redis actions' rules: login ...
     assert status == 403 and "not logged in" in body
     assert client.login("t0ken", who="bob") == 303
+    status, body = client.get(f"/q/0/list/dead?pid={second}")
+    assert status == 200 and f"pid {second}: found" in body, body
+    assert "job?pid=seq%3A2" in body and "job?pid=seq%3A1" not in body
+    _, body = client.get("/q/0/list/dead?pid=6b0eee7d691c00.98204487")
+    assert "not among the oldest 10,000 dead letters" in body
     status, body = client.post("/q/0/action", retry | {"csrf": "forged"})  # ... and CSRF
     assert status == 403 and "CSRF" in body
     assert await messages(names.dead_stream) == 3 and await messages(names.stream) == 0
 
-    csrf = client.csrf("/q/0/list/dead")
-    status, body = client.post("/q/0/action", retry | {"csrf": csrf})
+    fields = client.form("/q/0/list/dead")
+    status, body = client.post("/q/0/action", retry | fields)
     assert status == 200 and f"dead letter {first} of e2e published again" in body, body
     assert await messages(names.dead_stream) == 2 and await messages(names.stream) == 1
     moved = await js.get_msg(names.stream, 1)
     assert orjson.loads(moved.data)["pid"] == first  # the envelope, unchanged
-    status, body = client.post("/q/0/action", retry | {"csrf": csrf})  # gone meanwhile
+    status, body = client.act("/q/0/list/dead", retry)  # a fresh page's form: gone meanwhile
     assert status == 200 and "not in Q_E2E_DEAD any more: nothing done" in body
-    status, body = client.post("/q/0/action", retry | {"pid": "seq:3", "csrf": csrf})
+    status, body = client.act("/q/0/list/dead", retry | {"pid": "seq:3"})
     assert "it is not an envelope a handler could take" in body  # left where it is
     assert await messages(names.dead_stream) == 2
+    spare = client.form("/q/0/list/dead")  # a page's form, for a drain it never offers
     for seq in ("seq:2", "seq:3"):
-        status, body = client.post("/q/0/action", {"action": "delete", "source": "dead",
-                                                   "pid": seq, "csrf": csrf})
+        status, body = client.act("/q/0/list/dead", {"action": "delete", "source": "dead",
+                                                     "pid": seq})
         assert status == 200 and "deleted from Q_E2E_DEAD" in body, body
     assert await messages(names.dead_stream) == 0 and await messages(names.stream) == 1
-    status, body = client.post("/q/0/action", {"action": "drain", "consumer": "x",
-                                               "csrf": csrf})
+    status, body = client.post("/q/0/action", {"action": "drain", "consumer": "x", **spare})
     assert status == 400 and "retry and delete of a dead letter" in body
     log = dashboard.output()
     assert "dashboard action by bob" in log and f"dead letter {first} of e2e published" in log
@@ -475,11 +497,11 @@ async def test_poison_entries_are_deleted_oldest_first_keeping_those_pushed_sinc
     assert client.login("t") == 303
     _, body = client.get("/q/0/list/poison")
     assert "delete the 2 oldest poison entries" in body and 'name="count" value="2"' in body
-    csrf = client.csrf("/q/0/list/poison")
+    fields = client.form("/q/0/list/poison")
     await redis_client.lpush(k.poison, b"new")  # arrives after the page was read
     delete = {"action": "delete", "source": "poison", "count": "2"}
     assert client.post("/q/0/action", delete)[0] == 403  # no CSRF token
-    status, body = client.post("/q/0/action", delete | {"csrf": csrf})
+    status, body = client.post("/q/0/action", delete | fields)
     assert status == 200 and "2 oldest poison entries of e2e deleted" in body, body
     assert await redis_client.lrange(k.poison, 0, -1) == [b"new"]
     assert "dashboard action by tester" in dashboard.output()
@@ -500,16 +522,13 @@ async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
     [record] = poll(recorded, "the supervisor's record")
     consumer = record.decode()[len(k.supervisor("")):]
     dashboard = dashboards(config, token="t")
+    assert dashboard.client.login("t") == 303
     overview_shows(dashboard, {"supervisors": "1"})
     # the queue page adds what this host sees of it: uptime, its and its handlers' titles
     poll(lambda: re.search(r'class="titles">running.*?<br>handler 0 ',
                            dashboard.client.get("/live/q/0")[1], re.S),
          "the supervisor's process titles on the queue page")
-    assert dashboard.client.login("t") == 303
-    csrf = dashboard.client.csrf("/q/0")
-    status, body = dashboard.client.post("/q/0/action",
-                                         {"action": "drain", "consumer": consumer,
-                                          "csrf": csrf})
+    status, body = dashboard.client.act("/q/0", {"action": "drain", "consumer": consumer})
     assert status == 200 and "sent SIGTERM" in body, body
     assert supervisor.wait(30) == 0
     overview_shows(dashboard, {"supervisors": "0", "state": "ok"})  # gone, and still sampled

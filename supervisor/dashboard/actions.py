@@ -7,6 +7,9 @@ Each is the operator commands' own function (``failed retry PID``, ``failed dele
 ``poison delete --count N``, ``dead retry PID`` and ``dead delete PID`` on NATS), from
 ``broker.redis.admin`` and ``broker.nats.admin``: the job moves or goes only if it is still
 where and what was read.
+
+None of them may run twice for one form: the app spends the form's one-time action token
+(``auth.Guard.check``) before it calls one, so a double click or a replayed POST acts once.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from broker.base import MAX_BATCH, EnvelopeLimited
+from broker.base import EnvelopeLimited
 from broker.nats import admin as nats_admin
 from broker.redis.admin import lists as redis_lists
 from broker.redis.admin import retry as retrying
@@ -92,8 +95,8 @@ async def drain_supervisor(broker: Any, consumer: str) -> str:
     """SIGTERM the supervisor ``consumer`` if it runs on this host (it then stops taking
     work, finishes or releases what it holds, and exits: the supervisor's own drain)."""
     keys, queue = broker.keys, broker.keys.queue
-    records = await redis_status.supervisors(broker.client, keys, show=MAX_BATCH)
-    record = next((r for r in records if r["id"] == consumer), None)
+    records = await redis_status.named_supervisors(broker.client, keys, [consumer])
+    record = records[0] if records else None
     if record is None:
         return f"supervisor {consumer} of {queue} has no record (stopped meanwhile?): no signal"
     found, elsewhere = processes.find_supervisors(queue, [record["where"]])

@@ -8,19 +8,25 @@ this server's /static only, so even a bug in escaping could not run a message's 
 
 Live parts of a page (``data-live`` elements) are fetched again every ``refresh`` seconds
 by static/live.js and swapped in as rendered here: no JavaScript library, no build step.
+
+With a token every page and live fragment shows job data only to a session (``auth``):
+without one a page answers a redirect to the login (which comes back to it), a live
+fragment 401 (live.js then stops and says so). ``/healthz``, ``/login`` and the static files
+are open. A job is named only by a pid of the producers' shape (``pids``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 import jinja2
 import nats.errors
@@ -35,10 +41,11 @@ from starlette.staticfiles import StaticFiles
 from broker.base import BrokerError
 from supervisor import logs
 from supervisor.config import Config
-from supervisor.dashboard import actions, plots, scrape
-from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard
+from supervisor.dashboard import actions, pids, plots, scrape
+from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard, local_target
 from supervisor.dashboard.history import History
 from supervisor.dashboard.sources import (
+    DETAIL_REUSE,
     LISTS,
     NATS_SEARCH_DEPTH,
     NatsSource,
@@ -73,6 +80,9 @@ class Queue:
     config: Config
     source: RedisSource | NatsSource
     history: History = field(default_factory=History)
+    #: The last queue page reading (monotonic time, detail), reused for DETAIL_REUSE s.
+    last_detail: tuple[float, dict[str, Any]] | None = None
+    detail_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def name(self) -> str:
@@ -119,6 +129,23 @@ class Dashboard:
             return
         queue.history.add(counts)
 
+    async def detail(self, queue: Queue) -> dict[str, Any]:
+        """The queue page's broker reading: at most one per ``DETAIL_REUSE`` seconds and
+        queue, whoever asks and however often (views meanwhile are given the last one).
+        The supervisors are those the last sample found, if it is recent."""
+        async with queue.detail_lock:
+            if queue.last_detail and time.monotonic() - queue.last_detail[0] < DETAIL_REUSE:
+                return queue.last_detail[1]
+            last = queue.history.last
+            recent = last is not None and time.time() - last.at < 3 * self.interval + 5
+            consumers = last.counts.consumers if last is not None and recent else None
+            if isinstance(queue.source, RedisSource):
+                detail = await queue.source.detail(consumers)
+            else:
+                detail = await queue.source.detail()
+            queue.last_detail = (time.monotonic(), detail)
+            return detail
+
     async def close(self) -> None:
         for queue in self.queues:
             await queue.source.close()
@@ -131,6 +158,7 @@ def environment() -> jinja2.Environment:
         undefined=jinja2.ChainableUndefined,  # a field a broker lacks shows as nothing
     )
     env.filters.update(show=show, ago=ago, utc=utc, number=number, seconds=seconds)
+    env.tests.update(pid=pids.is_pid, dead_letter=pids.is_dead_letter)
     return env
 
 
@@ -178,11 +206,28 @@ def create_app(dashboard: Dashboard) -> Starlette:
     env = environment()
 
     def page(request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:
-        session = dashboard.guard.session(request.cookies.get(COOKIE))
+        session_id = request.cookies.get(COOKIE)
+        session = dashboard.guard.session(session_id)
         html = env.get_template(name).render(
             dashboard=dashboard, session=session, read_only=dashboard.guard.read_only,
-            now=time.time(), request_path=request.url.path, **values)
+            once=Once(dashboard.guard, session_id), now=time.time(),
+            request_path=request.url.path, **values)
         return HTMLResponse(html, status_code=status, headers=HEADERS)
+
+    def guarded(handler: Callable[[Request], Awaitable[Response]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+        """``handler``, for a session only when the dashboard has a token: a page is sent
+        to the login (and back after it), a live fragment answers 401 (live.js stops)."""
+        async def answer(request: Request) -> Response:
+            if dashboard.guard.may_read(request.cookies.get(COOKIE)):
+                return await handler(request)
+            if request.url.path.startswith("/live/"):
+                return Response("not logged in (or the session ended): log in again\n",
+                                status_code=401, media_type="text/plain", headers=HEADERS)
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            return RedirectResponse(f"/login?next={quote(target, safe='')}", status_code=303,
+                                    headers=HEADERS)
+        return answer
 
     def queue_of(request: Request) -> Queue | None:
         index = request.path_params["index"]
@@ -210,7 +255,7 @@ def create_app(dashboard: Dashboard) -> Starlette:
         detail: dict[str, Any] = {}
         error = ""
         try:
-            detail = await queue.source.detail()
+            detail = await dashboard.detail(queue)
         except (BrokerError, OSError, nats.errors.Error) as failure:
             error = f"{queue.name} at {queue.broker}: {failure}"
         metrics = await scrape.read(queue.config)
@@ -226,6 +271,10 @@ def create_app(dashboard: Dashboard) -> Starlette:
         pid = request.query_params.get("pid", "").strip()
         page_number = _whole(request.query_params.get("page"))
         error, result = "", None
+        on_nats = isinstance(queue.source, NatsSource)
+        if pid and not (pids.is_dead_letter(pid) if on_nats else pids.is_pid(pid)):
+            return page(request, "list.html", 400, queue=queue, kind=kind, listing=None,
+                        error=pids.refusal(pid, on_nats), pid=pid)
         try:
             if isinstance(queue.source, NatsSource):
                 result = await queue.source.listing(
@@ -243,6 +292,10 @@ def create_app(dashboard: Dashboard) -> Starlette:
             return not_found(request, "no such queue")
         pid = request.query_params.get("pid", "")
         error, found = "", None
+        on_nats = isinstance(queue.source, NatsSource)
+        if not (pids.is_dead_letter(pid) if on_nats else pids.is_pid(pid)):
+            return page(request, "job.html", 400, queue=queue, pid=pid, job=None,
+                        error=pids.refusal(pid, on_nats))
         try:
             found = await queue.source.job(pid)
         except (BrokerError, OSError, nats.errors.Error) as failure:
@@ -250,29 +303,33 @@ def create_app(dashboard: Dashboard) -> Starlette:
         return page(request, "job.html", queue=queue, pid=pid, job=found, error=error)
 
     async def login_form(request: Request) -> Response:
-        return page(request, "login.html", refused="")
+        return page(request, "login.html", refused="",
+                    target=local_target(request.query_params.get("next")))
 
     async def login(request: Request) -> Response:
         form = await _form(request)
         who = form.get("who", "").strip()
+        target = local_target(form.get("next"))
         session_id = dashboard.guard.login(form.get("token", ""), who)
         if session_id is None:
             log.warning("dashboard login refused from %s", _client(request))
             refused = ("read-only: this dashboard was started without a token"
                        if dashboard.guard.read_only else "wrong token")
-            return page(request, "login.html", 403, refused=refused)
+            return page(request, "login.html", 403, refused=refused, target=target)
         log.info("dashboard login of %s from %s", logs.escape(who), _client(request))
-        answer = RedirectResponse("/", status_code=303, headers=HEADERS)
+        answer = RedirectResponse(target, status_code=303, headers=HEADERS)
         answer.set_cookie(COOKIE, session_id, max_age=SESSION_SECONDS, httponly=True,
                           samesite="strict", secure=request.url.scheme == "https")
         return answer
 
     async def logout(request: Request) -> Response:
         form = await _form(request)
-        session, _ = dashboard.guard.check(request.cookies.get(COOKIE), form.get("csrf"))
-        if session is not None:
+        session = dashboard.guard.session(request.cookies.get(COOKIE))
+        csrf = form.get("csrf") or ""
+        if session is not None and hmac.compare_digest(csrf.encode(), session.csrf.encode()):
             dashboard.guard.logout(request.cookies.get(COOKIE))
-        answer = RedirectResponse("/", status_code=303, headers=HEADERS)
+        answer = RedirectResponse("/login" if not dashboard.guard.read_only else "/",
+                                  status_code=303, headers=HEADERS)
         answer.delete_cookie(COOKIE)
         return answer
 
@@ -282,7 +339,8 @@ def create_app(dashboard: Dashboard) -> Starlette:
         action = form.get("action", "")
         what = (f"{action} {form.get('source', '')} {form.get('pid', '')}"
                 f"{form.get('consumer', '')}{form.get('count', '')}").strip()
-        session, refusal = dashboard.guard.check(request.cookies.get(COOKIE), form.get("csrf"))
+        session, refusal = dashboard.guard.check(request.cookies.get(COOKIE), form.get("csrf"),
+                                                 form.get("once"))
         if session is None:
             log.warning("dashboard action refused (%s) from %s: %s of queue %s", refusal,
                         _client(request), logs.escape(what), queue.name if queue else "?")
@@ -290,6 +348,10 @@ def create_app(dashboard: Dashboard) -> Starlette:
         if queue is None:
             return not_found(request, "no such queue")
         source, pid = form.get("source", ""), form.get("pid", "")
+        on_nats = isinstance(queue.source, NatsSource)
+        if pid and not (pids.is_dead_letter(pid) if on_nats else pids.is_pid(pid)):
+            return page(request, "message.html", 400, title="Refused",
+                        message=pids.refusal(pid, on_nats), queue=queue)
         try:
             if isinstance(queue.source, NatsSource):
                 if action not in ("retry", "delete") or source != "dead" or not pid:
@@ -332,12 +394,12 @@ def create_app(dashboard: Dashboard) -> Starlette:
             await dashboard.close()
 
     routes = [
-        Route("/", overview),
-        Route("/live/overview", overview),
-        Route("/q/{index:int}", queue_page),
-        Route("/live/q/{index:int}", queue_page),
-        Route("/q/{index:int}/list/{kind}", listing),
-        Route("/q/{index:int}/job", job),
+        Route("/", guarded(overview)),
+        Route("/live/overview", guarded(overview)),
+        Route("/q/{index:int}", guarded(queue_page)),
+        Route("/live/q/{index:int}", guarded(queue_page)),
+        Route("/q/{index:int}/list/{kind}", guarded(listing)),
+        Route("/q/{index:int}/job", guarded(job)),
         Route("/q/{index:int}/action", act, methods=["POST"]),
         Route("/login", login_form),
         Route("/login", login, methods=["POST"]),
@@ -363,6 +425,20 @@ async def _form(request: Request) -> dict[str, str]:
             return {}
     fields = parse_qs(body.decode(errors="replace"), max_num_fields=20)
     return {name: values[0] for name, values in fields.items()}
+
+
+class Once:
+    """A page's one-time action token, minted on first use by its forms (``auth.issue``):
+    a page without an action form mints none."""
+
+    def __init__(self, guard: Guard, session_id: str | None) -> None:
+        self._guard, self._session_id = guard, session_id
+        self._value: str | None = None
+
+    def __call__(self) -> str:
+        if self._value is None:
+            self._value = self._guard.issue(self._session_id)
+        return self._value
 
 
 def _whole(text: str | None) -> int:

@@ -1,11 +1,22 @@
-"""The secret that enables actions, sessions, and CSRF tokens.
+"""The secret that guards the pages and enables actions, sessions, CSRF and one-time action
+tokens.
 
-Started without a secret, the dashboard is read-only: no action is shown, and every POST
-of an action is refused (403). With one (``--token`` or ``QUEUE_DASHBOARD_TOKEN``), an
-operator logs in by giving it once with a name (the "who" of the action log); the session
-is a random id in an HttpOnly, SameSite=Strict cookie, kept in this process's memory only
-(a restart logs everyone out). Each session has its own CSRF token, put in every action
-form and required with every action POST, compared in constant time.
+Started without a secret, the dashboard is read-only: no action is shown, every POST of an
+action is refused (403), and every page says that its job data is readable by whoever
+reaches the port. With one (``--token`` or ``QUEUE_DASHBOARD_TOKEN``), every page and live
+fragment needs a session (``/healthz``, ``/login`` and the static files excepted): an
+operator logs in by giving the secret once with a name (the "who" of the action log); the
+session is a random id in an HttpOnly, SameSite=Strict cookie, kept in this process's
+memory only (a restart logs everyone out). Each session has its own CSRF token, put in every
+action form and required with every action POST, compared in constant time.
+
+Every action form also carries a one-time action token (``issue``, spent by ``check``): a
+form posted twice (a double click, a reload of the answer, a second tab of the same page)
+acts once, and the repeat is refused with nothing done. A page mints one token per
+rendering, shared by its forms: after one of them acted, the others of that rendering are
+void too (the answer page links back to a fresh one). Any new action (search results, bulk
+actions) gets the same protection by putting ``macros.html``'s ``action_fields`` in its
+form and calling ``check`` with the form's ``once``.
 """
 
 from __future__ import annotations
@@ -13,7 +24,9 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 ENV_TOKEN = "QUEUE_DASHBOARD_TOKEN"
 COOKIE = "queue_dashboard_session"
@@ -21,13 +34,20 @@ COOKIE = "queue_dashboard_session"
 SESSION_SECONDS = 12 * 3600
 #: Sessions kept at most (the oldest goes first): logins cannot fill the memory.
 MAX_SESSIONS = 1000
+#: One-time action tokens kept per session (the oldest goes first: a page rendered that
+#: many renderings ago has to be loaded again to act).
+MAX_ONCE = 2000
+#: Seconds a one-time action token stays valid after its page was rendered.
+ONCE_SECONDS = 3600
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Session:
     who: str
     csrf: str
     until: float
+    #: one-time action tokens not spent yet -> until when they are valid
+    once: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
 
 class Guard:
@@ -59,8 +79,25 @@ class Guard:
             return None
         return session
 
-    def check(self, session_id: str | None, csrf: str | None) -> tuple[Session | None, str]:
-        """The session allowed to act, or None and why it is refused."""
+    def may_read(self, session_id: str | None) -> bool:
+        """Whether a request may see job data: anyone without a token, else a session."""
+        return self.read_only or self.session(session_id) is not None
+
+    def issue(self, session_id: str | None) -> str:
+        """A new one-time action token of the session ("" without one)."""
+        session = self.session(session_id)
+        if session is None:
+            return ""
+        while len(session.once) >= MAX_ONCE:
+            session.once.popitem(last=False)
+        once = secrets.token_urlsafe(24)
+        session.once[once] = time.time() + ONCE_SECONDS
+        return once
+
+    def check(self, session_id: str | None, csrf: str | None, once: str | None
+              ) -> tuple[Session | None, str]:
+        """The session allowed to act, or None and why it is refused. A passing check spends
+        ``once``: the same form cannot act twice."""
         if self.read_only:
             return None, ("read-only: the dashboard was started without --token (or "
                           f"{ENV_TOKEN}), so it takes no action")
@@ -70,4 +107,20 @@ class Guard:
         if not csrf or not hmac.compare_digest(csrf.encode(), session.csrf.encode()):
             return None, ("the form's CSRF token is missing or wrong: reload the page and "
                           "try again (nothing was changed)")
+        until = session.once.pop(once or "", None)
+        if until is None or until < time.time():
+            return None, ("this form was sent already (a double click, a reload, or another "
+                          "tab of the same page) or is too old: nothing was done now. "
+                          "Reload the page to see where things stand and act again")
         return session, ""
+
+
+def local_target(target: str | None) -> str:
+    """Where to go after the login: a path of this dashboard, never another site."""
+    if not target:
+        return "/"
+    parts = urlsplit(target)
+    if (parts.scheme or parts.netloc or not target.startswith("/") or target.startswith("//")
+            or "\\" in target or any(ord(c) < 32 for c in target)):
+        return "/"
+    return target

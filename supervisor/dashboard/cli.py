@@ -1,6 +1,7 @@
 """``python -m supervisor dashboard JOB.toml [JOB.toml ...]``: serve the dashboard.
 
-Exit codes: 0 stopped (SIGINT/SIGTERM), 2 a bad job file or argument (nothing served).
+Exit codes: 0 stopped (SIGINT/SIGTERM), 2 a bad job file or argument, or a ``--listen``
+address that is not loopback without a token (nothing served).
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                         help=f"address to serve on (default {DEFAULT_LISTEN}, this host only)")
     parser.add_argument("--token", default=None,
-                        help=f"secret that enables actions (retry, delete, drain); better in "
-                        f"the environment variable {ENV_TOKEN}, which ps does not show. "
-                        f"Without one the dashboard is read-only")
+                        help=f"secret that every page asks for (a login) and that enables "
+                        f"actions (retry, delete, drain); better in the environment variable "
+                        f"{ENV_TOKEN}, which ps does not show. Without one the dashboard is "
+                        f"read-only, its pages open to whoever reaches the port, and it "
+                        f"serves on loopback only")
     parser.add_argument("--interval", type=float, default=5.0,
                         help="seconds between samples of each queue (default 5)")
     parser.add_argument("--refresh", type=float, default=5.0,
@@ -73,6 +76,12 @@ def main(argv: Sequence[str]) -> int:
     from supervisor.metrics import exposure_warning
 
     exposed = exposure_warning(args.host) is not None
+    if exposed and token is None:
+        print(logs.error_line(
+            f"dashboard --listen {args.listen} is not a loopback address and no token is set: "
+            f"anyone who reaches it would read the jobs' payloads and errors. Set {ENV_TOKEN} "
+            f"(every page then needs a login) or bind 127.0.0.1"), file=sys.stderr)
+        return exits.USAGE
     if exposed:
         log.warning("dashboard --listen %s is not a loopback address: anyone who can reach "
                     "this host on port %d reads the queues, their payloads and errors (and "
@@ -83,7 +92,13 @@ def main(argv: Sequence[str]) -> int:
                           allowed_hosts=None if exposed else LOOPBACK_NAMES)
     app = create_app(dashboard)
     log.info("dashboard of %d queues on http://%s:%d/ (%s)", len(configs), args.host, args.port,
-             "read-only: no token" if token is None else "actions enabled by the token")
+             "read-only: no token" if token is None
+             else "every page needs a login with the token; actions enabled")
+    if token is None:
+        log.warning("dashboard without a token: the job data its pages show (payloads, "
+                    "errors, pids) is readable by whoever reaches port %d of %s, every local "
+                    "user included; set %s to require a login", args.port, args.host,
+                    ENV_TOKEN)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
                 server_header=False, lifespan="on")
     return exits.OK

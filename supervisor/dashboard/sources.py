@@ -4,9 +4,12 @@ listings and jobs of the pages.
 Every read is bounded (pages of ``PAGE`` entries, values read up to ``VALUE_BYTES``, lists
 searched up to ``SEARCH_DEPTH``) and none writes. The reads are the admin modules'
 (``broker.redis.admin.browse`` and ``.status``, ``broker.nats.admin``): this module turns
-them into rows and pages. The sampler's read of a Redis queue (``browse.sample``, then
-``oldest.lua``) does no ``SCAN``, which costs a walk of the whole keyspace; the queue page's
-supervisor list (``broker.redis.admin.status.supervisors``) does scan, only while viewed.
+them into rows and pages. Neither the sampler's read of a Redis queue (``browse.sample``,
+then ``oldest.lua``) nor a queue page does a ``SCAN``, which costs a walk of the whole
+keyspace: the page lists the supervisors the last sample found alive in the token registry
+(read again, bounded, only without a recent sample), and a view within ``DETAIL_REUSE``
+seconds of the last one is given that one's reading. No owner token (a delivery's receipt)
+is shown: a reservation's key is cut after its token's registry prefix.
 A broker that cannot be reached raises ``BrokerError``; the next call connects again.
 """
 
@@ -28,6 +31,7 @@ from broker.nats.dead import REASON_HEADER
 from broker.nats.setup import QueueNames
 from broker.redis.admin import browse
 from broker.redis.admin import status as redis_status
+from broker.redis.recovery import PREFIX_HEX
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
@@ -48,6 +52,12 @@ SEARCH_DEPTH = 100_000
 NATS_SEARCH_DEPTH = 10_000
 #: Registered supervisors checked for liveness per sample.
 MAX_TOKENS = 1000
+#: Supervisors a queue page lists at most.
+SHOW_SUPERVISORS = 100
+#: Reservations a queue page lists at most.
+SHOW_RESERVATIONS = 20
+#: Seconds a queue page's broker reading is reused by the next views (any client).
+DETAIL_REUSE = 1.0
 LISTS = ("failed", "dead", "poison")
 
 
@@ -65,6 +75,7 @@ class Counts:
     oldest_age: float | None = None
     supervisors: int | None = None
     delayed_overdue: float | None = None  # s the oldest delayed retry is past due (Redis)
+    consumers: list[str] | None = None  # the live supervisors' ids (Redis; None: unknown)
 
 
 @dataclass(slots=True)
@@ -171,14 +182,20 @@ class RedisSource:
         found = await browse.sample(broker.client, broker.keys, MAX_TOKENS)
         counts = Counts(found.ready, found.processing, found.failed, found.dead, found.poison,
                         found.delayed, found.done, supervisors=found.supervisors,
-                        delayed_overdue=found.delayed_overdue)
+                        delayed_overdue=found.delayed_overdue, consumers=found.consumers)
         counts.oldest_age = await broker.oldest_ready_age()
         return counts
 
-    async def detail(self) -> dict[str, Any]:
+    async def detail(self, consumers: list[str] | None = None) -> dict[str, Any]:
+        """What the queue page shows. ``consumers``: the live supervisors the last sample
+        found (None: read the token registry now, at most ``MAX_TOKENS`` of it)."""
         async def read(broker: Any) -> dict[str, Any]:
             client, keys = broker.client, broker.keys
-            records = await redis_status.supervisors(client, keys, show=100)
+            known = consumers
+            if known is None:
+                known = await browse.live_consumers(client, keys, None, MAX_TOKENS) or []
+            records = await redis_status.named_supervisors(client, keys,
+                                                           known[:SHOW_SUPERVISORS])
             for record in records:  # uptime and what runs now, where this host can see it
                 record["local"] = await asyncio.to_thread(
                     local.describe, keys.queue, record["where"])
@@ -191,7 +208,8 @@ class RedisSource:
                                   key=lambda job: -job["elapsed"]),
                 "running_total": sum(record["running"]["running"] for record in records
                                      if record.get("running")),
-                "reservations": await redis_status.reservations(client, keys, show=20),
+                "reservations": hide_tokens(await redis_status.reservations(
+                    client, keys, show=SHOW_RESERVATIONS), keys.reservation("")),
             }
 
         return await self._call(read)
@@ -229,12 +247,22 @@ class RedisSource:
             return {
                 "pid": pid, "where": found["where"], "size": size, "record": text(raw),
                 "cut": size > len(raw), "ttl": found["ttl"], "failure": failure,
-                "failure_note": note, "owner": text(found["owner"]),
+                "failure_note": note, "owned": found["owner"] is not None,
                 "claim_ms": found["claim_ms"],
                 "facts": envelope_facts(raw) if size <= VALUE_BYTES else {},
             }
 
         return await self._call(read)
+
+
+def hide_tokens(reservations: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Reservations with each key's owner token cut to its registry prefix (which names the
+    supervisor, not the delivery): the whole token is the receipt that settles it."""
+    for item in reservations["lists"]:
+        key = item["key"]
+        if key.startswith(prefix) and len(key) > len(prefix) + PREFIX_HEX:
+            item["key"] = key[:len(prefix) + PREFIX_HEX] + "…"
+    return reservations
 
 
 async def _poison(client: Any, key: str, total: int, page: int) -> Listing:

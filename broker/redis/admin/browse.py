@@ -4,7 +4,9 @@ failed, dead and poison lists from the newest, and one job wherever it is.
 Every read is bounded by what the caller passes (entries per page, bytes of a value, depth
 of a search) and none writes. A sample is one pipeline (sizes, counters, the supervisors'
 token registry, the delayed retry due first), the server's ``TIME`` and one ``EXISTS`` per
-registered supervisor: no ``SCAN``, which costs a walk of the whole keyspace.
+registered supervisor: no ``SCAN``, which costs a walk of the whole keyspace. The live
+supervisors it finds (``live_consumers``) are what the queue page lists, so a page view
+does no ``SCAN`` either.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Sample:
     done: int  # settled so far (success + failed): rates are its deltas
     supervisors: int | None  # live ones (None: too many registered to check)
     delayed_overdue: float  # s the oldest delayed retry is past due
+    consumers: list[str] | None = None  # the live ones' ids, sorted (None: too many)
 
 
 @dataclass(slots=True)
@@ -54,27 +57,31 @@ async def sample(client: Any, keys: QueueKeys, max_tokens: int) -> Sample:
     pipe.zrange(keys.delayed, 0, 0, withscores=True)
     ready, processing, failed, dead, poison, success, failures, delayed, tokens, first = (
         await pipe.execute())
-    supervisors = await live_supervisors(client, keys, tokens, max_tokens)
+    consumers = await live_consumers(client, keys, tokens, max_tokens)
     now, _ = await server_time(client, keys.delayed)
     return Sample(ready, processing, failed, dead, poison, delayed,
-                  _int(success) + _int(failures), supervisors, overdue(first, now))
+                  _int(success) + _int(failures), None if consumers is None else len(consumers),
+                  overdue(first, now), consumers)
 
 
-async def live_supervisors(client: Any, keys: QueueKeys, registered: int,
-                           max_tokens: int) -> int | None:
-    """Supervisors whose record still exists, by the token registry (None: more than
-    ``max_tokens`` registered, too many to check in one sample)."""
+async def live_consumers(client: Any, keys: QueueKeys, registered: int | None,
+                         max_tokens: int) -> list[str] | None:
+    """The ids of the supervisors whose record still exists, by the token registry (None:
+    more than ``max_tokens`` registered, too many to check at once). ``registered``: the
+    registry's size if known (HLEN), else it is read here."""
+    if registered is None:
+        registered = await client.hlen(keys.supervisor_tokens)
     if registered > max_tokens:
         return None
     entries = await client.hgetall(keys.supervisor_tokens) if registered else {}
     consumers = sorted({_text(value).partition(" ")[2] for value in entries.values()} - {""})
     if not consumers:
-        return 0
+        return []
     pipe = client.pipeline(transaction=False)
     for consumer in consumers:
         pipe.exists(keys.supervisor(consumer))
     alive: list[int] = await pipe.execute()
-    return sum(alive)
+    return [consumer for consumer, exists in zip(consumers, alive, strict=True) if exists]
 
 
 def list_key(keys: QueueKeys, kind: str) -> str:

@@ -271,6 +271,22 @@ async def supervisors(client: Any, keys: QueueKeys, show: int = SHOW) -> list[di
     return listed
 
 
+async def named_supervisors(client: Any, keys: QueueKeys, consumers: list[str]
+                            ) -> list[dict[str, Any]]:
+    """The records of the supervisors ``consumers`` names (the dashboard finds them in the
+    token registry: no ``SCAN``), as ``supervisors`` gives them; one that has none (stopped
+    meanwhile) is left out. One pipeline of a ``GET`` and a ``PTTL`` each."""
+    if not consumers:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for consumer in consumers:
+        pipe.get(keys.supervisor(consumer))
+        pipe.pttl(keys.supervisor(consumer))
+    replies = await pipe.execute()
+    return [{"id": consumer, "where": _text(replies[2 * index]), "ttl_ms": replies[2 * index + 1]}
+            for index, consumer in enumerate(consumers) if replies[2 * index] is not None]
+
+
 async def live_supervisors(client: Any, keys: QueueKeys) -> list[dict[str, Any]]:
     """Supervisors of ours alive on the queue: a record, or a current registry entry (one
     without the other: a record evicted or deleted by hand, or a supervisor of a version
