@@ -1,7 +1,9 @@
 """The dashboard in a real browser: Debian's chromium, driven by chromium-driver through
 Selenium, against a private Redis with a running supervisor. What an operator sees: the
 counts, a plot that moves as the queue drains (without reloading the page), a failed job's
-hostile error shown as text and never run, and an action that works after logging in.
+hostile error shown as text and never run, and an action that works after logging in;
+with a token, no page before the login (which leads back), a live page that stops when its
+session ends, and an action clicked twice that acts once.
 
 Skipped, saying why, only where chromium or chromium-driver is missing; ``.ci/run``
 installs both, so CI runs them. Every wait is explicit (WebDriverWait, whole seconds)."""
@@ -130,39 +132,53 @@ def test_a_failed_jobs_hostile_error_is_shown_as_text_and_retry_works_after_logi
     k = keys()
     hostile = ('<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> '
                '\u202egnp.exe')
-    client.set(k.job("pid-<b>1</b>"), next(iter(of("e2e", [{"n": 1}])))[1])
-    client.lpush(k.failed, "pid-<b>1</b>")
-    client.set(k.error("pid-<b>1</b>"),
-               Failure("ValueError", hostile, attempt=3, outcome="failed").encode())
+    pid, raw = next(iter(of("e2e", [{"n": 1}])))
+    client.set(k.job(pid), raw)
+    client.lpush(k.failed, pid)
+    client.set(k.error(pid), Failure("ValueError", hostile, attempt=3, outcome="failed").encode())
+    client.lpush(k.failed, "pid-<b>1</b>")  # pushed by hand: shown, no link, no action
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
     dashboard = dashboards(config, token="browser-token")
 
-    browser.get(f"{dashboard.url}/q/0/list/failed")
+    browser.get(f"{dashboard.url}/q/0/list/failed")  # sent to the login first
+    log_in(browser, "carol", "browser-token")
     error = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "td.error .summary"),
                  "the failed job's error")
     assert error.text == f"ValueError: {hostile}".replace("\u202e", "\\u202e")
-    assert browser.find_element(By.CSS_SELECTOR, "td.pid").text == "pid-<b>1</b>"
+    assert [e.text.split("\n")[0] for e in browser.find_elements(By.CSS_SELECTOR, "td.pid")
+            ] == ["pid-<b>1</b>", pid]
     assert browser.execute_script("return window.pwned") is None
-    assert not browser.find_elements(By.CSS_SELECTOR, "button.retry")  # not logged in
-
-    browser.get(f"{dashboard.url}/login")
-    browser.find_element(By.ID, "who").send_keys("carol")
-    browser.find_element(By.ID, "token").send_keys("browser-token")
-    browser.find_element(By.ID, "login").click()
-    wait(browser, lambda d: "carol" in d.find_element(By.ID, "mode").text, "the login")
-    browser.get(f"{dashboard.url}/q/0/list/failed")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "button.retry")) == 1  # pid's only
     wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "button.retry"),
          "the retry button").click()
     message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the answer")
     assert "moved from failed back to the ready list" in message.text
-    assert (client.llen(k.ready), client.llen(k.failed)) == (1, 0)
+    assert (client.llen(k.ready), client.llen(k.failed)) == (1, 1)
     assert "dashboard action by carol" in dashboard.output()
 
 
-def failed_job(client, pid: str) -> None:
+def failed_job(client) -> str:
     k = keys()
-    client.set(k.job(pid), next(iter(of("e2e", [{"n": 1}])))[1])
+    pid, raw = next(iter(of("e2e", [{"n": 1}])))
+    client.set(k.job(pid), raw)
     client.lpush(k.failed, pid)
+    return pid
+
+
+def log_in(driver, who: str, token: str) -> None:
+    """Log in on the login page the browser was sent to (it leads back)."""
+    wait(driver, lambda d: d.find_element(By.ID, "token"), "the login page")
+    driver.find_element(By.ID, "who").send_keys(who)
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.ID, "login").click()
+    wait(driver, lambda d: who in d.find_element(By.ID, "mode").text, "the login")
+
+
+def form_fields(driver, selector: str) -> dict[str, str]:
+    """The fields of the form whose button matches ``selector`` (what a click sends)."""
+    return driver.execute_script("""
+        const form = document.querySelector(arguments[0]).form;
+        return Object.fromEntries(new FormData(form).entries());""", selector)
 
 
 def post_from_page(driver, fields: dict[str, str]) -> None:
@@ -181,9 +197,9 @@ def post_from_page(driver, fields: dict[str, str]) -> None:
 def test_actions_are_refused_without_the_token_and_without_the_csrf_token(
         tmp_path, redis_url, client, dashboards, browser):
     k = keys()
-    failed_job(client, "job-1")
+    pid = failed_job(client)
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
-    retry = {"action": "retry", "source": "failed", "pid": "job-1"}
+    retry = {"action": "retry", "source": "failed", "pid": pid}
 
     read_only = dashboards(config)
     browser.get(f"{read_only.url}/q/0/list/failed")
@@ -193,16 +209,116 @@ def test_actions_are_refused_without_the_token_and_without_the_csrf_token(
     assert "started without --token" in message.text
     assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"
 
+    assert "readable by whoever reaches this port" in browser.find_element(
+        By.ID, "open-data").text  # every page of a dashboard without a token says so
+
     guarded = dashboards(config, token="t0ken")
     browser.get(f"{guarded.url}/login")
     browser.find_element(By.ID, "who").send_keys("dave")
-    browser.find_element(By.ID, "token").send_keys("t0ken")
+    browser.find_element(By.ID, "token").send_keys("wrong")
     browser.find_element(By.ID, "login").click()
-    wait(browser, lambda d: "dave" in d.find_element(By.ID, "mode").text, "the login")
+    assert wait(browser, lambda d: d.find_element(By.ID, "refused"), "the refusal").text == (
+        "wrong token")
+    browser.get(f"{guarded.url}/login")
+    log_in(browser, "dave", "t0ken")
     browser.get(f"{guarded.url}/q/0/list/failed")
     browser.execute_script(  # the page's own retry form, without its CSRF token
         "document.querySelectorAll('input[name=csrf]').forEach(i => i.remove())")
     browser.find_element(By.CSS_SELECTOR, "button.retry").click()
     message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
     assert "CSRF token is missing or wrong" in message.text
-    assert client.lrange(k.failed, 0, -1) == [b"job-1"] and client.llen(k.ready) == 0
+    assert client.lrange(k.failed, 0, -1) == [pid.encode()] and client.llen(k.ready) == 0
+
+
+def test_without_a_login_no_page_shows_job_data_and_the_login_leads_back_to_it(
+        tmp_path, redis_url, client, dashboards, browser):
+    k = keys()
+    pid, raw = next(iter(of("e2e", [{"to": "maria.lopez@example.org"}])))
+    client.set(k.job(pid), raw)
+    client.lpush(k.failed, pid)
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+
+    read_only = dashboards(config)  # no token: open, and every page says so
+    for path in ("/", f"/q/0/job?pid={pid}"):
+        browser.get(read_only.url + path)
+        assert "readable by whoever reaches this port" in browser.find_element(
+            By.ID, "open-data").text
+
+    guarded = dashboards(config, token="t0ken")
+    for path in ("/", "/q/0", "/q/0/list/failed", f"/q/0/job?pid={pid}"):
+        browser.get(guarded.url + path)
+        wait(browser, lambda d: d.find_element(By.ID, "token"), f"the login instead of {path}")
+        assert "maria.lopez" not in browser.page_source, path
+    log_in(browser, "erin", "t0ken")
+    assert browser.current_url == f"{guarded.url}/q/0/job?pid={pid}"  # back where it asked
+    assert "maria.lopez@example.org" in browser.find_element(By.CSS_SELECTOR, "pre.record").text
+    browser.get(f"{guarded.url}/q/0/job?pid=x.{pid}")  # another queue's key: refused
+    assert "not a job of this queue" in browser.find_element(By.TAG_NAME, "main").text
+
+
+def test_a_live_page_whose_session_ended_stops_updating_and_says_so(
+        tmp_path, redis_url, client, dashboards, browser):
+    k = keys()
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    dashboard = dashboards(config, token="t0ken")
+    browser.get(f"{dashboard.url}/q/0")
+    log_in(browser, "frank", "t0ken")
+    wait(browser, lambda d: attribute(d, "#queue-live", "data-refreshed"), "a live update")
+    client.lpush(k.ready, "x")
+    wait(browser, lambda d: text(d, "dd.ready") == "1", "the live count")
+    browser.delete_all_cookies()  # the session is gone (a logout elsewhere, an expiry)
+    notice = wait(browser, lambda d: d.find_element(By.ID, "logged-out"), "the notice")
+    assert "stopped updating" in notice.text
+    link = notice.find_element(By.TAG_NAME, "a").get_attribute("href")
+    assert link == f"{dashboard.url}/login?next=%2Fq%2F0"
+    refreshed = attribute(browser, "#queue-live", "data-refreshed")
+    client.lpush(k.ready, "y")
+    import time
+
+    time.sleep(3)  # three refresh intervals: nothing fetched, nothing swapped
+    assert attribute(browser, "#queue-live", "data-refreshed") == refreshed
+    assert text(browser, "dd.ready") == "1"
+    assert len(browser.find_elements(By.ID, "logged-out")) == 1
+    notice.find_element(By.TAG_NAME, "a").click()
+    log_in(browser, "frank", "t0ken")
+    assert browser.current_url == f"{dashboard.url}/q/0"
+    wait(browser, lambda d: text(d, "dd.ready") == "2", "the page live again")
+
+
+def test_a_double_clicked_or_resent_action_acts_once(
+        tmp_path, redis_url, client, dashboards, browser):
+    """The issue's case in a browser: five poison entries, the page read, five more pushed,
+    the delete button double-clicked, then the same form sent again (a resent POST)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    k = keys()
+    client.lpush(k.poison, *[f"old-{n}" for n in range(5)])
+    pid = failed_job(client)
+    config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
+    dashboard = dashboards(config, token="t0ken")
+    browser.get(f"{dashboard.url}/q/0/list/poison")
+    log_in(browser, "gina", "t0ken")
+    button = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "button.delete"),
+                  "the delete button")
+    assert button.text == "delete the 5 oldest poison entries"
+    sent = form_fields(browser, "button.delete")
+    client.lpush(k.poison, *[f"new-{n}" for n in range(5)])
+    ActionChains(browser).double_click(button).perform()
+    wait(browser, lambda d: d.find_element(By.ID, "message"), "the answer")
+    assert client.lrange(k.poison, 0, -1) == [f"new-{n}".encode() for n in reversed(range(5))]
+    post_from_page(browser, sent)  # the same form once more
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
+    assert "sent already" in message.text
+    assert client.llen(k.poison) == 5
+
+    browser.get(f"{dashboard.url}/q/0/job?pid={pid}")  # a job: retry, then the same again
+    sent = form_fields(browser, "button.retry")
+    browser.find_element(By.CSS_SELECTOR, "button.retry").click()
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the answer")
+    assert "moved from failed back to the ready list" in message.text
+    client.lpush(k.failed, pid)  # it ran and failed again, under the same pid
+    client.set(k.job(pid), client.lindex(k.ready, 0))
+    post_from_page(browser, sent)
+    message = wait(browser, lambda d: "sent already" in d.find_element(By.ID, "message").text,
+                   "the refusal")
+    assert client.lrange(k.failed, 0, -1) == [pid.encode()] and client.llen(k.ready) == 1
