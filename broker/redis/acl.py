@@ -218,7 +218,7 @@ ROLES: tuple[Role, ...] = (
          "when it has a token)",
          (
              "llen", "get", "zcard", "hlen", "hgetall", "exists", "lpos", "lrange", "strlen",
-             "getrange", "ttl", "pttl", "memory|usage", "scan", "zrange", "time", "ltrim",
+             "getrange", "ttl", "pttl", "memory|usage", "zrange", "time", "ltrim",
              # oldest.lua (the oldest ready message's age), records.lua, retry.lua, delete.lua
              "evalsha", "script|load", "type", "lindex", "lrem", "lpush", "del",
          ),
