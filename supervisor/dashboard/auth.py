@@ -38,7 +38,7 @@ MAX_SESSIONS = 1000
 #: many renderings ago has to be loaded again to act).
 MAX_ONCE = 2000
 #: Seconds a one-time action token stays valid after its page was rendered.
-ONCE_SECONDS = 3600
+ONCE_SECONDS = 900
 
 
 @dataclass(slots=True)
