@@ -421,3 +421,26 @@ async def test_a_nats_dead_letter_retried_or_deleted_twice_is_acted_on_once(
     await js.publish(names.dead_subject, first_raw)
     assert (await js.stream_info(names.dead_stream)).state.messages == 2
     assert (await js.stream_info(names.stream)).state.messages == 1
+
+
+def test_one_time_action_tokens_are_spent_once_lapse_and_stay_bounded(monkeypatch):
+    from supervisor.dashboard import auth
+
+    guard = auth.Guard("t")
+    session_id = guard.login("t", "ops")
+    csrf = guard.session(session_id).csrf
+    once = guard.issue(session_id)
+    assert guard.check(session_id, csrf, once)[0] is not None
+    refused = guard.check(session_id, csrf, once)
+    assert refused[0] is None and "sent already" in refused[1]
+    assert guard.check(session_id, csrf, "")[0] is None  # a form without one
+    assert guard.issue(None) == "" and guard.issue("no-such-session") == ""
+    other = guard.login("t", "other")
+    assert guard.check(other, guard.session(other).csrf, guard.issue(session_id))[0] is None
+    lapsed = guard.issue(session_id)
+    now = time.time()
+    monkeypatch.setattr(auth.time, "time", lambda: now + auth.ONCE_SECONDS + 1)
+    assert guard.check(session_id, csrf, lapsed)[0] is None
+    for _ in range(auth.MAX_ONCE + 10):
+        guard.issue(session_id)
+    assert len(guard.session(session_id).once) == auth.MAX_ONCE

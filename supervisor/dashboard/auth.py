@@ -88,10 +88,13 @@ class Guard:
         session = self.session(session_id)
         if session is None:
             return ""
-        while len(session.once) >= MAX_ONCE:
+        now = time.time()
+        # oldest first, all with the same lifetime: the lapsed ones are at the front
+        while session.once and (len(session.once) >= MAX_ONCE
+                                or next(iter(session.once.values())) < now):
             session.once.popitem(last=False)
         once = secrets.token_urlsafe(24)
-        session.once[once] = time.time() + ONCE_SECONDS
+        session.once[once] = now + ONCE_SECONDS
         return once
 
     def check(self, session_id: str | None, csrf: str | None, once: str | None
