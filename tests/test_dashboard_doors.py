@@ -277,6 +277,18 @@ async def test_a_queue_page_view_among_300000_other_keys_does_no_scan_and_few_co
     assert usec < 5_000, used
 
 
+async def test_a_registry_too_big_to_look_at_per_view_is_said_not_scanned(
+        tmp_path, redis_url, redis_client, dashboards):
+    k = keys()
+    now = int((await redis_client.time())[0])
+    await redis_client.hset(k.supervisor_tokens, mapping={
+        f"{n:016x}": f"{now + 600} sup-{n}" for n in range(1001)})
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+    poll(lambda: "More than 1,000 supervisors are registered" in dashboard.client.get(
+        "/live/q/0")[1], "the note")
+    assert "cmdstat_scan" not in await redis_client.info("commandstats")
+
+
 # -- 3. an action posted twice acts once -----------------------------------------------------
 
 

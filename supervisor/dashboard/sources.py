@@ -193,15 +193,17 @@ class RedisSource:
             client, keys = broker.client, broker.keys
             known = consumers
             if known is None:
-                known = await browse.live_consumers(client, keys, None, MAX_TOKENS) or []
+                known = await browse.live_consumers(client, keys, None, MAX_TOKENS)
             records = await redis_status.named_supervisors(client, keys,
-                                                           known[:SHOW_SUPERVISORS])
+                                                           (known or [])[:SHOW_SUPERVISORS])
             for record in records:  # uptime and what runs now, where this host can see it
                 record["local"] = await asyncio.to_thread(
                     local.describe, keys.queue, record["where"])
             await running.add_redis_copies(client, keys, records)  # every host's jobs
             return {
                 "supervisors": records,
+                # None: more than MAX_TOKENS registered, too many to look at per view
+                "supervisors_alive": None if known is None else len(known),
                 "running": sorted(({"where": record["where"], **job} for record in records
                                    if record.get("running")
                                    for job in record["running"]["jobs"]),
