@@ -127,6 +127,8 @@ async def test_with_a_token_no_page_shows_job_data_before_the_login_and_the_logi
         assert other.headers["location"] == "/", elsewhere
     # Logged out, the same client is shut out again.
     csrf = client.csrf("/q/0/list/failed")
+    assert client.post("/logout", {"csrf": "forged"})[0] == 303  # another site's form
+    assert client.get("/live/q/0")[0] == 200  # still logged in
     assert client.post("/logout", {"csrf": csrf})[0] == 303
     assert client.get("/live/q/0")[0] == 401 and client.get("/q/0/list/failed")[0] == 303
 

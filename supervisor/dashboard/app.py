@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -324,12 +323,9 @@ def create_app(dashboard: Dashboard) -> Starlette:
 
     async def logout(request: Request) -> Response:
         form = await _form(request)
-        session = dashboard.guard.session(request.cookies.get(COOKIE))
-        csrf = form.get("csrf") or ""
-        if session is not None and hmac.compare_digest(csrf.encode(), session.csrf.encode()):
-            dashboard.guard.logout(request.cookies.get(COOKIE))
-        answer = RedirectResponse("/login" if not dashboard.guard.read_only else "/",
-                                  status_code=303, headers=HEADERS)
+        if not dashboard.guard.logout(request.cookies.get(COOKIE), form.get("csrf")):
+            return RedirectResponse("/", status_code=303, headers=HEADERS)
+        answer = RedirectResponse("/login", status_code=303, headers=HEADERS)
         answer.delete_cookie(COOKIE)
         return answer
 

@@ -70,8 +70,15 @@ class Guard:
                                              time.time() + SESSION_SECONDS)
         return session_id
 
-    def logout(self, session_id: str | None) -> None:
+    def logout(self, session_id: str | None, csrf: str | None) -> bool:
+        """End the session, if ``csrf`` is its CSRF token (another site cannot log one out);
+        whether it ended."""
+        session = self.session(session_id)
+        if session is None or not hmac.compare_digest((csrf or "").encode(),
+                                                      session.csrf.encode()):
+            return False
         self._sessions.pop(session_id or "", None)
+        return True
 
     def session(self, session_id: str | None) -> Session | None:
         session = self._sessions.get(session_id or "")
