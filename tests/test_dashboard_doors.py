@@ -458,3 +458,13 @@ def test_one_time_action_tokens_are_spent_once_lapse_and_stay_bounded(monkeypatc
     for _ in range(auth.MAX_ONCE + 10):
         guard.issue(session_id)
     assert len(guard.session(session_id).once) == auth.MAX_ONCE
+
+
+def test_history_keeps_the_supervisor_ids_of_the_newest_sample_only():
+    from supervisor.dashboard.history import History
+    from supervisor.dashboard.sources import Counts
+
+    history = History()
+    for n in range(3):
+        history.add(Counts(consumers=[f"sup-{n}"]), at=1000.0 + n)
+    assert [s.counts.consumers for s in history.samples] == [None, None, ["sup-2"]]

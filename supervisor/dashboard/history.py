@@ -42,6 +42,8 @@ class History:
             if elapsed > 0 and counts.done >= last.counts.done:
                 rate = (counts.done - last.counts.done) / elapsed
         sample = Sample(at, counts, rate)
+        if self.samples:  # only the newest sample's supervisor ids are read (queue page)
+            self.samples[-1].counts.consumers = None
         self.samples.append(sample)
         while self.samples and self.samples[0].at < at - self.window:
             self.samples.popleft()
