@@ -52,7 +52,8 @@ from broker.base import (
 from broker.errors import describe
 from broker.failure import Failure, record_ttl
 from broker.redis import recovery, seeds
-from broker.redis.connection import connection_class
+from broker.redis.blocking import Abandoned, BlockingMove
+from broker.redis.connection import CONNECTION_ERRORS, connection_class
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
@@ -66,7 +67,6 @@ from broker.urls import redact
 log = logging.getLogger(__name__)
 
 #: Errors after which a command may or may not have been applied.
-CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 #: Cluster errors that outlast the client's redirections and retries (TRYAGAIN while a slot
 #: migrates, CLUSTERDOWN, a slot map not loaded yet).
@@ -84,19 +84,12 @@ _REFUSALS = (
 #: What a failed connect raises (the cluster client has its own exception family).
 _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
-#: How much longer than its own timeout a blocking move may take before we give up on it.
-BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
 #: recover.lua's grace that keeps an empty reservation registered whatever its deadline.
 KEEP_REGISTERED = 9_999_999_999
-#: Reply timeout of the blocking connection: none in effect (each BLMOVE has its own).
-BLOCKING_WIRE_TIMEOUT = 86400.0
 #: The longest tail envelope the progress line reads for its age without a size limit.
 PEEK_LIMIT = 1 << 20
-#: Pause between CLIENT UNBLOCK attempts at a stop while our BLMOVE is sent but not yet
-#: blocked in the server (CLIENT UNBLOCK then answers 0).
-UNBLOCK_PAUSE = 0.05
 #: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
 #: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
 #: on 7.2 and later every connection would leave a denial in ACL LOG.
@@ -206,23 +199,12 @@ class RedisBroker:
         #: Writes a replica had not confirmed when WAIT timed out (see _replicated).
         self.unreplicated = 0
         self.client = self._new_client(COMMAND_TIMEOUT)
-        # Blocking reads get their own connection: they must never hold up settle or extend.
-        # On a plain Redis a lean one that drops a payload over the size limit unread (a
-        # BLMOVE returns what it moved) and sends CLIENT ID with each BLMOVE, so that a stop
-        # can end it; a Cluster keeps redis-py's client, which follows the slot map.
-        self._blocking: Any = self._new_client(None) if cluster else None
-        self._blocking_wire = None if cluster else Wire(
-            url, self.tls, BLOCKING_WIRE_TIMEOUT, CONNECT_TIMEOUT,
-            bulk_limit=max_envelope_bytes or None,
+        # Blocking reads get a connection of their own, which a stop can end at once.
+        self._blocking = BlockingMove(
+            url, self.tls, self.keys.ready, self.client,
+            self._new_client(None) if cluster else None,
+            connect_timeout=CONNECT_TIMEOUT, bulk_limit=max_envelope_bytes or None,
         )
-        self._no_wait = False  # stop_waiting() was called: receives never block again
-        self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
-        #: CLIENT ID of the blocking connection (None: unknown, or not allowed by the ACL)
-        #: and, on a Cluster, the node it is connected to
-        self._blocked_id: int | None = None
-        self._blocked_node: Any = None
-        self._can_unblock = True  # False once CLIENT ID was refused
-        self._unblocking: asyncio.Future | None = None
         # The scripts of the hot path go over a lean connection of their own (see wire);
         # a cluster keeps redis-py's client, which follows the slot map.
         self._wire = None if cluster else Wire(url, self.tls, COMMAND_TIMEOUT, CONNECT_TIMEOUT)
@@ -318,14 +300,9 @@ class RedisBroker:
         return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
-        if self._unblocking is not None:
-            self._unblocking.cancel()
         if self._wire is not None:
             self._wire.close()
-        if self._blocking_wire is not None:
-            self._blocking_wire.close()
-        if self._blocking is not None:
-            await self._blocking.aclose()
+        await self._blocking.close()
         await self.client.aclose()
 
     # -- receiving ----------------------------------------------------------------------
@@ -362,7 +339,7 @@ class RedisBroker:
         token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
         key = self.keys.reservation(token)
         keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
-        wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
+        wait = math.ceil(block_timeout) if block_timeout > 0 and not self._blocking.stopped else 0
         reply: list[Any]
         async with _broker_errors("reserve"):
             registered_at = time.monotonic()
@@ -419,31 +396,10 @@ class RedisBroker:
             # gone already, and a move into an unregistered list would strand the payload.
             await self.client.zrem(self.keys.reservations, key)
             return []
-        self._blocked_id = None
-        if self._blocking is not None:
-            await self._identify_blocking()
-        if self._no_wait:  # a stop began meanwhile: no move was sent, so none can land
-            await self.client.zrem(self.keys.reservations, key)
-            return []
-        self._blocked = asyncio.ensure_future(self._move_in_time(key, timeout))
         try:
-            payload = await self._blocked
-        except asyncio.CancelledError:
-            self._drop_blocking()
-            if not self._no_wait or _cancelling():
-                raise
+            payload = await self._blocking.move(key, timeout)
+        except Abandoned:
             return await self._give_back(key)
-        except redis.exceptions.ResponseError as error:
-            if not str(error).startswith("UNBLOCKED"):
-                raise
-            # The master became a replica (CLUSTER FAILOVER) while we waited and let go of
-            # us: nothing moved. Like a timeout; the next call finds the new master.
-            payload = None
-        except BaseException:
-            self._drop_blocking()  # the BLMOVE may still be waiting in Redis
-            raise
-        finally:
-            self._blocked = None
         if payload is None:
             # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
             # maintenance drops the empty registration after its deadline and grace.
@@ -452,44 +408,6 @@ class RedisBroker:
         if isinstance(payload, Oversized):
             return await self._poison_moved(key, token, payload.length)
         return [payload]
-
-    async def _move_in_time(self, key: str, timeout: float) -> Any:
-        """``_move`` with a deadline, its coroutine made inside the task: a task cancelled
-        before its first step then leaves no coroutine that was never awaited."""
-        async with asyncio.timeout(timeout + BLOCK_MARGIN):
-            return await self._move(key, timeout)
-
-    async def _move(self, key: str, timeout: float) -> Any:
-        """BLMOVE ready -> reservation ``key``; on the lean connection with CLIENT ID sent
-        just before it (so the id names this BLMOVE's connection)."""
-        if self._blocking_wire is None:
-            return await self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
-        commands: list[tuple[Any, ...]] = [("BLMOVE", self.keys.ready, key, "RIGHT", "LEFT",
-                                            timeout)]
-        if self._can_unblock:
-            commands.insert(0, ("CLIENT", "ID"))
-        *identified, moved = await self._blocking_wire.send(*commands)
-        if identified:
-            self._identified(await identified[0])
-        reply = await moved
-        if isinstance(reply, redis.exceptions.ResponseError):
-            raise reply
-        return reply
-
-    def _identified(self, reply: Any) -> None:
-        if isinstance(reply, redis.exceptions.ResponseError):  # NOPERM: an ACL from before
-            self._can_unblock = False
-            log.warning("CLIENT ID refused (%s): a stop will leave its idle receive's "
-                        "reservation registered (expired) for maintenance to remove; grant "
-                        "client|id and client|unblock (README, Redis ACL)", reply)
-        else:
-            self._blocked_id = int(reply)
-
-    def _drop_blocking(self) -> None:
-        """Close the lean blocking connection: a BLMOVE given up on may still be waiting
-        in Redis, and the next command must not queue behind it."""
-        if self._blocking_wire is not None:
-            self._blocking_wire.close()
 
     async def _poison_moved(self, key: str, token: str, length: int) -> list[bytes | int]:
         """The blocking move took a payload over the size limit (its bytes were dropped
@@ -504,60 +422,12 @@ class RedisBroker:
         # maintenance ('mismatch'): nothing to report now.
         return [length] if reply == [b"poison"] else []
 
-    async def _identify_blocking(self) -> None:
-        """On a Cluster: learn the blocking connection's CLIENT ID (on that connection, just
-        before the BLMOVE it names), so that a stop can end the BLMOVE with CLIENT UNBLOCK."""
-        if not self._can_unblock:
-            return
-        try:
-            # The blocking client's one connection to the node serving the queue's slot
-            # (it runs one command at a time, so it never opens a second one there).
-            await self._blocking.initialize()  # the slot map, once
-            node = self._blocking.get_node_from_key(self.keys.ready)
-            self._blocked_node = (node.host, node.port)
-            reply = await self._blocking.execute_command("CLIENT ID", target_nodes=node)
-        except redis.exceptions.ResponseError as error:
-            reply = error
-        self._identified(reply)
-
     def stop_waiting(self) -> None:
         """A stop began: a receive blocked on an idle queue returns now, and no later
         receive blocks (what is there is still taken)."""
-        self._no_wait = True
-        if self._blocked is not None and self._unblocking is None:
-            self._unblocking = asyncio.ensure_future(self._unblock(self._blocked))
+        self._blocking.stop()
 
-    async def _unblock(self, blocked: asyncio.Future) -> None:
-        """End our BLMOVE as if it timed out: CLIENT UNBLOCK from the command connection.
-        Once Redis answered 1 no move into the reservation can follow, so the receive
-        unregisters it and the registry is left empty (a cancelled BLMOVE could still be
-        served by the server after we gave up on it). Without CLIENT UNBLOCK (refused, or
-        an unknown id), the BLMOVE is abandoned instead: see ``_give_back``."""
-        try:
-            while not blocked.done():
-                if self._blocked_id is None and not self._can_unblock:
-                    break
-                if self._blocked_id is not None and await self._unblock_once(self._blocked_id):
-                    return
-                await asyncio.sleep(UNBLOCK_PAUSE)  # sent, but not blocked in Redis yet
-        except (*CONNECTION_ERRORS, redis.exceptions.ResponseError) as error:
-            log.warning("CLIENT UNBLOCK failed (%s): abandoning the blocking receive; its "
-                        "reservation stays registered (expired) for maintenance", error)
-        finally:
-            self._unblocking = None
-        if not blocked.done():
-            blocked.cancel()
-
-    async def _unblock_once(self, client_id: int) -> bool:
-        if not self.cluster:
-            return bool(await self.client.client_unblock(client_id, error=False))
-        node = self.client.get_node(*self._blocked_node)
-        if node is None:  # the node left the cluster: its BLMOVE ended with it
-            return True
-        return bool(await self.client.execute_command(
-            "CLIENT UNBLOCK", client_id, "TIMEOUT", target_nodes=node))
-
-    async def _give_back(self, key: str) -> list[bytes]:
+    async def _give_back(self, key: str) -> list[bytes | int]:
         """The blocking move was abandoned: a payload it may have moved goes back to the
         ready list, and the reservation is marked expired (deadline 0) rather than
         deregistered, so a move the server still completes late is recovered by the next
@@ -694,7 +564,7 @@ class RedisBroker:
 
     def _ahead_allowed(self) -> bool:
         return self.reserves_ahead and not (
-            self._no_wait or self._settled_on != cast(Wire, self._wire).connects
+            self._blocking.stopped or self._settled_on != cast(Wire, self._wire).connects
             or self._ahead is not None or self._ahead_lost is not None
             or self._ahead_sending or self._unresolved)
 
@@ -1050,8 +920,3 @@ async def _broker_errors(operation: str) -> AsyncIterator[None]:
         # describe: redis-py's repr is "network:ConnectionError", without server or reason
         raise BrokerError(f"{operation} failed: {describe(error)}") from error
 
-
-def _cancelling() -> bool:
-    """The current task itself is being cancelled (not just a future it awaited)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

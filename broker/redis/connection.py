@@ -33,6 +33,9 @@ from broker.errors import closed_transport
 
 log = logging.getLogger(__name__)
 
+#: Errors after which a command may or may not have been applied.
+CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
 
 class _BrokerConnection:
     """What the broker's connections change in redis-py's (a mixin: first among the bases)."""
