@@ -30,11 +30,11 @@ from typing import Any
 import orjson
 
 from broker import phpjson
-from broker.phpjson import (  # noqa: F401 - MAX_NESTING and Unencodable: this API's too
-    MAX_NESTING,
-    Unencodable,
-    php_json,
-)
+
+# Part of this module's API too (re-exported).
+from broker.phpjson import MAX_NESTING as MAX_NESTING
+from broker.phpjson import Unencodable as Unencodable
+from broker.phpjson import php_json as php_json
 
 # decode's fast path: bytes that orjson reads as PHP does (see ``broker.phpjson.loads``).
 _SHALLOW_BYTES = phpjson.SHALLOW_BYTES

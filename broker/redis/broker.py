@@ -22,11 +22,10 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
@@ -51,7 +50,7 @@ from broker.base import (
 )
 from broker.errors import describe
 from broker.failure import Failure, record_ttl
-from broker.redis import recovery, seeds
+from broker.redis import recovery, seeds, settling
 from broker.redis.blocking import Abandoned, BlockingMove
 from broker.redis.connection import CONNECTION_ERRORS, connection_class
 from broker.redis.keys import QueueKeys, hash_tag
@@ -103,10 +102,7 @@ except ImportError:  # older: the same through the arguments driver_info replace
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
 
-#: The fields of a failure record, in ``Failure.encode()``'s order.
-_FAILURE_FIELDS = tuple(item.name for item in fields(Failure))
 _COMMIT = Action.COMMIT
-_FAILED = Result(Outcome.OK, "failed")
 _RESULTS = {
     b"ok": APPLIED,
     b"stale": Result(Outcome.STALE),
@@ -674,7 +670,8 @@ class RedisBroker:
         if usual:
             ops = "c" * len(batch)
         else:
-            ops, extras, applied = self._settle_ops(batch, keys)
+            ops, extras, applied = settling.batch_ops(
+                batch, keys, self.keys, self.retry, self.consumer_id)
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args: list[Any] = [self.job_ttl, len(batch), ops, self._job_prefix_bytes,
                            self._record_ttl, *tokens, *extras]
@@ -704,85 +701,9 @@ class RedisBroker:
         return [done if outcome == b"ok" else _RESULTS[outcome]
                 for outcome, done in zip(reply, applied, strict=True)]
 
-    def _settle_ops(
-        self, batch: Sequence[Settlement], keys: list[str]
-    ) -> tuple[str, list[Any], list[Result]]:
-        """A batch with more than unkeyed commits: the script's op per item, the extra
-        arguments (a retry's envelope and delay, a reject's failure record), the result of
-        each once applied; the keyed items' markers and the rejects' failure record keys are
-        added to ``keys``, in that order, after every item's own."""
-        ops: list[str] = []
-        markers: list[str] = []
-        records: list[str] = []  # the failure record key of each reject
-        extras: list[Any] = []
-        applied: list[Result] = []
-        now = time.time()
-        for settlement in batch:
-            delivery = settlement.delivery
-            if settlement.action is _COMMIT:
-                op, result = "c", APPLIED
-            else:
-                op, arguments, result = self._settle_op(settlement, now)
-                extras += arguments
-                if op == "f":
-                    records.append(self.keys.error(delivery.pid))
-            if "key" in delivery.envelope:  # possibly keyed (coalesced)
-                marker = self.keys.marker(delivery.envelope)
-                if marker:
-                    markers.append(marker)
-                    op = op.upper()  # keyed: the marker follows the items' keys
-            ops.append(op)
-            applied.append(result)
-        keys += markers
-        keys += records
-        return "".join(ops), extras, applied
-
     def _delivery_keys(self, pid: str) -> tuple[str, str, str]:
         """A delivery's claims, jobs and owners key (built at the claim: see ``Delivery``)."""
         return self._claim_prefix + pid, self._job_prefix + pid, self._owner_prefix + pid
-
-    def _settle_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
-        """The script's op for one settlement, its extra arguments (a retry's envelope and
-        delay, a reject's failure record) and its result once applied (what became of the
-        job: "retrying in N s", "failed")."""
-        if settlement.action is Action.COMMIT:
-            return "c", [], APPLIED
-        if settlement.action is Action.RELEASE:
-            return "l", [], APPLIED
-        delivery = settlement.delivery
-        if self.retry.exhausted(delivery.attempts):
-            return self._reject_op(settlement, now)
-        decoded = delivery.envelope or envelope.decode(delivery.raw)
-        delay = self.retry.whole_seconds(delivery.attempts)
-        try:
-            # A delayed retry is stamped again by promote.lua when it becomes ready (the
-            # server's time); parked, it carries when it is due by this host's clock, which
-            # is what an older promote.lua, moving it as it is, pushes (a rolling upgrade).
-            retried = envelope.requeued(
-                decoded, RetryPolicy.next_attempts(delivery.attempts), int(now) + delay)
-        except envelope.Unencodable as error:
-            # This delivery alone: the batch it settles with must still go through.
-            log.error("job %s failed, and its retry cannot be written as PHP would (%s): it "
-                      "goes to the failed list instead", delivery.pid, error)
-            return self._reject_op(settlement, now)
-        retrying = Result(Outcome.OK, f"retrying in {delay} s")
-        if delay:
-            return "d", [retried, delay], retrying  # waits in supervisor-delayed
-        return "r", [retried], retrying  # queue 5's immediate requeue
-
-    def _reject_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
-        """Queue 5's reject to the failed list (the record kept), with our failure record:
-        ``Failure.encode()``'s JSON with what this run adds (outcome, run, time, consumer),
-        built in one step (a batch of 1,000 terminal failures must stay cheap)."""
-        failure = (settlement.failure.bounded() if settlement.failure
-                   else Failure.from_text(settlement.error))  # bounded already
-        record = {name: getattr(failure, name) for name in _FAILURE_FIELDS}
-        record["outcome"] = "failed"
-        record["attempt"] = failure.attempt or RetryPolicy.next_attempts(
-            settlement.delivery.attempts)  # counted from 1
-        record["at"] = failure.at or now
-        record["consumer"] = failure.consumer or self.consumer_id
-        return "f", [orjson.dumps(record)], _FAILED
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])
