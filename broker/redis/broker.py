@@ -21,8 +21,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -51,28 +51,26 @@ from broker.base import (
 from broker.errors import describe
 from broker.failure import Failure, record_ttl
 from broker.redis import recovery, seeds, settling
+from broker.redis.ahead import Command, ReserveAhead
 from broker.redis.blocking import Abandoned, BlockingMove
-from broker.redis.connection import CONNECTION_ERRORS, connection_class
+from broker.redis.connection import (
+    CLUSTER_ERRORS,
+    CONNECTION_ERRORS,
+    broker_errors,
+    connection_class,
+)
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
-from broker.redis.scripts import Scripts, call_then
+from broker.redis.reservation import Reservation
+from broker.redis.scripts import Scripts
 from broker.redis.wire import Oversized, Wire
 from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
 
 log = logging.getLogger(__name__)
-
-#: Errors after which a command may or may not have been applied.
-
-#: Cluster errors that outlast the client's redirections and retries (TRYAGAIN while a slot
-#: migrates, CLUSTERDOWN, a slot map not loaded yet).
-_CLUSTER_ERRORS = (
-    redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
-    redis.exceptions.RedisClusterException,
-)
 
 #: What a connect raises when the server refuses this client's credentials or permissions.
 _REFUSALS = (
@@ -108,22 +106,6 @@ _RESULTS = {
     b"stale": Result(Outcome.STALE),
     b"missing": Result(Outcome.MISSING),
 }
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Payloads moved from the ready list into the reservation list ``key``, not yet claimed.
-
-    ``token`` (32 lowercase hex) names the reservation and becomes the owner token, the
-    receipt, of every delivery claimed from it.
-    """
-
-    key: str
-    token: str
-    payloads: list[bytes]
-    #: Lengths of the payloads over the size limit that reserve.lua moved straight to poison
-    #: (they never crossed the wire).
-    oversized: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -207,18 +189,7 @@ class RedisBroker:
         self.scripts = Scripts(self.client, self._wire)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
-        #: Reserving ahead (see ``reserve_ahead``): the room the next settle call reserves in
-        #: its own write, the reservation it got (for the next receive), and the key of one
-        #: whose reply was lost (given back before anything else is reserved).
-        self._ahead_wanted = 0
-        self._ahead_sending = False
-        self._ahead: Reservation | None = None
-        self._ahead_lost: str | None = None
-        #: The scripts' connection (``Wire.connects``) on which settle.lua last ran: a
-        #: reserve goes ahead only on it. On a new one (a restarted server: its script cache
-        #: empty) settle.lua could answer NOSCRIPT, not run, while the reserve behind it ran:
-        #: reserved beyond prefetch until it is run again.
-        self._settled_on = -1
+        self._ahead = ReserveAhead(self._wire, self.scripts, self.keys)  # see reserve_ahead
         self._job_prefix = self.keys.job("")
         self._job_prefix_bytes = len(self._job_prefix.encode())
         self._owner_prefix = self.keys.owner("")
@@ -309,7 +280,7 @@ class RedisBroker:
             received = await self._resolve_lost_claim()
             if received.deliveries or received.poisoned:
                 return received
-        reservation = await self._reserved_ahead(max_messages)  # hook: see reserve_ahead
+        reservation = await self._ahead.take(max_messages)  # see reserve_ahead
         if reservation is None:
             reservation = await self.reserve(max_messages, block_timeout)
         poisoned = [Poisoned(b"", f"envelope of {length} bytes exceeds "
@@ -337,7 +308,7 @@ class RedisBroker:
         keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._blocking.stopped else 0
         reply: list[Any]
-        async with _broker_errors("reserve"):
+        async with broker_errors("reserve"):
             registered_at = time.monotonic()
             block = bool(wait)
             if wait and self.replication.enabled:
@@ -428,7 +399,7 @@ class RedisBroker:
         ready list, and the reservation is marked expired (deadline 0) rather than
         deregistered, so a move the server still completes late is recovered by the next
         maintenance instead of stranded in a list nobody knows."""
-        async with _broker_errors("give back an abandoned reservation"):
+        async with broker_errors("give back an abandoned reservation"):
             await self.client.zadd(self.keys.reservations, {key: 0}, xx=True)
             # Moved inside Redis (a payload is never read here: it may be oversized). The
             # grace keeps the empty list registered whatever its deadline; one emptied here
@@ -451,7 +422,7 @@ class RedisBroker:
                 self._replicated("claim", confirmed, len(plan.items))
             else:
                 reply = await self.scripts.call("claim", plan.keys, plan.args)
-        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+        except (*CONNECTION_ERRORS, *CLUSTER_ERRORS) as error:
             # Applied or not, we cannot tell (a cluster error may follow the client's retry
             # of a call whose reply was lost): the next receive runs the claim again.
             self._unresolved.append(plan)
@@ -531,7 +502,7 @@ class RedisBroker:
         # loses its connection), the next receive tries again, so claimed deliveries are
         # never left owned and renewed by nobody.
         plan = self._unresolved[0]
-        async with _broker_errors("claim (resolving a lost reply)"):
+        async with broker_errors("claim (resolving a lost reply)"):
             reply = await self.scripts.call("claim", plan.keys, plan.args)
             received = await self._claimed(plan, reply)
         self._unresolved.pop(0)
@@ -555,16 +526,14 @@ class RedisBroker:
         reservation ahead at a time. False: not done (the next settle call reserves nothing)."""
         if room <= 0 or not self._ahead_allowed():
             return False
-        self._ahead_wanted = min(room, MAX_BATCH)
+        self._ahead.wanted = min(room, MAX_BATCH)
         return True
 
     def _ahead_allowed(self) -> bool:
         return self.reserves_ahead and not (
-            self._blocking.stopped or self._settled_on != cast(Wire, self._wire).connects
-            or self._ahead is not None or self._ahead_lost is not None
-            or self._ahead_sending or self._unresolved)
+            self._blocking.stopped or self._unresolved) and self._ahead.idle()
 
-    def _ahead_command(self, wanted: int) -> tuple[str, list[str], list[Any]] | None:
+    def _ahead_command(self, wanted: int) -> Command | None:
         """The reserve to send with this settle call, or None."""
         if not wanted or not self._ahead_allowed():
             return None
@@ -572,75 +541,6 @@ class RedisBroker:
         key = self.keys.reservation(token)
         return "reserve", [self.keys.ready, self.keys.reservations, key, self.keys.poison], (
             self._reserve_args(wanted, 0))
-
-    async def _settle_and_reserve(
-        self, keys: list[str], args: list[Any], ahead: tuple[str, list[str], list[Any]]
-    ) -> Any:
-        """settle.lua's reply; the reserve sent in the same write is kept for the next
-        receive, or, if its reply is lost with the settle's, given back by it."""
-        self._ahead_sending = True
-        try:
-            reply, reserved = await call_then(
-                self.scripts, cast(Wire, self._wire), ("settle", keys, args), ahead)
-        except BaseException:
-            self._ahead_lost = ahead[1][2]  # applied or not, unknown
-            raise
-        finally:
-            self._ahead_sending = False
-        self._ahead_reply(ahead, reserved)
-        return reply
-
-    def _ahead_reply(self, command: tuple[str, list[str], list[Any]], reply: Any) -> None:
-        """What the reserve sent ahead got: the reservation for the next receive."""
-        key = command[1][2]
-        if isinstance(reply, redis.exceptions.ResponseError):  # NOSCRIPT: not run
-            log.debug("reserve ahead not run: %s", reply)
-            return
-        if reply:  # nothing ready: nothing reserved, nothing registered (no timeout)
-            oversized = [int(item) for item in reply if item.__class__ is not bytes]
-            payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
-            token = key[len(self.keys.reservation("")):]
-            self._ahead = Reservation(key, token, payloads, oversized)
-
-    async def _reserved_ahead(self, max_messages: int) -> Reservation | None:
-        """The reservation a settle call made ahead, if it fits in ``max_messages``; one
-        that does not (a settlement was not applied: the room it was made for is not
-        there), or whose reply was lost, goes back to the ready list first."""
-        lost, ahead, self._ahead = self._ahead_lost, self._ahead, None
-        if lost is not None:
-            await self._return_reserved(lost)  # raises while unreachable: kept for the next try
-            self._ahead_lost = None
-        if ahead is None or len(ahead.payloads) <= max_messages:
-            return ahead
-        self._ahead_lost = ahead.key
-        await self._return_reserved(ahead.key)
-        self._ahead_lost = None
-        return None
-
-    async def _return_reserved(self, key: str) -> None:
-        """A reservation made ahead goes back to the ready list unclaimed: marked expired,
-        then recover.lua moves its payloads (in their order) and unregisters it; one never
-        made is not registered and nothing happens. Over the scripts' connection, as the
-        reserve went: redis-py's pool may still hold a connection a restart closed."""
-        wire = cast(Wire, self._wire)
-        async with _broker_errors("give back a reservation made ahead"):
-            await wire.call("ZADD", self.keys.reservations, "XX", 0, key)
-            await self.scripts.call("recover", [self.keys.reservations, self.keys.ready, key],
-                                    [MAX_BATCH, 0])
-
-    async def _return_ahead(self) -> None:
-        """At exit: a reservation made ahead and never claimed goes back to the ready list
-        now. If that fails it stays registered: recovery returns it after its deadline."""
-        key = self._ahead_lost or (self._ahead.key if self._ahead is not None else None)
-        if key is None:
-            return
-        self._ahead = None
-        try:
-            await self._return_reserved(key)
-        except BrokerError as error:
-            log.warning("reservation %s made ahead not given back (%s): recovery returns its "
-                        "payloads after its deadline", key, error)
-        self._ahead_lost = None
 
     # -- settling -----------------------------------------------------------------------
 
@@ -650,7 +550,7 @@ class RedisBroker:
         # One script answers for a whole group at once: results arrive together, so the
         # caller applies the returned list (``on_result`` has nothing to report earlier).
         results: list[Result] = []
-        ahead, self._ahead_wanted = self._ahead_wanted, 0  # this call's, or none
+        ahead, self._ahead.wanted = self._ahead.wanted, 0  # this call's, or none
         for start in range(0, len(settlements), MAX_BATCH):
             results += await self._settle_batch(settlements[start:start + MAX_BATCH], ahead)
             ahead = 0
@@ -683,12 +583,12 @@ class RedisBroker:
                 )
                 self._replicated("settlement", confirmed, len(batch))
             elif (command := self._ahead_command(ahead)) is not None:
-                reply = await self._settle_and_reserve(keys, args, command)
+                reply = await self._ahead.settle_and_reserve(keys, args, command)
             else:
                 reply = await self.scripts.call("settle", keys, args)
                 if self._wire is not None:
-                    self._settled_on = self._wire.connects  # settle.lua is loaded there
-        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+                    self._ahead.settled_on = self._wire.connects  # settle.lua is loaded there
+        except (*CONNECTION_ERRORS, *CLUSTER_ERRORS) as error:
             # A cluster error too: it may follow the client's retry of a call whose reply
             # was lost. Settled again either way (every script checks the owner token).
             # A reserve sent ahead is lost with it: given back by the next receive.
@@ -739,10 +639,10 @@ class RedisBroker:
         # an ACL user made before the copy existed may not delete it).
         with contextlib.suppress(redis.exceptions.RedisError, OSError):
             await self.client.delete(self._running)
-        await self._return_ahead()
+        await self._ahead.give_back_at_exit()
         if not deliveries:
             return
-        async with _broker_errors("requeue at exit"):
+        async with broker_errors("requeue at exit"):
             now, _ = await recovery.server_time(self.client, self.keys.ready)
             candidates = [self._own_candidate(delivery, now) for delivery in deliveries]
             applied = await recovery.reclaim(self.scripts, self.keys, candidates,
@@ -763,7 +663,7 @@ class RedisBroker:
 
     async def _renew(self, deliveries: Sequence[Delivery], lease: int) -> list[bool]:
         owned: list[bool] = []
-        async with _broker_errors("extend" if lease else "abandon"):
+        async with broker_errors("extend" if lease else "abandon"):
             for start in range(0, max(len(deliveries), 1), MAX_BATCH):
                 batch = deliveries[start:start + MAX_BATCH]
                 keys = [self._record, self.keys.supervisor_tokens]
@@ -780,7 +680,7 @@ class RedisBroker:
     async def publish_running(self, record: bytes | None, ttl: int) -> None:
         """This supervisor's running jobs (``supervisor.running``), for ``status`` and the
         dashboard: kept ``ttl`` s, as the supervisor's record is; None deletes them."""
-        async with _broker_errors("running jobs"):
+        async with broker_errors("running jobs"):
             if record is None:
                 await self.client.delete(self._running)
             else:
@@ -788,7 +688,7 @@ class RedisBroker:
 
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the next message to be received was published (None: none)."""
-        async with _broker_errors("oldest ready"):
+        async with broker_errors("oldest ready"):
             raw = await self.scripts.call(
                 "oldest", [self.keys.ready], [self.max_envelope_bytes or PEEK_LIMIT])
         if not isinstance(raw, bytes):
@@ -802,7 +702,7 @@ class RedisBroker:
         """Promote the retries due (every supervisor, every call: it costs one script call,
         and a retry must not wait for whoever holds the lock), then one bounded recovery
         sweep when the fleet's reap lock allows (``force``: now)."""
-        async with _broker_errors("maintain"):
+        async with broker_errors("maintain"):
             promoted = await recovery.promote(self.scripts, self.keys)
             report = await recovery.maintain(
                 self.client, self.scripts, self.keys, lock_seconds=self.maintenance_interval,
@@ -829,15 +729,3 @@ class RedisBroker:
         return await publish.publish_many(
             self.client, self.namespace, queue, payloads, self.replication
         )
-
-
-@contextlib.asynccontextmanager
-async def _broker_errors(operation: str) -> AsyncIterator[None]:
-    """Connection errors, and cluster errors a slot migration or failover can leave after the
-    client's own retries, become a BrokerError naming the operation (WrongTypeError passes)."""
-    try:
-        yield
-    except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
-        # describe: redis-py's repr is "network:ConnectionError", without server or reason
-        raise BrokerError(f"{operation} failed: {describe(error)}") from error
-
