@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import envelope
+from broker import envelope, phpjson
 from broker.envelope import MalformedEnvelope
 from worker.message import Message
 
@@ -307,7 +307,7 @@ def reference_decode(raw: bytes) -> dict[str, Any] | None:
         raise orjson.JSONDecodeError("refused", "", 0)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(envelope, "_orjson_loads", refuse)
+        patch.setattr(phpjson, "_orjson_loads", refuse)
         return decode_or_none(raw)
 
 
@@ -2389,7 +2389,7 @@ php_values = st.recursive(
 @settings(max_examples=1000)
 @given(value=php_values)
 def test_the_orjson_path_agrees_with_the_reference_writer(value):
-    assert envelope.php_json(value) == envelope._encode_like_php(value)
+    assert envelope.php_json(value) == phpjson._encode_like_php(value)
 
 
 @given(value=php_values)
