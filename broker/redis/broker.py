@@ -57,6 +57,7 @@ from broker.redis.blocking import Abandoned, BlockingMove
 from broker.redis.connection import (
     CLUSTER_ERRORS,
     CONNECTION_ERRORS,
+    NO_CLIENT_INFO,
     broker_errors,
     connection_class,
 )
@@ -88,15 +89,6 @@ DUPLICATE_PAUSE = 0.25
 KEEP_REGISTERED = 9_999_999_999
 #: The longest tail envelope the progress line reads for its age without a size limit.
 PEEK_LIMIT = 1 << 20
-#: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
-#: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
-#: on 7.2 and later every connection would leave a denial in ACL LOG.
-try:
-    from redis.driver_info import DriverInfo  # noqa: F401 - redis-py with driver_info
-
-    _NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
-except ImportError:  # older: the same through the arguments driver_info replaced
-    _NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
 #: Socket timeout of the (non-blocking) command connection, in seconds.
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
@@ -215,7 +207,7 @@ class RedisBroker:
             "decode_responses": False,
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": CONNECT_TIMEOUT,
-            **_NO_CLIENT_INFO,
+            **NO_CLIENT_INFO,
         }
         if urlsplit(self.url).scheme == "rediss":
             options.update(self.tls.redis_options())

@@ -39,6 +39,16 @@ from broker.errors import closed_transport, describe
 
 log = logging.getLogger(__name__)
 
+#: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
+#: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
+#: on 7.2 and later every connection would leave a denial in ACL LOG.
+try:
+    from redis.driver_info import DriverInfo  # noqa: F401 - redis-py with driver_info
+
+    NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
+except ImportError:  # older: the same through the arguments driver_info replaced
+    NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
+
 #: Errors after which a command may or may not have been applied.
 CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
