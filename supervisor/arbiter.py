@@ -20,7 +20,8 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from broker.base import (
     MAX_BATCH,
@@ -132,8 +133,8 @@ class Arbiter:
         #: counted yet: take_arrivals must not fill that room, reserve_for must not ask again.
         self.receiving = 0
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
-        self.tasks: list[asyncio.Task] = []
-        self.settling: set[asyncio.Task] = set()  # settlement calls in flight
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.settling: set[asyncio.Task[Any]] = set()  # settlement calls in flight
         self.settle_failures = 0  # in a row: the back-off before the next try
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
@@ -210,12 +211,12 @@ class Arbiter:
 
     # -- a failure nobody expected: one log line with the traceback, then a bounded stop ----
 
-    def start_task(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=coro.__name__)
+    def start_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=getattr(coro, "__name__", None))
         task.add_done_callback(self.task_ended)
         return task
 
-    def task_ended(self, task: asyncio.Task) -> None:
+    def task_ended(self, task: asyncio.Task[Any]) -> None:
         """A background loop that raised would leave us alive and useless: stop instead."""
         if task.cancelled() or task.exception() is None:
             return
@@ -468,10 +469,11 @@ class Arbiter:
         await self.settle_calls.acquire()
         await self.settle_batch(batch, self.settle_calls)
 
-    def settling_task(self, task: asyncio.Task) -> None:
+    def settling_task(self, task: asyncio.Task[Any]) -> None:
         settling, task_ended = self.settling, self.task_ended
 
-        def ended(task: asyncio.Task) -> None:  # one callback, not two: one per job at prefetch 1
+        # One callback, not two: there is one per job at prefetch 1.
+        def ended(task: asyncio.Task[Any]) -> None:
             try:
                 task_ended(task)
             finally:
@@ -671,7 +673,7 @@ class Arbiter:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.progress.wait(), min(remaining, 0.5))
 
-    def task(self, name: str) -> asyncio.Task | None:
+    def task(self, name: str) -> asyncio.Task[Any] | None:
         return next((task for task in self.tasks if task.get_name() == name), None)
 
 

@@ -274,7 +274,7 @@ class PrometheusMetrics(Metrics):
             f"{PREFIX}_broker_call_seconds", "broker call latency by operation",
             ["queue", "operation"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
-        self._call = lambda operation: calls.labels(queue, operation)
+        self._call: Callable[[str], Histogram] = lambda operation: calls.labels(queue, operation)
         self._handler = Histogram(
             f"{PREFIX}_handler_seconds", "handler duration, started to outcome", ["queue"],
             buckets=HANDLER_BUCKETS, registry=self.registry,

@@ -688,7 +688,8 @@ class RedisBroker:
         if not isinstance(raw, bytes):
             return None  # empty, or over the size limit (its length): not read
         try:
-            return max(0.0, time.time() - envelope.decode(raw, None)["timestamp"])
+            published: int = envelope.decode(raw, None)["timestamp"]
+            return max(0.0, time.time() - published)
         except (envelope.MalformedEnvelope, TypeError):
             return None
 
