@@ -13,7 +13,8 @@ then ``new Message($envelope)``, whose typed properties (``string $pid``, ``stri
 here, and a value comes out as PHP would see it (``"pid": 12`` is the pid ``"12"``).
 On top of PHP, one project rule: a number PHP would silently wrap, saturate or round to
 fit a signed 64-bit integer (a ``timestamp`` or ``attempts`` outside that range) is poison,
-never a made-up value. ``tests/test_envelope.py`` holds the truth table, produced by PHP.
+never a made-up value. ``tests/data/php_redis_decode.json`` holds the truth table, made by
+PHP (``tests/data/php_redis_decode.php`` regenerates it).
 Anything malformed is reported with a reason and never handed on.
 """
 

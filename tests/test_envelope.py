@@ -1,5 +1,6 @@
 """The envelope codec: byte-compatible with PHP's json_encode when it writes, and accepting
-exactly what a PHP queue-5 worker accepts when it reads (see the truth table at the end)."""
+exactly what a PHP queue-5 worker accepts when it reads (the truth table, made by PHP, is
+tests/data/php_redis_decode.json)."""
 
 from __future__ import annotations
 
