@@ -8,7 +8,7 @@ subscription and are matched by token, in any order. Each result is reported as 
 its own reply is in, so a lost reply holds back nothing after it; the confirmations one
 read brought may be reported together (``on_confirmed``).
 
-The result of one try, as the one-at-a-time path (``NatsBroker._request``) reads it:
+The result of one try, as the one-at-a-time path (``Requester.request``) reads it:
 
 - a reply: OK, or ERROR ``NO_RESPONDERS`` for a 503 (nobody serves the consumer, so
   nobody applied it: certain);
