@@ -129,12 +129,13 @@ class Adoption:
                         self._names.consumer, error)
             return
         budget, spare = read_consumer_policy(consumer, self._wanted.max_attempts)
-        current = self._current()
+        current = self.current()
         if (budget, spare) != (current.budget, current.spare):
             self.use(dataclasses.replace(current, budget=budget, spare=spare,
                                          max_deliver=deliver_limit(consumer.get("max_deliver"))))
 
-    def _current(self) -> Adopted:
+    def current(self) -> Adopted:
+        """The settings adopted; BrokerError before the first connection."""
         if self.policy is None:
             raise BrokerError("not connected yet")
         return self.policy

@@ -17,13 +17,14 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 - reject: below the budget a NAK with the backoff (the consumer's list, else
   ``retry_backoff`` doubling per delivery, capped by ``retry_backoff_max``); at the budget
   the payload is published to the dead subject (PubAck awaited), then TERM.
-- release (a graceful stop hands back what never started): republished under the id
-  ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
-  queue 5's newest line does. On a work stream with size limits (where a republish could
-  push out another message) a NAK delayed by ``RELEASE_DELAY`` instead. Nothing at all
-  (STALE) for a delivery no longer ours: its renewals failed for longer than the server's
-  wait (it delivers the message again), or the stream no longer stores the message
-  (another consumer's ACK took it after a redelivery): a copy would be a duplicate.
+- release (a graceful stop hands back what never started; ``broker.nats.release``):
+  republished under the id ``<pid>.released.<stream seq>``, then acknowledged, so it
+  keeps its whole budget, as queue 5's newest line does. On a work stream with size
+  limits (where a republish could push out another message) a NAK delayed by
+  ``RELEASE_DELAY`` instead. Nothing at all (STALE) for a delivery no longer ours: its
+  renewals failed for longer than the server's wait (it delivers the message again), or
+  the stream no longer stores the message (another consumer's ACK took it after a
+  redelivery): a copy would be a duplicate.
 - extend: ``+WPI`` for every delivery held, and for what arrived but was not handed out
   yet, all in one write (as a settle call's acks). ``False`` only for what we know is
   gone: a delivery superseded by a newer delivery of the same message that reached us, or
@@ -36,6 +37,8 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 The connection is replaced, never repaired (``broker.nats.link``): operations in flight
 when it breaks end UNCERTAIN (or ERROR when they were never sent); every other delivery
 stays valid, since its acks go to its own reply subject from whichever connection is live.
+Each new connection adopts the queue's settings again (``broker.nats.adoption``); single
+requests, and their tries through a cluster's leader election, are ``broker.nats.requester``'s.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import orjson
 from nats.aio.msg import Msg
 
 from broker import envelope
@@ -68,13 +70,15 @@ from broker.base import (
 )
 from broker.failure import Failure
 from broker.nats import acks, api, presence
+from broker.nats.acks import ACK, TERM, WPI, nak_after
 from broker.nats.adoption import Adoption
 from broker.nats.conn import Connection
-from broker.nats.dead import CONTENT_TYPE, Burial, header_token
+from broker.nats.dead import CONTENT_TYPE, Burial
 from broker.nats.held import Holdings
 from broker.nats.link import Link, Unavailable
 from broker.nats.pull import Puller
 from broker.nats.receipt import NatsReceipt, delivery_of, receipt_of
+from broker.nats.release import Releaser
 from broker.nats.requester import Requester
 from broker.nats.setup import Adopted, QueueNames, Wanted, identity
 from broker.nats.tls import tls_options
@@ -83,24 +87,15 @@ from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
 
-ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 _SUPERSEDED = Result(Outcome.STALE, "superseded by a newer delivery")
 JSON = "application/json"
 #: Queue 5's queue group for the max-deliveries advisory: one subscriber of the fleet each.
 ADVISORY_GROUP = "utopia_queue_dead_letter"
-#: Seconds a released message waits on a size-limited stream (queue 5's release delay).
-RELEASE_DELAY = 5.0
 #: Seconds a maintenance pass trusts the consumer's budget as last read (queue 5 re-adopts
 #: at most every 30 s); a dead-letter verdict reads it again whatever its age.
 POLICY_MAX_AGE = 30.0
 #: Filler of a settle's result list until each settlement's own result is in.
 _UNSETTLED = Result(Outcome.ERROR, "not settled")
-#: Seconds each JetStream API call of a reconnection's setup may take (then tried again).
-RECONNECT_SETUP_TIMEOUT = 1.0
-#: First and longest pause (s) between tries of an ack answered 503.
-LEADERLESS_BACKOFF = (0.1, 1.0)
-#: JetStream's error code for a stream sequence it does not store ("no message found").
-MSG_NOT_FOUND = 10037
 
 
 class NatsBroker:
@@ -175,6 +170,8 @@ class NatsBroker:
         self._arrived_seen = 0  # the puller's arrivals when _read_done last looked
         self._acked = False  # a settle call's ack was answered since _read_done last looked
         self._held = Holdings()
+        self._releaser = Releaser(self._names, self._requester, self._adoption, self._held,
+                                  max_envelope_bytes)
         self._burial = Burial(self._names, self._requester.js_publish, self._requester.api,
                               self._requester.max_payload)
         self._presence = presence.Answerer(self._names.stream) if announce else None
@@ -232,7 +229,7 @@ class NatsBroker:
         """Hand back what arrived but was never returned, then close the connection."""
         leftovers = self._puller.take_backlog()
         if leftovers and self._link.connection is not None:
-            await asyncio.gather(*(self._release_unreturned(msg) for msg in leftovers))
+            await asyncio.gather(*(self._releaser.release_unreturned(msg) for msg in leftovers))
         await self._burial.close(self._timeout)
         self._adoption.close()
         await self._link.close()
@@ -412,7 +409,7 @@ class NatsBroker:
                                        ahead=True)
                 continue
             # Asked for all releases first, so their copies are still published in order.
-            gone |= await self._not_stored(
+            gone |= await self._releaser.not_stored(
                 [settlements[i].delivery.receipt for i in chunk
                  if settlements[i].action is Action.RELEASE])
             await asyncio.gather(
@@ -482,12 +479,12 @@ class NatsBroker:
         if action is Action.COMMIT:
             result = await self._requester.respond(receipt, ACK)
         elif action is Action.RELEASE:
-            result = await self._release(settlement.delivery, seq in gone)
+            result = await self._releaser.release(settlement.delivery, seq in gone)
         elif await self._out_of_attempts(delivered):
             result = await self._bury(settlement)
         else:
             delay = self._retry().delay(delivered - 1, self.policy.backoff)
-            result = await self._requester.respond(receipt, _nak_after(delay))
+            result = await self._requester.respond(receipt, nak_after(delay))
             if result.ok:  # what became of the job, for the supervisor's outcome line
                 result = Result(Outcome.OK, f"retrying in {delay:g} s")
         if result.outcome is not Outcome.ERROR:  # on ERROR it is still ours: settled again
@@ -517,85 +514,6 @@ class NatsBroker:
         if result.ok:
             return Result(Outcome.OK, "dead")
         return Result(result.outcome, f"dead-lettered, but TERM: {result.detail}")
-
-    async def _release(self, delivery: Delivery, gone: bool) -> Result:
-        """Back to the queue without spending an attempt: republish, then ACK.
-
-        Not when the delivery is no longer ours: its renewals failed for longer than the
-        server waits (it delivers the message again, perhaps did: our ACK would take it
-        from the consumer running it, the copy would run once more), or the message is no
-        longer stored (another consumer's ACK took it: the copy would be a duplicate left
-        in the queue). Either way the message is not lost: it comes back, or it was
-        handled; nothing is sent. ``gone``: the stream said it no longer stores it
-        (``_not_stored``)."""
-        receipt: NatsReceipt = delivery.receipt
-        delayed = _nak_after(RELEASE_DELAY)
-        if self.policy.bounded:
-            return await self._requester.respond(receipt, delayed)
-        lapsed = self._lapsed(receipt)
-        if lapsed is not None:
-            return Result(Outcome.STALE, lapsed)
-        if gone:
-            return Result(Outcome.STALE, "no copy: the message is no longer stored (acknowledged "
-                                         "by another consumer after its redelivery)")
-        headers = {"Nats-Msg-Id": f"{header_token(delivery.pid)}.released.{receipt.stream_seq}"}
-        if receipt.content_type is not None:
-            headers[CONTENT_TYPE] = receipt.content_type
-        try:
-            await self._requester.js_publish(receipt.subject or self._names.subject,
-                                             delivery.raw, headers)
-        except BrokerError as error:
-            log.warning("release of stream seq %d by republishing failed (%s); NAK with "
-                        "delay instead (spends an attempt)", receipt.stream_seq, error)
-            return await self._requester.respond(receipt, delayed)
-        result = await self._requester.respond(receipt, ACK)
-        if result.ok:
-            return result
-        # The copy is stored; unless the ACK landed, the original comes back too.
-        return Result(result.outcome, f"republished, but ACK: {result.detail}")
-
-    def _lapsed(self, receipt: NatsReceipt) -> str | None:
-        """Why the server has certainly let this delivery go, if it has: renewals failing
-        since longer than its longest wait (ack wait or backoff) ago."""
-        since = self._held.unrenewed_since(receipt.stream_seq, receipt.delivered)
-        if since is None:
-            return None
-        longest = max((self.policy.ack_wait, *self.policy.backoff))
-        failing = time.monotonic() - since
-        if failing <= longest:
-            return None
-        return (f"no copy: renewals failed for {failing:.1f}s, longer than the server's "
-                f"{longest:g}s wait: it delivers the message again")
-
-    async def _not_stored(self, receipts: Sequence[NatsReceipt]) -> set[int]:
-        """The stream seqs of ``receipts`` the work stream certainly no longer stores
-        (acknowledged, or deleted); not those it cannot tell (the release goes ahead as
-        before). Only a release asks (at a stop, mostly): never on the commit path."""
-        if not receipts or self.policy.bounded:
-            return set()
-        answers = await asyncio.gather(*(self._not_stored_one(r.stream_seq) for r in receipts))
-        return {r.stream_seq for r, gone in zip(receipts, answers, strict=True) if gone}
-
-    async def _not_stored_one(self, seq: int) -> bool:
-        try:
-            found = await self._requester.api(api.stream_msg_get(self._names.stream), {"seq": seq})
-        except BrokerError:
-            return False
-        error = found.get("error")
-        return isinstance(error, dict) and error.get("err_code") == MSG_NOT_FOUND
-
-    async def _release_unreturned(self, msg: Msg) -> None:
-        """Close: a message that arrived after its receive gave up goes back the same way."""
-        receipt = receipt_of(msg)
-        if receipt is None:
-            return
-        try:
-            decoded = envelope.decode_nats(msg.data, self._max_bytes)
-        except envelope.MalformedEnvelope:
-            await self._requester.respond(receipt, NAK)  # dead-lettered at its next delivery
-            return
-        gone = receipt.stream_seq in await self._not_stored([receipt])
-        await self._release(delivery_of(msg, receipt, decoded), gone)
 
     def _retry(self) -> RetryPolicy:
         """The shared policy with the consumer's budget (which may change at a reconnect)."""
@@ -697,12 +615,6 @@ class NatsBroker:
 def _publish_headers(pid: str) -> dict[str, str]:
     """As queue 5 publishes: the pid as message id (deduplication), JSON content type."""
     return {"Nats-Msg-Id": pid, CONTENT_TYPE: JSON}
-
-
-def _nak_after(delay: float) -> bytes:
-    if delay <= 0:
-        return NAK
-    return NAK + b" " + orjson.dumps({"delay": int(delay * 1e9)})
 
 
 def _log_unsure(results: Sequence[Result], what: str) -> None:
