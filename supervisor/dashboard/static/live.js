@@ -11,6 +11,7 @@
         if (!answer.ok) throw new Error("HTTP " + answer.status);
         element.innerHTML = await answer.text();
         element.dataset.refreshed = String(Date.now());
+        element.dispatchEvent(new CustomEvent("live:updated", {bubbles: true}));
         document.body.classList.remove("offline");
       } catch (error) {
         document.body.classList.add("offline");  // the dashboard itself is unreachable
