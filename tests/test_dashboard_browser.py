@@ -219,9 +219,13 @@ def texts(driver, selector: str) -> list[str]:
 
 
 def point_at(driver, selector: str) -> None:
-    """The mouse over the middle of the first element matching ``selector``."""
-    ActionChains(driver).move_to_element(
-        driver.find_element(By.CSS_SELECTOR, selector)).perform()
+    """The mouse over the middle of the first element matching ``selector`` (found again
+    if a live update swapped it between finding and moving)."""
+    def moved(d) -> bool:
+        ActionChains(d).move_to_element(d.find_element(By.CSS_SELECTOR, selector)).perform()
+        return True
+
+    wait(driver, moved, f"the pointer on {selector}")
 
 
 def test_each_chart_has_a_scale_a_time_axis_and_shows_the_value_under_the_pointer(
