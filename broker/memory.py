@@ -225,7 +225,8 @@ class MemoryBroker:
         if not self.ready:
             return None
         try:
-            return max(0.0, time.time() - envelope.decode(self.ready[0].raw)["timestamp"])
+            published: int = envelope.decode(self.ready[0].raw)["timestamp"]
+            return max(0.0, time.time() - published)
         except envelope.MalformedEnvelope:
             return None  # as Redis: a malformed head has no age to read
 

@@ -27,10 +27,7 @@ local n = (#KEYS - 2) / 2
 -- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
 -- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
 -- write: Lua does not undo the writes made before a command that fails.
-local function whole(value, low, high)
-  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
-  if number and number >= low and number <= high then return number end
-end
+--- @include "includes/whole"
 
 local lease = whole(ARGV[1], 0, 2147483647)
 if n ~= math.floor(n) or n > 1000 or #ARGV ~= 4 + n or not lease

@@ -9,10 +9,7 @@
 --
 -- Returns up to count pairs {length, first bytes}, oldest first.
 
-local function whole(value, low, high)
-  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
-  if number and number >= low and number <= high then return number end
-end
+--- @include "includes/whole"
 
 local start = whole(ARGV[1], 0, 2147483647)
 local count = whole(ARGV[2], 1, 1000)

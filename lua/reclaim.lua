@@ -29,20 +29,12 @@
 --
 -- Returns an array of n integers: 1 applied, 0 left alone.
 
-local function wrong_type(key, expected)
-  local actual = redis.call('TYPE', key)['ok']
-  if actual ~= expected and actual ~= 'none' then
-    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. actual .. ', expected ' .. expected)
-  end
-end
+--- @include "includes/wrong_type"
 
 -- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
 -- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
 -- write: Lua does not undo the writes made before a command that fails.
-local function whole(value, low, high)
-  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
-  if number and number >= low and number <= high then return number end
-end
+--- @include "includes/whole"
 
 local MODES = {q = true, d = true, x = true}
 local ready, dead, processing, counter = KEYS[1], KEYS[2], KEYS[3], KEYS[4]

@@ -28,10 +28,7 @@ local registry, ready = KEYS[1], KEYS[2]
 -- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
 -- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
 -- write: Lua does not undo the writes made before a command that fails.
-local function whole(value, low, high)
-  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
-  if number and number >= low and number <= high then return number end
-end
+--- @include "includes/whole"
 
 local limit, grace = whole(ARGV[1], 1, 1000), whole(ARGV[2] or '0', 0, 9999999999)
 if #KEYS - 2 > 1000 or not limit or not grace or #ARGV > 2 then
@@ -39,12 +36,7 @@ if #KEYS - 2 > 1000 or not limit or not grace or #ARGV > 2 then
     .. 'and a grace in whole s')
 end
 
-local function wrong_type(key, expected)
-  local actual = redis.call('TYPE', key)['ok']
-  if actual ~= expected and actual ~= 'none' then
-    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. actual .. ', expected ' .. expected)
-  end
-end
+--- @include "includes/wrong_type"
 
 local err = wrong_type(registry, 'zset') or wrong_type(ready, 'list')
 if err then return err end

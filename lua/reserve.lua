@@ -23,20 +23,12 @@
 -- reserve of 100 twice the server time: 140 us against 71); the script holds them all, as
 -- it must hold the reserved ones for their LPUSH anyway.
 
-local function wrong_type(key, expected)
-  local actual = redis.call('TYPE', key)['ok']
-  if actual ~= expected and actual ~= 'none' then
-    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. actual .. ', expected ' .. expected)
-  end
-end
+--- @include "includes/wrong_type"
 
 -- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
 -- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
 -- write: Lua does not undo the writes made before a command that fails.
-local function whole(value, low, high)
-  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
-  if number and number >= low and number <= high then return number end
-end
+--- @include "includes/whole"
 
 local MAX_TTL = 2147483647
 local n, lease = whole(ARGV[1], 1, 1000), whole(ARGV[2], 1, MAX_TTL)

@@ -31,12 +31,7 @@ if n > MAX_ITEMS or #ARGV ~= 3 * n or n ~= math.floor(n) or #KEYS ~= 2 + 2 * n t
     .. MAX_ITEMS)
 end
 
-local function wrong_type(key, expected)
-  local actual = redis.call('TYPE', key)['ok']
-  if actual ~= expected and actual ~= 'none' then
-    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. actual .. ', expected ' .. expected)
-  end
-end
+--- @include "includes/wrong_type"
 
 -- Validate every key before the first write.
 local err = wrong_type(source, 'list') or wrong_type(ready, 'list')

@@ -50,32 +50,15 @@
 --
 -- Returns an array of n results: 'ok', 'stale' or 'missing'.
 
-local function wrong_type(key, expected)
-  local actual = redis.call('TYPE', key)['ok']
-  if actual ~= expected and actual ~= 'none' then
-    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. actual .. ', expected ' .. expected)
-  end
-end
+--- @include "includes/wrong_type"
 
 -- What INCRBY/DECRBY accept, with room left for a batch.
-local function bad_counter(key)
-  local value = redis.pcall('GET', key)  -- one call: a key of another type errors here
-  if type(value) == 'table' and value['err'] then
-    return redis.error_reply('QSTYPE ' .. key .. ' is ' .. redis.call('TYPE', key)['ok']
-      .. ', expected string')
-  end
-  if value and value ~= '0' and not (#value <= 18 and string.match(value, '^%-?[1-9]%d*$')) then
-    return redis.error_reply('QSTYPE ' .. key .. ' is "' .. value .. '", expected an integer')
-  end
-end
+--- @include "includes/bad_counter"
 
 -- The decimal digits of a whole number from low to high (2^31 - 1 at most: a count, a
 -- lease or a TTL that EXPIRE, SETEX and ZADD all take), else nil. Checked before the first
 -- write: Lua does not undo the writes made before a command that fails.
-local function whole(value, low, high)
-  local number = value and #value <= 10 and string.match(value, '^%d+$') and tonumber(value)
-  if number and number >= low and number <= high then return number end
-end
+--- @include "includes/whole"
 
 -- Op characters by byte: the op in lower case, and whether a marker key follows.
 local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l', [100] = 'd',

@@ -4,9 +4,11 @@
 
 Starts a private redis-server, three queues (one a supervisor drains while messages keep
 arriving, one backed up with nothing consuming it, one with failed jobs and their error
-records, hostile text included), a supervisor, and the dashboard with a token; then drives
-Debian's chromium (chromium-driver, Selenium) through the main pages, logged in. Takes about
-two minutes: the plots need samples, and "not draining" a minute of them.
+records, hostile text included), a fourth on a second redis-server that is stopped before
+the pictures (its figures shown stale), a supervisor, and the dashboard with a token; then
+drives Debian's chromium (chromium-driver, Selenium) through the main pages, logged in, the
+pointer on the queue page's backlog chart. Takes about two minutes: the plots need samples,
+and "not draining" a minute of them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +39,8 @@ NAMESPACE = "utopia-queue"
 TOKEN = "screenshot-token"
 #: Seconds of demo before the pictures (the overview's "not draining" needs 60).
 WARM_UP = 75
+#: Seconds before the pictures that the fourth queue's broker stops.
+STOPPED = 20
 
 
 def job_file(directory: Path, url: str, queue: str, **supervisor: object) -> Path:
@@ -84,8 +89,24 @@ def publish(client: redis.Redis, stop: threading.Event) -> None:
         stop.wait(1)
 
 
+#: Where along a chart (0 left ... 1 right) its largest value is drawn.
+PEAK = """const svg = arguments[0], values = svg.dataset.values.split(" ").map(Number);
+const age = Number(svg.dataset.ages.split(" ")[values.indexOf(Math.max(...values))]);
+return 1 - age / Number(svg.dataset.span);"""
+
+
+def fit_window(driver: Any) -> None:
+    """The window as high as the page (the browser's own bars taken into account)."""
+    for _ in range(2):
+        height = driver.execute_script("return document.body.scrollHeight")
+        inner = driver.execute_script("return window.innerHeight")
+        outer = driver.get_window_size()["height"]
+        driver.set_window_size(1500, min(max(height + outer - inner, 500), 2400))
+
+
 def shoot(dashboard: Dashboard, out: Path) -> None:
     from selenium import webdriver
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
     options = webdriver.ChromeOptions()
@@ -105,8 +126,13 @@ def shoot(dashboard: Dashboard, out: Path) -> None:
         for name, path in pages.items():
             driver.get(dashboard.url + path)
             time.sleep(2)
-            height = driver.execute_script("return document.body.scrollHeight")
-            driver.set_window_size(1500, min(max(height + 40, 500), 2400))
+            fit_window(driver)
+            if name == "queue":  # the value under the pointer, at the backlog's peak
+                chart = driver.find_element(By.CSS_SELECTOR, "svg.backlog")
+                ActionChains(driver).move_to_element_with_offset(
+                    chart, int(chart.size["width"] * (driver.execute_script(PEAK, chart) - .5)),
+                    0).perform()
+                time.sleep(0.5)
             driver.save_screenshot(str(out / f"{name}.png"))
             print(f"wrote {out / f'{name}.png'}")
         driver.get(dashboard.url + "/q/2/list/failed")
@@ -125,22 +151,28 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="qs-screenshots-"))
-    server = RedisServer().start()
+    server, other = RedisServer().start(), RedisServer().start()
     client = redis.Redis.from_url(server.url)
     stop = threading.Event()
     supervisor = dashboard = None
     try:
         fill(client)
+        with redis.Redis.from_url(other.url) as reports:
+            lpush_batched(reports, QueueKeys(NAMESPACE, "reports").ready,
+                          of("reports", ({"n": n} for n in range(212))))
         configs = [job_file(work / "stats", server.url, "stats-usage",
                             metrics_port=free_port()),
                    job_file(work / "emails", server.url, "emails"),
-                   job_file(work / "hooks", server.url, "webhooks")]
+                   job_file(work / "hooks", server.url, "webhooks"),
+                   job_file(work / "reports", other.url, "reports")]
         dashboard = Dashboard(configs, work, token=TOKEN)
         publisher = threading.Thread(target=publish, args=(client, stop), daemon=True)
         publisher.start()
         time.sleep(WARM_UP / 3)  # a backlog builds up before anyone consumes it
         supervisor = Supervisor(configs[0], work, server.url)
-        time.sleep(WARM_UP * 2 / 3)
+        time.sleep(WARM_UP * 2 / 3 - STOPPED)
+        other.stop()  # the reports queue's broker: its figures go stale
+        time.sleep(STOPPED)
         shoot(dashboard, args.out)
     finally:
         stop.set()
@@ -150,6 +182,7 @@ def main() -> int:
             dashboard.stop()
         client.close()
         server.stop()
+        other.stop()
     return 0
 
 

@@ -7,8 +7,9 @@ One asyncio loop owns every broker call. Handler processes are forked by the for
 
 Signals only set flags and events; the shutdown reads top to bottom in ``shutdown``.
 The handler processes' lifecycle (replacements, recycling, reload, the kill at the
-deadline) is the handler pool's (supervisor.pool); readiness, the title, the progress line
-and the queue gauges are the reporter's (supervisor.reporting).
+deadline) is the handler pool's (supervisor.pool); their outcome rings are read, and
+settlements confirmed back to them, by supervisor.outcomes; readiness, the title, the
+progress line and the queue gauges are the reporter's (supervisor.reporting).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from broker.base import (
     MAX_BATCH,
@@ -33,7 +35,6 @@ from broker.base import (
     ReservesAhead,
     WatchesConnection,
 )
-from broker.failure import Failure
 from supervisor import eager, exits, logs, running, systemd
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import Config
@@ -41,10 +42,10 @@ from supervisor.dispatch import Dispatcher
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 from supervisor.outage import Outage, unreachable
+from supervisor.outcomes import HandlerOutcomes
 from supervisor.pool import HandlerPool
 from supervisor.reporting import Reporter
 from supervisor.settlement import Settler
-from worker import protocol
 from worker.forkserver import Spawner
 from worker.handler import Handler, Shape
 
@@ -94,8 +95,12 @@ class Arbiter:
         #: READY and STATUS to systemd, /readyz, the title, the progress line, the gauges.
         self.reporter = Reporter(config, broker, self.buffer, places, self.metrics,
                                  self.notifier, self.outage, self, concurrent=self.concurrent)
+        #: The outcome rings read (buffer, job counts, metrics); settlements confirmed back.
+        self.outcomes = HandlerOutcomes(self.buffer, places, self.dispatcher, self.metrics,
+                                        self.pool, self.reporter, self, concurrent=self.concurrent,
+                                        wants_confirm=self.wants_confirm)
         self.settler = Settler(broker, self.buffer,
-                               self.confirm if self.wants_confirm else None, self.metrics,
+                               self.outcomes.confirm if self.wants_confirm else None, self.metrics,
                                self.opened, self.outage)
         self.exit_code = exits.OK
         self.stopping = False
@@ -112,9 +117,6 @@ class Arbiter:
         self.refill_at = max(1, min(MAX_BATCH, self.buffer.prefetch // 4))
         self.topped_up = False  # prefetch was full since the last refill began
         self.settle_wanted = asyncio.Event()
-        #: Places whose outcome ring we did not arm (its process wakes nobody): the settle
-        #: loop reads them when its call returns (see ``take_outcomes``).
-        self.unarmed: dict[int, HandlerPlace] = {}
         self.settle_in_flight = False  # the settle loop's call (one at a time) is under way
         #: Settlement calls that may run at once (several on JetStream: see settle_loop).
         self.settle_calls = asyncio.Semaphore(broker.settle_concurrency)
@@ -131,8 +133,8 @@ class Arbiter:
         #: counted yet: take_arrivals must not fill that room, reserve_for must not ask again.
         self.receiving = 0
         self.progress = asyncio.Event()  # any outcome or settlement: the stop sequence re-checks
-        self.tasks: list[asyncio.Task] = []
-        self.settling: set[asyncio.Task] = set()  # settlement calls in flight
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.settling: set[asyncio.Task[Any]] = set()  # settlement calls in flight
         self.settle_failures = 0  # in a row: the back-off before the next try
         #: The last error of each broker-facing loop still failing (receive, sample): while
         #: any is, /readyz says the broker is unreachable.
@@ -148,12 +150,12 @@ class Arbiter:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_stop_signal, sig)
-        pool = self.pool
+        pool, outcomes = self.pool, self.outcomes
         loop.add_signal_handler(signal.SIGHUP, self.guarded(pool.handle_reload_signal))
         loop.add_reader(pool.forkserver.events_fd, self.guarded(pool.handle_forkserver_events))
         for place in self.places:
-            loop.add_reader(place.to_parent.wake_fd, self.guarded(self.handle_outcomes), place)
-            self.arm(place)
+            loop.add_reader(place.to_parent.wake_fd, self.guarded(outcomes.handle_outcomes), place)
+            outcomes.arm(place)
             pool.forkserver.spawn(place.index)
         try:
             await self.broker.connect()
@@ -209,12 +211,12 @@ class Arbiter:
 
     # -- a failure nobody expected: one log line with the traceback, then a bounded stop ----
 
-    def start_task(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=coro.__name__)
+    def start_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=getattr(coro, "__name__", None))
         task.add_done_callback(self.task_ended)
         return task
 
-    def task_ended(self, task: asyncio.Task) -> None:
+    def task_ended(self, task: asyncio.Task[Any]) -> None:
         """A background loop that raised would leave us alive and useless: stop instead."""
         if task.cancelled() or task.exception() is None:
             return
@@ -388,32 +390,7 @@ class Arbiter:
         self.fair_look = None
         self.dispatch()
 
-    # -- outcomes from handler processes ---------------------------------------------------
-
-    def handle_outcomes(self, place: HandlerPlace) -> None:
-        """The place's process woke us: it wrote outcomes."""
-        place.to_parent.clear_wakeup()
-        self.take_outcomes(place)
-        self.outcomes_taken()
-
-    def take_outcomes(self, place: HandlerPlace) -> bool:
-        """Read the place's outcomes, then arm its ring, unless a settle call will read it
-        when it returns (``reads_after_settling``): at prefetch 100 a process finishing
-        jobs while a call is under way woke us every few jobs, each wake-up a turn of the
-        loop and a system call on both sides, for outcomes that wait for that call anyway.
-        True when there were any (``outcomes_taken`` is then due)."""
-        ring, taken = place.to_parent, False
-        while True:
-            records = ring.get_many(1024)
-            if records:
-                self.handle_records(place, records)
-                taken = True
-            elif self.reads_after_settling():
-                self.unarmed[place.index] = place
-                return taken
-            elif ring.prepare_sleep():
-                self.unarmed.pop(place.index, None)
-                return taken
+    # -- outcomes from handler processes (read by supervisor.outcomes) -----------------------
 
     def outcomes_taken(self) -> None:
         """Outcomes were read: settle them, refill the handlers, receive if they run dry."""
@@ -423,10 +400,6 @@ class Arbiter:
         self.dispatch()
         if self.running_dry():
             self.wake_receiver()
-
-    def read_outcomes(self, place: HandlerPlace) -> None:
-        while records := place.to_parent.get_many(1024):
-            self.handle_records(place, records)
 
     def reads_after_settling(self) -> bool:
         """The settle loop reads the unarmed rings once its call returns: one is under way,
@@ -441,104 +414,6 @@ class Arbiter:
                 and (self.receiving > 0 or self.room.is_set() or self.ahead_settling is not None
                      or self.receive_room() <= 0))
 
-    def outcomes_waiting(self) -> bool:
-        """Outcomes wait in a ring left unarmed (``take_unarmed`` has something to read)."""
-        return any(place.to_parent.waiting for place in self.unarmed.values())
-
-    def take_unarmed(self) -> None:
-        """Read the rings left unarmed; each is armed again unless the next call follows."""
-        taken = False
-        for place in list(self.unarmed.values()):
-            taken = self.take_outcomes(place) or taken
-        if taken:  # at prefetch 1 usually none: the one job was in the call
-            self.outcomes_taken()
-
-    def arm(self, place: HandlerPlace) -> None:
-        """Declare ourselves asleep on the place's outcome ring, so its writer wakes us."""
-        self.unarmed.pop(place.index, None)
-        if not place.to_parent.prepare_sleep():
-            asyncio.get_running_loop().call_soon(self.handle_outcomes, place)
-
-    def handle_records(self, place: HandlerPlace, records: list[bytes]) -> None:
-        """Outcome records, in ring order: DONE (one per job) in runs, each run taken in
-        one go (``finish_done``); any other kind by itself, after the DONEs before it."""
-        done, first = protocol.DONE, 0
-        for index, record in enumerate(records):
-            if record[0] != done:
-                if index > first:
-                    self.finish_done(place, records[first:index])
-                self.handle_outcome(place, record)
-                first = index + 1
-        if first < len(records):
-            self.finish_done(place, records[first:] if first else records)
-
-    def finish_done(self, place: HandlerPlace, records: list[bytes]) -> None:
-        """A run of DONE records, each a success (buffer, job count, metrics, recycling): one
-        call per run instead of six per job."""
-        ids, seconds = protocol.done_many(records)  # seconds: timed by the handler process
-        self.buffer.finished_many(place.index, ids, in_order=not self.concurrent)
-        if self.dispatcher.fair:  # rings sized from the pace of jobs (supervisor.dispatch)
-            self.dispatcher.observe(seconds)
-        self.metrics.handlers_done(seconds)
-        self.pool.jobs_finished(place, len(ids))
-
-    def handle_outcome(self, place: HandlerPlace, record: bytes) -> None:
-        """One record of any kind but DONE (``handle_records`` takes those in runs)."""
-        kind, delivery_id, data = protocol.decode(record)
-        if kind == protocol.STARTED:
-            self.buffer.started(place.index, delivery_id)
-        elif kind == protocol.HELD:
-            self.buffer.held(place.index, delivery_id)
-        elif kind == protocol.FAILED:
-            self.handle_failed(place, delivery_id, protocol.failure_data(data))
-        elif kind == protocol.SKIPPED:
-            self.buffer.skipped(place.index, delivery_id, in_order=not self.concurrent)
-        elif kind == protocol.WITHDRAWN:  # taken back (supervisor.dispatch): never started
-            self.buffer.withdrawn(place.index, delivery_id, data)  # type: ignore[arg-type]
-            if self.stopping:
-                self.release_waiting()
-        elif kind == protocol.READY:
-            place.became_ready()
-            self.reporter.notify_ready_once()
-            self.room.set()  # its share of prefetch can be received now
-        elif kind == protocol.INIT_FAILED:
-            log.error("handler init() failed in process %s: %s", place.pid, data)
-            self.request_stop(exits.HANDLER_INIT)
-
-    def handle_failed(self, place: HandlerPlace, delivery_id: int, failure: Failure) -> None:
-        """FAILED: the delivery is finished with ``failure``, timed by its process (else
-        here, when its start was seen: STARTED, or the mark)."""
-        entry = self.buffer.finished(place.index, delivery_id, failure.summary, failure,
-                                     in_order=not self.concurrent)
-        if failure.seconds:
-            self.metrics.handler_done(failure.seconds)
-        elif entry.started_at:
-            self.metrics.handler_done(time.monotonic() - entry.started_at)
-        self.pool.jobs_finished(place, 1)
-
-    def note_started(self, place: HandlerPlace) -> None:
-        """A plain handler reports no start: its mark on the outcome ring names the delivery
-        it runs (or ran last). Read when it matters: timeouts, the title, its death.
-        Outcomes left for the settle loop are read first (a call that hangs or backs off
-        leaves them unread no longer than a watch period)."""
-        if place.index in self.unarmed and self.take_outcomes(place):
-            self.outcomes_taken()
-        if self.concurrent or not place.to_parent.marked:
-            return
-        promoted = self.buffer.started_up_to(place.index, place.to_parent.marked,
-                                             time.monotonic())
-        if promoted and self.running_dry():  # all it holds started (held for flush()): refill
-            self.room.set()
-
-    def confirm(self, entry: Entry, committed: bool) -> None:
-        """Tell the handler process its message is settled (it runs on_success if committed)."""
-        if not self.wants_confirm or entry.place is None:
-            return
-        place = self.places[entry.place]
-        if place.alive and not place.to_child.put(protocol.encode_confirm(entry.id, committed)):
-            log.warning("ring of handler %d full: on_success of %s skipped", place.index,
-                        entry.delivery.pid)
-
     # -- settlement, renewal, maintenance ---------------------------------------------------
 
     async def settle_loop(self) -> None:
@@ -548,7 +423,7 @@ class Arbiter:
         call takes them all; a broker whose calls are many independent requests (JetStream)
         allows several, so one lost reply holds back nothing that completed after it.
         """
-        calls = self.settle_calls
+        calls, outcomes = self.settle_calls, self.outcomes
         try:
             while not self.closed:
                 await self.settle_wanted.wait()
@@ -560,18 +435,18 @@ class Arbiter:
                         calls.release()
                         break
                     if self.broker.settle_concurrency == 1:  # no task of its own to make
-                        if await self.settle_batch(batch, calls) and self.outcomes_waiting():
+                        if await self.settle_batch(batch, calls) and outcomes.outcomes_waiting():
                             # The call reserved ahead: the receive loop claims that first
                             # (its turn is next), so Redis runs the claim while this loop
                             # reads outcomes and builds the next call, not after.
                             await asyncio.sleep(0)
-                        self.take_unarmed()  # what completed during the call: the next one
+                        outcomes.take_unarmed()  # what completed during the call: the next one
                         continue
                     self.settling_task(asyncio.create_task(self.settle_batch(batch, calls)))
         finally:  # no call comes round any more (closed, or this loop died): arm them all
             self.settle_in_flight = False
-            for place in list(self.unarmed.values()):
-                self.arm(place)
+            for place in list(outcomes.unarmed.values()):
+                outcomes.arm(place)
 
     def settle_soon(self) -> None:
         """Completions wait: settle them. Where calls run in tasks of their own (JetStream)
@@ -594,10 +469,11 @@ class Arbiter:
         await self.settle_calls.acquire()
         await self.settle_batch(batch, self.settle_calls)
 
-    def settling_task(self, task: asyncio.Task) -> None:
+    def settling_task(self, task: asyncio.Task[Any]) -> None:
         settling, task_ended = self.settling, self.task_ended
 
-        def ended(task: asyncio.Task) -> None:  # one callback, not two: one per job at prefetch 1
+        # One callback, not two: there is one per job at prefetch 1.
+        def ended(task: asyncio.Task[Any]) -> None:
             try:
                 task_ended(task)
             finally:
@@ -797,7 +673,7 @@ class Arbiter:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.progress.wait(), min(remaining, 0.5))
 
-    def task(self, name: str) -> asyncio.Task | None:
+    def task(self, name: str) -> asyncio.Task[Any] | None:
         return next((task for task in self.tasks if task.get_name() == name), None)
 
 

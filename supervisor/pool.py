@@ -51,6 +51,16 @@ def rss_bytes(pid: int) -> int:
         return psutil.Process(pid).memory_info().rss
 
 
+class OutcomeRings(Protocol):
+    """The handler processes' outcome rings as the pool reads them (supervisor.outcomes)."""
+
+    def read_outcomes(self, place: HandlerPlace) -> None: ...
+
+    def arm(self, place: HandlerPlace) -> None: ...
+
+    def note_started(self, place: HandlerPlace) -> None: ...
+
+
 class DataPath(Protocol):
     """What the pool asks of the arbiter: whether it stops, its way to stop or fail, the
     outcome rings it reads, and the events its loops wait on."""
@@ -65,11 +75,8 @@ class DataPath(Protocol):
 
     def guarded(self, callback: Callable[..., None]) -> Callable[..., None]: ...
 
-    def read_outcomes(self, place: HandlerPlace) -> None: ...
-
-    def arm(self, place: HandlerPlace) -> None: ...
-
-    def note_started(self, place: HandlerPlace) -> None: ...
+    @property
+    def outcomes(self) -> OutcomeRings: ...
 
     def release_waiting(self) -> None: ...
 
@@ -131,7 +138,7 @@ class HandlerPool:
         # What it wrote before it died counts (a DONE or HELD not read yet would otherwise
         # make a finished delivery look running): the ring outlives the process.
         try:
-            self.arbiter.read_outcomes(place)
+            self.arbiter.outcomes.read_outcomes(place)
         except Exception as error:  # a bug; the accounting below must still run
             if self.arbiter.stopping:  # already failing: one "stopping" line is enough
                 log.error("outcomes of handler process %d unreadable: %r", pid, error)
@@ -141,11 +148,11 @@ class HandlerPool:
         failure = (failures.timed_out(place.kill_reason, pid) if place.kill_reason
                    else failures.lost(pid, status))
         reason = place.kill_reason or f"worker lost: {failure.message}"
-        self.arbiter.note_started(place)  # the mark outlives the process, as the ring does
+        self.arbiter.outcomes.note_started(place)  # the mark outlives the process, as the ring does
         running = self.buffer.running_in(place.index)
         blamed = blame.blamed(running, concurrent=self.concurrent, overdue=place.overdue)
         place.gone()
-        self.arbiter.arm(place)
+        self.arbiter.outcomes.arm(place)
         if self.abandoning:
             # Stopped at the deadline: what was running stays owned and is recovered later.
             self.buffer.handler_gone(place.index, abandon=True)
@@ -221,7 +228,7 @@ class HandlerPool:
         for place in self.places:
             if not place.alive:
                 continue
-            self.arbiter.note_started(place)
+            self.arbiter.outcomes.note_started(place)
             overdue = (
                 self.buffer.overdue(place.index, limit, now) if job.handler_timeout else set()
             )

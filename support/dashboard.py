@@ -7,8 +7,10 @@ import html
 import http.cookiejar
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -122,3 +124,50 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         return None
+
+
+class FailingRedis:
+    """A TCP server that answers every Redis command with the same error (``-ERR ...``): a
+    broker whose error is as long as a test wants."""
+
+    def __init__(self, message: str) -> None:
+        self.reply = f"-ERR {message}\r\n".encode()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._server.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        pending = b""
+        with connection, contextlib.suppress(OSError):
+            while chunk := connection.recv(65536):
+                pending += chunk
+                count, pending = _commands(pending)
+                connection.sendall(self.reply * count)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _commands(data: bytes) -> tuple[int, bytes]:
+    """The whole RESP commands at the start of ``data`` (arrays of bulk strings), and the
+    rest: each gets its own reply, so a pipeline is answered in full."""
+    count = 0
+    while data.startswith(b"*") and b"\r\n" in data:
+        header, rest = data[1:].split(b"\r\n", 1)
+        for _ in range(int(header)):
+            if not rest.startswith(b"$") or b"\r\n" not in rest:
+                return count, data
+            size, body = rest[1:].split(b"\r\n", 1)
+            if len(body) < int(size) + 2:
+                return count, data
+            rest = body[int(size) + 2:]
+        count, data = count + 1, rest
+    return count, data

@@ -11,9 +11,7 @@ from __future__ import annotations
 import sys
 
 from broker.redis import RedisBroker
-from supervisor import arbiter, cli, pool, settlement, systemd
-
-Arbiter = arbiter.Arbiter
+from supervisor import cli, outcomes, pool, settlement, systemd
 
 #: What uvloop raises for a write to a transport it has already closed (asyncio's own loop
 #: drops such a write): the brokers' write paths must tell it as a lost connection.
@@ -53,7 +51,7 @@ TARGETS = {
     "maintain": lambda: armed(RedisBroker, "maintain"),
     "watch": lambda: armed(pool.HandlerPool, "enforce_limits", after=8),
     "keepalive": lambda: armed(systemd, "status_text", after=1),
-    "outcomes": lambda: armed(Arbiter, "handle_records", after=3),
+    "outcomes": lambda: armed(outcomes.HandlerOutcomes, "handle_records", after=3),
     "forkserver": lambda: armed(pool.HandlerPool, "handle_forkserver_events", after=0),
 }
 

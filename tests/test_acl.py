@@ -10,7 +10,7 @@ import pytest
 
 from broker.redis import acl
 from broker.redis.keys import QueueKeys
-from broker.redis.scripts import LUA_DIR
+from broker.redis.scripts import LUA_DIR, lua_source
 from supervisor import cli
 from supervisor.ops import COMMANDS
 from support.supervision import write_config
@@ -23,7 +23,7 @@ EXAMPLE = QueueKeys("utopia-queue", "stats-usage")  # conf/stats-usage.toml's qu
 def test_every_redis_call_in_the_scripts_names_its_command_literally():
     # script_commands() reads names from the text: a computed name would escape the check.
     for path in LUA_DIR.glob("*.lua"):
-        text = path.read_text()
+        text = lua_source(path.stem)  # its helpers included
         calls = len(re.findall(r"redis\.p?call\(", text))
         literal = len(re.findall(r"redis\.p?call\(\s*'[A-Za-z]+'", text))
         assert calls == literal, path.name

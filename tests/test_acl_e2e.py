@@ -24,6 +24,7 @@ import redis
 from broker import envelope
 from broker.base import BrokerError
 from broker.redis import RedisBroker, acl
+from broker.redis.connection import NO_CLIENT_INFO
 from broker.redis.keys import QueueKeys
 from support import processes
 from support.servers import redis_server_version
@@ -276,7 +277,7 @@ def test_a_user_reaches_no_other_queue_and_no_other_command(own_redis_server):
     user = acl.user_name(keys.queue, "job")
     admin.execute_command("ACL", "SETUSER", user, *acl.rules(acl.BY_NAME["job"], keys, PASSWORD))
     job = redis.Redis(port=port, username=user, password=PASSWORD,
-                      lib_name=None, lib_version=None)  # no CLIENT SETINFO, as ours
+                      **NO_CLIENT_INFO)  # no CLIENT SETINFO, as ours
     job.lpush(keys.ready, b"x")  # its own queue: allowed
     read_other = job.register_script("return redis.call('LLEN', ARGV[1])")
     attempts = [

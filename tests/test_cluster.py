@@ -158,7 +158,7 @@ async def test_blocking_receive_times_out_cleanly(redis_cluster, broker):
 async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
     redis_cluster, pair, client, monkeypatch
 ):
-    monkeypatch.setattr("broker.redis.broker.BLOCK_MARGIN", 1.0)
+    monkeypatch.setattr("broker.redis.blocking.BLOCK_MARGIN", 1.0)
     a, b = pair
     blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
 

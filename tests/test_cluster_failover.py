@@ -259,7 +259,7 @@ async def test_with_wait_replicas_no_blocking_move_without_a_replicated_registra
 ):
     receiver = await brokers(replication=CUT_WAIT)
     moves: list[tuple] = []
-    monkeypatch.setattr(receiver._blocking, "blmove", lambda *args: moves.append(args))
+    monkeypatch.setattr(receiver._blocking._blocking, "blmove", lambda *args: moves.append(args))
     master, replica = cut(replicated_cluster)
     reservation = await receiver.reserve(10, 5.0)  # the registration was not confirmed
     assert reservation.payloads == [] and receiver.unreplicated == 1

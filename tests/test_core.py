@@ -606,7 +606,7 @@ def test_with_calls_in_tasks_the_outcome_read_starts_the_settle_call_itself():
         arbiter.settle_wanted.set = counted  # type: ignore[method-assign]
         # The call itself starts in that read, not a turn later (its acks leave at once).
         started_in_the_read: list[bool] = []
-        read = arbiter.handle_outcomes
+        read = arbiter.outcomes.handle_outcomes
 
         def reading(place) -> None:
             calls = broker.calls["settle"]

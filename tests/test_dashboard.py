@@ -22,7 +22,7 @@ from broker.redis.keys import QueueKeys
 from supervisor.dashboard import history, plots, scrape
 from supervisor.dashboard.sources import Counts
 from support import envelopes
-from support.dashboard import Dashboard
+from support.dashboard import Dashboard, FailingRedis
 from support.supervision import QUEUE, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
@@ -164,6 +164,14 @@ async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_res
     own_redis_server.stop()
     poll(lambda: "broker unreachable" in row(dashboard.client.get("/live/overview")[1], 1)
          .get("state", ""), "the unreachable broker to be shown")
+    # Its last figures stay, marked stale with their age (issue 41.8); the other's are not.
+    body = dashboard.client.get("/live/overview")[1]
+    assert re.search(r"figures stale: last good sample \d+ s ago",
+                     row(body, 1)["state"]), row(body, 1)
+    assert row(body, 1)["ready"] == "0" and 'data-queue="e2e" class="stale"' in body
+    assert body.count('class="stale"') == 1 and body.count("stale-tag") == 2  # its 2 charts
+    page = dashboard.client.get("/live/q/1")[1]
+    assert '<dl class="stale">' in page and "figures stale: last good sample" in page
     await redis_client.lpush(keys().ready, "x", "y")  # the other queue still moves
     overview_shows(dashboard, {"ready": "2"}, index=0)
     own_redis_server.start()
@@ -172,6 +180,28 @@ async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_res
     with redis.Redis.from_url(own_redis_server.url) as restarted:
         restarted.lpush(keys().failed, "f")
     overview_shows(dashboard, {"failed": "1", "state": "ok"}, index=1)
+    assert "stale" not in dashboard.client.get("/live/overview")[1]
+
+
+async def test_a_broker_error_of_any_length_is_cut_in_place_and_whole_in_details(
+        tmp_path, dashboards):
+    """Issue 41.8: a 5,000-character error without a space shows its start where the
+    error is shown (the overview's state, the queue page), the whole of it one click away."""
+    broker = FailingRedis("<b>" + "x" * 5000 + "</b>")
+    try:
+        dashboard = dashboards(write_config(tmp_path, broker.url,
+                                            handler="examples.noop:handle"))
+        state = poll(lambda: row(dashboard.client.get("/live/overview")[1]).get("state"),
+                     "the error")
+        assert state.startswith("broker unreachable since") and "[cut: " in state
+        for path in ("/live/overview", "/live/q/0"):
+            body = dashboard.client.get(path)[1]
+            whole = re.search(r'<details class="error-whole"><summary>the whole error'
+                              r"</summary><pre>(.*?)</pre></details>", body, re.S)
+            assert whole and "&lt;b&gt;" + "x" * 5000 + "&lt;/b&gt;" in whole.group(1), path
+            assert "<b>" not in body, path
+    finally:
+        broker.close()
 
 
 async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, dashboards):
@@ -597,6 +627,49 @@ def test_history_keeps_an_hour_and_rates_are_differences():
     assert h.rate(60) == pytest.approx(10.0)
     chart = plots.chart(h.series("rate"), end=89 * 60.0)
     assert chart.count == 61 and chart.last == pytest.approx(10.0)
+
+
+def test_a_chart_has_round_ticks_a_time_axis_and_its_samples_as_numbers():
+    series = [(1000.0 + 5 * n, float(n * 115)) for n in range(17)]  # 0 ... 1,840
+    chart = plots.chart(series, end=1085.0, span=85, width=600, height=120, ticks=5)
+    assert (chart.top, chart.peak, chart.last, chart.count) == (2000, 1840, 1840, 17)
+    assert chart.y_ticks == ("2k", "1.5k", "1k", "500", "0")
+    assert chart.x_ticks == ("-85 s", "-64 s", "-42 s", "-21 s", "now")
+    assert chart.grid == (2.0, 31.0, 60.0, 89.0, 118.0)
+    assert chart.ages.split()[:2] == ["85.0", "80.0"] and chart.ages.split()[-1] == "5.0"
+    assert chart.values.split()[-1] == "1840"
+    assert chart.points.split()[0] == "0.0,118.0"  # 0 at the bottom, 85 s ago at the left
+    rate = plots.chart([(0.0, 0.3), (5.0, 0.05)], end=5.0, span=3600, ticks=3, unit="/s",
+                       whole=False)
+    assert rate.y_ticks == ("0.4/s", "0.2/s", "0/s") and rate.x_ticks == ("-1 h", "-30 min",
+                                                                          "now")
+    empty = plots.chart([], end=5.0, span=60, ticks=3)
+    assert (empty.y_ticks, empty.last, empty.points, empty.ages) == (("2", "1", "0"), None,
+                                                                     "", "")
+
+
+def test_tick_steps_and_labels_are_round():
+    assert [plots.tick_step(peak, 4) for peak in (0, 1, 3, 9, 10, 41, 1840, 1e6)] == [
+        1, 1, 1, 5, 5, 20, 500, 250_000]
+    assert plots.tick_step(0.3, 2, whole=False) == 0.2
+    assert plots.tick_step(0.3, 2) == 1  # a count
+    assert [plots.compact(v) for v in (0, 0.25, 40, 900, 2500, 1_200_000)] == [
+        "0", "0.25", "40", "900", "2.5k", "1.2M"]
+    assert [plots.before(s) for s in (0, 40, 900, 3600, 5400)] == [
+        "now", "-40 s", "-15 min", "-1 h", "-1.5 h"]
+
+
+def test_a_queue_is_stale_while_it_fails_and_unreachable_since_its_first_failure():
+    h = history.History()
+    h.failed("down", at=990.0)
+    assert not h.stale  # nothing was ever shown
+    h.add(Counts(ready=3), at=1000.0)
+    assert not h.stale
+    h.failed("down", at=1005.0)
+    h.failed("still down", at=1010.0)
+    assert h.stale and (h.failing_since, h.error_at, h.error) == (1005.0, 1010.0, "still down")
+    h.add(Counts(ready=4), at=1015.0)
+    assert not h.stale and not h.error
 
 
 def test_histogram_quantiles_from_the_supervisors_buckets():

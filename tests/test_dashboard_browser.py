@@ -10,13 +10,14 @@ installs both, so CI runs them. Every wait is explicit (WebDriverWait, whole sec
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from broker.failure import Failure
-from support.dashboard import Dashboard
+from support.dashboard import Dashboard, FailingRedis
 from support.envelopes import lpush_batched, of
 from support.supervision import keys, write_config
 
@@ -34,6 +35,7 @@ from selenium.common.exceptions import (  # noqa: E402
     NoSuchElementException,
     StaleElementReferenceException,
 )
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -58,8 +60,8 @@ def browser():
 def dashboards(tmp_path: Path):
     started: list[Dashboard] = []
 
-    def start(config: Path, token: str | None = None) -> Dashboard:
-        dashboard = Dashboard([config], tmp_path, token=token)
+    def start(*configs: Path, token: str | None = None) -> Dashboard:
+        dashboard = Dashboard(list(configs), tmp_path, token=token)
         started.append(dashboard)
         return dashboard
 
@@ -96,9 +98,8 @@ def cell(driver, name: str) -> str | None:
 
 
 def chart_top(driver, kind: str) -> float:
-    """The largest value the chart of ``kind`` (backlog, rate) has drawn (its title)."""
-    title = text(driver, f"#queue-0 svg.{kind} title") or "top -1,"
-    return float(title.split("top ", 1)[1].split(",", 1)[0].replace(",", ""))
+    """The largest value the chart of ``kind`` (backlog, rate) has drawn."""
+    return float(attribute(driver, f"#queue-0 svg.{kind}", "data-peak") or -1)
 
 
 def test_overview_counts_and_the_plots_move_as_a_running_supervisor_drains_the_queue(
@@ -289,8 +290,6 @@ def test_a_double_clicked_or_resent_action_acts_once(
         tmp_path, redis_url, client, dashboards, browser):
     """The issue's case in a browser: five poison entries, the page read, five more pushed,
     the delete button double-clicked, then the same form sent again (a resent POST)."""
-    from selenium.webdriver.common.action_chains import ActionChains
-
     k = keys()
     client.lpush(k.poison, *[f"old-{n}" for n in range(5)])
     pid = failed_job(client)
@@ -322,3 +321,130 @@ def test_a_double_clicked_or_resent_action_acts_once(
     message = wait(browser, lambda d: "sent already" in d.find_element(By.ID, "message").text,
                    "the refusal")
     assert client.lrange(k.failed, 0, -1) == [pid.encode()] and client.llen(k.ready) == 1
+
+
+# -- plots, stale figures, long errors (issue 41.8) --------------------------------------------
+
+
+def texts(driver, selector: str) -> list[str]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent.trim())",
+        selector)
+
+
+def point_at(driver, selector: str) -> None:
+    """The mouse over the middle of the first element matching ``selector`` (found again
+    if a live update swapped it between finding and moving)."""
+    def moved(d) -> bool:
+        ActionChains(d).move_to_element(d.find_element(By.CSS_SELECTOR, selector)).perform()
+        return True
+
+    wait(driver, moved, f"the pointer on {selector}")
+
+
+def test_each_chart_has_a_scale_a_time_axis_and_shows_the_value_under_the_pointer(
+        tmp_path, redis_url, client, dashboards, browser):
+    lpush_batched(client, keys().ready, of("e2e", ({"n": n} for n in range(1840))))
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"))
+    browser.get(dashboard.url)
+    wait(browser, lambda d: cell(d, "ready") == "1,840", "the backlog")
+    wait(browser, lambda d: texts(d, "#queue-0 .plot.backlog .y-axis span") == [
+        "2k", "1k", "0"], "the backlog's scale")
+    assert texts(browser, "#queue-0 .plot.rate .y-axis span")[-1] == "0/s"
+    x_axis = texts(browser, "#queue-0 .plot.backlog .x-axis span")
+    assert re.fullmatch(r"-\d+ s", x_axis[0]) and x_axis[-1] == "now", x_axis
+    point_at(browser, "#queue-0 svg.backlog")
+    readout = r"1,840 ready at \d\d:\d\d:\d\d UTC \(\d+ s ago\)"
+    wait(browser, lambda d: re.fullmatch(readout, text(d, "#queue-0 .plot.backlog .readout")),
+         "the value under the pointer")
+    assert browser.find_element(By.CSS_SELECTOR, "#queue-0 .plot.backlog .readout"
+                                ).is_displayed()
+    assert browser.find_element(By.CSS_SELECTOR, "#queue-0 svg.backlog line.dot"
+                                ).value_of_css_property("visibility") == "visible"
+    # It stays through the live updates (every second here) while the pointer does.
+    refreshed = attribute(browser, "#overview", "data-refreshed")
+    wait(browser, lambda d: attribute(d, "#overview", "data-refreshed") != refreshed,
+         "a live update")
+    assert re.fullmatch(readout, text(browser, "#queue-0 .plot.backlog .readout"))
+    point_at(browser, "h1")
+    wait(browser, lambda d: text(d, "#queue-0 .plot.backlog .readout") == "",
+         "the readout to go with the pointer")
+
+    browser.get(f"{dashboard.url}/q/0")  # the queue page's larger charts: more ticks
+    wait(browser, lambda d: texts(d, ".plot.backlog .y-axis span") == [
+        "2k", "1.5k", "1k", "500", "0"], "the queue page's scale")
+    assert len(texts(browser, ".plot.rate .x-axis span")) == 5
+    point_at(browser, "svg.rate")
+    wait(browser, lambda d: re.fullmatch(r"0 jobs/s at \d\d:\d\d:\d\d UTC \(\d+ s ago\)",
+                                         text(d, ".plot.rate .readout")),
+         "the rate under the pointer")
+
+
+def test_the_figures_of_a_broker_that_stopped_answering_are_marked_stale(
+        tmp_path, redis_url, own_redis_server, dashboards, browser):
+    import redis
+
+    with redis.Redis.from_url(own_redis_server.url) as down:
+        down.lpush(keys().ready, "a", "b", "c")
+    (tmp_path / "up").mkdir()
+    (tmp_path / "down").mkdir()
+    dashboard = dashboards(
+        write_config(tmp_path / "up", redis_url, handler="examples.noop:handle"),
+        write_config(tmp_path / "down", own_redis_server.url, handler="examples.noop:handle"))
+    browser.get(dashboard.url)
+    wait(browser, lambda d: text(d, "#queue-1 td.ready") == "3", "the figures")
+    assert not browser.find_elements(By.CSS_SELECTOR, ".stale, .stale-note, .stale-tag")
+    own_redis_server.stop()
+    note = wait(browser, lambda d: text(d, "#queue-1 .stale-note"), "the stale mark")
+    assert re.fullmatch(r"figures stale: last good sample \d+ s ago \(.* UTC\)", note), note
+    assert "broker unreachable since" in text(browser, "#queue-1 td.state")
+    assert attribute(browser, "#queue-1", "class") == "stale"
+    assert text(browser, "#queue-1 td.ready") == "3"  # the last good figures stay, marked
+    assert browser.find_element(By.CSS_SELECTOR, "#queue-1 td.ready"
+                                ).value_of_css_property("font-style") == "italic"
+    assert [re.sub(r"\d+", "N", t) for t in texts(browser, "#queue-1 .stale-tag")] == [
+        "stale: N s ago"] * 2
+    assert ", stale: last good sample" in attribute(browser, "#queue-1 svg.backlog",
+                                                     "aria-label")
+    assert attribute(browser, "#queue-0", "class") is None  # the other queue is fine
+    browser.get(f"{dashboard.url}/q/1")
+    assert browser.find_element(By.CSS_SELECTOR, "dl.stale")
+    assert "figures stale: last good sample" in text(browser, "p.stale")
+
+
+def test_a_long_broker_error_keeps_the_table_within_the_window(
+        tmp_path, redis_url, dashboards, browser):
+    broker = FailingRedis("y" * 5000)  # no space to break at
+    try:
+        (tmp_path / "up").mkdir()
+        (tmp_path / "failing").mkdir()
+        dashboard = dashboards(
+            write_config(tmp_path / "up", redis_url, handler="examples.noop:handle"),
+            write_config(tmp_path / "failing", broker.url, handler="examples.noop:handle"))
+        browser.get(dashboard.url)
+        wait(browser, lambda d: "broker unreachable" in (text(d, "#queue-1 td.state") or ""),
+             "the error")
+
+        def fits(driver) -> bool:
+            return driver.execute_script(
+                "const t = document.querySelector('table.overview').getBoundingClientRect();"
+                "return t.left >= 0 && t.right <= window.innerWidth && "
+                "document.documentElement.scrollWidth <= window.innerWidth")
+
+        assert fits(browser)
+        assert browser.find_element(By.CSS_SELECTOR, "#queue-0 svg.backlog").is_displayed()
+        browser.find_element(By.CSS_SELECTOR, "#queue-1 details.error-whole summary").click()
+        refreshed = attribute(browser, "#overview", "data-refreshed")
+        wait(browser, lambda d: attribute(d, "#overview", "data-refreshed") != refreshed,
+             "a live update")  # which keeps it open
+        whole = text(browser, "#queue-1 details.error-whole[open] pre")
+        assert whole and "y" * 5000 in whole
+        assert fits(browser)  # opened, it wraps as well
+
+        browser.get(f"{dashboard.url}/q/1")
+        wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "div.unreachable"), "the error")
+        browser.find_element(By.CSS_SELECTOR, "details.error-whole summary").click()
+        assert browser.execute_script(
+            "return document.documentElement.scrollWidth <= window.innerWidth")
+    finally:
+        broker.close()

@@ -1,24 +1,48 @@
-"""The helpers copied across ``lua/`` scripts stay identical.
+"""The helpers several ``lua/`` scripts share have one copy, in ``lua/includes/``.
 
-A Redis script cannot import another, and each file stays self-contained so that any client
-(the PHP workers, redis-cli) can load it as it is; so the small validation helpers
-(``whole``, ``wrong_type``, ``bad_counter``) are copies on purpose. This test finds every
-function defined in more than one script and fails until all its copies are the same text
-again: a fix made to one copy reaches the others, or the test says which scripts lag.
+A Redis script cannot import another, so the small validation helpers (``whole``,
+``wrong_type``, ``bad_counter``) live one per file in ``lua/includes/`` and a script names
+each it needs with an include line (``--- @include "includes/whole"``, BullMQ's form), which
+the loader (``broker.redis.scripts.lua_source``) replaces by the helper's text. These tests
+check that what Redis runs stayed byte for byte what it was when the helpers were copies
+(same text, so the same SHA1 for EVALSHA, the same argument checks), and that no script
+pastes a shared helper again.
 The scripts' bounds are copies too, of Python's ``MAX_BATCH`` and ``MAX_TTL``, and so is
 the score from which a reservation's deadline is in milliseconds.
 """
 
 from __future__ import annotations
 
-import difflib
+import hashlib
 import re
 from pathlib import Path
 
 from broker.base import MAX_BATCH
 from broker.redis.keys import MAX_TTL, MS_DEADLINES_FROM
+from broker.redis.scripts import LUA_DIR as LOADED_FROM
+from broker.redis.scripts import lua_source
 
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
+INCLUDES = LUA_DIR / "includes"
+
+#: SHA1 of each script's loaded text when its helpers were still pasted into it (main before
+#: the includes): the text Redis runs, hence its EVALSHA digest, is unchanged. A deliberate
+#: change to a script or a helper updates its digest here.
+LOADED_SHA1 = {
+    "claim": "485dc0086d7a21797b1a8a3277a83825dab227b7",
+    "delete": "bb6ac6fd48bc553f709415203e8acd87fc132ac8",
+    "expired": "3f3819ab614b53dae18c69be538be1373c56ea29",
+    "extend": "c25dce5e8dce2eab4dc58d56be1ab82f56294e33",
+    "oldest": "b1977c31c2631aa998c3c915453105b46c69b76d",
+    "peek": "1a6b86f3616e3a7d28492d2b23196b73f5c5d70d",
+    "promote": "5078b19fc11b5fdb82762afaabf384c42f4d7ee1",
+    "reclaim": "24fc711e46d84f93420ce69d8ade6805479b9bf8",
+    "records": "ae771da2842d61f04c86f305849381c2d2c268f3",
+    "recover": "61cce5c06ee7c6cc6055fc3d8245aed671618269",
+    "reserve": "a204f5b91741956bda3e166b18327609a5fe37f9",
+    "retry": "b2cbad55bd33ffcf2bb6eb1e402dd3d133049468",
+    "settle": "e36ce708eacf7660134ca108c5b4ab0050c2d14f",
+}
 
 # A top-level definition (``local function f(``, ``function f(``, ``local f = function(``) up
 # to the first ``end`` at the start of a line: the scripts indent every inner block.
@@ -26,6 +50,7 @@ _DEFINITION = re.compile(
     r"^(?:local\s+)?(?:function\s+(?P<name>\w+)|(?P<alias>\w+)\s*=\s*function)\s*\(.*?^end\b",
     re.MULTILINE | re.DOTALL,
 )
+_INCLUDE_LINE = re.compile(r'^--- @include "(?P<path>[^"]*)"', re.MULTILINE)
 
 
 def helpers(text: str) -> dict[str, str]:
@@ -33,41 +58,56 @@ def helpers(text: str) -> dict[str, str]:
     return {match["name"] or match["alias"]: match.group() for match in _DEFINITION.finditer(text)}
 
 
-def copies() -> dict[str, dict[str, str]]:
-    """Helper name -> {script: definition}, for every helper defined in two scripts or more."""
-    found: dict[str, dict[str, str]] = {}
-    for path in sorted(LUA_DIR.glob("*.lua")):
-        for name, text in helpers(path.read_text(encoding="utf-8")).items():
-            found.setdefault(name, {})[path.name] = text
-    return {name: by_script for name, by_script in found.items() if len(by_script) > 1}
+def scripts() -> list[Path]:
+    return sorted(LUA_DIR.glob("*.lua"))
 
 
-def test_the_shared_helpers_are_found():
-    """The finder sees the copies the scripts are known to share (else the test below
-    would pass by finding nothing)."""
-    shared = copies()
-    assert {"whole", "wrong_type", "bad_counter"} <= set(shared)
-    assert set(shared["whole"]) >= {"claim.lua", "reserve.lua", "settle.lua", "recover.lua"}
+def test_the_loader_reads_this_checkout():
+    assert LOADED_FROM.resolve() == LUA_DIR.resolve()
 
 
-def test_copies_of_a_helper_are_byte_identical():
-    drifted = []
-    for name, by_script in sorted(copies().items()):
-        (first, reference), *others = sorted(by_script.items())
-        for script, text in others:
-            if text != reference:
-                diff = "\n".join(difflib.unified_diff(
-                    reference.splitlines(), text.splitlines(), first, script, lineterm=""))
-                drifted.append(f"{name}() differs between {first} and {script}:\n{diff}")
-    assert not drifted, "\n\n".join(drifted)
+def test_every_loaded_script_is_byte_identical_to_before_the_includes():
+    loaded = {path.stem: hashlib.sha1(lua_source(path.stem).encode()).hexdigest()
+              for path in scripts()}
+    assert loaded == LOADED_SHA1
 
 
-def test_a_drifted_copy_is_reported():
-    """The comparison itself: one changed character in one copy is a difference."""
-    script = (LUA_DIR / "settle.lua").read_text(encoding="utf-8")
-    original = helpers(script)["whole"]
-    changed = helpers(script.replace("#value <= 10", "#value <= 11"))["whole"]
-    assert changed != original and changed.startswith("local function whole(")
+def test_each_include_holds_one_helper_named_as_its_file():
+    found = sorted(INCLUDES.glob("*.lua"))
+    assert {path.stem for path in found} >= {"whole", "wrong_type", "bad_counter"}
+    for path in found:
+        text = path.read_text(encoding="utf-8")
+        assert list(helpers(text)) == [path.stem], path.name
+        assert text.endswith("end\n"), path.name  # inlined as whole lines
+        assert not _INCLUDE_LINE.search(text), path.name  # one level only
+
+
+def test_every_include_line_names_a_helper_and_every_helper_is_used():
+    used = set()
+    for path in scripts():
+        for match in _INCLUDE_LINE.finditer(path.read_text(encoding="utf-8")):
+            assert (LUA_DIR / f"{match['path']}.lua").is_file(), f"{path.name}: {match.group()}"
+            used.add(match["path"])
+        assert not _INCLUDE_LINE.search(lua_source(path.stem)), path.name  # all inlined
+    assert used == {f"includes/{path.stem}" for path in INCLUDES.glob("*.lua")}
+
+
+def test_no_script_pastes_a_shared_helper():
+    """A helper of lua/includes/ defined again inside a script would be a copy that drifts:
+    the script includes it instead."""
+    shared = {path.stem for path in INCLUDES.glob("*.lua")}
+    pasted = [f"{path.name}: {name}" for path in scripts()
+              for name in helpers(path.read_text(encoding="utf-8")) if name in shared]
+    assert pasted == []
+
+
+def test_the_helpers_are_where_the_scripts_need_them():
+    """The finder still sees the helpers in the loaded text (else the test above would pass
+    by finding nothing)."""
+    assert set(helpers(lua_source("settle"))) >= {"whole", "wrong_type", "bad_counter"}
+    for name in ("claim", "reserve", "settle", "recover"):
+        assert "whole" in helpers(lua_source(name))
+        assert "whole" not in helpers((LUA_DIR / f"{name}.lua").read_text(encoding="utf-8"))
 
 
 # Bounds a script puts on its arguments: whole(x, low, HIGH), "n > HIGH" and "#KEYS - 2 >
@@ -91,7 +131,7 @@ def test_the_scripts_bounds_are_pythons_max_batch_and_max_ttl():
     script with another bound refuses (or lets through) what Python thinks it may send."""
     wrong, counts = [], 0
     for path in sorted(LUA_DIR.glob("*.lua")):
-        code = _code(path.read_text(encoding="utf-8"))
+        code = _code(lua_source(path.stem))
         for match in _WHOLE_BOUND.finditer(code):
             high = match["high"]
             value = MAX_TTL if high == "MAX_TTL" else int(high)
@@ -115,6 +155,6 @@ def test_the_scripts_read_millisecond_deadlines_from_where_python_does():
     other holds live."""
     found = {}
     for name in ("expired.lua", "recover.lua"):
-        code = _code((LUA_DIR / name).read_text(encoding="utf-8"))
+        code = _code(lua_source(name.removesuffix(".lua")))
         found[name] = {float(number) for number in re.findall(r"\b(\d+e\d+|\d{11,})\b", code)}
     assert found == {"expired.lua": {MS_DEADLINES_FROM}, "recover.lua": {MS_DEADLINES_FROM}}

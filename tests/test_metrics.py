@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from broker.base import Action
-from supervisor import metrics
+from supervisor import metrics, metrics_http
 from support.envelopes import publish
 from support.prometheus import sample, scrape
 from support.servers import free_port
@@ -102,7 +102,7 @@ def test_the_oldest_running_jobs_age_and_the_slow_ones_are_gauges(served):
 
 def scrape_fresh(served) -> dict:
     """A scrape past the endpoint's render cache (a second)."""
-    time.sleep(metrics.METRICS_CACHE + 0.1)
+    time.sleep(metrics_http.METRICS_CACHE + 0.1)
     return scrape(served.port)
 
 
@@ -241,7 +241,7 @@ def test_a_slow_request_is_closed_after_the_timeout_and_others_are_answered_mean
         assert value(scrape(served.port), "deliveries_received_total") == 0
         assert slow.recv(1024) == b""  # closed unanswered
         waited = time.monotonic() - began
-    assert metrics.REQUEST_TIMEOUT - 1 <= waited < metrics.REQUEST_TIMEOUT + 10
+    assert metrics_http.REQUEST_TIMEOUT - 1 <= waited < metrics_http.REQUEST_TIMEOUT + 10
 
 
 def test_a_flood_of_half_sent_requests_holds_few_descriptors_and_scrapes_go_on(served):
@@ -251,7 +251,7 @@ def test_a_flood_of_half_sent_requests_holds_few_descriptors_and_scrapes_go_on(s
         assert value(scrape(served.port), "deliveries_received_total") == 0
         # The endpoint's share: at most its cap of connections; the rest are the flood's own.
         held = wait_for(lambda: _endpoint_fds(before, flood), 30, "the flood to be accepted")
-        assert held <= metrics.MAX_CONNECTIONS + 1
+        assert held <= metrics_http.MAX_CONNECTIONS + 1
     finally:
         for sock in flood:
             sock.close()
@@ -270,7 +270,7 @@ def _endpoint_fds(before: int, flood: list[socket.socket]) -> int | None:
             pass
         except OSError:
             closed_by_peer += 1
-    if closed_by_peer < len(flood) - metrics.MAX_CONNECTIONS:
+    if closed_by_peer < len(flood) - metrics_http.MAX_CONNECTIONS:
         return None
     return psutil.Process().num_fds() - before - len(flood)
 
@@ -288,7 +288,7 @@ def test_the_supervisor_keeps_consuming_through_a_flood_of_half_sent_requests(
     before = process.num_fds()
     flood = half_sent(port, 400)
     try:
-        wait_for(lambda: process.num_fds() - before <= metrics.MAX_CONNECTIONS + 2, 30,
+        wait_for(lambda: process.num_fds() - before <= metrics_http.MAX_CONNECTIONS + 2, 30,
                  "the endpoint to hold at most its cap of connections")
         # Every broker connection of the supervisor is cut: it must open new ones now.
         client.client_kill_filter(_type="normal", skipme=True)
@@ -306,9 +306,9 @@ def test_the_supervisor_keeps_consuming_through_a_flood_of_half_sent_requests(
 
 def test_a_metrics_host_beyond_loopback_is_warned_about(caplog):
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
-        assert metrics.exposure_warning(host) is None
+        assert metrics_http.exposure_warning(host) is None
     for host in ("0.0.0.0", "::", "10.0.0.5", "metrics.example"):
-        assert "not a loopback address" in metrics.exposure_warning(host)
+        assert "not a loopback address" in metrics_http.exposure_warning(host)
     # An address of no interface here (TEST-NET-1): warned before the bind fails, and
     # nothing is ever exposed by this test.
     with caplog.at_level(logging.WARNING), pytest.raises(OSError):

@@ -577,9 +577,9 @@ async def test_envelopes_run_and_poison_exactly_as_php_decides(client, redis_bro
                        left={QueueKeys(NS, q).poison})
 
 
-# Rows of the PHP 8.2 truth table in tests/test_envelope.py (bytes verbatim) on which the
-# model's decode strays from real PHP: its (string) of a float uses 17 digits instead of
-# PHP's precision 14, its int coercion accepts leading-numeric strings ("12abc", "1 2") and
+# Rows of the PHP 8.2 truth table, tests/data/php_redis_decode.json (bytes verbatim), on
+# which the model's decode strays from real PHP: its (string) of a float uses 17 digits instead
+# of PHP's precision 14, its int coercion accepts leading-numeric strings ("12abc", "1 2") and
 # fails on ".5". What matters is PHP: these run on ours exactly as PHP ran them, or poison.
 PHP_RUNS = {
     b'{"pid":0.30000000000000004,"queue":"q","timestamp":1,"payload":{"a":1}}':

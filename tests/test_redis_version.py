@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from broker.redis import version
+from broker.redis.connection import NO_CLIENT_INFO
 from support.servers import RedisServer
 from support.supervision import Supervisor, write_config
 
@@ -38,7 +39,7 @@ def test_a_least_privilege_user_may_read_the_version(own_redis_server: RedisServ
     admin = redis.Redis(port=own_redis_server.port)
     admin.execute_command("ACL", "SETUSER", "only-ping", "on", ">pw", "+ping")
     user = redis.Redis(port=own_redis_server.port, username="only-ping", password="pw",
-                       lib_name=None, lib_version=None)
+                       **NO_CLIENT_INFO)
     _, found = version.parse(user.execute_command("HELLO"))
     assert found >= version.MINIMUM
 

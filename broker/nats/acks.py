@@ -8,7 +8,7 @@ subscription and are matched by token, in any order. Each result is reported as 
 its own reply is in, so a lost reply holds back nothing after it; the confirmations one
 read brought may be reported together (``on_confirmed``).
 
-The result of one try, as the one-at-a-time path (``NatsBroker._request``) reads it:
+The result of one try, as the one-at-a-time path (``Requester.request``) reads it:
 
 - a reply: OK, or ERROR ``NO_RESPONDERS`` for a 503 (nobody serves the consumer, so
   nobody applied it: certain);
@@ -24,16 +24,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
+import orjson
 from nats.aio.msg import Msg
 
 from broker.base import Outcome, Result
 from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
 
+#: The ack-family bodies (JetStream's AckAck, AckNak, AckTerm, AckProgress).
+ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 #: An ack answered 503: nobody serves the consumer, so nobody applied it (certain).
 NO_RESPONDERS = ("no responder: the consumer has no leader now (a JetStream cluster electing "
                  "one); not applied")
 _OK = Result(Outcome.OK)
 _NO_RESPONDERS = Result(Outcome.ERROR, NO_RESPONDERS)
+
+
+def nak_after(delay: float) -> bytes:
+    """A NAK asking for redelivery after ``delay`` s (at once for 0)."""
+    if delay <= 0:
+        return NAK
+    return NAK + b" " + orjson.dumps({"delay": int(delay * 1e9)})
 
 
 def reply_result(answer: Msg) -> Result:

@@ -17,13 +17,14 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 - reject: below the budget a NAK with the backoff (the consumer's list, else
   ``retry_backoff`` doubling per delivery, capped by ``retry_backoff_max``); at the budget
   the payload is published to the dead subject (PubAck awaited), then TERM.
-- release (a graceful stop hands back what never started): republished under the id
-  ``<pid>.released.<stream seq>``, then acknowledged, so it keeps its whole budget, as
-  queue 5's newest line does. On a work stream with size limits (where a republish could
-  push out another message) a NAK delayed by ``RELEASE_DELAY`` instead. Nothing at all
-  (STALE) for a delivery no longer ours: its renewals failed for longer than the server's
-  wait (it delivers the message again), or the stream no longer stores the message
-  (another consumer's ACK took it after a redelivery): a copy would be a duplicate.
+- release (a graceful stop hands back what never started; ``broker.nats.release``):
+  republished under the id ``<pid>.released.<stream seq>``, then acknowledged, so it
+  keeps its whole budget, as queue 5's newest line does. On a work stream with size
+  limits (where a republish could push out another message) a NAK delayed by
+  ``RELEASE_DELAY`` instead. Nothing at all (STALE) for a delivery no longer ours: its
+  renewals failed for longer than the server's wait (it delivers the message again), or
+  the stream no longer stores the message (another consumer's ACK took it after a
+  redelivery): a copy would be a duplicate.
 - extend: ``+WPI`` for every delivery held, and for what arrived but was not handed out
   yet, all in one write (as a settle call's acks). ``False`` only for what we know is
   gone: a delivery superseded by a newer delivery of the same message that reached us, or
@@ -36,20 +37,19 @@ the ack wait), so this adapter is thin. It shares a queue with PHP queue-5 worke
 The connection is replaced, never repaired (``broker.nats.link``): operations in flight
 when it breaks end UNCERTAIN (or ERROR when they were never sent); every other delivery
 stays valid, since its acks go to its own reply subject from whichever connection is live.
+Each new connection adopts the queue's settings again (``broker.nats.adoption``); single
+requests, and their tries through a cluster's leader election, are ``broker.nats.requester``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from nats.aio.msg import Msg
 
 from broker import envelope
@@ -69,63 +69,33 @@ from broker.base import (
     check_receive_limit,
 )
 from broker.failure import Failure
-from broker.nats import acks, api, presence, version
-from broker.nats.acks import NO_RESPONDERS
-from broker.nats.conn import Connection, ConnectionLost, RequestTimeout
-from broker.nats.dead import CONTENT_TYPE, Burial, header_token
+from broker.nats import acks, api, presence
+from broker.nats.acks import ACK, TERM, WPI, nak_after
+from broker.nats.adoption import Adoption
+from broker.nats.conn import Connection
+from broker.nats.dead import CONTENT_TYPE, Burial
 from broker.nats.held import Holdings
-from broker.nats.link import RETRYABLE, Link, Unavailable
+from broker.nats.link import Link, Unavailable
 from broker.nats.pull import Puller
-from broker.nats.setup import (
-    SPARE_DELIVERY,
-    UNLIMITED,
-    Adopted,
-    QueueNames,
-    Wanted,
-    adopt_queue,
-    check_renamed,
-    deliver_limit,
-    identity,
-    read_consumer_policy,
-    reread_consumer,
-)
+from broker.nats.receipt import NatsReceipt, delivery_of, receipt_of
+from broker.nats.release import Releaser
+from broker.nats.requester import Requester
+from broker.nats.setup import Adopted, QueueNames, Wanted, identity
 from broker.nats.tls import tls_options
 from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 
 log = logging.getLogger("broker.nats")
 
-ACK, NAK, TERM, WPI = b"+ACK", b"-NAK", b"+TERM", b"+WPI"
 _SUPERSEDED = Result(Outcome.STALE, "superseded by a newer delivery")
 JSON = "application/json"
 #: Queue 5's queue group for the max-deliveries advisory: one subscriber of the fleet each.
 ADVISORY_GROUP = "utopia_queue_dead_letter"
-#: Seconds a released message waits on a size-limited stream (queue 5's release delay).
-RELEASE_DELAY = 5.0
 #: Seconds a maintenance pass trusts the consumer's budget as last read (queue 5 re-adopts
 #: at most every 30 s); a dead-letter verdict reads it again whatever its age.
 POLICY_MAX_AGE = 30.0
 #: Filler of a settle's result list until each settlement's own result is in.
 _UNSETTLED = Result(Outcome.ERROR, "not settled")
-#: Seconds each JetStream API call of a reconnection's setup may take (then tried again).
-RECONNECT_SETUP_TIMEOUT = 1.0
-#: First and longest pause (s) between tries of an ack answered 503.
-LEADERLESS_BACKOFF = (0.1, 1.0)
-#: JetStream's error code for a stream sequence it does not store ("no message found").
-MSG_NOT_FOUND = 10037
-
-
-@dataclass(slots=True)
-class NatsReceipt:
-    """Proof of one delivery: its ack subject (valid from any connection) and counters.
-    Never changed once made; not frozen only because a frozen dataclass's ``__init__``
-    (one ``object.__setattr__`` per field) costs about 0.45 us more, once per delivery."""
-
-    reply: str  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...
-    stream_seq: int
-    delivered: int  # JetStream's num_delivered for this delivery (1 = first)
-    subject: str = ""  # where it was published (a release republishes there)
-    content_type: str | None = None
 
 
 class NatsBroker:
@@ -175,7 +145,6 @@ class NatsBroker:
         self._wanted = Wanted(ack_wait=float(ack_wait), max_attempts=max_attempts,
                               identity=identity(namespace, queue), job_ttl=job_ttl,
                               replicas=replicas)
-        self._policy: Adopted | None = None
         self._retry_backoff = retry_backoff
         self._retry_backoff_max = retry_backoff_max
         self._max_bytes = max_envelope_bytes
@@ -194,15 +163,17 @@ class NatsBroker:
         self._tls_on = connect_options.get("tls") is not None
         self._link = Link(url, on_pulled=self._puller.on_pulled, prepare=self._prepare,
                           options=connect_options, on_read=self._read_done)
+        self._requester = Requester(self._link, self._names, request_timeout)
+        self._adoption = Adoption(queue, self._names, self._wanted, request_timeout,
+                                  self._requester.connection)
         self._arrival: Callable[[], None] | None = None  # see on_arrival
         self._arrived_seen = 0  # the puller's arrivals when _read_done last looked
         self._acked = False  # a settle call's ack was answered since _read_done last looked
         self._held = Holdings()
-        self._burial = Burial(self._names, self._js_publish, self._api, self._max_payload)
-        self._rereading: asyncio.Future[None] | None = None  # see _refresh_policy
-        self._policy_read = 0.0  # time.monotonic() of the last read of the consumer
-        self._gone: asyncio.Future[bool] | None = None  # see _consumer_gone
-        self._gone_until = 0.0
+        self._releaser = Releaser(self._names, self._requester, self._adoption, self._held,
+                                  max_envelope_bytes)
+        self._burial = Burial(self._names, self._requester.js_publish, self._requester.api,
+                              self._requester.max_payload)
         self._presence = presence.Answerer(self._names.stream) if announce else None
 
     @property
@@ -212,14 +183,15 @@ class NatsBroker:
     @property
     def policy(self) -> Adopted:
         """The queue's settings as adopted at the last (re)connection."""
-        if self._policy is None:
+        if self._adoption.policy is None:
             raise BrokerError("not connected yet")
-        return self._policy
+        return self._adoption.policy
 
     @property
     def lease(self) -> float:
         """How long an unrenewed delivery stays ours: the consumer's ack wait (or backoff)."""
-        return self._policy.lease if self._policy else self._wanted.ack_wait
+        policy = self._adoption.policy
+        return policy.lease if policy else self._wanted.ack_wait
 
     @property
     def reconnects(self) -> int:
@@ -229,7 +201,8 @@ class NatsBroker:
     @property
     def max_attempts(self) -> int:
         """Runs a message gets: the consumer's budget (it wins over [job] max_attempts)."""
-        return self._policy.budget if self._policy else self._wanted.max_attempts
+        policy = self._adoption.policy
+        return policy.budget if policy else self._wanted.max_attempts
 
     @property
     def held(self) -> int:
@@ -256,10 +229,9 @@ class NatsBroker:
         """Hand back what arrived but was never returned, then close the connection."""
         leftovers = self._puller.take_backlog()
         if leftovers and self._link.connection is not None:
-            await asyncio.gather(*(self._release_unreturned(msg) for msg in leftovers))
+            await asyncio.gather(*(self._releaser.release_unreturned(msg) for msg in leftovers))
         await self._burial.close(self._timeout)
-        if self._rereading is not None:
-            self._rereading.cancel()
+        self._adoption.close()
         await self._link.close()
         self._held.clear()
 
@@ -270,7 +242,7 @@ class NatsBroker:
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the oldest message still in the work stream was stored (it may be
         in flight: JetStream keeps it until acknowledged). None: the stream is empty."""
-        info = await self._api(api.stream_info(self._names.stream), {})
+        info = await self._requester.api(api.stream_info(self._names.stream), {})
         state = info.get("state") or {}
         if not state.get("messages") or not state.get("first_ts"):
             return None
@@ -281,8 +253,8 @@ class NatsBroker:
         """Read the consumer's budget when it is old (another worker may have changed it),
         and dead-letter what the max-deliveries advisories named, if a receive has not
         already (JetStream redelivers the rest)."""
-        if time.monotonic() - self._policy_read >= POLICY_MAX_AGE:
-            await self._refresh_policy()
+        if time.monotonic() - self._adoption.read_at >= POLICY_MAX_AGE:
+            await self._adoption.refresh()
         burying = self._burial.announced()
         if burying is not None:
             await asyncio.shield(burying)
@@ -303,14 +275,14 @@ class NatsBroker:
         poison: list[asyncio.Future[Poisoned | None]] = []
         reread = False
         for msg in msgs:
-            receipt = _receipt(msg)
+            receipt = receipt_of(msg)
             if receipt is None:
                 continue
             self._held.add(receipt.stream_seq, receipt.delivered)
             spare = self.policy.spare
             if spare is not None and receipt.delivered >= spare and not reread:
                 reread = True  # the consumer is shared: its budget may have grown since
-                await self._refresh_policy()
+                await self._adoption.refresh()
                 spare = self.policy.spare
             if spare is not None and receipt.delivered >= spare:
                 reason = (f"out of attempts: delivery {receipt.delivered} of a consumer that "
@@ -326,7 +298,7 @@ class NatsBroker:
                 poison.append(asyncio.ensure_future(
                     self._poison(msg, receipt, f"malformed: {error}")))
                 continue
-            received.deliveries.append(_delivery(msg, receipt, decoded, plain))
+            received.deliveries.append(delivery_of(msg, receipt, decoded, plain))
         received.poisoned = [p for p in await asyncio.gather(*poison) if p is not None]
         return received
 
@@ -356,12 +328,13 @@ class NatsBroker:
         they are few and this path must not await (see Arbiter.take_arrivals)."""
         check_receive_limit(max_messages)
         msgs = self._puller.ready(max_messages)
-        if msgs is None or self._link.connection is None or self._policy is None:
+        policy = self._adoption.policy
+        if msgs is None or self._link.connection is None or policy is None:
             return None
-        spare = self._policy.spare
+        spare = policy.spare
         deliveries: list[Delivery] = []
         for msg in msgs:
-            receipt = _receipt(msg)
+            receipt = receipt_of(msg)
             if receipt is None or (spare is not None and receipt.delivered >= spare):
                 return None
             try:
@@ -369,7 +342,7 @@ class NatsBroker:
                     msg.data, self._max_bytes, cast_timestamp=False)  # as decode_nats
             except envelope.MalformedEnvelope:
                 return None
-            deliveries.append(_delivery(msg, receipt, decoded, plain))
+            deliveries.append(delivery_of(msg, receipt, decoded, plain))
         self._puller.take_ready(max_messages)
         for delivery in deliveries:
             self._held.add(delivery.receipt.stream_seq, delivery.receipt.delivered)
@@ -393,7 +366,7 @@ class NatsBroker:
             log.warning("stream seq %d not dead-lettered yet (%s), it comes back after "
                         "ack_wait: %s", receipt.stream_seq, reason, error)
             return None
-        result = await self._respond(receipt, TERM)
+        result = await self._requester.respond(receipt, TERM)
         # The caller logs what it gets back (once); this line adds where it went.
         log.debug("stream seq %d moved to %s (%s); TERM %s", receipt.stream_seq,
                   self._names.dead_stream, reason, result.outcome)
@@ -436,7 +409,7 @@ class NatsBroker:
                                        ahead=True)
                 continue
             # Asked for all releases first, so their copies are still published in order.
-            gone |= await self._not_stored(
+            gone |= await self._releaser.not_stored(
                 [settlements[i].delivery.receipt for i in chunk
                  if settlements[i].action is Action.RELEASE])
             await asyncio.gather(
@@ -452,7 +425,7 @@ class NatsBroker:
     ) -> None:
         """The ACKs of a batch as one write (``broker.nats.acks``); what was certainly not
         applied (never sent, or answered 503) is tried again one at a time, as
-        ``_respond`` does for a single ack.
+        ``Requester.respond`` does for a single ack.
 
         ``ahead``: the next pull rides in the same write (``Puller.ahead``). Only for a
         batch of commits: one that hands jobs back (a retry, a release) leaves them to
@@ -504,14 +477,14 @@ class NatsBroker:
             self._held.drop(seq, delivered)
             return _SUPERSEDED
         if action is Action.COMMIT:
-            result = await self._respond(receipt, ACK)
+            result = await self._requester.respond(receipt, ACK)
         elif action is Action.RELEASE:
-            result = await self._release(settlement.delivery, seq in gone)
+            result = await self._releaser.release(settlement.delivery, seq in gone)
         elif await self._out_of_attempts(delivered):
             result = await self._bury(settlement)
         else:
             delay = self._retry().delay(delivered - 1, self.policy.backoff)
-            result = await self._respond(receipt, _nak_after(delay))
+            result = await self._requester.respond(receipt, nak_after(delay))
             if result.ok:  # what became of the job, for the supervisor's outcome line
                 result = Result(Outcome.OK, f"retrying in {delay:g} s")
         if result.outcome is not Outcome.ERROR:  # on ERROR it is still ours: settled again
@@ -524,7 +497,7 @@ class NatsBroker:
         we read it): before one, the budget is read again."""
         if not self._retry().exhausted(delivered - 1):
             return False
-        await self._refresh_policy()
+        await self._adoption.refresh()
         return self._retry().exhausted(delivered - 1)
 
     async def _bury(self, settlement: Settlement) -> Result:
@@ -537,88 +510,10 @@ class NatsBroker:
                                            failure=failure.replace(outcome="dead"))
         except BrokerError as error:
             return Result(Outcome.ERROR, f"dead letter not stored, delivery kept: {error}")
-        result = await self._respond(receipt, TERM)
+        result = await self._requester.respond(receipt, TERM)
         if result.ok:
             return Result(Outcome.OK, "dead")
         return Result(result.outcome, f"dead-lettered, but TERM: {result.detail}")
-
-    async def _release(self, delivery: Delivery, gone: bool) -> Result:
-        """Back to the queue without spending an attempt: republish, then ACK.
-
-        Not when the delivery is no longer ours: its renewals failed for longer than the
-        server waits (it delivers the message again, perhaps did: our ACK would take it
-        from the consumer running it, the copy would run once more), or the message is no
-        longer stored (another consumer's ACK took it: the copy would be a duplicate left
-        in the queue). Either way the message is not lost: it comes back, or it was
-        handled; nothing is sent. ``gone``: the stream said it no longer stores it
-        (``_not_stored``)."""
-        receipt: NatsReceipt = delivery.receipt
-        delayed = _nak_after(RELEASE_DELAY)
-        if self.policy.bounded:
-            return await self._respond(receipt, delayed)
-        lapsed = self._lapsed(receipt)
-        if lapsed is not None:
-            return Result(Outcome.STALE, lapsed)
-        if gone:
-            return Result(Outcome.STALE, "no copy: the message is no longer stored (acknowledged "
-                                         "by another consumer after its redelivery)")
-        headers = {"Nats-Msg-Id": f"{header_token(delivery.pid)}.released.{receipt.stream_seq}"}
-        if receipt.content_type is not None:
-            headers[CONTENT_TYPE] = receipt.content_type
-        try:
-            await self._js_publish(receipt.subject or self._names.subject, delivery.raw, headers)
-        except BrokerError as error:
-            log.warning("release of stream seq %d by republishing failed (%s); NAK with "
-                        "delay instead (spends an attempt)", receipt.stream_seq, error)
-            return await self._respond(receipt, delayed)
-        result = await self._respond(receipt, ACK)
-        if result.ok:
-            return result
-        # The copy is stored; unless the ACK landed, the original comes back too.
-        return Result(result.outcome, f"republished, but ACK: {result.detail}")
-
-    def _lapsed(self, receipt: NatsReceipt) -> str | None:
-        """Why the server has certainly let this delivery go, if it has: renewals failing
-        since longer than its longest wait (ack wait or backoff) ago."""
-        since = self._held.unrenewed_since(receipt.stream_seq, receipt.delivered)
-        if since is None:
-            return None
-        longest = max((self.policy.ack_wait, *self.policy.backoff))
-        failing = time.monotonic() - since
-        if failing <= longest:
-            return None
-        return (f"no copy: renewals failed for {failing:.1f}s, longer than the server's "
-                f"{longest:g}s wait: it delivers the message again")
-
-    async def _not_stored(self, receipts: Sequence[NatsReceipt]) -> set[int]:
-        """The stream seqs of ``receipts`` the work stream certainly no longer stores
-        (acknowledged, or deleted); not those it cannot tell (the release goes ahead as
-        before). Only a release asks (at a stop, mostly): never on the commit path."""
-        if not receipts or self.policy.bounded:
-            return set()
-        answers = await asyncio.gather(*(self._not_stored_one(r.stream_seq) for r in receipts))
-        return {r.stream_seq for r, gone in zip(receipts, answers, strict=True) if gone}
-
-    async def _not_stored_one(self, seq: int) -> bool:
-        try:
-            found = await self._api(api.stream_msg_get(self._names.stream), {"seq": seq})
-        except BrokerError:
-            return False
-        error = found.get("error")
-        return isinstance(error, dict) and error.get("err_code") == MSG_NOT_FOUND
-
-    async def _release_unreturned(self, msg: Msg) -> None:
-        """Close: a message that arrived after its receive gave up goes back the same way."""
-        receipt = _receipt(msg)
-        if receipt is None:
-            return
-        try:
-            decoded = envelope.decode_nats(msg.data, self._max_bytes)
-        except envelope.MalformedEnvelope:
-            await self._respond(receipt, NAK)  # dead-lettered at its next delivery
-            return
-        gone = receipt.stream_seq in await self._not_stored([receipt])
-        await self._release(_delivery(msg, receipt, decoded), gone)
 
     def _retry(self) -> RetryPolicy:
         """The shared policy with the consumer's budget (which may change at a reconnect)."""
@@ -645,7 +540,7 @@ class NatsBroker:
             else:
                 held.drop(receipt.stream_seq, receipt.delivered)
         # What arrived but was not handed out is kept from redelivery the same way.
-        receipts += [r for r in map(_receipt, self._puller.backlog()) if r is not None]
+        receipts += [r for r in map(receipt_of, self._puller.backlog()) if r is not None]
         began = time.monotonic()
         again: list[int] = []
 
@@ -664,7 +559,7 @@ class NatsBroker:
             return take
 
         async def once_more(k: int) -> None:
-            record(k, await self._respond(receipts[k], WPI))
+            record(k, await self._requester.respond(receipts[k], WPI))
 
         for offset in range(0, len(receipts), MAX_BATCH):
             chunk = receipts[offset:offset + MAX_BATCH]
@@ -679,7 +574,7 @@ class NatsBroker:
 
     async def publish(self, queue: str, payload: dict[str, Any]) -> str:
         pid, raw = envelope.build(queue, payload)
-        await self._js_publish(QueueNames.of(queue).subject, raw, _publish_headers(pid))
+        await self._requester.js_publish(QueueNames.of(queue).subject, raw, _publish_headers(pid))
         return pid
 
     async def publish_many(self, queue: str, payloads: Sequence[dict[str, Any]]) -> list[str]:
@@ -690,7 +585,8 @@ class NatsBroker:
         for start in range(0, len(built), MAX_BATCH):
             chunk = built[start:start + MAX_BATCH]
             outcomes = await asyncio.gather(
-                *(self._js_publish(subject, raw, _publish_headers(pid)) for pid, raw in chunk),
+                *(self._requester.js_publish(subject, raw, _publish_headers(pid))
+                  for pid, raw in chunk),
                 return_exceptions=True,
             )
             failed += [o for o in outcomes if isinstance(o, BaseException)]
@@ -699,236 +595,26 @@ class NatsBroker:
                               f"(the others are stored): {failed[0]}")
         return [pid for pid, _ in built]
 
-    async def _js_publish(self, subject: str, raw: bytes, headers: dict[str, str]) -> None:
-        """JetStream publish, PubAck awaited. Every caller sets Nats-Msg-Id, so sending
-        again after a lost reply is deduplicated by the stream: safe to retry."""
-        last: BrokerError | None = None
-        for _ in range(3):
-            conn = await self._connection(self._timeout)
-            try:
-                reply = await conn.request(subject, raw, timeout=self._timeout, headers=headers)
-            except (ConnectionLost, RequestTimeout) as error:
-                if isinstance(error, RequestTimeout):
-                    self._suspect(conn)
-                last = error
-                continue
-            _check_puback(subject, reply)
-            return
-        raise BrokerError(f"publish to {subject} not confirmed: {last}")
-
     # -- plumbing ----------------------------------------------------------------------
 
     async def _connection(self, timeout: float) -> Connection:
         return await self._link.current(timeout)
 
-    async def _max_payload(self) -> int:
-        """The server's max_payload (a dead letter's failure record fits in what it leaves)."""
-        return (await self._connection(self._timeout)).client.max_payload
-
     async def _prepare(self, conn: Connection) -> None:
         """Every new connection: adopt the queue's settings, subscribe to the advisory."""
-        # A reconnection, often to a cluster electing leaders (where the API stays silent
-        # until it has one): shorter tries, so the first answer after the election is taken.
-        timeout = self._timeout if self._policy is None else min(self._timeout,
-                                                                 RECONNECT_SETUP_TIMEOUT)
-        try:
-            # Before anything is created: an old server drops what the setup relies on.
-            version.check(conn.server, conn.server_info)
-            if self._policy is None:
-                await check_renamed(conn, self.queue, self._wanted, timeout)
-            policy = await adopt_queue(conn, self._names, self._wanted, timeout)
-        except BrokerError as error:
-            if self._policy is None or isinstance(error, RETRYABLE):
-                raise  # at start, a refusal stops us; a reconnect never refuses
-            log.error("NATS queue %s: its settings changed into ones a start would refuse "
-                      "(%s); carrying on with %s", self.queue, error, self._policy.describe())
-            policy = self._policy
-        self._use(policy)
-        self._policy_read = time.monotonic()
+        await self._adoption.adopt(conn)
         await conn.subscribe(self._names.advisory_subject, self._burial.on_advisory,
                              queue=ADVISORY_GROUP)
         if self._presence is not None:
             await self._presence.listen(conn)
 
-    def _use(self, policy: Adopted) -> None:
-        previous, self._policy = self._policy, policy
-        if previous == policy:
-            return
-        log.info("NATS queue %s: %s", self.queue, policy.describe())
-        if policy.budget != self._wanted.max_attempts:
-            log.warning("NATS consumer %r on %s allows %d attempts; [job] max_attempts = %d "
-                        "only applies to a consumer this supervisor creates (the consumer's "
-                        "budget is shared with every worker of the queue, so it wins)",
-                        self._names.consumer, self._names.stream, policy.budget,
-                        self._wanted.max_attempts)
-        if policy.max_deliver == UNLIMITED:
-            log.warning("NATS consumer %r on %s keeps no spare delivery and has no delivery "
-                        "limit (MaxDeliver %d): a job whose every run dies unsettled (it "
-                        "kills its worker, say) is delivered again without end, as under "
-                        "queue 5; a MaxDeliver with the %s mark bounds it",
-                        self._names.consumer, self._names.stream, policy.max_deliver,
-                        SPARE_DELIVERY)
-        elif policy.spare is None:
-            log.warning("NATS consumer %r on %s keeps no spare delivery (MaxDeliver %d "
-                        "without %s): a job whose last delivery dies unsettled is only "
-                        "dead-lettered if a worker receives the server's advisory",
-                        self._names.consumer, self._names.stream, policy.max_deliver,
-                        SPARE_DELIVERY)
-        if policy.replicas != self._wanted.replicas:
-            log.warning("NATS stream %s has %d replicas; [nats] replicas = %d only applies to "
-                        "a stream this supervisor creates (an existing one is adopted as it is)",
-                        self._names.stream, policy.replicas, self._wanted.replicas)
-        if policy.lease < self._wanted.ack_wait:
-            log.warning("NATS consumer %r on %s waits %gs for an ack; deliveries are renewed "
-                        "every %gs", self._names.consumer, self._names.stream, policy.lease,
-                        policy.lease / 3)
-
-    async def _refresh_policy(self) -> None:
-        """Read the consumer's budget again: one request at a time however many verdicts
-        wait for it, so a burst of jobs at their last attempt costs one read per round trip.
-        Queue 5 does the same before it parks a delivery at the spare."""
-        if self._rereading is None or self._rereading.done():
-            self._rereading = asyncio.ensure_future(self._reread_policy())
-        await asyncio.shield(self._rereading)
-
-    async def _reread_policy(self) -> None:
-        self._policy_read = time.monotonic()  # failed or not: maintenance asks again later
-        try:
-            conn = await self._connection(self._timeout)
-            consumer = await reread_consumer(conn, self._names, self._timeout)
-        except BrokerError as error:
-            log.warning("could not re-read NATS consumer %r (%s); using its last settings",
-                        self._names.consumer, error)
-            return
-        budget, spare = read_consumer_policy(consumer, self._wanted.max_attempts)
-        if (budget, spare) != (self.policy.budget, self.policy.spare):
-            self._use(dataclasses.replace(self.policy, budget=budget, spare=spare,
-                                          max_deliver=deliver_limit(consumer.get("max_deliver"))))
-
-    async def _api(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
-        conn = await self._connection(self._timeout)
-        try:
-            reply = await conn.request(subject, orjson.dumps(body), timeout=self._timeout)
-            return orjson.loads(reply.data)
-        except (ConnectionLost, RequestTimeout, orjson.JSONDecodeError) as error:
-            raise BrokerError(f"{subject}: {error}") from error
-
     def _suspect(self, conn: Connection) -> None:
         self._link.suspect(conn, self._timeout)
-
-    async def _respond(self, receipt: NatsReceipt, body: bytes) -> Result:
-        """Send an ack-family message as a request on the live connection.
-
-        Not sent: one more try at once. Answered 503 (nobody serves the consumer: a
-        JetStream cluster elects its new leader within seconds): tried again with backoff
-        for up to the request timeout; then STALE if the consumer no longer exists, else
-        ERROR (certainly not applied: the caller settles or renews it again later).
-        """
-        unsent = 0
-        pause, deadline = LEADERLESS_BACKOFF[0], time.monotonic() + self._timeout
-        while True:
-            try:
-                conn = await self._connection(self._timeout)
-            except BrokerError as error:
-                return Result(Outcome.ERROR, f"not sent: {error}")
-            result = await self._request(conn, receipt.reply, body)
-            if result.outcome is not Outcome.ERROR:
-                return result
-            if result.detail != NO_RESPONDERS:
-                unsent += 1
-                if unsent == 2:
-                    return result
-                continue
-            if time.monotonic() + pause > deadline:
-                if await self._consumer_gone():
-                    return Result(Outcome.STALE, "no responder: the consumer no longer exists")
-                return result
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, LEADERLESS_BACKOFF[1])
-
-    async def _request(self, conn: Connection, reply: str, body: bytes) -> Result:
-        try:
-            answer = await conn.request(reply, body, timeout=self._timeout)
-        except (ConnectionLost, RequestTimeout) as error:
-            if isinstance(error, RequestTimeout):
-                self._suspect(conn)
-            return acks.error_result(error)
-        return acks.reply_result(answer)
-
-    async def _consumer_gone(self) -> bool:
-        """Whether the JetStream API says the consumer does not exist: one question at a
-        time (and its answer kept for a second), however many acks got a 503."""
-        if self._gone is None or (self._gone.done() and time.monotonic() > self._gone_until):
-            self._gone = asyncio.ensure_future(self._ask_consumer_gone())
-            self._gone_until = time.monotonic() + 1.0
-        return await asyncio.shield(self._gone)
-
-    async def _ask_consumer_gone(self) -> bool:
-        names = self._names
-        try:
-            info = await self._api(api.consumer_info(names.stream, names.consumer), {})
-        except BrokerError:
-            return False  # no answer (still electing): not known to be gone
-        return (info.get("error") or {}).get("code") == 404
-
-
-def _receipt(msg: Msg) -> NatsReceipt | None:
-    counters = _ack_counters(msg.reply)
-    if counters is None:
-        log.warning("ignored a message without JetStream metadata on the pull inbox")
-        return None
-    content_type = (msg.headers or {}).get(CONTENT_TYPE)
-    return NatsReceipt(msg.reply, counters[0], counters[1], msg.subject, content_type)
-
-
-def _ack_counters(reply: str) -> tuple[int, int] | None:
-    """(stream seq, num_delivered) from an ack subject, as nats-py's ``Msg.metadata``
-    reads them (``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...``, 9 tokens, or the
-    form with domain and account hash, 11 or more), without building its metadata."""
-    tokens = reply.split(".")
-    count = len(tokens)
-    if tokens[0] != "$JS" or tokens[1:2] != ["ACK"] or (count != 9 and count < 11):
-        return None
-    at = 4 if count == 9 else 6
-    try:
-        return int(tokens[at + 1]), int(tokens[at])
-    except ValueError:
-        return None
-
-
-def _delivery(
-    msg: Msg, receipt: NatsReceipt, decoded: dict[str, Any], plain: bool = False
-) -> Delivery:
-    return Delivery(
-        pid=decoded["pid"], queue=decoded["queue"], timestamp=decoded["timestamp"],
-        attempts=receipt.delivered - 1, payload=decoded["payload"], raw=msg.data,
-        receipt=receipt, envelope=decoded, plain=plain,
-    )
 
 
 def _publish_headers(pid: str) -> dict[str, str]:
     """As queue 5 publishes: the pid as message id (deduplication), JSON content type."""
     return {"Nats-Msg-Id": pid, CONTENT_TYPE: JSON}
-
-
-def _nak_after(delay: float) -> bytes:
-    if delay <= 0:
-        return NAK
-    return NAK + b" " + orjson.dumps({"delay": int(delay * 1e9)})
-
-
-def _check_puback(subject: str, reply: Msg) -> None:
-    if (reply.headers or {}).get("Status") == "503":
-        raise BrokerError(f"no JetStream stream stores {subject!r} (or the one that does "
-                          f"has no leader now: a cluster electing one); create the queue's "
-                          f"stream first (connect a broker for that queue)")
-    try:
-        ack = orjson.loads(reply.data)
-    except orjson.JSONDecodeError:
-        raise BrokerError(
-            f"unexpected reply to a publish on {subject}: {reply.data[:200]!r}") from None
-    if "error" in ack:
-        raise BrokerError(f"publish on {subject} refused: {ack['error'].get('description')}")
 
 
 def _log_unsure(results: Sequence[Result], what: str) -> None:

@@ -10,7 +10,7 @@ settlements a long-running process makes.
 It also remembers, for a held delivery whose renewals fail, when the first failed one
 began: once longer ago than the ack wait, the server has certainly let that delivery go
 (its timer was last reset before that renewal was sent), and a release must not republish
-a copy of a message it delivers again anyway (see ``NatsBroker._release``).
+a copy of a message it delivers again anyway (see ``broker.nats.release``).
 """
 
 from __future__ import annotations

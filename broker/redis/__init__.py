@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from broker.redis.broker import RedisBroker, Reservation, has_hash_tag
+    from broker.redis.broker import RedisBroker, has_hash_tag
+    from broker.redis.reservation import Reservation
 
 __all__ = ["RedisBroker", "Reservation", "has_hash_tag"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from broker.redis import seeds
 from broker.redis.keys import QueueKeys, glob_escape
-from broker.redis.scripts import LUA_DIR
+from broker.redis.scripts import lua_source
 
 #: Every user: connect() sends PING. (The broker's clients send no CLIENT SETINFO: see
 #: broker.redis.)
@@ -284,8 +284,9 @@ def selects_database(url: str) -> bool:
 
 
 def script_commands(name: str) -> set[str]:
-    """The commands ``lua/<name>.lua`` calls (lower case), read from its text."""
-    text = (LUA_DIR / f"{name}.lua").read_text()
+    """The commands ``lua/<name>.lua`` calls (lower case), read from its text as loaded
+    (its helpers included)."""
+    text = lua_source(name)
     return {command.lower() for command in _LUA_CALL.findall(text)}
 
 

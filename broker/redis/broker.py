@@ -21,12 +21,11 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
@@ -51,30 +50,29 @@ from broker.base import (
 )
 from broker.errors import describe
 from broker.failure import Failure, record_ttl
-from broker.redis import recovery, seeds
+from broker.redis import recovery, seeds, settling
 from broker.redis import version as server_version
-from broker.redis.connection import connection_class
+from broker.redis.ahead import Command, ReserveAhead
+from broker.redis.blocking import Abandoned, BlockingMove
+from broker.redis.connection import (
+    CLUSTER_ERRORS,
+    CONNECTION_ERRORS,
+    NO_CLIENT_INFO,
+    broker_errors,
+    connection_class,
+)
 from broker.redis.keys import QueueKeys, hash_tag
 from broker.redis.placement import check_placement
 from broker.redis.replication import NONE as NO_WAIT
 from broker.redis.replication import NotReplicated, Replication
-from broker.redis.scripts import Scripts, call_then
+from broker.redis.reservation import Reservation
+from broker.redis.scripts import Scripts
 from broker.redis.wire import Oversized, Wire
 from broker.retry import BACKOFF_MAX, RetryPolicy
 from broker.tls import TlsSettings
 from broker.urls import redact
 
 log = logging.getLogger(__name__)
-
-#: Errors after which a command may or may not have been applied.
-CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-
-#: Cluster errors that outlast the client's redirections and retries (TRYAGAIN while a slot
-#: migrates, CLUSTERDOWN, a slot map not loaded yet).
-_CLUSTER_ERRORS = (
-    redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
-    redis.exceptions.RedisClusterException,
-)
 
 #: What a connect raises when the server refuses this client's credentials or permissions.
 _REFUSALS = (
@@ -85,57 +83,22 @@ _REFUSALS = (
 #: What a failed connect raises (the cluster client has its own exception family).
 _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
-#: How much longer than its own timeout a blocking move may take before we give up on it.
-BLOCK_MARGIN = 5.0
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
 #: recover.lua's grace that keeps an empty reservation registered whatever its deadline.
 KEEP_REGISTERED = 9_999_999_999
-#: Reply timeout of the blocking connection: none in effect (each BLMOVE has its own).
-BLOCKING_WIRE_TIMEOUT = 86400.0
 #: The longest tail envelope the progress line reads for its age without a size limit.
 PEEK_LIMIT = 1 << 20
-#: Pause between CLIENT UNBLOCK attempts at a stop while our BLMOVE is sent but not yet
-#: blocked in the server (CLIENT UNBLOCK then answers 0).
-UNBLOCK_PAUSE = 0.05
-#: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
-#: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
-#: on 7.2 and later every connection would leave a denial in ACL LOG.
-try:
-    from redis.driver_info import DriverInfo  # noqa: F401 - redis-py with driver_info
-
-    _NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
-except ImportError:  # older: the same through the arguments driver_info replaced
-    _NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
 #: Socket timeout of the (non-blocking) command connection, in seconds.
 COMMAND_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
 
-#: The fields of a failure record, in ``Failure.encode()``'s order.
-_FAILURE_FIELDS = tuple(item.name for item in fields(Failure))
 _COMMIT = Action.COMMIT
-_FAILED = Result(Outcome.OK, "failed")
 _RESULTS = {
     b"ok": APPLIED,
     b"stale": Result(Outcome.STALE),
     b"missing": Result(Outcome.MISSING),
 }
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Payloads moved from the ready list into the reservation list ``key``, not yet claimed.
-
-    ``token`` (32 lowercase hex) names the reservation and becomes the owner token, the
-    receipt, of every delivery claimed from it.
-    """
-
-    key: str
-    token: str
-    payloads: list[bytes]
-    #: Lengths of the payloads over the size limit that reserve.lua moved straight to poison
-    #: (they never crossed the wire).
-    oversized: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -207,41 +170,19 @@ class RedisBroker:
         #: Writes a replica had not confirmed when WAIT timed out (see _replicated).
         self.unreplicated = 0
         self.client = self._new_client(COMMAND_TIMEOUT)
-        # Blocking reads get their own connection: they must never hold up settle or extend.
-        # On a plain Redis a lean one that drops a payload over the size limit unread (a
-        # BLMOVE returns what it moved) and sends CLIENT ID with each BLMOVE, so that a stop
-        # can end it; a Cluster keeps redis-py's client, which follows the slot map.
-        self._blocking: Any = self._new_client(None) if cluster else None
-        self._blocking_wire = None if cluster else Wire(
-            url, self.tls, BLOCKING_WIRE_TIMEOUT, CONNECT_TIMEOUT,
-            bulk_limit=max_envelope_bytes or None,
+        # Blocking reads get a connection of their own, which a stop can end at once.
+        self._blocking = BlockingMove(
+            url, self.tls, self.keys.ready, self.client,
+            self._new_client(None) if cluster else None,
+            connect_timeout=CONNECT_TIMEOUT, bulk_limit=max_envelope_bytes or None,
         )
-        self._no_wait = False  # stop_waiting() was called: receives never block again
-        self._blocked: asyncio.Future | None = None  # the BLMOVE a receive waits on
-        #: CLIENT ID of the blocking connection (None: unknown, or not allowed by the ACL)
-        #: and, on a Cluster, the node it is connected to
-        self._blocked_id: int | None = None
-        self._blocked_node: Any = None
-        self._can_unblock = True  # False once CLIENT ID was refused
-        self._unblocking: asyncio.Future | None = None
         # The scripts of the hot path go over a lean connection of their own (see wire);
         # a cluster keeps redis-py's client, which follows the slot map.
         self._wire = None if cluster else Wire(url, self.tls, COMMAND_TIMEOUT, CONNECT_TIMEOUT)
         self.scripts = Scripts(self.client, self._wire)
         self._lease = max(1, math.ceil(lease))  # claim keys expire in whole seconds
         self._unresolved: list[_ClaimPlan] = []
-        #: Reserving ahead (see ``reserve_ahead``): the room the next settle call reserves in
-        #: its own write, the reservation it got (for the next receive), and the key of one
-        #: whose reply was lost (given back before anything else is reserved).
-        self._ahead_wanted = 0
-        self._ahead_sending = False
-        self._ahead: Reservation | None = None
-        self._ahead_lost: str | None = None
-        #: The scripts' connection (``Wire.connects``) on which settle.lua last ran: a
-        #: reserve goes ahead only on it. On a new one (a restarted server: its script cache
-        #: empty) settle.lua could answer NOSCRIPT, not run, while the reserve behind it ran:
-        #: reserved beyond prefetch until it is run again.
-        self._settled_on = -1
+        self._ahead = ReserveAhead(self._wire, self.scripts, self.keys)  # see reserve_ahead
         self._job_prefix = self.keys.job("")
         self._job_prefix_bytes = len(self._job_prefix.encode())
         self._owner_prefix = self.keys.owner("")
@@ -266,7 +207,7 @@ class RedisBroker:
             "decode_responses": False,
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": CONNECT_TIMEOUT,
-            **_NO_CLIENT_INFO,
+            **NO_CLIENT_INFO,
         }
         if urlsplit(self.url).scheme == "rediss":
             options.update(self.tls.redis_options())
@@ -320,14 +261,9 @@ class RedisBroker:
         return f"{where} refused the URL's user name or password ({error})"
 
     async def close(self) -> None:
-        if self._unblocking is not None:
-            self._unblocking.cancel()
         if self._wire is not None:
             self._wire.close()
-        if self._blocking_wire is not None:
-            self._blocking_wire.close()
-        if self._blocking is not None:
-            await self._blocking.aclose()
+        await self._blocking.close()
         await self.client.aclose()
 
     # -- receiving ----------------------------------------------------------------------
@@ -338,7 +274,7 @@ class RedisBroker:
             received = await self._resolve_lost_claim()
             if received.deliveries or received.poisoned:
                 return received
-        reservation = await self._reserved_ahead(max_messages)  # hook: see reserve_ahead
+        reservation = await self._ahead.take(max_messages)  # see reserve_ahead
         if reservation is None:
             reservation = await self.reserve(max_messages, block_timeout)
         poisoned = [Poisoned(b"", f"envelope of {length} bytes exceeds "
@@ -364,9 +300,9 @@ class RedisBroker:
         token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
         key = self.keys.reservation(token)
         keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
-        wait = math.ceil(block_timeout) if block_timeout > 0 and not self._no_wait else 0
+        wait = math.ceil(block_timeout) if block_timeout > 0 and not self._blocking.stopped else 0
         reply: list[Any]
-        async with _broker_errors("reserve"):
+        async with broker_errors("reserve"):
             registered_at = time.monotonic()
             block = bool(wait)
             if wait and self.replication.enabled:
@@ -421,31 +357,10 @@ class RedisBroker:
             # gone already, and a move into an unregistered list would strand the payload.
             await self.client.zrem(self.keys.reservations, key)
             return []
-        self._blocked_id = None
-        if self._blocking is not None:
-            await self._identify_blocking()
-        if self._no_wait:  # a stop began meanwhile: no move was sent, so none can land
-            await self.client.zrem(self.keys.reservations, key)
-            return []
-        self._blocked = asyncio.ensure_future(self._move_in_time(key, timeout))
         try:
-            payload = await self._blocked
-        except asyncio.CancelledError:
-            self._drop_blocking()
-            if not self._no_wait or _cancelling():
-                raise
+            payload = await self._blocking.move(key, timeout)
+        except Abandoned:
             return await self._give_back(key)
-        except redis.exceptions.ResponseError as error:
-            if not str(error).startswith("UNBLOCKED"):
-                raise
-            # The master became a replica (CLUSTER FAILOVER) while we waited and let go of
-            # us: nothing moved. Like a timeout; the next call finds the new master.
-            payload = None
-        except BaseException:
-            self._drop_blocking()  # the BLMOVE may still be waiting in Redis
-            raise
-        finally:
-            self._blocked = None
         if payload is None:
             # Only a definite timeout proves the reservation is empty; if this ZREM is lost,
             # maintenance drops the empty registration after its deadline and grace.
@@ -454,44 +369,6 @@ class RedisBroker:
         if isinstance(payload, Oversized):
             return await self._poison_moved(key, token, payload.length)
         return [payload]
-
-    async def _move_in_time(self, key: str, timeout: float) -> Any:
-        """``_move`` with a deadline, its coroutine made inside the task: a task cancelled
-        before its first step then leaves no coroutine that was never awaited."""
-        async with asyncio.timeout(timeout + BLOCK_MARGIN):
-            return await self._move(key, timeout)
-
-    async def _move(self, key: str, timeout: float) -> Any:
-        """BLMOVE ready -> reservation ``key``; on the lean connection with CLIENT ID sent
-        just before it (so the id names this BLMOVE's connection)."""
-        if self._blocking_wire is None:
-            return await self._blocking.blmove(self.keys.ready, key, timeout, "RIGHT", "LEFT")
-        commands: list[tuple[Any, ...]] = [("BLMOVE", self.keys.ready, key, "RIGHT", "LEFT",
-                                            timeout)]
-        if self._can_unblock:
-            commands.insert(0, ("CLIENT", "ID"))
-        *identified, moved = await self._blocking_wire.send(*commands)
-        if identified:
-            self._identified(await identified[0])
-        reply = await moved
-        if isinstance(reply, redis.exceptions.ResponseError):
-            raise reply
-        return reply
-
-    def _identified(self, reply: Any) -> None:
-        if isinstance(reply, redis.exceptions.ResponseError):  # NOPERM: an ACL from before
-            self._can_unblock = False
-            log.warning("CLIENT ID refused (%s): a stop will leave its idle receive's "
-                        "reservation registered (expired) for maintenance to remove; grant "
-                        "client|id and client|unblock (README, Redis ACL)", reply)
-        else:
-            self._blocked_id = int(reply)
-
-    def _drop_blocking(self) -> None:
-        """Close the lean blocking connection: a BLMOVE given up on may still be waiting
-        in Redis, and the next command must not queue behind it."""
-        if self._blocking_wire is not None:
-            self._blocking_wire.close()
 
     async def _poison_moved(self, key: str, token: str, length: int) -> list[bytes | int]:
         """The blocking move took a payload over the size limit (its bytes were dropped
@@ -506,65 +383,17 @@ class RedisBroker:
         # maintenance ('mismatch'): nothing to report now.
         return [length] if reply == [b"poison"] else []
 
-    async def _identify_blocking(self) -> None:
-        """On a Cluster: learn the blocking connection's CLIENT ID (on that connection, just
-        before the BLMOVE it names), so that a stop can end the BLMOVE with CLIENT UNBLOCK."""
-        if not self._can_unblock:
-            return
-        try:
-            # The blocking client's one connection to the node serving the queue's slot
-            # (it runs one command at a time, so it never opens a second one there).
-            await self._blocking.initialize()  # the slot map, once
-            node = self._blocking.get_node_from_key(self.keys.ready)
-            self._blocked_node = (node.host, node.port)
-            reply = await self._blocking.execute_command("CLIENT ID", target_nodes=node)
-        except redis.exceptions.ResponseError as error:
-            reply = error
-        self._identified(reply)
-
     def stop_waiting(self) -> None:
         """A stop began: a receive blocked on an idle queue returns now, and no later
         receive blocks (what is there is still taken)."""
-        self._no_wait = True
-        if self._blocked is not None and self._unblocking is None:
-            self._unblocking = asyncio.ensure_future(self._unblock(self._blocked))
+        self._blocking.stop()
 
-    async def _unblock(self, blocked: asyncio.Future) -> None:
-        """End our BLMOVE as if it timed out: CLIENT UNBLOCK from the command connection.
-        Once Redis answered 1 no move into the reservation can follow, so the receive
-        unregisters it and the registry is left empty (a cancelled BLMOVE could still be
-        served by the server after we gave up on it). Without CLIENT UNBLOCK (refused, or
-        an unknown id), the BLMOVE is abandoned instead: see ``_give_back``."""
-        try:
-            while not blocked.done():
-                if self._blocked_id is None and not self._can_unblock:
-                    break
-                if self._blocked_id is not None and await self._unblock_once(self._blocked_id):
-                    return
-                await asyncio.sleep(UNBLOCK_PAUSE)  # sent, but not blocked in Redis yet
-        except (*CONNECTION_ERRORS, redis.exceptions.ResponseError) as error:
-            log.warning("CLIENT UNBLOCK failed (%s): abandoning the blocking receive; its "
-                        "reservation stays registered (expired) for maintenance", error)
-        finally:
-            self._unblocking = None
-        if not blocked.done():
-            blocked.cancel()
-
-    async def _unblock_once(self, client_id: int) -> bool:
-        if not self.cluster:
-            return bool(await self.client.client_unblock(client_id, error=False))
-        node = self.client.get_node(*self._blocked_node)
-        if node is None:  # the node left the cluster: its BLMOVE ended with it
-            return True
-        return bool(await self.client.execute_command(
-            "CLIENT UNBLOCK", client_id, "TIMEOUT", target_nodes=node))
-
-    async def _give_back(self, key: str) -> list[bytes]:
+    async def _give_back(self, key: str) -> list[bytes | int]:
         """The blocking move was abandoned: a payload it may have moved goes back to the
         ready list, and the reservation is marked expired (deadline 0) rather than
         deregistered, so a move the server still completes late is recovered by the next
         maintenance instead of stranded in a list nobody knows."""
-        async with _broker_errors("give back an abandoned reservation"):
+        async with broker_errors("give back an abandoned reservation"):
             await self.client.zadd(self.keys.reservations, {key: 0}, xx=True)
             # Moved inside Redis (a payload is never read here: it may be oversized). The
             # grace keeps the empty list registered whatever its deadline; one emptied here
@@ -587,7 +416,7 @@ class RedisBroker:
                 self._replicated("claim", confirmed, len(plan.items))
             else:
                 reply = await self.scripts.call("claim", plan.keys, plan.args)
-        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+        except (*CONNECTION_ERRORS, *CLUSTER_ERRORS) as error:
             # Applied or not, we cannot tell (a cluster error may follow the client's retry
             # of a call whose reply was lost): the next receive runs the claim again.
             self._unresolved.append(plan)
@@ -667,7 +496,7 @@ class RedisBroker:
         # loses its connection), the next receive tries again, so claimed deliveries are
         # never left owned and renewed by nobody.
         plan = self._unresolved[0]
-        async with _broker_errors("claim (resolving a lost reply)"):
+        async with broker_errors("claim (resolving a lost reply)"):
             reply = await self.scripts.call("claim", plan.keys, plan.args)
             received = await self._claimed(plan, reply)
         self._unresolved.pop(0)
@@ -691,16 +520,14 @@ class RedisBroker:
         reservation ahead at a time. False: not done (the next settle call reserves nothing)."""
         if room <= 0 or not self._ahead_allowed():
             return False
-        self._ahead_wanted = min(room, MAX_BATCH)
+        self._ahead.wanted = min(room, MAX_BATCH)
         return True
 
     def _ahead_allowed(self) -> bool:
         return self.reserves_ahead and not (
-            self._no_wait or self._settled_on != cast(Wire, self._wire).connects
-            or self._ahead is not None or self._ahead_lost is not None
-            or self._ahead_sending or self._unresolved)
+            self._blocking.stopped or self._unresolved) and self._ahead.idle()
 
-    def _ahead_command(self, wanted: int) -> tuple[str, list[str], list[Any]] | None:
+    def _ahead_command(self, wanted: int) -> Command | None:
         """The reserve to send with this settle call, or None."""
         if not wanted or not self._ahead_allowed():
             return None
@@ -708,75 +535,6 @@ class RedisBroker:
         key = self.keys.reservation(token)
         return "reserve", [self.keys.ready, self.keys.reservations, key, self.keys.poison], (
             self._reserve_args(wanted, 0))
-
-    async def _settle_and_reserve(
-        self, keys: list[str], args: list[Any], ahead: tuple[str, list[str], list[Any]]
-    ) -> Any:
-        """settle.lua's reply; the reserve sent in the same write is kept for the next
-        receive, or, if its reply is lost with the settle's, given back by it."""
-        self._ahead_sending = True
-        try:
-            reply, reserved = await call_then(
-                self.scripts, cast(Wire, self._wire), ("settle", keys, args), ahead)
-        except BaseException:
-            self._ahead_lost = ahead[1][2]  # applied or not, unknown
-            raise
-        finally:
-            self._ahead_sending = False
-        self._ahead_reply(ahead, reserved)
-        return reply
-
-    def _ahead_reply(self, command: tuple[str, list[str], list[Any]], reply: Any) -> None:
-        """What the reserve sent ahead got: the reservation for the next receive."""
-        key = command[1][2]
-        if isinstance(reply, redis.exceptions.ResponseError):  # NOSCRIPT: not run
-            log.debug("reserve ahead not run: %s", reply)
-            return
-        if reply:  # nothing ready: nothing reserved, nothing registered (no timeout)
-            oversized = [int(item) for item in reply if item.__class__ is not bytes]
-            payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
-            token = key[len(self.keys.reservation("")):]
-            self._ahead = Reservation(key, token, payloads, oversized)
-
-    async def _reserved_ahead(self, max_messages: int) -> Reservation | None:
-        """The reservation a settle call made ahead, if it fits in ``max_messages``; one
-        that does not (a settlement was not applied: the room it was made for is not
-        there), or whose reply was lost, goes back to the ready list first."""
-        lost, ahead, self._ahead = self._ahead_lost, self._ahead, None
-        if lost is not None:
-            await self._return_reserved(lost)  # raises while unreachable: kept for the next try
-            self._ahead_lost = None
-        if ahead is None or len(ahead.payloads) <= max_messages:
-            return ahead
-        self._ahead_lost = ahead.key
-        await self._return_reserved(ahead.key)
-        self._ahead_lost = None
-        return None
-
-    async def _return_reserved(self, key: str) -> None:
-        """A reservation made ahead goes back to the ready list unclaimed: marked expired,
-        then recover.lua moves its payloads (in their order) and unregisters it; one never
-        made is not registered and nothing happens. Over the scripts' connection, as the
-        reserve went: redis-py's pool may still hold a connection a restart closed."""
-        wire = cast(Wire, self._wire)
-        async with _broker_errors("give back a reservation made ahead"):
-            await wire.call("ZADD", self.keys.reservations, "XX", 0, key)
-            await self.scripts.call("recover", [self.keys.reservations, self.keys.ready, key],
-                                    [MAX_BATCH, 0])
-
-    async def _return_ahead(self) -> None:
-        """At exit: a reservation made ahead and never claimed goes back to the ready list
-        now. If that fails it stays registered: recovery returns it after its deadline."""
-        key = self._ahead_lost or (self._ahead.key if self._ahead is not None else None)
-        if key is None:
-            return
-        self._ahead = None
-        try:
-            await self._return_reserved(key)
-        except BrokerError as error:
-            log.warning("reservation %s made ahead not given back (%s): recovery returns its "
-                        "payloads after its deadline", key, error)
-        self._ahead_lost = None
 
     # -- settling -----------------------------------------------------------------------
 
@@ -786,7 +544,7 @@ class RedisBroker:
         # One script answers for a whole group at once: results arrive together, so the
         # caller applies the returned list (``on_result`` has nothing to report earlier).
         results: list[Result] = []
-        ahead, self._ahead_wanted = self._ahead_wanted, 0  # this call's, or none
+        ahead, self._ahead.wanted = self._ahead.wanted, 0  # this call's, or none
         for start in range(0, len(settlements), MAX_BATCH):
             results += await self._settle_batch(settlements[start:start + MAX_BATCH], ahead)
             ahead = 0
@@ -806,7 +564,8 @@ class RedisBroker:
         if usual:
             ops = "c" * len(batch)
         else:
-            ops, extras, applied = self._settle_ops(batch, keys)
+            ops, extras, applied = settling.batch_ops(
+                batch, keys, self.keys, self.retry, self.consumer_id)
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
         args: list[Any] = [self.job_ttl, len(batch), ops, self._job_prefix_bytes,
                            self._record_ttl, *tokens, *extras]
@@ -818,12 +577,12 @@ class RedisBroker:
                 )
                 self._replicated("settlement", confirmed, len(batch))
             elif (command := self._ahead_command(ahead)) is not None:
-                reply = await self._settle_and_reserve(keys, args, command)
+                reply = await self._ahead.settle_and_reserve(keys, args, command)
             else:
                 reply = await self.scripts.call("settle", keys, args)
                 if self._wire is not None:
-                    self._settled_on = self._wire.connects  # settle.lua is loaded there
-        except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
+                    self._ahead.settled_on = self._wire.connects  # settle.lua is loaded there
+        except (*CONNECTION_ERRORS, *CLUSTER_ERRORS) as error:
             # A cluster error too: it may follow the client's retry of a call whose reply
             # was lost. Settled again either way (every script checks the owner token).
             # A reserve sent ahead is lost with it: given back by the next receive.
@@ -836,85 +595,9 @@ class RedisBroker:
         return [done if outcome == b"ok" else _RESULTS[outcome]
                 for outcome, done in zip(reply, applied, strict=True)]
 
-    def _settle_ops(
-        self, batch: Sequence[Settlement], keys: list[str]
-    ) -> tuple[str, list[Any], list[Result]]:
-        """A batch with more than unkeyed commits: the script's op per item, the extra
-        arguments (a retry's envelope and delay, a reject's failure record), the result of
-        each once applied; the keyed items' markers and the rejects' failure record keys are
-        added to ``keys``, in that order, after every item's own."""
-        ops: list[str] = []
-        markers: list[str] = []
-        records: list[str] = []  # the failure record key of each reject
-        extras: list[Any] = []
-        applied: list[Result] = []
-        now = time.time()
-        for settlement in batch:
-            delivery = settlement.delivery
-            if settlement.action is _COMMIT:
-                op, result = "c", APPLIED
-            else:
-                op, arguments, result = self._settle_op(settlement, now)
-                extras += arguments
-                if op == "f":
-                    records.append(self.keys.error(delivery.pid))
-            if "key" in delivery.envelope:  # possibly keyed (coalesced)
-                marker = self.keys.marker(delivery.envelope)
-                if marker:
-                    markers.append(marker)
-                    op = op.upper()  # keyed: the marker follows the items' keys
-            ops.append(op)
-            applied.append(result)
-        keys += markers
-        keys += records
-        return "".join(ops), extras, applied
-
     def _delivery_keys(self, pid: str) -> tuple[str, str, str]:
         """A delivery's claims, jobs and owners key (built at the claim: see ``Delivery``)."""
         return self._claim_prefix + pid, self._job_prefix + pid, self._owner_prefix + pid
-
-    def _settle_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
-        """The script's op for one settlement, its extra arguments (a retry's envelope and
-        delay, a reject's failure record) and its result once applied (what became of the
-        job: "retrying in N s", "failed")."""
-        if settlement.action is Action.COMMIT:
-            return "c", [], APPLIED
-        if settlement.action is Action.RELEASE:
-            return "l", [], APPLIED
-        delivery = settlement.delivery
-        if self.retry.exhausted(delivery.attempts):
-            return self._reject_op(settlement, now)
-        decoded = delivery.envelope or envelope.decode(delivery.raw)
-        delay = self.retry.whole_seconds(delivery.attempts)
-        try:
-            # A delayed retry is stamped again by promote.lua when it becomes ready (the
-            # server's time); parked, it carries when it is due by this host's clock, which
-            # is what an older promote.lua, moving it as it is, pushes (a rolling upgrade).
-            retried = envelope.requeued(
-                decoded, RetryPolicy.next_attempts(delivery.attempts), int(now) + delay)
-        except envelope.Unencodable as error:
-            # This delivery alone: the batch it settles with must still go through.
-            log.error("job %s failed, and its retry cannot be written as PHP would (%s): it "
-                      "goes to the failed list instead", delivery.pid, error)
-            return self._reject_op(settlement, now)
-        retrying = Result(Outcome.OK, f"retrying in {delay} s")
-        if delay:
-            return "d", [retried, delay], retrying  # waits in supervisor-delayed
-        return "r", [retried], retrying  # queue 5's immediate requeue
-
-    def _reject_op(self, settlement: Settlement, now: float) -> tuple[str, list[Any], Result]:
-        """Queue 5's reject to the failed list (the record kept), with our failure record:
-        ``Failure.encode()``'s JSON with what this run adds (outcome, run, time, consumer),
-        built in one step (a batch of 1,000 terminal failures must stay cheap)."""
-        failure = (settlement.failure.bounded() if settlement.failure
-                   else Failure.from_text(settlement.error))  # bounded already
-        record = {name: getattr(failure, name) for name in _FAILURE_FIELDS}
-        record["outcome"] = "failed"
-        record["attempt"] = failure.attempt or RetryPolicy.next_attempts(
-            settlement.delivery.attempts)  # counted from 1
-        record["at"] = failure.at or now
-        record["consumer"] = failure.consumer or self.consumer_id
-        return "f", [orjson.dumps(record)], _FAILED
 
     async def commit(self, deliveries: Sequence[Delivery]) -> list[Result]:
         return await self.settle([Settlement(Action.COMMIT, d) for d in deliveries])
@@ -950,10 +633,10 @@ class RedisBroker:
         # an ACL user made before the copy existed may not delete it).
         with contextlib.suppress(redis.exceptions.RedisError, OSError):
             await self.client.delete(self._running)
-        await self._return_ahead()
+        await self._ahead.give_back_at_exit()
         if not deliveries:
             return
-        async with _broker_errors("requeue at exit"):
+        async with broker_errors("requeue at exit"):
             now, _ = await recovery.server_time(self.client, self.keys.ready)
             candidates = [self._own_candidate(delivery, now) for delivery in deliveries]
             applied = await recovery.reclaim(self.scripts, self.keys, candidates,
@@ -974,7 +657,7 @@ class RedisBroker:
 
     async def _renew(self, deliveries: Sequence[Delivery], lease: int) -> list[bool]:
         owned: list[bool] = []
-        async with _broker_errors("extend" if lease else "abandon"):
+        async with broker_errors("extend" if lease else "abandon"):
             for start in range(0, max(len(deliveries), 1), MAX_BATCH):
                 batch = deliveries[start:start + MAX_BATCH]
                 keys = [self._record, self.keys.supervisor_tokens]
@@ -991,7 +674,7 @@ class RedisBroker:
     async def publish_running(self, record: bytes | None, ttl: int) -> None:
         """This supervisor's running jobs (``supervisor.running``), for ``status`` and the
         dashboard: kept ``ttl`` s, as the supervisor's record is; None deletes them."""
-        async with _broker_errors("running jobs"):
+        async with broker_errors("running jobs"):
             if record is None:
                 await self.client.delete(self._running)
             else:
@@ -999,13 +682,14 @@ class RedisBroker:
 
     async def oldest_ready_age(self) -> float | None:
         """Seconds since the next message to be received was published (None: none)."""
-        async with _broker_errors("oldest ready"):
+        async with broker_errors("oldest ready"):
             raw = await self.scripts.call(
                 "oldest", [self.keys.ready], [self.max_envelope_bytes or PEEK_LIMIT])
         if not isinstance(raw, bytes):
             return None  # empty, or over the size limit (its length): not read
         try:
-            return max(0.0, time.time() - envelope.decode(raw, None)["timestamp"])
+            published: int = envelope.decode(raw, None)["timestamp"]
+            return max(0.0, time.time() - published)
         except (envelope.MalformedEnvelope, TypeError):
             return None
 
@@ -1013,7 +697,7 @@ class RedisBroker:
         """Promote the retries due (every supervisor, every call: it costs one script call,
         and a retry must not wait for whoever holds the lock), then one bounded recovery
         sweep when the fleet's reap lock allows (``force``: now)."""
-        async with _broker_errors("maintain"):
+        async with broker_errors("maintain"):
             promoted = await recovery.promote(self.scripts, self.keys)
             report = await recovery.maintain(
                 self.client, self.scripts, self.keys, lock_seconds=self.maintenance_interval,
@@ -1040,20 +724,3 @@ class RedisBroker:
         return await publish.publish_many(
             self.client, self.namespace, queue, payloads, self.replication
         )
-
-
-@contextlib.asynccontextmanager
-async def _broker_errors(operation: str) -> AsyncIterator[None]:
-    """Connection errors, and cluster errors a slot migration or failover can leave after the
-    client's own retries, become a BrokerError naming the operation (WrongTypeError passes)."""
-    try:
-        yield
-    except (*CONNECTION_ERRORS, *_CLUSTER_ERRORS) as error:
-        # describe: redis-py's repr is "network:ConnectionError", without server or reason
-        raise BrokerError(f"{operation} failed: {describe(error)}") from error
-
-
-def _cancelling() -> bool:
-    """The current task itself is being cancelled (not just a future it awaited)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

@@ -11,12 +11,17 @@ Two changes to redis-py's own classes, each for a cost or a failure seen in this
   such a write and the read fails; uvloop raises, and neither redis-py nor its Cluster client
   knows that error: it came out of a settlement as a failure of its own rather than as the
   outage it was, and the Cluster client did not reload its slot map after it.
+
+And what a lost connection raises, as the broker tells it: ``CONNECTION_ERRORS`` (a command
+may or may not have been applied), ``CLUSTER_ERRORS`` and ``broker_errors``, which turns
+them into a ``BrokerError`` naming the operation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import redis
@@ -29,9 +34,30 @@ from redis.asyncio.connection import (
 )
 from redis.connection import HiredisRespSerializer
 
-from broker.errors import closed_transport
+from broker.base import BrokerError
+from broker.errors import closed_transport, describe
 
 log = logging.getLogger(__name__)
+
+#: No CLIENT SETINFO on connect (redis-py's default): it is only informational, Redis before
+#: 7.2 does not know it, and a least-privilege ACL user (broker.redis.acl) is not granted it, so
+#: on 7.2 and later every connection would leave a denial in ACL LOG.
+try:
+    from redis.driver_info import DriverInfo  # noqa: F401 - redis-py with driver_info
+
+    NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
+except ImportError:  # older: the same through the arguments driver_info replaced
+    NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
+
+#: Errors after which a command may or may not have been applied.
+CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+#: Cluster errors that outlast the client's redirections and retries (TRYAGAIN while a slot
+#: migrates, CLUSTERDOWN, a slot map not loaded yet).
+CLUSTER_ERRORS = (
+    redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 class _BrokerConnection:
@@ -113,3 +139,15 @@ def _twin(chosen: type[Any]) -> type[Any]:
     """A class redis-py added after this was written is kept as it is (it works, without
     these changes)."""
     return _TWINS.get(chosen, chosen)
+
+
+@contextlib.asynccontextmanager
+async def broker_errors(operation: str) -> AsyncIterator[None]:
+    """Connection errors, and cluster errors a slot migration or failover can leave after the
+    client's own retries, become a BrokerError naming the operation (WrongTypeError passes)."""
+    try:
+        yield
+    except (*CONNECTION_ERRORS, *CLUSTER_ERRORS) as error:
+        # describe: redis-py's repr is "network:ConnectionError", without server or reason
+        raise BrokerError(f"{operation} failed: {describe(error)}") from error
+

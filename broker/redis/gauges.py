@@ -16,7 +16,8 @@ import redis.exceptions
 
 from broker.gauges import QueueGauges
 from broker.redis import recovery
-from broker.redis.broker import RedisBroker, _broker_errors
+from broker.redis.broker import RedisBroker
+from broker.redis.connection import broker_errors
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ _refused: set[str] = set()  # readings the server refused once (logged once per 
 async def sample(broker: RedisBroker) -> QueueGauges:
     """The queue's sizes now. BrokerError when the server cannot be reached."""
     keys = broker.keys
-    async with _broker_errors("metrics sample"):
+    async with broker_errors("metrics sample"):
         pipe = broker.client.pipeline(transaction=False)
         for key in (keys.ready, keys.processing, keys.failed, keys.dead, keys.poison):
             pipe.llen(key)

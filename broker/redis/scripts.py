@@ -1,4 +1,5 @@
-"""The Lua scripts of ``lua/``, loaded once and called by name.
+"""The Lua scripts of ``lua/``, loaded once (their shared helpers inlined from
+``lua/includes/``) and called by name.
 
 Scripts run with EVALSHA; when the server answers NOSCRIPT (its script cache was lost to a
 restart or SCRIPT FLUSH) the script is loaded again and the call repeated. NOSCRIPT is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -54,9 +56,20 @@ def _lua_dir() -> Path:
 LUA_DIR = _lua_dir()
 
 
+#: ``--- @include "includes/<helper>"`` (BullMQ's form) on a line of its own stands for the
+#: text of ``lua/includes/<helper>.lua``: the helpers several scripts share have one copy.
+_INCLUDE = re.compile(r'^--- @include "(?P<path>[\w/-]+)"[ \t]*(?:\n|\Z)', re.MULTILINE)
+
+
 def lua_source(name: str) -> str:
-    """The text of the script ``<name>.lua``."""
-    return (LUA_DIR / f"{name}.lua").read_text()
+    """The text of the script ``<name>.lua`` as Redis runs it (and hashes it for EVALSHA):
+    each include line replaced by the helper it names, which ends with its own newline.
+    One level: a helper includes nothing."""
+    return _INCLUDE.sub(_included, (LUA_DIR / f"{name}.lua").read_text())
+
+
+def _included(match: re.Match[str]) -> str:
+    return (LUA_DIR / f"{match['path']}.lua").read_text()
 
 
 class Scripts:

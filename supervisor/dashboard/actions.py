@@ -22,6 +22,7 @@ from broker.nats import admin as nats_admin
 from broker.redis.admin import lists as redis_lists
 from broker.redis.admin import retry as retrying
 from broker.redis.admin import status as redis_status
+from broker.redis.recovery import RECORD_LIMIT
 from supervisor.ops import drain as processes
 
 SOURCES = retrying.SOURCES  # "failed", "dead"
@@ -30,7 +31,7 @@ SOURCES = retrying.SOURCES  # "failed", "dead"
 async def retry_job(broker: Any, source: str, pid: str) -> str:
     keys, queue = broker.keys, broker.keys.queue
     own = broker.max_envelope_bytes if isinstance(broker, EnvelopeLimited) else 0
-    limit = own or retrying.RECORD_LIMIT
+    limit = own or RECORD_LIMIT
     report = await retrying.retry(broker.client, broker.scripts, keys, source=source,
                                   pids=[pid], max_record_bytes=limit)
     if report.moved:

@@ -235,15 +235,19 @@ def create_app(dashboard: Dashboard) -> Starlette:
     def not_found(request: Request, what: str) -> HTMLResponse:
         return page(request, "message.html", 404, title="Not found", message=what)
 
-    def charts(queue: Queue, width: int, height: int) -> dict[str, plots.Chart]:
+    def charts(queue: Queue, width: int, height: int, ticks: int) -> dict[str, plots.Chart]:
         end = time.time()
         first = queue.history.samples[0].at if queue.history.samples else None
         span = plots.span(first, end, queue.history.window)
-        return {name: plots.chart(queue.history.series(name), end, span, width, height)
-                for name in ("ready", "rate")}
+        return {
+            "ready": plots.chart(queue.history.series("ready"), end, span, width, height,
+                                 ticks),
+            "rate": plots.chart(queue.history.series("rate"), end, span, width, height,
+                                ticks, unit="/s", whole=False),
+        }
 
     async def overview(request: Request) -> Response:
-        rows = [(queue, charts(queue, 200, 40)) for queue in dashboard.queues]
+        rows = [(queue, charts(queue, 150, 40, 3)) for queue in dashboard.queues]
         name = "overview_live.html" if request.url.path.startswith("/live") else "overview.html"
         return page(request, name, rows=rows)
 
@@ -260,7 +264,7 @@ def create_app(dashboard: Dashboard) -> Starlette:
         metrics = await scrape.read(queue.config)
         name = "queue_live.html" if request.url.path.startswith("/live") else "queue.html"
         return page(request, name, queue=queue, detail=detail, error=error, metrics=metrics,
-                    charts=charts(queue, 600, 120))
+                    charts=charts(queue, 600, 120, 5))
 
     async def listing(request: Request) -> Response:
         queue = queue_of(request)

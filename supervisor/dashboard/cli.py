@@ -73,7 +73,7 @@ def main(argv: Sequence[str]) -> int:
                               f"installed): pip install 'queue-supervisor[dashboard]'"),
               file=sys.stderr)
         return exits.USAGE
-    from supervisor.metrics import exposure_warning
+    from supervisor.metrics_http import exposure_warning
 
     exposed = exposure_warning(args.host) is not None
     if exposed and token is None:

@@ -31,7 +31,8 @@ class History:
         self.window = window
         self.samples: deque[Sample] = deque()
         self.error: str = ""  # the last sample's failure, shown until one succeeds
-        self.error_at: float = 0.0
+        self.error_at: float = 0.0  # when the last sample failed
+        self.failing_since: float = 0.0  # when the first of the failures in a row did
 
     def add(self, counts: Counts, at: float | None = None) -> Sample:
         at = time.time() if at is None else at
@@ -51,8 +52,17 @@ class History:
         return sample
 
     def failed(self, error: str, at: float | None = None) -> None:
+        at = time.time() if at is None else at
+        if not self.error:
+            self.failing_since = at
         self.error = error
-        self.error_at = time.time() if at is None else at
+        self.error_at = at
+
+    @property
+    def stale(self) -> bool:
+        """True while the broker does not answer: the figures shown (counts, rates,
+        charts) are those of the last good sample, ``last.at``."""
+        return bool(self.error) and bool(self.samples)
 
     @property
     def last(self) -> Sample | None:

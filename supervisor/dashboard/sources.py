@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import orjson
@@ -38,6 +39,8 @@ from supervisor.dashboard import local
 from supervisor.ops import running
 
 #: Entries of a failed, dead or poison list shown per page.
+T = TypeVar("T")
+
 PAGE = 50
 #: Bytes of a job record, payload or poison entry read for a page (the rest is counted).
 VALUE_BYTES = 64 * 1024
@@ -156,13 +159,13 @@ class RedisSource:
                 self._broker = broker
             return self._broker
 
-    async def _call(self, read: Any) -> Any:
+    async def _call(self, read: Callable[[Any], Awaitable[T]]) -> T:
         """``read(broker)``; a broker that failed is dropped, to be connected again."""
         broker = await self.broker()
         try:
             return await read(broker)
         except Exception as error:
-            from broker.redis.broker import CONNECTION_ERRORS
+            from broker.redis.connection import CONNECTION_ERRORS
 
             if isinstance(error, (BrokerError, *CONNECTION_ERRORS)):
                 self._broker = None

@@ -40,7 +40,7 @@ async def recover(broker: Any, timeout: float = 60.0) -> tuple[MaintenanceReport
 
 async def _sweeps_to_cover(broker: Any) -> int:
     """Sweeps that together look at every processing entry (head plus older windows)."""
-    length = await broker.client.llen(broker.keys.processing)
+    length: int = await broker.client.llen(broker.keys.processing)
     return 1 + math.ceil(max(length - MAX_BATCH, 0) / MAX_BATCH)
 
 

@@ -35,8 +35,12 @@
           return;
         }
         if (!answer.ok) throw new Error("HTTP " + answer.status);
+        // A <details> the reader opened (a long error's whole text) stays open.
+        const open = [...element.querySelectorAll("details")].map((d) => d.open);
         element.innerHTML = await answer.text();
+        element.querySelectorAll("details").forEach((d, i) => { if (open[i]) d.open = true; });
         element.dataset.refreshed = String(Date.now());
+        element.dispatchEvent(new CustomEvent("live:updated", {bubbles: true}));
         document.body.classList.remove("offline");
       } catch (error) {
         document.body.classList.add("offline");  // the dashboard itself is unreachable
