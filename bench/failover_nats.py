@@ -50,6 +50,7 @@ from broker.nats import NatsBroker
 from broker.nats.setup import QueueNames
 from support.servers import NatsCluster, NatsServer
 from support.supervision import Supervisor, wait_for, write_config
+from support.waiting import until
 
 QUEUE = "failover"
 NAMES = QueueNames.of(QUEUE)
@@ -234,7 +235,9 @@ async def failover(scenario: str, settings: Settings) -> Failover:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _drain(log: Path, pids: set[str], url: str, timeout: float = 90.0) -> None:
+async def _drain(log: Path, pids: set[str], url: str,
+                 timeout: float = 90.0,  # noqa: ASYNC109 - gives up quietly: lost is counted
+                 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pids <= {pid for pid, _ in handler_calls(log)}:
@@ -327,11 +330,19 @@ async def capacity(replicas: int, count: int, settings: Settings) -> Capacity:
             supervisor={"lease": 30, "log_level": "warning"},
         )
         supervisor = Supervisor(config, config_dir, "")
-        while (left := await stream_messages(cluster.url)) == count:
-            await asyncio.sleep(0.02)  # the supervisor's start is not measured
+        left = count
+
+        async def consuming() -> bool:  # the supervisor's start is not measured
+            nonlocal left
+            left = await stream_messages(cluster.url)
+            return left != count
+
+        async def emptied() -> bool:
+            return await stream_messages(cluster.url) == 0
+
+        await until(consuming, 120, "the supervisor to start consuming", every=0.02)
         began = time.monotonic()
-        while await stream_messages(cluster.url) > 0:
-            await asyncio.sleep(0.02)
+        await until(emptied, None, "the stream to empty", every=0.02)  # measured: no bound
         consumed = (time.monotonic() - began) * count / left
         consume_cpu = split_cpu(cluster, leader, before, count)
         client_cpu = 0.0

@@ -8,7 +8,9 @@ from typing import Any
 from broker.base import Delivery
 
 
-async def receive_all(broker: Any, count: int, timeout: float = 20.0) -> list[Delivery]:
+async def receive_all(broker: Any, count: int,
+                      timeout: float = 20.0,  # noqa: ASYNC109 - failure says how many came
+                      ) -> list[Delivery]:
     """Receive until ``count`` deliveries arrived (each receive waits up to 1 s)."""
     got: list[Delivery] = []
     deadline = time.monotonic() + timeout

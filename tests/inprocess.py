@@ -24,6 +24,7 @@ from supervisor.arbiter import Arbiter
 from supervisor.buffer import Buffer, State
 from supervisor.config import Config, loads
 from supervisor.handlers import HandlerPlace, make_places
+from support.waiting import until
 from worker import protocol
 from worker.forkserver import SERVER_PLACE, Event, Spawner
 from worker.ring import fence
@@ -307,19 +308,20 @@ class Core:
         for _ in range(turns):
             await asyncio.sleep(0)
 
-    async def wait_for(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not condition():
-                await asyncio.sleep(0.001)
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        """Until ``condition()`` holds (up to 5 s: a tighter bound is the caller's
+        ``asyncio.timeout``), checked every millisecond as the loop runs the core."""
+        await until(condition, 5.0, "the core's state", every=0.001)
 
     def process(self, index: int) -> PlayedProcess:
         return self.server.processes[index]
 
-    async def stop(self, work: bool = True, timeout: float = 15.0) -> int:
-        """SIGTERM, then (with ``work``) let the handlers finish what they have; the exit code."""
+    async def stop(self, work: bool = True) -> int:
+        """SIGTERM, then (with ``work``) let the handlers finish what they have; the exit code
+        (a stop not over within 15 s fails the test)."""
         assert self.run is not None
         self.arbiter.handle_stop_signal(signal.SIGTERM)
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(15.0):
             while not self.run.done():
                 if work:
                     for process in self.server.living():

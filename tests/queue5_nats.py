@@ -104,7 +104,9 @@ class Queue5NatsWorker:
         self.bounded = any((getattr(stream, limit) or -1) > 0
                            for limit in ("max_msgs", "max_bytes"))
 
-    async def receive(self, n: int = 10, timeout: float = 1.0) -> list[Job]:
+    async def receive(self, n: int = 10,
+                      timeout: float = 1.0,  # noqa: ASYNC109 - the fetch's own, as queue5's
+                      ) -> list[Job]:
         await self._drain_dead_letters()
         try:
             msgs = await self.sub.fetch(1, timeout=timeout)

@@ -114,8 +114,11 @@ async def server_ms(cluster: PrivateCluster) -> int:
 async def wait_until_expired(cluster: PrivateCluster, client, reservation: str) -> None:
     deadline = await client.zscore(KEYS.reservations, reservation)
     assert deadline is not None
-    while await server_ms(cluster) < deadline * 1000:  # deadlines are whole seconds
-        await asyncio.sleep(0.05)
+
+    async def passed() -> bool:
+        return await server_ms(cluster) >= deadline * 1000  # deadlines are whole seconds
+
+    await until(passed, 30, "the reservation's deadline")
 
 
 # -- the basics -------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_describe_lists_every_key():
 
 def test_legacy_keys_are_mapped_with_a_warning(tmp_path):
     text = with_job("maxCoroutines = 4\nbatch = 10\n")
-    with pytest.warns(DeprecationWarning) as caught:
+    with pytest.warns(DeprecationWarning, match="is deprecated") as caught:
         loaded = load_text(tmp_path, text)
     assert (loaded.job.coroutines, loaded.job.prefetch) == (4, 10)
     assert len(loaded.warnings) == 2
@@ -118,7 +118,7 @@ def test_legacy_keys_are_mapped_with_a_warning(tmp_path):
     ],
 )
 def test_batch_becomes_the_larger_of_batch_and_coroutines(tmp_path, lines, prefetch):
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match="is deprecated"):
         loaded = load_text(tmp_path, with_job(lines))
     assert loaded.job.prefetch == prefetch
 

@@ -220,7 +220,8 @@ def test_outcomes_written_during_a_settle_call_wake_nobody_and_go_in_the_next_ca
         await core.settle_down()
         assert core.arbiter.buffer.completed_count == 0  # not read yet
         # A call that hangs leaves them unread no longer than a watch period.
-        await core.wait_for(lambda: core.arbiter.buffer.completed_count == 3, timeout=1.0)
+        async with asyncio.timeout(1.0):
+            await core.wait_for(lambda: core.arbiter.buffer.completed_count == 3)
         assert not ring.asleep  # the next call follows this one
         gate.set()
         await core.wait_for(lambda: len(calls) == 2)
@@ -801,7 +802,7 @@ def noting_receives(broker: MemoryBroker) -> list[int]:
     rooms: list[int] = []
     receive = broker.receive
 
-    async def receive_noted(room: int, timeout: float):
+    async def receive_noted(room: int, timeout: float):  # noqa: ASYNC109 - as Broker.receive
         rooms.append(room)
         return await receive(room, timeout)
 
@@ -842,7 +843,7 @@ def test_a_settle_call_during_a_receive_reserves_ahead_only_what_that_receive_le
         gate = asyncio.Event()
         receive = broker.receive
 
-        async def receive_held(room: int, timeout: float):
+        async def receive_held(room: int, timeout: float):  # noqa: ASYNC109 - as Broker.receive
             rooms.append(room)
             await gate.wait()
             return await receive(room, timeout)
@@ -880,7 +881,7 @@ def test_after_a_settle_call_that_reserved_ahead_its_claim_goes_before_the_next_
             await held.wait()
             return await settle(settlements, on_result)
 
-        async def receive_noted(room: int, timeout: float):
+        async def receive_noted(room: int, timeout: float):  # noqa: ASYNC109 - as Broker.receive
             calls.append(f"receive {room}")
             return await receive(room, timeout)
 

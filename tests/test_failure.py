@@ -31,7 +31,7 @@ def test_other_versions_records_are_read_leniently() -> None:
 
 @pytest.mark.parametrize("data", [b"", b"[]", b'{"message": "m"}', b"\xff", b'{"error": 1}'])
 def test_what_is_not_a_record_is_refused(data: bytes) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a failure record"):
         Failure.decode(data)
 
 

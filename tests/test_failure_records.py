@@ -108,7 +108,7 @@ def test_a_failure_record_fits_any_limit_keeping_the_traceback_end() -> None:
         assert decoded.error == "E"
         if decoded.traceback:
             assert decoded.traceback.endswith("E: m")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="does not fit in 5 bytes"):
         protocol.failure_body(failure, 5)
 
 

@@ -311,6 +311,6 @@ def test_a_metrics_host_beyond_loopback_is_warned_about(caplog):
         assert "not a loopback address" in metrics_http.exposure_warning(host)
     # An address of no interface here (TEST-NET-1): warned before the bind fails, and
     # nothing is ever exposed by this test.
-    with caplog.at_level(logging.WARNING), pytest.raises(OSError):
+    with caplog.at_level(logging.WARNING), pytest.raises(OSError, match="requested address"):
         metrics.start("stats-usage", free_port(), "192.0.2.1")
     assert "metrics_host = 192.0.2.1 is not a loopback address" in caplog.text

@@ -214,7 +214,8 @@ async def test_a_pull_ahead_left_unanswered_holds_back_nothing(nats_brokers, pro
     assert await stored(js) == 0
 
 
-async def request_batch(conn: Connection, requests: list[tuple[str, bytes]], timeout: float
+async def request_batch(conn: Connection, requests: list[tuple[str, bytes]],
+                        timeout: float,  # noqa: ASYNC109 - each request's, passed on
                         ) -> list:
     """Each request's reply (or error), in the order of the requests."""
     outcomes: dict[int, object] = {}
@@ -282,7 +283,7 @@ async def test_a_request_of_a_batch_without_a_reply_times_out_alone(nats_server)
         await listener.close()
 
 
-@pytest.mark.parametrize("refusal, raised", [
+@pytest.mark.parametrize(("refusal", "raised"), [
     (RuntimeError(UVLOOP_REFUSAL), ConnectionLost),  # uvloop, before nats-py saw the EOF
     (RuntimeError("something else"), RuntimeError),  # not hidden
 ])

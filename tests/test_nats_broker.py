@@ -428,9 +428,10 @@ async def test_independent_outcomes_in_one_settle(nats_brokers, proxy, js):
 # -- attempts as queue 5 counts them: the consumer's budget, the spare delivery, advisories --
 
 
-async def receive_poisoned(broker: NatsBroker, timeout: float = 20.0) -> Poisoned:
-    """Receive until one delivery comes back out of attempts; nothing reaches a handler."""
-    deadline = time.monotonic() + timeout
+async def receive_poisoned(broker: NatsBroker) -> Poisoned:
+    """Receive until one delivery comes back out of attempts (within 20 s); nothing reaches
+    a handler."""
+    deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline:
         received = await broker.receive(10, 1.0)
         assert received.deliveries == []

@@ -23,6 +23,7 @@ from supervisor import cli
 from supervisor.config import load
 from support import envelopes
 from support.supervision import NAMESPACE, QUEUE, ROOT, keys, write_config
+from support.waiting import until
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
@@ -37,11 +38,12 @@ async def server_ms(client) -> int:
     return seconds * 1000 + micros // 1000
 
 
-async def wait_until_expired(client, deadline: float, timeout: float = 10.0) -> None:
+async def wait_until_expired(client, deadline: float) -> None:
     """Until the server clock passed a registry deadline (whole seconds, as queue 5's)."""
-    async with asyncio.timeout(timeout):
-        while await server_ms(client) < deadline * 1000:
-            await asyncio.sleep(0.01)
+    async def passed() -> bool:
+        return await server_ms(client) >= deadline * 1000
+
+    await until(passed, 10.0, "the server clock to pass the deadline", every=0.01)
 
 
 # -- status -------------------------------------------------------------------------------
@@ -140,9 +142,10 @@ async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
 
     deadline = await redis_client.zscore(keys().reservations, reservation.key)
     await wait_until_expired(redis_client, deadline)
-    async with asyncio.timeout(10):  # it died: its record lapses too (within its lease)
-        while await redis_client.exists(keys().supervisor("dying")):
-            await asyncio.sleep(0.01)
+    async def lapsed() -> bool:  # it died: its record lapses too (within its lease)
+        return not await redis_client.exists(keys().supervisor("dying"))
+
+    await until(lapsed, 10, "the dead supervisor's record to lapse", every=0.01)
     code, out = await run("recover", conf)
     assert code == 0 and "recovered 2 deliveries" in out
     assert "2 from expired reservations" in out
@@ -162,9 +165,8 @@ async def test_check_passes_beside_a_blocking_receive_and_fails_once_it_is_stale
     waiting = await redis_brokers(QUEUE, namespace=NAMESPACE, lease=3)
     await waiting.extend([])
     blocked = asyncio.ensure_future(waiting.receive(1, block_timeout=10))
-    async with asyncio.timeout(5):
-        while not await redis_client.zcard(keys().reservations):
-            await asyncio.sleep(0.01)
+    await until(lambda: redis_client.zcard(keys().reservations), 5,
+                "the blocking receive's registration", every=0.01)
     code, out = await run("check", conf)
     assert code == 1 and "  1 alive " in out and "registered reservations" not in out, out
     [(key, deadline)] = await redis_client.zrange(keys().reservations, 0, -1, withscores=True)
@@ -183,15 +185,15 @@ async def killed_while_waiting(redis_client, redis_brokers, block_timeout: int) 
     dying = await redis_brokers(QUEUE, namespace=NAMESPACE, consumer_id="dying", lease=1)
     await dying.extend([])  # its record and its token registry entry, both for 1 s
     blocked = asyncio.ensure_future(dying.receive(1, block_timeout=block_timeout))
-    async with asyncio.timeout(5):
-        while not await redis_client.zcard(keys().reservations):
-            await asyncio.sleep(0.01)
+    await until(lambda: redis_client.zcard(keys().reservations), 5,
+                "the blocking receive's registration", every=0.01)
     blocked.cancel()  # as SIGKILL: nothing of it runs any more, the ZREM included
     with contextlib.suppress(asyncio.CancelledError):
         await blocked
-    async with asyncio.timeout(10):
-        while await inspect.live_supervisors(redis_client, keys()):
-            await asyncio.sleep(0.1)
+    async def none_alive() -> bool:
+        return not await inspect.live_supervisors(redis_client, keys())
+
+    await until(none_alive, 10, "no supervisor alive", every=0.1)
     [(key, deadline)] = await redis_client.zrange(keys().reservations, 0, -1, withscores=True)
     assert deadline > (await redis_client.time())[0]  # registered, not yet expired
     assert not await redis_client.exists(key)  # and empty
@@ -316,9 +318,10 @@ async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client
     code, out = await run("check", conf)
     assert code == 1 and "1 owner records" in out and keys().owner(pid) in out
 
-    async with asyncio.timeout(10):  # it died: its claims and its record lapse
-        while await redis_client.exists(keys().claim(pid), keys().supervisor("dying")):
-            await asyncio.sleep(0.01)
+    async def lapsed() -> bool:  # it died: its claims and its record lapse
+        return not await redis_client.exists(keys().claim(pid), keys().supervisor("dying"))
+
+    await until(lapsed, 10, "the dead supervisor's claim and record to lapse", every=0.01)
     code, out = await run("recover", conf)
     assert code == 0 and "1 whose claim lapsed" in out
     code, _ = await run("check", conf)

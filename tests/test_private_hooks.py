@@ -53,7 +53,7 @@ def requirements() -> dict[str, Requirement]:
     return {requirement.name: requirement for requirement in found}
 
 
-@pytest.mark.parametrize("name, version", [
+@pytest.mark.parametrize(("name", "version"), [
     ("nats-py", NATS_PY), ("redis", REDIS_PY)])
 def test_a_library_patched_in_private_is_capped_and_the_installed_one_fits(name, version):
     requirement = requirements()[name]

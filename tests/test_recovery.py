@@ -19,6 +19,7 @@ from broker.base import WrongTypeError
 from broker.redis.keys import QueueKeys
 from broker.redis.recovery import RESERVATION_GRACE, maintain, parse_cursor
 from broker.redis.scripts import Scripts
+from support import waiting
 
 KEYS = QueueKeys("utopia-queue", "v1-stats-usage")
 AGE = 90_000
@@ -61,6 +62,11 @@ async def run(client, scripts: Scripts | None = None, **options):
 
 async def server_s(client) -> int:
     return (await client.time())[0]
+
+
+async def server_s_past(client, deadline: float) -> bool:
+    """Whether the server's clock (whole seconds) reached ``deadline``."""
+    return await server_s(client) >= deadline
 
 
 async def reserve(client, token: str, payloads: list[bytes], deadline: int) -> str:
@@ -115,8 +121,7 @@ async def test_a_reservation_is_returned_once_its_deadline_in_seconds_passed(red
 
     assert (await run(redis_client)).expired_reservations == 0
     assert await redis_client.zcard(KEYS.reservations) == 1
-    while await server_s(redis_client) < now + 2:
-        await asyncio.sleep(0.05)
+    await waiting.until(lambda: server_s_past(redis_client, now + 2), 10, "the deadline to pass")
     assert (await run(redis_client)).expired_reservations == 2
     assert await taken_order(redis_client) == [b"p1", b"p2", b"newer"]
     assert await redis_client.zcard(KEYS.reservations) == 0
@@ -439,8 +444,7 @@ async def sweep(broker, client):
 async def wait_until_expired(client, reservation: str) -> None:
     deadline = await client.zscore(KEYS.reservations, reservation)
     assert deadline is not None
-    while await server_s(client) < deadline:
-        await asyncio.sleep(0.05)
+    await waiting.until(lambda: server_s_past(client, deadline), 30, "the reservation's deadline")
 
 
 async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, redis_client):
@@ -486,8 +490,8 @@ async def test_e2e_a_reservation_made_ahead_by_a_consumer_that_died_is_returned_
 async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     a, b = brokers
     blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
-    while not await redis_client.zcard(KEYS.reservations):  # registered before the move
-        await asyncio.sleep(0.01)
+    await waiting.until(lambda: redis_client.zcard(KEYS.reservations), 10,
+                        "its registration, made before the move", every=0.01)
     [pid] = await b.publish_many(KEYS.queue, [{"late": True}])
     reservation = await blocked  # moved, and a dies before claiming
     assert len(reservation.payloads) == 1
@@ -543,8 +547,11 @@ async def test_e2e_lapsed_deliveries_go_to_the_living(brokers, redis_client):
     assert (await sweep(b, redis_client)).total == 0  # a's claims are live
 
     # a stops renewing (killed, or frozen): its claims and its record run out together.
-    while await redis_client.exists(KEYS.supervisor("a"), *(KEYS.claim(pid) for pid in pids)):
-        await asyncio.sleep(0.1)
+    async def lapsed() -> bool:
+        return not await redis_client.exists(KEYS.supervisor("a"),
+                                             *(KEYS.claim(pid) for pid in pids))
+
+    await waiting.until(lapsed, 30, "a's claims and record to lapse", every=0.1)
     report = await sweep(b, redis_client)
     assert report.dead_consumers == 4
     assert await redis_client.get(KEYS.stat("processing")) == b"0"

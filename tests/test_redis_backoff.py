@@ -514,7 +514,7 @@ async def test_a_member_not_written_by_requeued_is_moved_as_it_is(redis_client, 
     assert await redis_client.lrange(KEYS.ready, 0, -1) == [member]
 
 
-@pytest.mark.parametrize("reap_after, backoff", [(REAP_AFTER, 80_000), (25, 20)])
+@pytest.mark.parametrize(("reap_after", "backoff"), [(REAP_AFTER, 80_000), (25, 20)])
 async def test_a_promoted_retry_is_protected_from_queue_5s_sweep_for_its_whole_reap_after(
     redis_brokers, redis_client, client, reap_after, backoff
 ):

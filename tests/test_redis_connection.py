@@ -59,7 +59,7 @@ def test_only_uvloops_closed_handle_counts_as_a_closed_transport():
     assert not closed_transport(OSError(UVLOOP_REFUSAL))
 
 
-@pytest.mark.parametrize("url, expected", [
+@pytest.mark.parametrize(("url", "expected"), [
     ("redis://127.0.0.1:6379/0", BrokerConnection),
     ("rediss://127.0.0.1:6379/0", BrokerSSLConnection),
     ("unix:///run/redis.sock", BrokerUnixConnection),

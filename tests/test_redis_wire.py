@@ -14,6 +14,7 @@ from broker.base import WrongTypeError
 from broker.redis.scripts import Scripts
 from broker.redis.wire import Wire
 from broker.tls import TlsSettings
+from support.waiting import until
 
 
 def _wire(url: str) -> Wire:
@@ -56,9 +57,8 @@ async def test_a_lost_connection_fails_what_is_in_flight_and_is_replaced(own_red
     try:
         assert await wire.call("PING") == b"PONG"
         blocked = asyncio.ensure_future(wire.call("BLPOP", "nothing", 10))
-        async with asyncio.timeout(10):  # in flight: the server has it blocked
-            while not _blocked_clients(own_redis_server.url):
-                await asyncio.sleep(0.01)
+        await until(lambda: _blocked_clients(own_redis_server.url), 10,  # in flight
+                    "the server to block the BLPOP", every=0.01)
         own_redis_server.restart()
         with pytest.raises(redis.exceptions.ConnectionError):
             await blocked  # never sent again: its effect, if any, is unknown
@@ -124,8 +124,8 @@ async def test_a_connect_whose_auth_never_comes_back_leaves_no_connection_open(o
                 await wire.call("PING")
     finally:
         server.send_signal(signal.SIGCONT)
-    async with asyncio.timeout(20):  # the server reads each AUTH, then the close after it
-        while _connected_clients(own_redis_server) != 1:  # 1: the count's own redis-cli
-            await asyncio.sleep(0.2)
+    # The server reads each AUTH, then the close after it; 1: the count's own redis-cli.
+    await until(lambda: _connected_clients(own_redis_server) == 1, 20,
+                "only the count's own client connected", every=0.2)
     assert await wire.call("PING") == b"PONG"
     wire.close()

@@ -22,7 +22,7 @@ def test_delays_double_per_run_or_follow_a_consumers_list():
 
 
 def test_a_budget_below_one_run_is_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least 1 run"):
         RetryPolicy(0)
 
 

@@ -55,7 +55,7 @@ def test_record_larger_than_the_ring_is_refused() -> None:
     ring = make_ring(4, 64)
     with pytest.raises(ValueError, match="exceeds the ring"):
         ring.put(b"x" * (4 * 64 - HEADER + 1))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="exceeds the ring"):
         ring.put_many([b"ok", b"x" * 10_000])
 
 

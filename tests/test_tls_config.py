@@ -104,7 +104,7 @@ def test_a_file_without_certificates_is_refused(tmp_path, certs):
     assert "[broker] tls_cert" in message and "holds no PEM certificate" in message
 
 
-@pytest.mark.parametrize("given, missing", [("tls_cert", "tls_key"), ("tls_key", "tls_cert")])
+@pytest.mark.parametrize(("given", "missing"), [("tls_cert", "tls_key"), ("tls_key", "tls_cert")])
 def test_cert_and_key_go_together(tmp_path, certs, given, missing):
     path = certs.client.cert if given == "tls_cert" else certs.client.key
     message = error_of(job_file(tmp_path, f'{given} = "{path}"'))

@@ -150,7 +150,7 @@ async def test_a_new_connection_after_a_server_restart_is_tls_again(mutual_serve
         await broker.close()
 
 
-@pytest.mark.parametrize("scheme, tls", [("tls", None), ("nats", "trusting")])
+@pytest.mark.parametrize(("scheme", "tls"), [("tls", None), ("nats", "trusting")])
 async def test_a_server_without_tls_is_refused_when_tls_is_configured(
     nats_server: NatsServer, certs, scheme, tls
 ):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from support.waiting import until
 from tests.handlers._log import append
 
 _buffered: list = []
@@ -21,10 +22,14 @@ async def init() -> None:
         raise RuntimeError("no database")
 
 
+async def _wait_for(gate: str) -> None:
+    await until(lambda: os.path.exists(gate), None, f"the gate {gate}", every=0.005)
+
+
 async def handle(message) -> None:
     gate = message.payload.get("gate")
-    while gate and not os.path.exists(gate):
-        await asyncio.sleep(0.005)
+    if gate:
+        await _wait_for(gate)
     _buffered.append(message)
 
 
@@ -37,8 +42,8 @@ async def flush() -> None:
     pids = ",".join(message.pid for message in taken)
     append(log, f"flushing {pids}")
     gate = os.environ.get("AIO_FLUSH_GATE")
-    while gate and not os.path.exists(gate):
-        await asyncio.sleep(0.005)
+    if gate:
+        await _wait_for(gate)
     if any(message.payload.get("flush_fails") for message in taken):
         raise RuntimeError("database down")
     append(log, f"flushed {pids}")

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 
+from support.waiting import until
 from tests.handlers.e2e_record import _append
 
 DIR = os.environ.get("E2E_DIR", ".")
@@ -25,8 +26,7 @@ _buffered: list[str] = []
 
 
 async def _wait_for(path: str) -> None:
-    while not os.path.exists(path):
-        await asyncio.sleep(0.01)
+    await until(lambda: os.path.exists(path), None, f"the gate {path}", every=0.01)
 
 
 async def handle(message) -> None:
@@ -45,7 +45,7 @@ async def handle(message) -> None:
         if payload.get("wait_then_block"):
             wait, block = payload["wait_then_block"]
             await asyncio.sleep(wait)
-            time.sleep(block)
+            time.sleep(block)  # noqa: ASYNC251 - blocks its loop on purpose (the flag's point)
         if payload.get("sleep"):
             await asyncio.sleep(payload["sleep"])
         if payload.get("fail"):
