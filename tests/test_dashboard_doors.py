@@ -8,6 +8,7 @@ action posted twice (a double click) acts once."""
 from __future__ import annotations
 
 import re
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,7 @@ async def test_a_queue_page_view_among_300000_other_keys_does_no_scan_and_few_co
                                             handler="examples.noop:handle"), interval=3600)
         poll(lambda: 'class="supervisors">3<' in dashboard.client.get("/live/overview")[1],
              "the first sample")
-        time.sleep(1.5)  # past DETAIL_REUSE
+        await asyncio.sleep(1.5)  # past DETAIL_REUSE
         plain.config_resetstat()
         status, body = dashboard.client.get("/live/q/0")
         after = commandstats(plain)
