@@ -7,8 +7,8 @@ action posted twice (a double click) acts once."""
 
 from __future__ import annotations
 
-import re
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import Any
