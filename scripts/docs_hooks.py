@@ -9,6 +9,7 @@ left alone, so the build's own link check reports it (strict: a failure).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,13 @@ LINK = re.compile(r"(?<!!)\[([^\]\n]*)\]\((\.\./[^)\s#]+)\)")
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    docs = Path(config["docs_dir"]).resolve()
+    docs = Path(os.path.abspath(config["docs_dir"]))
     repository = docs.parent
     here = Path(page.file.abs_src_path).parent
 
     def outside(match: re.Match[str]) -> str:
         text, target = match.groups()
-        path = (here / target).resolve()
+        path = Path(os.path.normpath(here / target))  # symbolic links kept as they are
         if path.is_relative_to(docs) or not path.exists():
             return match.group(0)
         shown = path.parent if path.name == "README.md" else path

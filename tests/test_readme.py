@@ -1,4 +1,5 @@
-"""The README's commands, run as written: the quick start CI runs, the operator commands."""
+"""The documented commands, run as written: the README's quick start CI runs, the operator
+commands (docs/operator-commands.md)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from support.readme import block_after, commands
+from support.docs import README, block_after, commands
 from support.supervision import ROOT
 
 
 def test_ci_runs_the_quick_starts_test_command_word_for_word():
-    quick_start = commands(block_after("## Quick start"))
+    quick_start = commands(block_after(README, "## Quick start"))
     assert quick_start == [
         "bash scripts/setup.sh && .venv/bin/python -m supervisor conf/stats-usage.toml",
         "bash scripts/install.sh && .venv/bin/python -m pytest -n auto",
@@ -37,9 +38,9 @@ def test_what_a_run_leaves_in_the_checkout_is_ignored_by_git(path):
 
 
 def test_the_operator_command_examples_run_as_written(redis_url, tmp_path):
-    """Every line of the README's operator-command block, against a private Redis (the URL
-    given as QUEUE_BROKER_URL, as a unit's .env would)."""
-    lines = commands(block_after("### Operator commands"))
+    """Every line of the operator commands' block (docs/operator-commands.md), against a
+    private Redis (the URL given as QUEUE_BROKER_URL, as a unit's .env would)."""
+    lines = commands(block_after("operator-commands.md", "# Operator commands"))
     (tmp_path / "jobs.jsonl").write_text('{"projectId":"p1","metrics":[]}\n')
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     # `python` is this interpreter, as after `. .venv/bin/activate`.
