@@ -5,6 +5,7 @@
 # interpreter that makes it (python3 by default; 3.11 or later).
 # Usage: install.sh [EXTRAS], the project's extras to install (default "test", what CI and
 # the test command need); setup.sh asks for "clickhouse" only, the quick start's store.
+# CI asks for "test,docs" (the documentation site is built too).
 # Extras installed before stay: a .venv made for the tests also runs the quick start.
 set -euo pipefail
 cd "$(dirname "$0")/.."

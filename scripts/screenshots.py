@@ -1,4 +1,4 @@
-"""Make the README's dashboard screenshots (docs/dashboard/*.png) from a live demo.
+"""Make the dashboard screenshots of docs/dashboard.md (docs/dashboard/*.png) from a live demo.
 
     .venv/bin/python scripts/screenshots.py [--out docs/dashboard]
 

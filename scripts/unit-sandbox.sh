@@ -83,7 +83,7 @@ mkdir "$B/units/queue-supervisor@.service.d"
 printf '[Service]\nStandardOutput=append:%s/out.log\nStandardError=inherit\n' "$B" \
   > "$B/units/queue-supervisor@.service.d/no-journald.conf"
 
-# The system user (README), only in the overlay of /etc.
+# The system user (docs/operations.md), only in the overlay of /etc.
 cp /etc/passwd /etc/group "$B/etc/"
 echo 'queue-supervisor:x:64990:64990::/nonexistent:/usr/sbin/nologin' >> "$B/etc/passwd"
 echo 'queue-supervisor:x:64990:' >> "$B/etc/group"
@@ -101,7 +101,7 @@ print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 fi
 PY=$B/opt/venv/bin/python
 
-# A private redis-server; the job runs as its ACL user (README, "Redis ACL").
+# A private redis-server; the job runs as its ACL user (docs/acl.md).
 PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 redis-server --port "$PORT" --bind 127.0.0.1 --dir "$B/redis" --save '' --appendonly no \
   --logfile "$B/redis/log" &
@@ -110,7 +110,7 @@ sleep 0.5
 JOB=$B/etc/queue-supervisor/sandbox.toml
 sed -e "s#^url = .*#url = \"redis://127.0.0.1:$PORT/0\"#" -e 's#^queue = .*#queue = "sandbox"#' \
   "$ROOT/conf/stats-usage.toml" > "$JOB"
-chgrp 64990 "$JOB" && chmod 640 "$JOB"  # as the README: readable by the service's group
+chgrp 64990 "$JOB" && chmod 640 "$JOB"  # as docs/operations.md: readable by the service's group
 (cd "$ROOT" && "$PY" -m supervisor acl "$JOB" --role job 2>/dev/null) \
   | sed "s/<password>/sandbox-pw/" | redis-cli -p "$PORT" > /dev/null
 echo "QUEUE_BROKER_URL=redis://sandbox-job:sandbox-pw@127.0.0.1:$PORT/0" \

@@ -32,7 +32,7 @@ prefetch = 20
 TOML
 count=200
 for n in $(seq "$count"); do echo "{\"n\": $n}"; done | "$work/venv/bin/python" -m supervisor publish job.toml
-# The console script, as an install should start it (README: "Other local users").
+# The console script, as an install should start it (docs/operations.md: "Other local users").
 "$work/venv/bin/queue-supervisor" --help >/dev/null
 "$work/venv/bin/queue-supervisor" job.toml >supervisor.log 2>&1 &
 supervisor=$!

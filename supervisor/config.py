@@ -4,7 +4,7 @@ This module declares the keys (a field of its section's dataclass per key: type,
 rules, one line of documentation), the rules that involve several keys, and ``load``.
 How a declaration is read, checked and documented is ``supervisor.schema``; whether a broker
 URL is usable, ``broker.urls``. The loader, its error messages and ``describe()`` (the key
-table of the README) all read the declarations, so a key cannot be documented one way and
+table of docs/configuration.md) all read the declarations, so a key cannot be documented one way and
 validated another.
 
 Every problem is a ``ConfigError`` whose message is one line naming the file and the key:

@@ -1,6 +1,6 @@
 """The supervisor's exit codes, in one place for the CLI, the arbiter and the operator
 commands. systemd restarts 1 and 4 and never 2, 3 or 5, which would only repeat (see
-conf/queue-supervisor@.service, RestartPreventExitStatus=2 3 5, and the README)."""
+conf/queue-supervisor@.service, RestartPreventExitStatus=2 3 5, and docs/operations.md)."""
 
 OK = 0
 #: The job: the broker is unreachable. An operator command: work is left (drain, check).

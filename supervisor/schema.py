@@ -4,7 +4,7 @@
 A key is a field of its section's frozen dataclass, made with ``setting``: the annotation
 is its type, the field holds its default, its rules and one line of documentation.
 ``keys_of`` turns the sections into the one table that ``Values`` (reading a file) and
-``key_table`` (the README's) share, so a key cannot be documented one way and validated
+``key_table`` (docs/configuration.md's) share, so a key cannot be documented one way and validated
 another.
 
 Every problem is a ``ConfigError`` whose message is one line naming the file and the key.

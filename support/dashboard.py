@@ -38,7 +38,7 @@ class Dashboard:
                    if k not in ("QUEUE_BROKER_URL", "QUEUE_DASHBOARD_TOKEN")}
         environ["PYTHONPATH"] = str(ROOT)
         if token is not None:
-            environ["QUEUE_DASHBOARD_TOKEN"] = token  # as the README advises: not in argv
+            environ["QUEUE_DASHBOARD_TOKEN"] = token  # as docs/dashboard.md advises: not in argv
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "supervisor", "dashboard", *map(str, configs),

@@ -2,7 +2,7 @@
 operator command run end to end, each as its own user, and ``ACL LOG`` stays empty (no command
 and no key was denied). The default user is switched off, so nothing can quietly run as it.
 
-The users are created the way the README says: ``python -m supervisor acl JOB`` piped into
+The users are created the way docs/acl.md says: ``python -m supervisor acl JOB`` piped into
 ``redis-cli``. A command missing from a list fails this test (its denial is logged, and the
 step that needed it fails), as ``test_a_missing_command_is_denied_and_logged`` shows.
 """
@@ -61,7 +61,7 @@ def supervisor_command(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def create_users(port: int, conf: Path, admin: tuple[str, str] | None = ADMIN) -> None:
-    """``python -m supervisor acl JOB | sed s/<password>/.../ | redis-cli``, as the README."""
+    """``python -m supervisor acl JOB | sed s/<password>/.../ | redis-cli``, as docs/acl.md."""
     printed = supervisor_command("acl", str(conf))
     assert printed.returncode == 0, printed.stderr
     login = ["--user", admin[0], "--pass", admin[1], "--no-auth-warning"] if admin else []

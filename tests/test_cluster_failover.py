@@ -8,7 +8,7 @@ replica at once (``CLUSTER FAILOVER TAKEOVER``): the new master then lacks exact
 writes made after the cut. That is the worst case of a real crash, where only the last
 fraction of a millisecond is usually missing.
 
-Found here (the README's "Failover" section has the table), per write taken back:
+Found here (docs/redis-cluster.md, "Failover", has the table), per write taken back:
 
 - a producer's push: the message is lost. With wait_replicas, publish raises NotReplicated
   instead of returning, and the producer publishes again.

@@ -631,18 +631,19 @@ def test_loading_a_job_loads_no_client_of_the_other_broker(tmp_path, url, kind, 
     assert other_client not in modules_after(code)
 
 
-# --- the README's key table ------------------------------------------------------------------
+# --- the key table of docs/configuration.md ----------------------------------------------------
 
-README = (REPO / "README.md").read_text()
+PAGE = (REPO / "docs" / "configuration.md").read_text()
+#: Every page of the documentation and the README, where keys are named.
+DOCUMENTED = "\n".join(path.read_text() for path in [REPO / "README.md",
+                                                     *sorted((REPO / "docs").rglob("*.md"))])
 KIND_WORDS = {int: "integer", float: "seconds", bool: "boolean", str: "string"}
 
 
-def readme_key_rows() -> dict[str, list[str]]:
-    """The README's table of keys (section "Configuration"): label -> the other cells."""
-    start = README.index("\n## Configuration\n")
-    section = README[start:README.index("\n## ", start + 1)]
+def documented_key_rows() -> dict[str, list[str]]:
+    """The table of keys (docs/configuration.md): label -> the other cells."""
     rows: dict[str, list[str]] = {}
-    for line in section.splitlines():
+    for line in PAGE.splitlines():
         if line.startswith("| `["):
             label, *cells = line.removeprefix("| ").removesuffix(" |").split(" | ")
             assert label.strip("`") not in rows, f"{label} is documented twice"
@@ -650,13 +651,13 @@ def readme_key_rows() -> dict[str, list[str]]:
     return rows
 
 
-def test_the_readme_documents_every_declared_key_and_no_other():
-    assert list(readme_key_rows()) == [key.label for key in config.KEYS]
+def test_the_docs_document_every_declared_key_and_no_other():
+    assert list(documented_key_rows()) == [key.label for key in config.KEYS]
 
 
 @pytest.mark.parametrize("key", config.KEYS, ids=lambda key: key.label)
-def test_the_readme_row_of_a_key_shows_its_declaration(key):
-    kind, default, allowed, meaning = readme_key_rows()[key.label]
+def test_the_docs_row_of_a_key_shows_its_declaration(key):
+    kind, default, allowed, meaning = documented_key_rows()[key.label]
     assert kind == KIND_WORDS[key.kind]
     if key.default is config.REQUIRED:
         assert default == "required"
@@ -670,10 +671,10 @@ def test_the_readme_row_of_a_key_shows_its_declaration(key):
     assert meaning == key.doc
 
 
-def test_every_key_the_readme_names_is_declared():
+def test_every_key_the_docs_name_is_declared():
     declared = {(key.section, key.name) for key in config.KEYS}
-    named = set(re.findall(r"\[(broker|job|supervisor|nats)\] ([A-Za-z_*]+)", README))
-    for block in re.findall(r"```toml\n(.*?)```", README, re.S):
+    named = set(re.findall(r"\[(broker|job|supervisor|nats)\] ([A-Za-z_*]+)", DOCUMENTED))
+    for block in re.findall(r"```toml\n(.*?)```", DOCUMENTED, re.S):
         named |= {(section, name) for section, table in tomllib.loads(block).items()
                   for name in table}
     unknown = {(section, name) for section, name in named

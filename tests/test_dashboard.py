@@ -124,7 +124,7 @@ async def test_overview_counts_every_list_of_a_redis_queue(tmp_path, redis_url, 
     overview_shows(dashboard, {"ready": "7", "processing": "2", "delayed": "2", "failed": "3",
                                "dead": "1", "poison": "2", "supervisors": "0"})
     assert re.search(r"oldest\">\d+ s<", dashboard.client.get("/live/overview")[1])
-    # Sampling never walks the keyspace (the cost the README states): no SCAN, no KEYS.
+    # Sampling never walks the keyspace (the cost docs/dashboard.md states): no SCAN, no KEYS.
     commands = await redis_client.info("commandstats")
     assert "cmdstat_scan" not in commands and "cmdstat_keys" not in commands, commands
 
@@ -692,14 +692,14 @@ def test_histogram_quantiles_from_the_supervisors_buckets():
     assert scrape.figures("")["version"] is None  # an older supervisor serves no build info
 
 
-def test_the_readme_shows_the_screenshots_the_script_makes():
-    root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    shown = re.findall(r"!\[[^\]]*\]\((docs/dashboard/[\w-]+\.png)\)", readme)
+def test_the_docs_show_the_screenshots_the_script_makes():
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    page = (docs / "dashboard.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\((dashboard/[\w-]+\.png)\)", page)
     assert {Path(p).stem for p in shown} == {"overview", "queue", "failed", "job"}
-    made = (root / "scripts" / "screenshots.py").read_text()
+    made = (docs.parent / "scripts" / "screenshots.py").read_text()
     for path in shown:
-        assert (root / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+        assert (docs / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
         assert f'"{Path(path).stem}' in made, path  # made by the script, not by hand
 
 

@@ -105,10 +105,10 @@ def test_check_and_drain_fail_while_an_idle_supervisor_runs(tmp_path, redis_url,
 
 
 def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client):
-    """README "Rolling back to PHP workers": PHP queue-5 workers (the model, with queue 5's
-    default reapAfter of 25 h, so it recovers nothing of ours by itself) consume beside a
-    supervisor; `drain` stops the supervisor and hands its work over; the PHP worker then
-    finishes the queue. Every message runs, nothing is stranded, the counters agree."""
+    """docs/php-queue5.md "Rolling back to PHP workers": PHP queue-5 workers (the model, with queue
+    5's default reapAfter of 25 h, so it recovers nothing of ours by itself) consume beside a
+    supervisor; `drain` stops the supervisor and hands its work over; the PHP worker then finishes
+    the queue. Every message runs, nothing is stranded, the counters agree."""
     from tests.queue5 import Queue5Consumer
 
     queue = f"rollback-{uuid.uuid4().hex[:8]}"
@@ -190,16 +190,15 @@ def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url
 
 
 def test_rollback_leaves_nothing_owned_by_a_retired_supervisor(tmp_path, redis_url, client):
-    """README "Rolling back to PHP workers" with the faults that stranded work for a day:
-    PHP queue-5 workers at queue 5's default ``reapAfter`` (25 h: they recover nothing of
-    ours by themselves) run throughout, one of them a Workerman worker that never renews
-    and holds a delivery past its claim; one supervisor is SIGKILLed holding deliveries (a
-    handler hangs, the rest wait in its buffer); another is drained while its handler hangs
-    past the shutdown deadline. ``drain`` stops the second (which requeues what its killed
-    handler held), recovers the dead one's deliveries once its lease ran out (the registry
-    names them ours, its record is gone), and never touches the Workerman worker's; ``check``
-    exits 0 with the PHP worker's delivery still in flight; the PHP workers finish the queue
-    without waiting out any reapAfter."""
+    """docs/php-queue5.md "Rolling back to PHP workers" with the faults that stranded work for a
+    day: PHP queue-5 workers at queue 5's default ``reapAfter`` (25 h: they recover nothing of ours
+    by themselves) run throughout, one of them a Workerman worker that never renews and holds a
+    delivery past its claim; one supervisor is SIGKILLed holding deliveries (a handler hangs, the
+    rest wait in its buffer); another is drained while its handler hangs past the shutdown deadline.
+    ``drain`` stops the second (which requeues what its killed handler held), recovers the dead
+    one's deliveries once its lease ran out (the registry names them ours, its record is gone), and
+    never touches the Workerman worker's; ``check`` exits 0 with the PHP worker's delivery still in
+    flight; the PHP workers finish the queue without waiting out any reapAfter."""
     from tests.queue5 import Queue5Consumer
 
     queue = f"rollback-{uuid.uuid4().hex[:8]}"

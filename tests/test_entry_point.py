@@ -91,6 +91,7 @@ def test_the_console_script_imports_nothing_from_the_working_directory(
     assert done.returncode == 0, done.stderr
     assert not record.exists()
 
-    # What the README warns about: the module form runs the local package.
+    # What docs/operations.md ("Other local users") warns about: the module form runs the
+    # local package.
     run_in(folder, sys.executable, "-m", "supervisor", "acl", "job.toml")
     assert record.exists()

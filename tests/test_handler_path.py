@@ -51,7 +51,7 @@ def test_a_handler_not_on_the_path_says_how_to_put_it_there(tmp_path, project):
     assert "myjobs is neither installed in this Python's environment nor on PYTHONPATH" in error
     assert f"{sys.executable} -m pip install" in error
     assert "set PYTHONPATH to the folder that contains myjobs/" in error
-    assert 'README: "Where handler code lives"' in error
+    assert 'docs/handlers.md: "Where handler code lives"' in error
 
 
 def test_pythonpath_as_the_message_says_finds_it(tmp_path, project):

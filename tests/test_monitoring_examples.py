@@ -24,7 +24,7 @@ ALERTS = ROOT / "examples" / "monitoring" / "alerts.yml"
 DASHBOARD = ROOT / "examples" / "monitoring" / "grafana-dashboard.json"
 RULE_TESTS = ROOT / "tests" / "data" / "alerts_test.yml"
 METRIC = re.compile(r"\b(queue_supervisor_[a-z0-9_]+)\b")
-#: What every alert the README promises watches (issue 25 item 3).
+#: What every alert docs/metrics.md promises watches (issue 25 item 3).
 ALERTED = {
     "queue_supervisor_ready_messages", "queue_supervisor_oldest_ready_age_seconds",
     "queue_supervisor_failed_messages", "queue_supervisor_dead_messages",

@@ -1,9 +1,9 @@
-"""README "Rolling back to PHP workers", run word for word (issue 39): the commands of its
-shell block, as an operator types them in the folder of ``job.toml``, against the queue-5
-PHP model at queue 5's default ``reapAfter`` and at a short one, with delayed retries
-waiting and failure records kept beside failed jobs, and a second supervisor killed with
-SIGKILL just before. Afterwards the PHP worker finishes the queue and nothing of this
-project is left but the failure records beside the jobs they describe."""
+"""docs/php-queue5.md "Rolling back to PHP workers", run word for word (issue 39): the commands of
+its shell block, as an operator types them in the folder of ``job.toml``, against the queue-5 PHP
+model at queue 5's default ``reapAfter`` and at a short one, with delayed retries waiting and
+failure records kept beside failed jobs, and a second supervisor killed with SIGKILL just before.
+Afterwards the PHP worker finishes the queue and nothing of this project is left but the failure
+records beside the jobs they describe."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import redis
 
 from broker import envelope
 from broker.redis.keys import QueueKeys
-from support.readme import block_after, commands
+from support.docs import block_after, commands
 from support.supervision import NAMESPACE, ROOT, Supervisor, lines, wait_for, write_config
 from tests.queue5 import REAP_AFTER, Queue5Consumer
 
@@ -82,7 +82,7 @@ def test_the_readme_rollback_word_for_word(tmp_path, redis_url, client, reap_aft
         client.lpush(keys.ready, *(raw for _, raw in fresh))
         php_batch(5)
         php.maintain()
-        # 2. The README's commands, as written.
+        # 2. The page's commands, as written.
         for line in procedure():
             done = run_as_typed(line, tmp_path)
             assert done.returncode == 0, f"{line}\n{done.stdout}{done.stderr}"
@@ -107,7 +107,7 @@ def test_the_readme_rollback_word_for_word(tmp_path, redis_url, client, reap_aft
 
 
 def procedure() -> list[str]:
-    return commands(block_after("### Rolling back to PHP workers"))
+    return commands(block_after("php-queue5.md", "## Rolling back to PHP workers"))
 
 
 def run_as_typed(line: str, folder: Path) -> subprocess.CompletedProcess[str]:

@@ -2,7 +2,7 @@
 queue's master fails over (a manual CLUSTER FAILOVER, then a SIGKILL and an election, in
 turn), with handler and supervisor kills between. Nothing may be lost and the totals must
 stay exact; a failover may only cost duplicate runs. The long run is
-``python -m bench.chaos --broker redis-cluster`` (README, "Chaos soak")."""
+``python -m bench.chaos --broker redis-cluster`` (docs/chaos-soak.md)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from broker.tls import TlsSettings
 from supervisor import config
 from supervisor.config import ConfigError, load
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def job_file(directory: Path, broker: str, url: str = "rediss://127.0.0.1:6380/0") -> Path:
@@ -174,11 +174,11 @@ def test_redis_url_tls_parameters_are_refused(tmp_path, query):
     assert "tls_* keys" in message
 
 
-def test_the_readme_key_table_is_generated_from_the_declarations():
+def test_the_documented_key_table_is_generated_from_the_declarations():
     generated = config.describe()
     for key in ("tls_ca", "tls_cert", "tls_key", "tls_verify_hostname"):
         assert f"`[broker] {key}`" in generated
-    assert generated in README.read_text()
+    assert generated in CONFIGURATION.read_text()
 
 
 @pytest.mark.parametrize("error", [

@@ -1,8 +1,8 @@
 """conf/queue-supervisor@.service: the install's interpreter by absolute path, a dedicated user,
 a state directory, and the sandbox; checked by systemd-analyze where it is installed.
 
-systemd does not run in the test environment, so nothing here starts the unit; the README
-says how it was run under a real systemd (scripts/unit-sandbox.sh).
+systemd does not run in the test environment, so nothing here starts the unit;
+docs/operations.md says how it was run under a real systemd (scripts/unit-sandbox.sh).
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def not_found_hint(module_name: str, missing: str | None) -> str:
     return (f"{top} is neither installed in this Python's environment nor on PYTHONPATH: "
             f"install the package holding it there ({sys.executable} -m pip install "
             f"/path/to/your/project), or set PYTHONPATH to the folder that contains {top}/ "
-            f'(README: "Where handler code lives")')
+            f'(docs/handlers.md: "Where handler code lives")')
 
 
 def load(spec: str) -> Handler:

@@ -7,7 +7,7 @@ and a SIGKILL of the queue's master (its replica is elected after the node timeo
 killed node is started again and rejoins as a replica).
 
 Replication is asynchronous: a push acknowledged by a master that is then killed can be
-taken back by the failover (see the README's "Failover" section). The soak's producer is
+taken back by the failover (see docs/redis-cluster.md, "Failover"). The soak's producer is
 not what is under test, so, as on the single server (where publishing pauses across a
 restart), its pushes wait for the replica (``WAIT 1``) and pause across a failover: every
 message is published exactly once and known to the cluster. The supervisors keep the

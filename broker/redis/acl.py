@@ -3,7 +3,7 @@
 Redis checks every command a client sends, with its keys, against the user's ACL, and so it
 does every ``redis.call`` inside a Lua script. The roles below are the one list of what each
 side needs: ``python -m supervisor acl JOB`` prints them as ``ACL SETUSER`` lines for the
-job's namespace and queue, the README shows that output (a test compares the two), and the
+job's namespace and queue, docs/acl.md shows that output (a test compares the two), and the
 end-to-end test creates exactly these users and fails on any entry in ``ACL LOG``.
 
 Key patterns name one queue's keys, never the whole namespace (``broker.redis.keys``:
@@ -97,7 +97,7 @@ def _under(prefix: Callable[[QueueKeys], str]) -> Callable[[QueueKeys], str]:
     return lambda keys: glob_escape(prefix(keys)) + "*"
 
 
-#: The key patterns of one queue, by the names the README's "Redis keys" table uses.
+#: The key patterns of one queue, by the names the "Redis keys" table (docs/redis.md) uses.
 PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "queue.{q}": _fixed("ready"),
     "reservations.{q}": _fixed("reservations"),
@@ -291,7 +291,7 @@ def script_commands(name: str) -> set[str]:
 
 
 def describe() -> str:
-    """The README's table: each command, what it is for, and which users get it."""
+    """The table of docs/acl.md: each command, what it is for, and which users get it."""
     users: dict[str, list[str]] = {}
     for role in ROLES:
         for name in commands(role):

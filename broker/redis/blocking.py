@@ -138,7 +138,7 @@ class BlockingMove:
             self._can_unblock = False
             log.warning("CLIENT ID refused (%s): a stop will leave its idle receive's "
                         "reservation registered (expired) for maintenance to remove; grant "
-                        "client|id and client|unblock (README, Redis ACL)", reply)
+                        "client|id and client|unblock (docs/acl.md)", reply)
         else:
             self._blocked_id = int(reply)
 

@@ -20,7 +20,7 @@ from redis.crc import key_slot
 from broker.base import BrokerError
 from broker.redis.keys import QueueKeys
 
-README_SECTION = 'README, "Running on a Redis Cluster"'
+DOCS_SECTION = 'docs/redis-cluster.md, "Running on a Redis Cluster"'
 BRACES = (' Its braces make none: Redis hashes by what the first "{" and the next "}" enclose, '
           "and only when that is not empty.")
 
@@ -77,7 +77,7 @@ def check_placement(keys: QueueKeys) -> None:
         f"Use the hash-tagged namespace = \"{{{_untagged(keys.namespace)}}}\" on Redis Cluster"
         f"{', and keep braces out of the queue name' if braces else ''}. That is a new set of "
         f"key names: jobs already queued under {keys.namespace!r} are not moved for you; drain "
-        f"them or migrate their keys explicitly first ({README_SECTION})."
+        f"them or migrate their keys explicitly first ({DOCS_SECTION})."
     )
 
 

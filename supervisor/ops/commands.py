@@ -203,7 +203,7 @@ async def acl(config: Config, args: argparse.Namespace) -> int:
     )
     where = "on every node of the Cluster" if config.broker.cluster else "with redis-cli"
     print(f"# Redis users of queue {keys.queue} (namespace {keys.namespace}): replace "
-          f"{redis_acl.PASSWORD}, run {where}; README \"Redis ACL\"", file=sys.stderr)
+          f"{redis_acl.PASSWORD}, run {where}; see docs/acl.md", file=sys.stderr)
     print("\n".join(lines))
     return exits.OK
 
@@ -262,7 +262,8 @@ def describe_status(state: dict[str, Any]) -> list[str]:
         lines += [f"      {line}" for line in running.copy_lines(record.get("running"))]
     if state["previous_format"]:
         lines.append(f"  previous-format supervisors still running: {state['previous_format']}"
-                     " (stop them: see the README, upgrading)")
+                     " (stop them: docs/php-queue5.md,"
+                     " \"Upgrading from this project's previous format\")")
     lines.append("  stats         " + "  ".join(f"{k} {_count(v)}" for k, v in stats.items()))
     return lines
 

@@ -77,7 +77,7 @@ def _earlier_lines(earlier: dict[str, Any] | None) -> list[str]:
         return []
     return [f"  earlier name  stream {earlier['name']} still exists ({earlier['messages']} "
             f"messages): supervisors refuse to start until it is drained and deleted "
-            f"(README, NATS JetStream)"]
+            f"(docs/nats.md)"]
 
 
 def describe_alive(queue: str, answered: list[str], figures: dict[str, Any]) -> list[str]:
