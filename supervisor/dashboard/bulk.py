@@ -110,8 +110,9 @@ async def nats(stream: nats_admin.DeadStream, queue: str, action: str,
                selectors: Sequence[str]) -> str:
     """Retry or delete each confirmed dead letter (``seq:N``) still in the dead stream."""
     dead = stream.names.dead_stream
-    letters, gone = await stream.find(list(selectors))
-    report = nats_admin.Moved(missing=list(gone))
+    letters, _ = await stream.find(list(selectors))
+    there = {f"seq:{letter.job.seq}" for letter in letters}
+    report = nats_admin.Moved(missing=[s for s in selectors if s not in there])
     step = nats_admin.retry if action == "retry" else nats_admin.remove
     for letter in letters:
         await step(stream, letter, report)

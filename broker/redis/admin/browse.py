@@ -103,8 +103,7 @@ async def from_tail(client: Any, key: str, start: int, count: int) -> list[str]:
     """``count`` pids of a list from position ``start`` counted from the oldest end, newest
     first: failures pushed meanwhile (at the head) do not move them, so a search that reads
     window after window neither reads an entry twice nor skips one for them."""
-    window = await client.lrange(key, -(start + count), -(start + 1))
-    return [_text(pid) for pid in reversed(window)]
+    return [_text(pid) for pid in await client.lrange(key, -(start + count), -(start + 1))]
 
 
 async def records(client: Any, keys: QueueKeys, pids: list[str], head_bytes: int,
