@@ -26,8 +26,9 @@ from broker.redis.admin import retry as retrying
 from broker.redis.recovery import RECORD_LIMIT
 from supervisor.dashboard.auth import ONCE_SECONDS
 
-#: Plans kept at most, over all sessions (the oldest goes first).
-MAX_PLANS = 100
+#: Plans kept at most, over all sessions (the oldest goes first): each holds up to
+#: ``search.SEARCH_ENTRIES`` pids.
+MAX_PLANS = 32
 #: Pids a confirmation page lists (it counts them all).
 SHOW = 10
 ACTIONS = ("retry", "delete")
