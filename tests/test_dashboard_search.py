@@ -363,3 +363,30 @@ async def test_nats_dead_letters_are_searched_and_bulk_retried_and_deleted_as_co
     assert status == 200 and "1 of the 1 confirmed dead letters of e2e deleted" in body
     assert (await js.stream_info(names.dead_stream)).state.messages == 2
     assert client.get("/q/0/bulk/failed?action=retry&error=x")[0] == 400  # no failed list
+
+
+async def test_a_redis_cluster_queue_is_searched_and_bulk_retried(
+        tmp_path, redis_cluster, dashboards):
+    from redis.asyncio.cluster import RedisCluster
+
+    namespace = "{utopia-queue}"
+    k = QueueKeys(namespace, QUEUE)
+    client = RedisCluster.from_url(redis_cluster.url)
+    try:
+        for pid in (MAIL, ORDER):
+            await fail_job(client, k, {"to": pid}, pid, Failure("ValueError", "boom"))
+        await fail_job(client, k, {"n": 1}, TIMEOUT, Failure("TimeoutError", "slow"))
+        config = write_config(tmp_path, redis_cluster.url, handler="examples.noop:handle",
+                              broker={"cluster": True, "namespace": namespace})
+        dashboard = dashboards(config, token="t")
+        http = dashboard.client
+        assert http.login("t") == 303
+        _, body = http.get("/q/0/list/failed?error=ValueError&payload=to")
+        assert listed(body) == [ORDER, MAIL] and note(body).endswith("; 2 match")
+        fields = confirm_form(http.get("/q/0/bulk/failed?action=retry&error=ValueError")[1])
+        status, body = http.post("/q/0/bulk/failed", fields)
+        assert status == 200 and "2 of the 2 confirmed jobs of e2e moved" in body
+        assert await client.lrange(k.failed, 0, -1) == [TIMEOUT.encode()]
+        assert await client.llen(k.ready) == 2
+    finally:
+        await client.aclose()

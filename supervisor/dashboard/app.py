@@ -13,6 +13,11 @@ With a token every page and live fragment shows job data only to a session (``au
 without one a page answers a redirect to the login (which comes back to it), a live
 fragment 401 (live.js then stops and says so). ``/healthz``, ``/login`` and the static files
 are open. A job is named only by a pid of the producers' shape (``pids``).
+
+The failed, dead and poison pages also search by error class, message and payload text,
+bounded (``search``); what a search of failed or dead jobs matched can be retried or
+deleted in bulk through a confirmation page whose form does exactly the set it showed, once
+(``bulk``). A single delete is confirmed on a page of its own first.
 """
 
 from __future__ import annotations
