@@ -390,3 +390,25 @@ async def test_a_redis_cluster_queue_is_searched_and_bulk_retried(
         assert await client.llen(k.ready) == 2
     finally:
         await client.aclose()
+
+
+async def test_a_search_stops_at_its_byte_bound_and_says_so(redis_client, monkeypatch):
+    """In process, with the bounds made small: records of 5,000 bytes are read 4,096 bytes
+    each, two a window, and the search stops in the window that passes 10,000 bytes."""
+    from types import SimpleNamespace
+
+    from supervisor.dashboard import search
+
+    monkeypatch.setattr(search, "WINDOW", 2)
+    monkeypatch.setattr(search, "SEARCH_BYTES", 10_000)
+    k = keys()
+    for n in range(20):
+        await redis_client.set(k.job(pid_of(n)), b"x" * 5000)
+        await redis_client.lpush(k.failed, pid_of(n))
+    found = await search.redis(SimpleNamespace(client=redis_client, keys=k), "failed",
+                               search.Query(payload="xx"))
+    assert (found.read, found.matches, found.bytes) == (4, 4, 4 * 4096)
+    assert found.selectors == [pid_of(n) for n in (19, 18, 17, 16)]
+    assert found.note == ("searched the newest 4 entries of 20 (at most 10,000; the first "
+                          "4,096 bytes of each record); 4 match; stopped early: read "
+                          "0.00953674 MiB, the most one search reads")

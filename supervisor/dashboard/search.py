@@ -125,7 +125,7 @@ class Found:
         """Count ``size`` bytes read; whether the search has read all it may."""
         self.bytes += size
         if self.bytes >= SEARCH_BYTES:
-            self.stopped = f"read {SEARCH_BYTES >> 20} MiB, the most one search reads"
+            self.stopped = f"read {SEARCH_BYTES / 2**20:g} MiB, the most one search reads"
         return bool(self.stopped)
 
 
