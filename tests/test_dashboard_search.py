@@ -364,6 +364,17 @@ async def test_nats_dead_letters_are_searched_and_bulk_retried_and_deleted_as_co
     assert (await js.stream_info(names.dead_stream)).state.messages == 2
     assert client.get("/q/0/bulk/failed?action=retry&error=x")[0] == 400  # no failed list
 
+    _, body = client.get("/q/0/list/dead")  # a single delete asks first here too
+    assert 'action="/q/0/confirm"' in body and 'name="action" value="delete"' not in body
+    page = client.get("/q/0/confirm?source=dead&pid=seq:4")[1]
+    assert "Confirm: delete 1 dead letter of dead" in page
+    fields = confirm_form(page)
+    assert fields["pid"] == "seq:4" and fields["source"] == "dead"
+    status, body = client.post("/q/0/action", fields)
+    assert status == 200 and "deleted from Q_E2E_DEAD" in body
+    assert client.post("/q/0/action", fields)[0] == 403
+    assert (await js.stream_info(names.dead_stream)).state.messages == 1
+
 
 async def test_a_redis_cluster_queue_is_searched_and_bulk_retried(
         tmp_path, redis_cluster, dashboards):
