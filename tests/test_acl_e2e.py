@@ -417,7 +417,10 @@ def test_the_dashboard_reads_every_page_and_acts_as_its_acl_user(tmp_path, own_r
         wait_for(lambda: " 3 " in overview() and "ok" in overview(), 30, "a sample")
         for path in ("/", "/q/0", "/live/q/0", "/q/0/list/failed", "/q/0/list/dead",
                      "/q/0/list/poison", f"/q/0/list/failed?pid={f2}", f"/q/0/job?pid={f1}",
-                     f"/q/0/job?pid={p1}"):
+                     f"/q/0/job?pid={p1}", "/q/0/list/failed?error=Value&message=boom&payload=p",
+                     "/q/0/list/poison?payload=json", "/q/0/list/dead?message=boom",
+                     "/q/0/bulk/failed?action=retry&error=ValueError",
+                     f"/q/0/confirm?source=failed&pid={f2}"):
             status, body = dashboard.client.get(path)
             assert status == 200 and 'class="bad"' not in body, (path, body[-3000:])
             assert denied(admin) == [], path

@@ -182,17 +182,17 @@ def form_fields(driver, selector: str) -> dict[str, str]:
         return Object.fromEntries(new FormData(form).entries());""", selector)
 
 
-def post_from_page(driver, fields: dict[str, str]) -> None:
+def post_from_page(driver, fields: dict[str, str], action: str = "/q/0/action") -> None:
     """Submit a form the page did not offer (what a forged or stale page would send)."""
     driver.execute_script("""
         const form = document.createElement("form");
-        form.method = "post"; form.action = "/q/0/action";
+        form.method = "post"; form.action = arguments[1];
         for (const [name, value] of Object.entries(arguments[0])) {
             const input = document.createElement("input");
             input.type = "hidden"; input.name = name; input.value = value;
             form.appendChild(input);
         }
-        document.body.appendChild(form); form.submit();""", fields)
+        document.body.appendChild(form); form.submit();""", fields, action)
 
 
 def test_actions_are_refused_without_the_token_and_without_the_csrf_token(
@@ -321,6 +321,78 @@ def test_a_double_clicked_or_resent_action_acts_once(
     message = wait(browser, lambda d: "sent already" in d.find_element(By.ID, "message").text,
                    "the refusal")
     assert client.lrange(k.failed, 0, -1) == [pid.encode()] and client.llen(k.ready) == 1
+
+
+# -- search, bulk actions, confirmations (issue 41.4, 41.5) -------------------------------------
+
+
+def test_a_search_leads_to_a_confirmed_bulk_retry_whose_replay_is_refused(
+        tmp_path, redis_url, client, dashboards, browser):
+    """Search by error class, see the count, confirm (count and pids), see the result, go
+    back to the list; the confirmed form sent again is refused, and a job that came to match
+    after the confirmation stays where it is."""
+    k = keys()
+    matching = []
+    for n, (pid, raw) in enumerate(of("e2e", [{"n": n} for n in range(4)])):
+        client.set(k.job(pid), raw)
+        client.lpush(k.failed, pid)
+        error = Failure("ValueError" if n < 3 else "TimeoutError", "boom")
+        client.set(k.error(pid), error.encode())
+        matching += [pid] if n < 3 else []
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"),
+                           token="t0ken")
+    browser.get(f"{dashboard.url}/q/0/list/failed")
+    log_in(browser, "hana", "t0ken")
+    browser.find_element(By.NAME, "error").send_keys("ValueError")
+    browser.find_element(By.ID, "search-text").click()
+    found = wait(browser, lambda d: d.find_element(By.ID, "search-note"), "the search")
+    assert found.text.endswith("searched the newest 4 entries of 4 (at most 10,000; the first "
+                               "4,096 bytes of each record); 3 match"), found.text
+    assert "the newest 10,000 entries at most" in browser.find_element(
+        By.CSS_SELECTOR, "small.bound").text
+    browser.find_element(By.ID, "bulk-retry").click()
+    count = wait(browser, lambda d: d.find_element(By.ID, "confirm-count"), "the confirmation")
+    assert count.text == "Retry 3 jobs:"
+    assert sorted(texts(browser, "#confirm-pids a")) == sorted(matching)
+    sent = form_fields(browser, "#confirm")
+    late, raw = next(iter(of("e2e", [{"n": 9}])))  # matches too, after the confirmation
+    client.set(k.job(late), raw)
+    client.lpush(k.failed, late)
+    client.set(k.error(late), Failure("ValueError", "boom").encode())
+    browser.find_element(By.ID, "confirm").click()
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the result")
+    assert message.text == ("3 of the 3 confirmed jobs of e2e moved from failed back to the "
+                            "ready list")
+    browser.find_element(By.ID, "back").click()
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "h1").text.startswith("Failed jobs"),
+         "the list")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "td.pid")) == 2  # the late one, timeout
+    post_from_page(browser, sent, "/q/0/bulk/failed")  # the confirmed form once more
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the refusal")
+    assert "sent already" in message.text
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"
+    assert client.llen(k.ready) == 3 and client.lrange(k.failed, 0, 0) == [late.encode()]
+
+
+def test_a_single_delete_asks_first_and_cancel_changes_nothing(
+        tmp_path, redis_url, client, dashboards, browser):
+    k = keys()
+    pid = failed_job(client)
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"),
+                           token="t0ken")
+    browser.get(f"{dashboard.url}/q/0/list/failed")
+    log_in(browser, "ivan", "t0ken")
+    browser.find_element(By.CSS_SELECTOR, "td.actions button.delete").click()
+    count = wait(browser, lambda d: d.find_element(By.ID, "confirm-count"), "the confirmation")
+    assert count.text == "Delete 1 job:" and texts(browser, "#confirm-pids a") == [pid]
+    browser.find_element(By.ID, "cancel").click()
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "td.actions"), "the list")
+    assert client.lrange(k.failed, 0, -1) == [pid.encode()]
+    browser.find_element(By.CSS_SELECTOR, "td.actions button.delete").click()
+    wait(browser, lambda d: d.find_element(By.ID, "confirm"), "the confirmation").click()
+    message = wait(browser, lambda d: d.find_element(By.ID, "message"), "the result")
+    assert message.text == f"job {pid} of e2e deleted from failed with its job and failure records"
+    assert client.llen(k.failed) == 0 and not client.exists(k.job(pid))
 
 
 # -- plots, stale figures, long errors (issue 41.8) --------------------------------------------

@@ -85,6 +85,7 @@ async def test_delete_by_pid_seq_and_count_with_dry_run(conf, run, nats_brokers,
     assert await dead_pids(js) == pids
     code, out = await run("dead", conf, "delete", pids[1], "seq:4", "nobody")
     assert code == 1 and "deleted 2" in out and "nobody" in out
+    assert "seq:4" not in out  # found by its sequence: not reported missing as well
     assert await dead_pids(js) == [pids[0], pids[2]]
     code, out = await run("dead", conf, "delete", "--count", "1")
     assert code == 0 and await dead_pids(js) == [pids[2]]

@@ -162,7 +162,9 @@ class DeadStream:
             async for letter in self.letters(depth):
                 if letter.job.pid in pids and letter.job.seq not in seqs:
                     found.append(letter)
-        named = {name(letter.job) for letter in found} | {letter.job.pid for letter in found}
+        # a letter found by seq:N is named by it even when it has a pid
+        named = ({f"seq:{letter.job.seq}" for letter in found}
+                 | {letter.job.pid for letter in found})
         return found, [s for s in selectors if s not in named]
 
     async def delete(self, letter: Letter) -> bool:

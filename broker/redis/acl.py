@@ -219,13 +219,14 @@ ROLES: tuple[Role, ...] = (
          (
              "llen", "get", "zcard", "hlen", "hgetall", "exists", "lpos", "lrange", "strlen",
              "getrange", "ttl", "pttl", "memory|usage", "zrange", "time", "ltrim",
-             # oldest.lua (the oldest ready message's age), records.lua, retry.lua, delete.lua
+             # oldest.lua (the oldest ready message's age), records.lua, retry.lua,
+             # delete.lua, peek.lua (a poison search: each entry's first bytes)
              "evalsha", "script|load", "type", "lindex", "lrem", "lpush", "del",
          ),
          "~",
          ("queue.{q}", "failed.{q}", "dead.{q}", "poison.{q}", "jobs.{q}.*",
           "supervisor-errors.{q}.*"),
-         ("oldest", "records", "retry", "delete"),
+         ("oldest", "records", "retry", "delete", "peek"),
          read_keys=("processing.{q}", "stats.{q}.*", "supervisor-delayed.{q}",
                     "supervisor-tokens.{q}", "supervisors.{q}.*", "reservations.{q}",
                     "reservations.{q}.*", "owners.{q}.*", "claims.{q}.*",

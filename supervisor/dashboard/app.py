@@ -13,6 +13,11 @@ With a token every page and live fragment shows job data only to a session (``au
 without one a page answers a redirect to the login (which comes back to it), a live
 fragment 401 (live.js then stops and says so). ``/healthz``, ``/login`` and the static files
 are open. A job is named only by a pid of the producers' shape (``pids``).
+
+The failed, dead and poison pages also search by error class, message and payload text,
+bounded (``search``); what a search of failed or dead jobs matched can be retried or
+deleted in bulk through a confirmation page whose form does exactly the set it showed, once
+(``bulk``). A single delete is confirmed on a page of its own first.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from starlette.staticfiles import StaticFiles
 from broker.base import BrokerError
 from supervisor import logs
 from supervisor.config import Config
-from supervisor.dashboard import actions, pids, plots, scrape
+from supervisor.dashboard import actions, bulk, pids, plots, scrape, search
 from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard, local_target
 from supervisor.dashboard.history import History
 from supervisor.dashboard.sources import (
@@ -105,6 +110,7 @@ class Dashboard:
         self.queues = [Queue(i, c, make_source(c)) for i, c in enumerate(configs)]
         self.allowed_hosts = allowed_hosts
         self.guard = Guard(token)
+        self.plans = bulk.Plans()
         self.interval = interval
         self.refresh = refresh
         self.started = time.time()
@@ -158,6 +164,9 @@ def environment() -> jinja2.Environment:
     )
     env.filters.update(show=show, ago=ago, utc=utc, number=number, seconds=seconds)
     env.tests.update(pid=pids.is_pid, dead_letter=pids.is_dead_letter)
+    env.globals.update(  # the search's bounds, as the list page states them
+        search_bound=search.SEARCH_ENTRIES, search_record_bytes=search.RECORD_BYTES,
+        search_error_bytes=search.ERROR_BYTES, search_mib=search.SEARCH_BYTES >> 20)
     return env
 
 
@@ -207,10 +216,10 @@ def create_app(dashboard: Dashboard) -> Starlette:
     def page(request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:
         session_id = request.cookies.get(COOKIE)
         session = dashboard.guard.session(session_id)
+        values.setdefault("once", Once(dashboard.guard, session_id))
         html = env.get_template(name).render(
             dashboard=dashboard, session=session, read_only=dashboard.guard.read_only,
-            once=Once(dashboard.guard, session_id), now=time.time(),
-            request_path=request.url.path, **values)
+            now=time.time(), request_path=request.url.path, **values)
         return HTMLResponse(html, status_code=status, headers=HEADERS)
 
     def guarded(handler: Callable[[Request], Awaitable[Response]]
@@ -271,13 +280,16 @@ def create_app(dashboard: Dashboard) -> Starlette:
         kind = request.path_params["kind"]
         if queue is None or kind not in LISTS:
             return not_found(request, "no such queue or list")
+        query = search.Query.of(request.query_params)
+        if query:
+            return await searching(request, queue, kind, query)
         pid = request.query_params.get("pid", "").strip()
         page_number = _whole(request.query_params.get("page"))
         error, result = "", None
         on_nats = isinstance(queue.source, NatsSource)
         if pid and not (pids.is_dead_letter(pid) if on_nats else pids.is_pid(pid)):
             return page(request, "list.html", 400, queue=queue, kind=kind, listing=None,
-                        error=pids.refusal(pid, on_nats), pid=pid)
+                        error=pids.refusal(pid, on_nats), pid=pid, query=query)
         try:
             if isinstance(queue.source, NatsSource):
                 result = await queue.source.listing(
@@ -287,7 +299,132 @@ def create_app(dashboard: Dashboard) -> Starlette:
         except (BrokerError, OSError, nats.errors.Error) as failure:
             error = f"{queue.name} at {queue.broker}: {failure}"
         return page(request, "list.html", queue=queue, kind=kind, listing=result, error=error,
-                    pid=pid)
+                    pid=pid, query=query)
+
+    async def find(queue: Queue, kind: str, query: search.Query) -> search.Found | None:
+        """The search's matches (None: this queue has no such list to search)."""
+        if isinstance(queue.source, NatsSource):
+            if kind != "dead":
+                return None
+            stream = await queue.source.dead_stream()
+            try:
+                return await search.nats(stream, query)
+            except (OSError, nats.errors.Error) as error:
+                await queue.source.close()
+                raise BrokerError(f"reading {stream.names.dead_stream}: {error!r}") from error
+        return await queue.source.using(lambda broker: search.redis(broker, kind, query))
+
+    async def searching(request: Request, queue: Queue, kind: str, query: search.Query
+                        ) -> Response:
+        error, found = "", None
+        try:
+            found = await find(queue, kind, query)
+        except (BrokerError, OSError, nats.errors.Error) as failure:
+            error = f"{queue.name} at {queue.broker}: {failure}"
+        return page(request, "list.html", queue=queue, kind=kind, listing=None, found=found,
+                    error=error, pid="", query=query)
+
+    def bulk_kind(queue: Queue, kind: str) -> bool:
+        """Whether a bulk action takes this list: failed or dead (NATS: the dead stream)."""
+        return kind == "dead" or (kind == "failed" and not isinstance(queue.source, NatsSource))
+
+    async def confirm_bulk(request: Request) -> Response:
+        """The confirmation of a bulk action: the search again, its matches kept as the
+        plan of the form shown (count, the first pids) under its one-time token."""
+        queue = queue_of(request)
+        kind = request.path_params["kind"]
+        action = request.query_params.get("action", "")
+        query = search.Query.of(request.query_params)
+        if queue is None or kind not in LISTS:
+            return not_found(request, "no such queue or list")
+        back = f"/q/{queue.index}/list/{kind}" + (f"?{query.params()}" if query else "")
+        session_id = request.cookies.get(COOKIE)
+        session = dashboard.guard.session(session_id)
+        if session is None or session_id is None:
+            return page(request, "message.html", 403, title="Refused", queue=queue, back=back,
+                        message="read-only: the dashboard was started without a token"
+                        if dashboard.guard.read_only else "log in to act")
+        if action not in bulk.ACTIONS or not bulk_kind(queue, kind) or not query:
+            return page(request, "message.html", 400, title="Unknown action", queue=queue,
+                        back=back, message=f"no bulk {action or 'action'} of {kind} here: "
+                        "retry or delete what a search of failed or dead jobs matched")
+        try:
+            found = await find(queue, kind, query)
+        except (BrokerError, OSError, nats.errors.Error) as failure:
+            return page(request, "message.html", 503, title="Broker error", queue=queue,
+                        back=back, message=f"{queue.name} at {queue.broker}: {failure}")
+        if found is None or not found.selectors:
+            return page(request, "message.html", title="Nothing to do", queue=queue,
+                        back=back, message=f"nothing matches {query.describe()} now "
+                        f"({found.note if found else 'no such list'}): nothing to {action}")
+        once = Once(dashboard.guard, session_id)
+        plan = dashboard.plans.put(once(), session_id, queue.index, kind, action,
+                                   found.selectors)
+        return page(request, "confirm.html", queue=queue, kind=kind, action=action,
+                    selectors=plan.selectors, shown=plan.selectors[:bulk.SHOW],
+                    digest=plan.digest, query=query, found=found, back=back, once=once,
+                    target=f"/q/{queue.index}/bulk/{kind}", pid="")
+
+    async def act_bulk(request: Request) -> Response:
+        """Do the plan the form confirmed, exactly, once."""
+        queue = queue_of(request)
+        kind = request.path_params["kind"]
+        form = await _form(request)
+        action, once = form.get("action", ""), form.get("once", "")
+        what = f"bulk {action} of {kind} ({form.get('count', '?')} confirmed)"
+        session_id = request.cookies.get(COOKIE)
+        session, refusal = dashboard.guard.check(session_id, form.get("csrf"), once)
+        plan = None
+        if session is not None and queue is not None:
+            plan = dashboard.plans.take(once, session_id or "", queue.index, kind, action,
+                                        form.get("digest", ""))
+            if plan is None:
+                session, refusal = None, ("this confirmation is not the one shown (another "
+                                          "list, action or set of jobs) or was used "
+                                          "already: nothing was done")
+        if session is None or queue is None or plan is None:
+            log.warning("dashboard action refused (%s) from %s: %s of queue %s", refusal,
+                        _client(request), logs.escape(what), queue.name if queue else "?")
+            if queue is None and session is not None:
+                return not_found(request, "no such queue")
+            return page(request, "message.html", 403, title="Refused", message=refusal,
+                        **({"queue": queue} if queue else {}))
+        try:
+            if isinstance(queue.source, NatsSource):
+                result = await bulk.nats(await queue.source.dead_stream(), queue.name,
+                                         action, plan.selectors)
+            else:
+                broker = await queue.source.broker()
+                result = await bulk.redis(broker, action, kind, plan.selectors)
+        except (BrokerError, OSError, nats.errors.Error) as failure:
+            result = f"{what} of {queue.name} failed: {failure} (some may have changed)"
+        log.warning("dashboard action by %s from %s: %s", logs.escape(session.who),
+                    _client(request), logs.escape(result))
+        return page(request, "message.html", title="Done", message=result, queue=queue,
+                    back=f"/q/{queue.index}/list/{kind}")
+
+    async def confirm_one(request: Request) -> Response:
+        """The confirmation of a single delete: the job named, and the form that deletes it."""
+        queue = queue_of(request)
+        if queue is None:
+            return not_found(request, "no such queue")
+        source, pid = request.query_params.get("source", ""), request.query_params.get(
+            "pid", "")
+        on_nats = isinstance(queue.source, NatsSource)
+        back = f"/q/{queue.index}/list/{source}" if source in LISTS else f"/q/{queue.index}"
+        if not (pids.is_dead_letter(pid) if on_nats else pids.is_pid(pid)):
+            return page(request, "message.html", 400, title="Refused", queue=queue,
+                        message=pids.refusal(pid, on_nats))
+        if source not in (("dead",) if on_nats else actions.SOURCES):
+            return page(request, "message.html", 400, title="Unknown action", queue=queue,
+                        message=f"no delete from {source or 'that list'} here")
+        if dashboard.guard.session(request.cookies.get(COOKIE)) is None:
+            return page(request, "message.html", 403, title="Refused", queue=queue,
+                        back=back, message="read-only: the dashboard was started without a "
+                        "token" if dashboard.guard.read_only else "log in to act")
+        return page(request, "confirm.html", queue=queue, kind=source, action="delete",
+                    selectors=(pid,), shown=(pid,), back=back, pid=pid,
+                    target=f"/q/{queue.index}/action", digest="", query=None, found=None)
 
     async def job(request: Request) -> Response:
         queue = queue_of(request)
@@ -401,6 +538,9 @@ def create_app(dashboard: Dashboard) -> Starlette:
         Route("/q/{index:int}/list/{kind}", guarded(listing)),
         Route("/q/{index:int}/job", guarded(job)),
         Route("/q/{index:int}/action", act, methods=["POST"]),
+        Route("/q/{index:int}/confirm", guarded(confirm_one)),
+        Route("/q/{index:int}/bulk/{kind}", guarded(confirm_bulk)),
+        Route("/q/{index:int}/bulk/{kind}", act_bulk, methods=["POST"]),
         Route("/login", login_form),
         Route("/login", login, methods=["POST"]),
         Route("/logout", logout, methods=["POST"]),

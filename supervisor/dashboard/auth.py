@@ -14,9 +14,10 @@ Every action form also carries a one-time action token (``issue``, spent by ``ch
 form posted twice (a double click, a reload of the answer, a second tab of the same page)
 acts once, and the repeat is refused with nothing done. A page mints one token per
 rendering, shared by its forms: after one of them acted, the others of that rendering are
-void too (the answer page links back to a fresh one). Any new action (search results, bulk
-actions) gets the same protection by putting ``macros.html``'s ``action_fields`` in its
-form and calling ``check`` with the form's ``once``.
+void too (the answer page links back to a fresh one). Any new action gets the same
+protection by putting ``macros.html``'s ``action_fields`` in its form and calling ``check``
+with the form's ``once``; a bulk action's confirmation also keeps the confirmed set under
+that token (``bulk.Plans``).
 """
 
 from __future__ import annotations

@@ -173,6 +173,10 @@ class RedisSource:
                 raise BrokerError(str(error)) from error
             raise
 
+    async def using(self, read: Callable[[Any], Awaitable[T]]) -> T:
+        """``read(broker)`` on this queue's broker (a search, an action's reads)."""
+        return await self._call(read)
+
     async def close(self) -> None:
         if self._broker is not None:
             broker, self._broker = self._broker, None
@@ -359,10 +363,10 @@ class NatsSource:
             if pid:
                 listing.searched = pid
                 letters, _ = await stream.find([pid], depth=NATS_SEARCH_DEPTH)
-                listing.entries = [_dead_entry(letter) for letter in letters[:PAGE]]
+                listing.entries = [dead_entry(letter) for letter in letters[:PAGE]]
                 return listing
             async for letter in stream.letters(PAGE, after=after):
-                listing.entries.append(_dead_entry(letter))
+                listing.entries.append(dead_entry(letter))
         except (OSError, nats.errors.Error) as error:
             await self.close()
             raise BrokerError(f"reading {stream.names.dead_stream}: {error!r}") from error
@@ -378,7 +382,7 @@ class NatsSource:
         if not letters:
             return {"pid": pid, "where": [], "size": 0, "record": "", "missing": True}
         letter = letters[0]
-        entry, raw = _dead_entry(letter), letter.job.raw or b""
+        entry, raw = dead_entry(letter), letter.job.raw or b""
         return {
             "pid": letter.job.pid, "seq": letter.job.seq, "where": ["dead"],
             "size": len(raw), "record": text(raw[:VALUE_BYTES]),
@@ -388,7 +392,7 @@ class NatsSource:
         }
 
 
-def _dead_entry(letter: nats_admin.Letter) -> Entry:
+def dead_entry(letter: nats_admin.Letter) -> Entry:
     """A row of the dead list, from ``dead``'s reading of the letter."""
     job = letter.job
     note = job.failure_note

@@ -1,5 +1,6 @@
 """What a browser of a Redis queue (the dashboard) reads: the sampler's counts, pages of the
-failed, dead and poison lists from the newest, and one job wherever it is.
+failed, dead and poison lists from the newest, windows of them for a search, and one job
+wherever it is.
 
 Every read is bounded by what the caller passes (entries per page, bytes of a value, depth
 of a search) and none writes. A sample is one pipeline (sizes, counters, the supervisors'
@@ -98,16 +99,30 @@ async def search(client: Any, key: str, pid: str, depth: int) -> bool:
     return await client.lpos(key, pid, maxlen=depth) is not None
 
 
-async def records(client: Any, keys: QueueKeys, pids: list[str], head_bytes: int
-                  ) -> list[Record]:
-    """The job record (its first ``head_bytes``) and failure record of each pid."""
+async def from_tail(client: Any, key: str, start: int, count: int) -> list[str]:
+    """``count`` pids of a list from position ``start`` counted from the oldest end, newest
+    first: failures pushed meanwhile (at the head) do not move them, so a search that reads
+    window after window neither reads an entry twice nor skips one for them."""
+    return [_text(pid) for pid in await client.lrange(key, -(start + count), -(start + 1))]
+
+
+async def records(client: Any, keys: QueueKeys, pids: list[str], head_bytes: int,
+                  error_bytes: int | None = None) -> list[Record]:
+    """The job record (its first ``head_bytes``) and failure record (whole, or its first
+    ``error_bytes``) of each pid: one pipeline."""
     pipe = client.pipeline(transaction=False)
     for pid in pids:
         pipe.strlen(keys.job(pid))
         pipe.getrange(keys.job(pid), 0, head_bytes - 1)
-        pipe.get(keys.error(pid))
+        if error_bytes is None:
+            pipe.get(keys.error(pid))
+        else:  # GETRANGE of a missing key answers "": no failure record is empty
+            pipe.getrange(keys.error(pid), 0, error_bytes - 1)
     replies = await pipe.execute() if pids else []
-    return [Record(pid, *replies[3 * index:3 * index + 3]) for index, pid in enumerate(pids)]
+    found = [Record(pid, *replies[3 * index:3 * index + 3]) for index, pid in enumerate(pids)]
+    for record in found:
+        record.error = record.error or None
+    return found
 
 
 async def poison_page(client: Any, key: str, total: int, start: int, count: int,
