@@ -103,6 +103,7 @@ def kill_family(supervisor: Supervisor) -> None:
     supervisor.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_job_and_every_operator_command_run_as_their_acl_users(tmp_path, own_redis_server):
     port = own_redis_server.port
@@ -296,6 +297,7 @@ def test_a_user_reaches_no_other_queue_and_no_other_command(own_redis_server):
     admin.close()
 
 
+@pytest.mark.slow
 def test_a_database_other_than_0_adds_select(tmp_path, own_redis_server):
     port = own_redis_server.port
     admin = admin_client(port)
@@ -313,6 +315,7 @@ def test_a_database_other_than_0_adds_select(tmp_path, own_redis_server):
     admin.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_acl_users_on_a_redis_cluster(tmp_path, redis_cluster):
     """The same users plus the Cluster's commands, created on every node: the job, a SCRIPT
@@ -367,6 +370,7 @@ def test_the_acl_users_on_a_redis_cluster(tmp_path, redis_cluster):
     admin.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_dashboard_reads_every_page_and_acts_as_its_acl_user(tmp_path, own_redis_server):
     """The dashboard with only its user: the sampler, every page and every action; a denial

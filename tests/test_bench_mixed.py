@@ -65,6 +65,7 @@ def _peer_processes(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["take-when-free", pytest.param(
     "dramatiq", marks=pytest.mark.skipif(not HAS_DRAMATIQ, reason="dramatiq not installed"))])
 def test_a_peer_runs_the_jobs_and_its_processes_follow_it(peer, redis_url, tmp_path):
@@ -98,6 +99,7 @@ def test_a_peer_runs_the_jobs_and_its_processes_follow_it(peer, redis_url, tmp_p
                 process.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_command_makes_the_table_at_tiny_sizes(tmp_path):
     peers = ["ours", "take-when-free"] + (["dramatiq"] if HAS_DRAMATIQ else [])

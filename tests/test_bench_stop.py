@@ -15,6 +15,8 @@ import pytest
 from support import processes
 from support.supervision import ROOT
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 
 def assert_terminated_cleanly(args: list[str], marker: str, count: int = 1) -> None:
     """Run ``python ARGS``; once ``count`` of its descendants' titles hold ``marker``,
@@ -43,6 +45,7 @@ def assert_terminated_cleanly(args: list[str], marker: str, count: int = 1) -> N
             processes.kill(process)
 
 
+@pytest.mark.timeout(180)  # measured 25-45 s on a loaded 2-core machine
 def test_a_terminated_bench_leaves_no_process_behind(tmp_path):
     assert_terminated_cleanly(
         ["-m", "bench", "--broker", "redis", "--prefetch", "100", "--messages", "400000",

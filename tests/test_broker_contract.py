@@ -172,6 +172,7 @@ async def test_a_blocking_receive_gets_a_message_published_while_it_waits(kit):
     assert [d.pid for d in received.deliveries] == [pid]
 
 
+@pytest.mark.slow
 async def test_an_idle_receive_ends_empty_after_its_timeout_or_at_once_when_stopping(kit):
     broker = await kit.make()
     began = time.monotonic()
@@ -185,6 +186,7 @@ async def test_an_idle_receive_ends_empty_after_its_timeout_or_at_once_when_stop
     assert time.monotonic() - began < 10  # at once, not after the 30 s timeout
 
 
+@pytest.mark.slow
 async def test_one_consumers_stop_leaves_anothers_wait_alone(kit):
     waiter = await kit.make()
     stopping = await kit.make()
@@ -198,6 +200,7 @@ async def test_one_consumers_stop_leaves_anothers_wait_alone(kit):
     assert [d.pid for d in received.deliveries] == [pid]
 
 
+@pytest.mark.slow
 async def test_committed_deliveries_never_come_back(kit):
     broker = await kit.make(lease=3)
     await broker.publish_many(QUEUE, [{"i": i} for i in range(5)])
@@ -208,6 +211,7 @@ async def test_committed_deliveries_never_come_back(kit):
     assert await nothing_comes(broker)
 
 
+@pytest.mark.slow
 async def test_a_failed_run_is_retried_until_the_budget_is_used(kit):
     broker = await kit.make(max_attempts=2)
     pid = await broker.publish(QUEUE, {"fails": True})
@@ -220,6 +224,7 @@ async def test_a_failed_run_is_retried_until_the_budget_is_used(kit):
     assert await nothing_comes(broker)  # failed (Redis) or dead (NATS): not retried
 
 
+@pytest.mark.slow
 async def test_a_retry_with_a_backoff_waits_out_of_reach_until_it_is_due(kit):
     """Issue 39: the backoff path of every broker that parks retries itself (the memory
     broker models Redis's): no consumer receives the retry before it is due, however often
@@ -258,6 +263,7 @@ async def test_a_release_is_available_at_once_and_spends_no_attempt(kit):
     assert await settle(other, Action.COMMIT, again) == [Outcome.OK] * 5
 
 
+@pytest.mark.slow
 async def test_renewed_deliveries_stay_owned_past_the_lease(kit):
     holder = await kit.make(lease=3)
     rival = await kit.make(lease=3)
@@ -271,6 +277,7 @@ async def test_renewed_deliveries_stay_owned_past_the_lease(kit):
     assert await settle(holder, Action.COMMIT, held) == [Outcome.OK] * 10
 
 
+@pytest.mark.slow
 async def test_malformed_messages_are_poisoned_and_never_delivered(kit):
     broker = await kit.make()
     await kit.push_raw(b"{not json")
@@ -340,6 +347,7 @@ async def test_one_grouped_settle_gives_each_message_its_own_result(kit):
     assert again == {pids[3]: 1, pids[4]: 0}
 
 
+@pytest.mark.slow
 async def test_batch_limits_are_the_same_on_every_broker(kit):
     """A receive outside 1..1000 is the caller's bug on every broker; 1,000 deliveries are
     taken and settled in one call each (a JetStream consumer hands out no more than 1,000

@@ -150,7 +150,7 @@ from broker.redis.keys import QueueKeys
 from tests.queue5 import LIMIT, REAP_AFTER, NotOwned, Queue5Consumer
 
 #: A passing run takes seconds; a failing one also shrinks its example, which can take minutes.
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NS = "utopia-queue"
 QUEUE = "stats-usage"

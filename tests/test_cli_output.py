@@ -28,6 +28,7 @@ def test_version_names_the_package_and_its_clients(args):
     assert f"Python {sys.version.split()[0]}" in line
 
 
+@pytest.mark.slow
 def test_publish_into_a_reader_that_leaves_early_ends_quietly(tmp_path: Path, redis_url):
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
     lines = tmp_path / "jobs.jsonl"

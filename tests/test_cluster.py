@@ -158,6 +158,7 @@ async def test_blocking_receive_times_out_cleanly(redis_cluster, broker):
 # -- recovery ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_death_after_the_blocking_move_is_recovered_after_the_deadline(
     redis_cluster, pair, client, monkeypatch
 ):
@@ -454,6 +455,7 @@ def stop_cleanly(supervisor: Supervisor) -> None:
     assert "Traceback" not in supervisor.output()
 
 
+@pytest.mark.slow
 def test_e2e_prefetch_100_with_one_handler(tmp_path, sync_client, start):
     pids = publish_e2e(sync_client, [{"n": n, "sleep": 0.001} for n in range(1500)], NS)
     supervisor = start(job={"coroutines": 1, "prefetch": 100})
@@ -474,6 +476,7 @@ def test_e2e_prefetch_100_with_one_handler(tmp_path, sync_client, start):
     assert outstanding(sync_client, NS) == 0
 
 
+@pytest.mark.slow
 def test_e2e_the_queue_slot_moves_while_a_supervisor_runs(
     tmp_path, redis_cluster, sync_client, start
 ):

@@ -121,6 +121,7 @@ async def ready(client: RedisCluster) -> int:
 # -- a producer's push ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_push_taken_back_is_lost(replicated_cluster, brokers, client):
     producer = await brokers()
     master, replica = cut(replicated_cluster)
@@ -130,6 +131,7 @@ async def test_a_push_taken_back_is_lost(replicated_cluster, brokers, client):
     assert await ready(client) == 0  # gone: the producer was told it was published
 
 
+@pytest.mark.slow
 async def test_with_wait_replicas_a_push_is_confirmed_or_refused(
     replicated_cluster, brokers, client
 ):
@@ -151,6 +153,7 @@ async def test_with_wait_replicas_a_push_is_confirmed_or_refused(
 # -- a reservation and its claim ----------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_claim_taken_back_runs_its_deliveries_again(
     replicated_cluster, brokers, client, synced
 ):
@@ -169,6 +172,7 @@ async def test_a_claim_taken_back_runs_its_deliveries_again(
     assert [r.ok for r in await second.commit(again)] == [True] * 5
 
 
+@pytest.mark.slow
 async def test_with_wait_replicas_a_claim_no_replica_has_is_counted(
     replicated_cluster, brokers
 ):
@@ -183,6 +187,7 @@ async def test_with_wait_replicas_a_claim_no_replica_has_is_counted(
 # -- a commit -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_commit_taken_back_is_recovered_and_run_again(
     replicated_cluster, brokers, client, synced
 ):
@@ -208,6 +213,7 @@ async def test_a_commit_taken_back_is_recovered_and_run_again(
     assert all(d.attempts == 1 for d in again)
 
 
+@pytest.mark.slow
 async def test_with_wait_replicas_a_commit_no_replica_has_is_counted(
     replicated_cluster, brokers
 ):
@@ -222,6 +228,7 @@ async def test_with_wait_replicas_a_commit_no_replica_has_is_counted(
 # -- the registration of a blocking receive -----------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_registration_taken_back_can_strand_a_payload(
     replicated_cluster, brokers, client
 ):
@@ -254,6 +261,7 @@ async def test_a_registration_taken_back_can_strand_a_payload(
     assert orjson.loads(reservation.payloads[0])["pid"] == pid
 
 
+@pytest.mark.slow
 async def test_with_wait_replicas_no_blocking_move_without_a_replicated_registration(
     replicated_cluster, brokers, client, monkeypatch
 ):
@@ -368,6 +376,7 @@ def run_through_failover(tmp_path: Path, cluster: PrivateCluster, sync_client, l
             "promoted_s": round(promoted, 2), "resumed_s": round(resumed, 2)}
 
 
+@pytest.mark.slow
 def test_e2e_supervisors_follow_a_killed_master(tmp_path, replicated_cluster, sync_client,
                                                supervisors):
     def kill(master: ClusterNode, replica: ClusterNode) -> None:
@@ -379,6 +388,7 @@ def test_e2e_supervisors_follow_a_killed_master(tmp_path, replicated_cluster, sy
     assert result["lost"] == 0
 
 
+@pytest.mark.slow
 def test_e2e_supervisors_follow_a_manual_failover(tmp_path, replicated_cluster, sync_client,
                                                  supervisors):
     def manual(master: ClusterNode, replica: ClusterNode) -> None:

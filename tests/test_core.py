@@ -167,6 +167,7 @@ def test_a_run_of_successes_taken_at_once_ends_as_one_by_one_would():
     assert ids(buffer.in_state(State.COMPLETED)) == [1]
 
 
+@pytest.mark.slow
 def test_outcomes_read_together_are_taken_in_ring_order_whatever_their_kinds():
     async def scenario():
         core, broker, pids = await running_core(4, 4, 1)
@@ -1004,6 +1005,7 @@ def test_at_prefetch_1_the_receive_loop_wakes_only_when_a_receive_is_due():
     run(scenario())
 
 
+@pytest.mark.slow
 def test_handlers_about_to_run_dry_are_refilled_whatever_the_room():
     async def scenario():
         core, _, _ = await running_core(150, 100, 1)
@@ -1123,6 +1125,7 @@ def test_a_stop_releases_what_never_started_with_its_attempts_unchanged():
     run(scenario())
 
 
+@pytest.mark.slow
 def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recovered():
     async def scenario():
         core, broker, _ = await running_core(4, 4, 2)
@@ -1139,6 +1142,7 @@ def test_handlers_still_running_at_the_deadline_are_killed_and_their_work_recove
     run(scenario())
 
 
+@pytest.mark.slow
 def test_a_handler_answering_out_of_order_stops_the_supervisor_for_a_restart():
     async def scenario():
         core, broker, _ = await running_core(2, 2, 1)
@@ -1226,6 +1230,7 @@ async def play(steps: list[tuple], work_at_stop: bool, handler: str) -> None:
     assert all(broker.runs[pid] >= 1 for pid in broker.settled)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

@@ -79,6 +79,7 @@ def json_records(output: str) -> list[dict]:
 # -- never shown -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", list(REDIS_FORMS))
 def test_the_password_is_shown_nowhere_in_any_form(tmp_path: Path, protected_redis, form):
     port = protected_redis.port
@@ -125,6 +126,7 @@ def test_the_password_is_shown_nowhere_in_any_form(tmp_path: Path, protected_red
 # -- a refusal stops the job for good -------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
@@ -155,6 +157,7 @@ def test_a_refused_connection_exits_5_with_one_error_line(
     assert_hidden([supervisor.output(), status.stderr], (*FRAGMENTS, "Wr0ng-guess"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("auth", ["user-and-password", "token"])
 def test_a_nats_server_refusing_the_credentials_exits_5(tmp_path: Path, auth):
     secret = "Nq4-t0ken-s3cret"

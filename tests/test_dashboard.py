@@ -110,6 +110,7 @@ async def register(client: Any, k: QueueKeys, consumer: str, where: str) -> None
 # -- counts ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_overview_counts_every_list_of_a_redis_queue(tmp_path, redis_url, redis_client,
                                                            dashboards):
     k = keys()
@@ -129,6 +130,7 @@ async def test_overview_counts_every_list_of_a_redis_queue(tmp_path, redis_url, 
     assert "cmdstat_scan" not in commands and "cmdstat_keys" not in commands, commands
 
 
+@pytest.mark.slow
 async def test_the_state_column_names_delayed_retries_that_wait_unattended(
         tmp_path, redis_url, redis_client, dashboards):
     """Issue 39.3, sampled by the dashboard itself (it outlives the supervisors): retries
@@ -153,6 +155,7 @@ async def test_the_state_column_names_delayed_retries_that_wait_unattended(
     poll(lambda: state() == "ok", "the state to be ok again")
 
 
+@pytest.mark.slow
 async def test_it_keeps_sampling_the_other_queues_while_a_broker_is_down_and_resumes(
         tmp_path, redis_url, redis_client, own_redis_server, dashboards):
     (tmp_path / "up").mkdir()
@@ -204,6 +207,7 @@ async def test_a_broker_error_of_any_length_is_cut_in_place_and_whole_in_details
         broker.close()
 
 
+@pytest.mark.slow
 async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, dashboards):
     from redis.asyncio.cluster import RedisCluster
 
@@ -226,6 +230,7 @@ async def test_overview_counts_a_redis_cluster_queue(tmp_path, redis_cluster, da
     assert status == 200 and "no supervisor record" in body
 
 
+@pytest.mark.slow
 async def test_a_nats_queue_shows_its_counts_and_dead_letters_with_their_errors(
         tmp_path, nats_server, nats_brokers, dashboards):
     broker = await nats_brokers(QUEUE)  # creates the streams and the consumer
@@ -266,6 +271,7 @@ async def test_a_nats_queue_shows_its_counts_and_dead_letters_with_their_errors(
 # -- escaping -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_hostile_pids_errors_and_100_kb_values_are_shown_escaped_and_bounded(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -320,6 +326,7 @@ def running_rows(body: str) -> list[dict[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 async def test_a_crafted_running_copy_is_shown_escaped_and_its_slow_job_marked(
         tmp_path, redis_url, redis_client, dashboards):
     from supervisor import running
@@ -347,6 +354,7 @@ async def test_a_crafted_running_copy_is_shown_escaped_and_its_slow_job_marked(
     assert f'href="/q/0/job?pid={QUIET_PID}"' in body  # its job page, by its pid
 
 
+@pytest.mark.slow
 async def test_the_queue_page_lists_what_a_supervisor_runs_and_marks_a_slow_job(
         tmp_path, redis_url, redis_client, dashboards, supervisors):
     gate = tmp_path / "gate"
@@ -370,6 +378,7 @@ async def test_the_queue_page_lists_what_a_supervisor_runs_and_marks_a_slow_job(
     poll(lambda: "nothing runs now" in dashboard.client.get("/live/q/0")[1], "no job")
 
 
+@pytest.mark.slow
 async def test_a_nats_queue_page_lists_this_hosts_running_jobs_by_their_titles(
         tmp_path, nats_server, nats_brokers, dashboards, supervisors):
     gate = tmp_path / "gate"
@@ -419,6 +428,7 @@ async def test_without_a_token_the_dashboard_is_read_only_and_refuses_actions(
     assert "dashboard action refused" in dashboard.output()
 
 
+@pytest.mark.slow
 async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_delete(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -461,6 +471,7 @@ async def test_actions_need_the_login_and_the_csrf_token_and_then_retry_and_dele
     assert other.post("/q/0/action", retry | fields)[0] == 403
 
 
+@pytest.mark.slow
 async def test_nats_dead_letters_are_searched_by_pid_retried_and_deleted_as_dead_does(
         tmp_path, nats_server, nats_brokers, js, dashboards):
     from broker.nats.setup import QueueNames
@@ -517,6 +528,7 @@ async def test_nats_dead_letters_are_searched_by_pid_retried_and_deleted_as_dead
     assert "dead letter seq:3 of e2e deleted" in log
 
 
+@pytest.mark.slow
 async def test_poison_entries_are_deleted_oldest_first_keeping_those_pushed_since(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -537,6 +549,7 @@ async def test_poison_entries_are_deleted_oldest_first_keeping_those_pushed_sinc
     assert "dashboard action by tester" in dashboard.output()
 
 
+@pytest.mark.slow
 async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
         tmp_path, redis_url, redis_client, dashboards, supervisors):
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle")
@@ -565,6 +578,7 @@ async def test_a_supervisor_of_this_host_shows_its_processes_and_drain_stops_it(
 
 
 
+@pytest.mark.slow
 async def test_a_job_a_running_supervisor_failed_is_listed_with_what_is_known_of_its_error(
         tmp_path, redis_url, redis_client, dashboards, supervisors):
     config = write_config(tmp_path, redis_url, handler="tests.handlers.raises:handle",

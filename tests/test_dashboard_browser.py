@@ -21,7 +21,7 @@ from support.dashboard import Dashboard, FailingRedis
 from support.envelopes import lpush_batched, of
 from support.supervision import keys, write_config
 
-pytestmark = [pytest.mark.usefixtures("no_url_override")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_url_override")]
 pytest.importorskip("starlette", reason="the dashboard extra is not installed")
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 

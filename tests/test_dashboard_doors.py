@@ -99,6 +99,7 @@ def assert_closed(dashboard: Dashboard) -> None:
         assert client.get(path)[0] == 200, path
 
 
+@pytest.mark.slow
 async def test_with_a_token_no_page_shows_job_data_before_the_login_and_the_login_leads_back(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -134,6 +135,7 @@ async def test_with_a_token_no_page_shows_job_data_before_the_login_and_the_logi
     assert client.get("/live/q/0")[0] == 401 and client.get("/q/0/list/failed")[0] == 303
 
 
+@pytest.mark.slow
 async def test_a_nats_queue_shows_its_dead_letters_only_after_the_login(
         tmp_path, nats_server, nats_brokers, js, dashboards):
     from broker.nats.setup import QueueNames
@@ -160,6 +162,7 @@ async def test_a_nats_queue_shows_its_dead_letters_only_after_the_login(
         assert status == 400 and "not a job of this queue" in body and EMAIL not in body, bad
 
 
+@pytest.mark.slow
 async def test_without_a_token_every_page_says_its_data_is_open_and_the_log_says_so_at_start(
         tmp_path, redis_url, redis_client, dashboards):
     await fail_job(redis_client, keys(), {"n": 1}, PID_A)
@@ -203,6 +206,7 @@ def test_every_pid_a_producer_makes_is_taken_and_nothing_else():
     assert pids.is_dead_letter("seq:12") and not pids.is_dead_letter("seq:1x")
 
 
+@pytest.mark.slow
 async def test_the_job_page_reads_no_key_of_another_queue_and_shows_no_owner_token(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -243,6 +247,7 @@ def commandstats(client: Any) -> dict[str, dict[str, int]]:
             for name, figures in client.info("commandstats").items()}
 
 
+@pytest.mark.slow
 async def test_a_queue_page_view_among_300000_other_keys_does_no_scan_and_few_commands(
         tmp_path, redis_url, redis_client, dashboards):
     import redis
@@ -280,6 +285,7 @@ async def test_a_queue_page_view_among_300000_other_keys_does_no_scan_and_few_co
     assert usec < 5_000, used
 
 
+@pytest.mark.slow
 async def test_a_registry_too_big_to_look_at_per_view_is_said_not_scanned(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -295,6 +301,7 @@ async def test_a_registry_too_big_to_look_at_per_view_is_said_not_scanned(
 # -- 3. an action posted twice acts once -----------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_the_same_poison_form_posted_twice_deletes_only_what_the_page_showed(
         tmp_path, redis_url, redis_client, dashboards):
     """The issue's case: five entries, the page read, five more pushed, one form sent
@@ -328,6 +335,7 @@ async def double_post(client: Any, path: str, fields: dict[str, str]) -> tuple[s
     return first, second
 
 
+@pytest.mark.slow
 async def test_a_retried_or_deleted_job_posted_twice_is_not_acted_on_again(
         tmp_path, redis_url, redis_client, dashboards):
     """A supervisor's retry keeps the pid: the job can be back in failed, under the same
@@ -369,6 +377,7 @@ async def test_a_retried_or_deleted_job_posted_twice_is_not_acted_on_again(
     assert "dashboard action refused (this form was sent already" in dashboard.output()
 
 
+@pytest.mark.slow
 async def test_a_drain_posted_twice_signals_once(tmp_path, redis_url, redis_client,
                                                  dashboards):
     k = keys()
@@ -384,6 +393,7 @@ async def test_a_drain_posted_twice_signals_once(tmp_path, redis_url, redis_clie
     assert dashboard.output().count("dashboard action by tester") == 1
 
 
+@pytest.mark.slow
 async def test_a_redis_cluster_queue_lists_its_supervisors_and_acts_once_per_form(
         tmp_path, redis_cluster, dashboards):
     from redis.asyncio.cluster import RedisCluster
@@ -410,6 +420,7 @@ async def test_a_redis_cluster_queue_lists_its_supervisors_and_acts_once_per_for
         await client.aclose()
 
 
+@pytest.mark.slow
 async def test_a_nats_dead_letter_retried_or_deleted_twice_is_acted_on_once(
         tmp_path, nats_server, nats_brokers, js, dashboards):
     from broker.nats.setup import QueueNames

@@ -90,6 +90,7 @@ def confirm_form(body: str) -> dict[str, str]:
 # -- search ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_failed_dead_and_poison_jobs_are_found_by_error_class_message_and_payload_text(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -138,6 +139,7 @@ async def test_failed_dead_and_poison_jobs_are_found_by_error_class_message_and_
             "record and 8,192 of its failure record, and stops after 32 MiB.") in body
 
 
+@pytest.mark.slow
 async def test_a_search_reads_the_newest_10000_entries_and_says_how_far_it_got(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -163,6 +165,7 @@ async def test_a_search_reads_the_newest_10000_entries_and_says_how_far_it_got(
 # -- bulk actions ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_bulk_retry_does_exactly_the_confirmed_jobs_once(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -220,6 +223,7 @@ async def test_a_bulk_retry_does_exactly_the_confirmed_jobs_once(
     assert await redis_client.llen(k.ready) == 12 and await redis_client.llen(k.failed) == 7
 
 
+@pytest.mark.slow
 async def test_a_bulk_delete_of_dead_jobs_deletes_the_confirmed_ones_and_keeps_the_rest(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -253,6 +257,7 @@ async def test_a_bulk_delete_of_dead_jobs_deletes_the_confirmed_ones_and_keeps_t
     assert await redis_client.llen(k.dead) == 2
 
 
+@pytest.mark.slow
 async def test_a_bulk_action_needs_a_session_and_names_a_list_it_takes(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -283,6 +288,7 @@ async def test_a_bulk_action_needs_a_session_and_names_a_list_it_takes(
     assert await redis_client.lrange(k.failed, 0, -1) == [MAIL.encode()]
 
 
+@pytest.mark.slow
 async def test_a_single_delete_is_confirmed_first_and_acts_once(
         tmp_path, redis_url, redis_client, dashboards):
     k = keys()
@@ -316,6 +322,7 @@ async def test_a_single_delete_is_confirmed_first_and_acts_once(
 # -- NATS dead letters -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_nats_dead_letters_are_searched_and_bulk_retried_and_deleted_as_confirmed(
         tmp_path, nats_server, nats_brokers, js, dashboards):
     from broker.nats.setup import QueueNames
@@ -376,6 +383,7 @@ async def test_nats_dead_letters_are_searched_and_bulk_retried_and_deleted_as_co
     assert (await js.stream_info(names.dead_stream)).state.messages == 1
 
 
+@pytest.mark.slow
 async def test_a_redis_cluster_queue_is_searched_and_bulk_retried(
         tmp_path, redis_cluster, dashboards):
     from redis.asyncio.cluster import RedisCluster

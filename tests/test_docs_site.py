@@ -93,6 +93,7 @@ def build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     done = build(CONFIG, tmp_path / "site")
     assert done.returncode == 0, done.stderr
@@ -124,6 +125,7 @@ def broken_copy(tmp_path: Path) -> Path:
     return tmp_path / "mkdocs.yml"
 
 
+@pytest.mark.slow
 def test_the_strict_build_fails_on_a_broken_link_or_anchor_or_a_page_not_in_the_nav(tmp_path):
     done = build(broken_copy(tmp_path), tmp_path / "site")
     output = done.stdout + done.stderr

@@ -9,6 +9,7 @@ import socket
 import uuid
 
 import orjson
+import pytest
 import redis
 
 from broker import envelope
@@ -27,6 +28,7 @@ def test_titles_of_supervisors_and_not_of_their_handlers():
     assert not is_supervisor_of("queue-supervisor: fork server", "jobs")
 
 
+@pytest.mark.slow
 def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
     tmp_path, redis_url, client
 ):
@@ -64,6 +66,7 @@ def test_drain_stops_the_supervisor_and_leaves_no_reservation_or_owner(
         supervisor.stop()
 
 
+@pytest.mark.slow
 def test_check_and_drain_fail_while_an_idle_supervisor_runs(tmp_path, redis_url, client):
     """Issue 39.2 as found: an idle supervisor on the queue (nothing reserved, owned or
     delayed) made ``check`` say "ok". Now it fails naming host and pid, passes at once
@@ -104,6 +107,7 @@ def test_check_and_drain_fail_while_an_idle_supervisor_runs(tmp_path, redis_url,
             supervisor.stop()
 
 
+@pytest.mark.slow
 def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client):
     """docs/php-queue5.md "Rolling back to PHP workers": PHP queue-5 workers (the model, with queue
     5's default reapAfter of 25 h, so it recovers nothing of ours by itself) consume beside a
@@ -156,6 +160,7 @@ def test_rollback_to_php_workers_as_the_readme_says(tmp_path, redis_url, client)
     assert total >= success  # a delivery released at the stop is claimed again: counted twice
 
 
+@pytest.mark.slow
 def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url, client):
     """Two supervisors of one queue name on two Redis servers: draining one leaves the
     other running (a title search would find both)."""
@@ -189,6 +194,7 @@ def test_drain_stops_only_the_supervisors_of_the_redis_given(tmp_path, redis_url
         other_server.close()
 
 
+@pytest.mark.slow
 def test_rollback_leaves_nothing_owned_by_a_retired_supervisor(tmp_path, redis_url, client):
     """docs/php-queue5.md "Rolling back to PHP workers" with the faults that stranded work for a
     day: PHP queue-5 workers at queue 5's default ``reapAfter`` (25 h: they recover nothing of ours

@@ -76,6 +76,7 @@ def test_pyproject_declares_the_console_script_and_it_answers_help(monkeypatch, 
     assert capsys.readouterr().out.startswith(f"usage: {SCRIPT} ")
 
 
+@pytest.mark.slow
 def test_the_console_script_imports_nothing_from_the_working_directory(
         tmp_path, shared_folder):
     folder, record = shared_folder

@@ -288,6 +288,7 @@ def test_decode_of_arbitrary_bytes_returns_or_raises_malformed(raw):
     check_decode(raw)
 
 
+@pytest.mark.slow
 @settings(max_examples=500)
 @given(document=envelopes, ensure_ascii=st.booleans())
 def test_decode_of_arbitrary_json_objects_returns_or_raises_malformed(document, ensure_ascii):
@@ -319,6 +320,7 @@ def mutate(raw: bytes, edits: list[tuple[int, int]]) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(document=envelopes,
        edits=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(b'{}[]",:\\ 0e.-\xff')),
@@ -526,6 +528,7 @@ php_values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=1000)
 @given(value=php_values)
 def test_the_orjson_path_agrees_with_the_reference_writer(value):
@@ -555,6 +558,7 @@ def php_holds(value: Any) -> Any:
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("levels", range(250, 513))
 def test_every_accepted_depth_is_written_back(levels):
     # The envelope is one level: a payload of up to 510 nested arrays decodes, and PHP's
@@ -727,6 +731,7 @@ near_plain = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=1000)
 @given(document=near_plain | envelopes, ensure_ascii=st.booleans(),
        edits=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(b'{}[]",:\\ 0e.-\xff9')),
@@ -739,6 +744,7 @@ def test_a_plain_envelope_makes_the_same_message_read_with_orjson_alone(
     flagged(mutate(raw, edits))
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(payload=st.dictionaries(st.text(), json_values, max_size=6))
 def test_what_producers_write_is_plain_when_short(payload):
@@ -786,6 +792,7 @@ def test_envelopes_decode_changes_or_reads_slowly_are_not_plain(raw):
     assert flagged(raw) is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_bytes", [None, 0, 1, 60, 120, 1021, 1022, 1023, 5000])
 def test_decode_many_is_decode_flagged_of_each_in_order(max_bytes):
     # The truth table and the edges of decode_flagged's fast path, in one batch: empty,

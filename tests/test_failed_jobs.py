@@ -263,6 +263,7 @@ async def test_poison_list_show_delete(conf, run, redis_client):
 # -- Redis Cluster ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_failed_commands_on_a_redis_cluster(tmp_path, run, redis_cluster):
     import redis.asyncio as aioredis
 
@@ -292,6 +293,7 @@ async def test_failed_commands_on_a_redis_cluster(tmp_path, run, redis_cluster):
         await client.aclose()
 
 
+@pytest.mark.slow
 async def test_count_and_all_go_past_one_script_call_of_1000(conf, run, redis_client):
     pipe = redis_client.pipeline(transaction=False)
     pids = []

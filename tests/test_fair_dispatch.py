@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
+
 from broker.memory import MemoryBroker
 from supervisor import exits
 from supervisor.buffer import State
@@ -151,6 +153,7 @@ def test_a_delivery_started_before_the_cut_stays_with_its_process():
     run(scenario())
 
 
+@pytest.mark.slow
 def test_an_async_process_with_every_slot_busy_gives_back_its_queue_one_with_a_free_slot_not():
     async def scenario():
         core, broker, pids = await fair_core(8, prefetch=8, coroutines=2, handler=AIO,

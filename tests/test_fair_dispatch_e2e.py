@@ -20,6 +20,8 @@ from support import processes
 from support.envelopes import publish
 from support.supervision import QUEUE, counter, keys, lines, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 SHORT = 24
 
 
@@ -28,6 +30,7 @@ def start(supervisors, redis_url: str):
     return functools.partial(supervisors, redis_url=redis_url)
 
 
+@pytest.mark.timeout(180)  # measured 25-45 s on a loaded 2-core machine
 @pytest.mark.parametrize(("handler", "processes", "tasks"), [
     ("tests.handlers.e2e_slow:handle", 2, 1),
     ("tests.handlers.e2e_slow:handle", 4, 1),

@@ -128,6 +128,7 @@ def test_sigterm_to_a_child_is_reported_as_minus_fifteen(make_server) -> None:
     assert collect(server, 1)[0].status == -signal.SIGTERM
 
 
+@pytest.mark.slow
 def test_sigterm_right_after_the_fork_is_never_lost(make_server) -> None:
     """The server ignores SIGTERM (it is meant for the supervisor); a child that gets one
     before it restored the default action must still die of it."""
@@ -187,6 +188,7 @@ def reloadable(tmp_path) -> Iterator[tuple[ForkServer, Path]]:
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_reload_imports_the_edited_module_and_the_old_generation_exits_after_its_children(
     reloadable,
 ) -> None:
@@ -213,6 +215,7 @@ def test_a_reload_imports_the_edited_module_and_the_old_generation_exits_after_i
     assert alive(new_child.pid)
 
 
+@pytest.mark.slow
 def test_a_failed_import_is_reported_and_the_adopted_code_keeps_serving(reloadable) -> None:
     server, directory = reloadable
     write_version(directory, "VERSION = (\n")

@@ -35,6 +35,7 @@ async def sweep(broker: RedisBroker, client: redis.Redis) -> int:
     return (await broker.maintain()).expired_reservations
 
 
+@pytest.mark.slow
 async def test_a_late_blocking_move_of_a_frozen_php_worker_is_recovered(redis_url, client):
     php = Queue5Consumer(client, QUEUE, namespace=NS, claim_ttl=1)
     thaw = php.receive_frozen(1, timeout=1)  # deadline: now + 1 + 1 s

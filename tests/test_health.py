@@ -8,6 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from supervisor import metrics
 from support.envelopes import fresh, lpush_batched, publish
 from support.servers import free_port
@@ -48,6 +50,7 @@ def figure(port: int, name: str) -> float | None:
     return figures(port).get(f"queue_supervisor_{name}")
 
 
+@pytest.mark.slow
 def test_no_handler_ready_is_not_ready_and_the_queue_gauges_are_served(
         tmp_path, redis_url, client, supervisors):
     """init() keeps failing (a database not up): alive, not ready, nothing taken, and the
@@ -82,6 +85,7 @@ def test_no_handler_ready_is_not_ready_and_the_queue_gauges_are_served(
     assert supervisor.process.poll() is None, supervisor.output()
 
 
+@pytest.mark.slow
 def test_ready_after_start_unready_while_the_broker_is_down_reconnects_counted(
         tmp_path, own_redis_server, supervisors):
     url = own_redis_server.url
@@ -107,6 +111,7 @@ def test_ready_after_start_unready_while_the_broker_is_down_reconnects_counted(
     assert supervisor.process.poll() is None, supervisor.output()
 
 
+@pytest.mark.slow
 def test_not_ready_while_stopping_alive_until_the_end(tmp_path, redis_url, client, supervisors):
     gate = tmp_path / "gate"
     port = free_port()
@@ -156,6 +161,7 @@ def test_the_endpoint_answers_503_with_the_reason_when_stalled_or_not_ready():
         served.close()
 
 
+@pytest.mark.slow
 def test_a_nats_supervisor_serves_the_consumer_figures(tmp_path, nats_server, supervisors):
     from support.nats_jobs import nats_config
     from support.nats_jobs import publish as publish_nats

@@ -70,6 +70,7 @@ async def receive_all(broker: RedisBroker, count: int) -> list[Delivery]:
 # --- H1: settlement ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_batch_with_every_deep_retry_and_one_unwritable_commits_the_rest(
     redis_url, redis_client, caplog
 ):
@@ -123,6 +124,7 @@ async def sweep(client) -> None:
                    max_attempts=3)
 
 
+@pytest.mark.slow
 async def test_recovery_requeues_every_deep_envelope_and_parks_the_unwritable_one(redis_client):
     deep = {f"deep{levels}": deep_payload(levels) for levels in DEPTHS}
     records = {pid: raw_envelope(pid, payload) for pid, payload in deep.items()}
@@ -138,6 +140,7 @@ async def test_recovery_requeues_every_deep_envelope_and_parks_the_unwritable_on
     assert await redis_client.lrange(KEYS.dead, 0, -1) == [b"inf"]
 
 
+@pytest.mark.slow
 async def test_the_operators_retry_moves_every_deep_envelope(redis_client):
     deep = {f"deep{levels}": deep_payload(levels) for levels in DEPTHS}
     records = {pid: raw_envelope(pid, payload) for pid, payload in deep.items()}
@@ -265,6 +268,7 @@ async def test_nats_parks_what_php_would_throw_on_and_runs_the_rest(nats_server)
         await broker.close()
 
 
+@pytest.mark.slow
 def test_the_soak_workload_carries_hostile_envelopes():
     from support.soak_workload import FLAKY, generate
 

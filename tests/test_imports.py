@@ -15,6 +15,8 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("supervisor", "worker", "broker", "support", "examples", "bench")
 
@@ -125,6 +127,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+@pytest.mark.slow
 def test_function_level_imports_count() -> None:
     """The CLI imports the handler process's entry point inside a function."""
     assert "worker.runner" in import_graph()["supervisor.cli"]

@@ -53,6 +53,7 @@ def test_only_network_failures_heal(error, expected):
     assert heals(error) is expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("handler", [HANDLER, "tests.handlers.init_flaky_aio:handle"])
 def test_init_failing_on_the_network_is_retried_with_backoff_and_reserves_nothing(
     tmp_path, redis_url, client, supervisors, handler
@@ -76,6 +77,7 @@ def test_init_failing_on_the_network_is_retried_with_backoff_and_reserves_nothin
     assert supervisor.wait(15) == 0, supervisor.output()
 
 
+@pytest.mark.slow
 def test_a_stop_while_init_is_retried_ends_at_once(tmp_path, redis_url, client, supervisors):
     config = write_config(tmp_path, redis_url, handler=HANDLER,
                           supervisor={"shutdown_deadline": 30})
@@ -85,6 +87,7 @@ def test_a_stop_while_init_is_retried_ends_at_once(tmp_path, redis_url, client, 
     assert supervisor.wait(15) == 0, supervisor.output()  # not after the 30 s deadline
 
 
+@pytest.mark.slow
 def test_init_failing_otherwise_still_halts_with_exit_3(tmp_path, redis_url, client, supervisors):
     publish(client, [{"n": 1}])
     config = write_config(tmp_path, redis_url, handler=HANDLER)
@@ -97,6 +100,7 @@ def test_init_failing_otherwise_still_halts_with_exit_3(tmp_path, redis_url, cli
     assert client.llen(keys().ready) == 1 and outstanding(client) == 0
 
 
+@pytest.mark.slow
 def test_a_reload_while_init_is_retried_replaces_the_process_quietly(
     tmp_path, redis_url, client, supervisors
 ):

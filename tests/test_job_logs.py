@@ -6,10 +6,13 @@ from __future__ import annotations
 import signal
 
 import orjson
+import pytest
 
 from examples.stats_usage import make_payload
 from support.envelopes import publish
 from support.supervision import counter, wait_for, write_config
+
+pytestmark = pytest.mark.slow  # every test here takes a second or more
 
 
 def test_every_line_of_the_stats_usage_job_is_json_the_writers_too(

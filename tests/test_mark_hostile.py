@@ -27,6 +27,8 @@ from support.supervision import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 
 @pytest.fixture
 def start(supervisors, redis_url: str):
@@ -254,6 +256,7 @@ def test_random_kills_under_a_frozen_supervisor_keep_every_attempt_exact(
     assert "AccountingError" not in supervisor.output()
 
 
+@pytest.mark.timeout(180)  # measured 25-45 s on a loaded 2-core machine
 @pytest.mark.parametrize("how", ["max-jobs", "sighup"])
 def test_recycling_and_reloads_mid_run_run_every_job_once_unchanged(
     tmp_path, redis_url, client, start, how

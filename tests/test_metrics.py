@@ -91,6 +91,7 @@ def test_rejects_are_counted_by_outcome_and_error_class_within_a_bound(served):
                        ("failed", "other"): 1.0}
 
 
+@pytest.mark.slow
 def test_the_oldest_running_jobs_age_and_the_slow_ones_are_gauges(served):
     served.running(75.5, 2)
     samples = scrape(served.port)
@@ -145,6 +146,7 @@ def test_the_supervisor_serves_metrics_on_its_port(tmp_path, redis_url):
         supervisor.stop()
 
 
+@pytest.mark.slow
 def test_handler_seconds_and_rejects_count_failed_timed_out_and_lost_runs_too(
         tmp_path, redis_url, client):
     """Issue 38 part 4: every outcome is timed (handler_seconds_count was 3 against 15
@@ -234,6 +236,7 @@ def test_the_answer_is_prometheus_clients_own(served):
         assert gzip.decompress(response.read()) == openmetrics(served.registry)
 
 
+@pytest.mark.slow
 def test_a_slow_request_is_closed_after_the_timeout_and_others_are_answered_meanwhile(served):
     with socket.create_connection(("127.0.0.1", served.port), timeout=30) as slow:
         slow.sendall(HALF_A_REQUEST)
@@ -244,6 +247,7 @@ def test_a_slow_request_is_closed_after_the_timeout_and_others_are_answered_mean
     assert metrics_http.REQUEST_TIMEOUT - 1 <= waited < metrics_http.REQUEST_TIMEOUT + 10
 
 
+@pytest.mark.slow
 def test_a_flood_of_half_sent_requests_holds_few_descriptors_and_scrapes_go_on(served):
     before = psutil.Process().num_fds()
     flood = half_sent(served.port, 300)
@@ -275,6 +279,7 @@ def _endpoint_fds(before: int, flood: list[socket.socket]) -> int | None:
     return psutil.Process().num_fds() - before - len(flood)
 
 
+@pytest.mark.slow
 def test_the_supervisor_keeps_consuming_through_a_flood_of_half_sent_requests(
         tmp_path, redis_url, client, supervisors):
     """More half-sent requests than the supervisor has descriptors: it still reconnects to

@@ -154,6 +154,7 @@ async def test_both_sides_consume_one_queue_and_each_pid_runs_exactly_once(clien
 # --- 2. ours dies with work in flight; PHP finishes ----------------------------------------
 
 
+@pytest.mark.slow
 async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, redis_brokers):
     q = "ours-dies"
     k = QueueKeys(NS, q)
@@ -198,6 +199,7 @@ async def test_ours_killed_with_work_in_flight_php_finishes_everything(client, r
 # --- 3. PHP dies mid-batch; ours recovers ---------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_php_killed_mid_batch_ours_recovers_and_runs_everything(client, redis_brokers):
     q = "php-dies"
     k = QueueKeys(NS, q)
@@ -253,6 +255,7 @@ def publish_old(model: Queue5Consumer, n: int, age: int = 100_000) -> str:
     return envelope["pid"]
 
 
+@pytest.mark.slow
 async def test_a_renewed_claim_is_never_taken_in_either_direction(client, redis_brokers):
     q = "live"
     k = QueueKeys(NS, q)
@@ -353,6 +356,7 @@ async def test_a_blocked_receive_keeps_its_reservation_through_the_other_sides_s
 # --- 5. one cursor, one lock ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_sweeps_share_the_cursor_and_the_lock(client, redis_brokers):
     """4,012 deliveries (PHP's and ours in blocks of 1,000); lapsed ones spread out. Sweeps
     alternate PHP (a 2,000 window) and ours (a 1,000 window plus the newest 1,000), each
@@ -610,6 +614,7 @@ async def test_envelopes_where_the_model_strays_run_as_php_8_ran_them(client, re
 # --- 8. handover both ways with a real supervisor process -----------------------------------
 
 
+@pytest.mark.slow
 def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, client, supervisors):
     k = keys()
     origin: dict[str, int] = {}  # pid -> n, for every pid a supervisor can see
@@ -684,6 +689,7 @@ def test_handover_both_ways_with_a_supervisor_process(tmp_path, redis_url, clien
     assert_settled(client, E2E_QUEUE, total=100 + len(reclaimed), success=90)
 
 
+@pytest.mark.slow
 def test_a_worker_that_never_renews_keeps_its_deliveries_beside_supervisor_sweeps(
     tmp_path, redis_url, client
 ):

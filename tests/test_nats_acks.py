@@ -195,6 +195,7 @@ async def test_pulled_messages_waiting_for_room_are_told_when_an_ack_is_answered
     assert taken is not None and [d.payload["i"] for d in taken.deliveries] == [2]
 
 
+@pytest.mark.slow
 async def test_a_pull_ahead_left_unanswered_holds_back_nothing(nats_brokers, proxy, js):
     """The status of a pull ahead is lost (an empty queue's 404 never reaches us): the
     next receive waits out its request timeout, keeps the connection after its health
@@ -262,6 +263,7 @@ async def test_replies_are_matched_to_their_requests_in_any_order(nats_server):
         await responder.close()
 
 
+@pytest.mark.slow
 async def test_a_request_of_a_batch_without_a_reply_times_out_alone(nats_server):
     listener = await nats.connect(nats_server.url)
 
@@ -283,6 +285,7 @@ async def test_a_request_of_a_batch_without_a_reply_times_out_alone(nats_server)
         await listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("refusal", "raised"), [
     (RuntimeError(UVLOOP_REFUSAL), ConnectionLost),  # uvloop, before nats-py saw the EOF
     (RuntimeError("something else"), RuntimeError),  # not hidden
@@ -317,6 +320,7 @@ async def test_a_batch_whose_write_fails_is_unsent_and_never_answered_later(
         await listener.close()
 
 
+@pytest.mark.slow
 async def test_a_lost_ack_reply_is_uncertain_and_holds_back_nothing_of_its_batch(
     nats_brokers, proxy, js
 ):
@@ -339,6 +343,7 @@ async def test_a_lost_ack_reply_is_uncertain_and_holds_back_nothing_of_its_batch
     assert await stored(js) == 0
 
 
+@pytest.mark.slow
 async def test_a_cut_in_the_middle_of_a_batch_loses_nothing(nats_brokers, proxy, js):
     """The connection closes after half of a batch's acks went to the server: every ack
     ends UNCERTAIN or OK (none replayed), the broker reconnects, what was not applied
@@ -375,6 +380,7 @@ async def test_a_cut_in_the_middle_of_a_batch_loses_nothing(nats_brokers, proxy,
     assert sorted(pids) == sorted(d.pid for d in held)
 
 
+@pytest.mark.slow
 async def test_acks_sent_while_the_server_is_down_are_errors_then_settle_after_it_returns(
     nats_brokers, nats_server
 ):

@@ -229,6 +229,7 @@ async def test_malformed_payload_goes_dead_at_once(nats_brokers, js):
 # -- settle ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_reject_at_max_attempts_goes_to_the_dead_stream(nats_brokers, js):
     broker = await nats_brokers(QUEUE, max_attempts=2, ack_wait=2)
     pid = await broker.publish(QUEUE, {"fails": True})
@@ -273,6 +274,7 @@ async def test_a_failure_record_shrinks_to_what_max_payload_leaves_beside_the_me
     assert len(dead.headers[NATS_HEADER]) < 1500
 
 
+@pytest.mark.slow
 async def test_reject_below_the_limit_waits_for_its_backoff(nats_brokers):
     broker = await nats_brokers(QUEUE, max_attempts=5, retry_backoff=4.0, ack_wait=30)
     await broker.publish(QUEUE, {"x": 1})
@@ -363,6 +365,7 @@ async def test_release_of_a_strange_pid_keeps_the_header_block_intact(nats_broke
     assert set(copy.headers) == {"Nats-Msg-Id"}
 
 
+@pytest.mark.slow
 async def test_release_on_a_size_limited_stream_is_a_delayed_nak(nats_brokers, js):
     """A republish could push another message out of a bounded stream: queue 5 NAKs with
     a delay there instead, which spends a delivery."""
@@ -391,6 +394,7 @@ async def test_twenty_releases_spend_no_attempt(nats_brokers, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
+@pytest.mark.slow
 async def test_independent_outcomes_in_one_settle(nats_brokers, proxy, js):
     broker = await nats_brokers(QUEUE, proxy.url, ack_wait=3, max_attempts=2, request_timeout=2.0)
     other = await nats_brokers(QUEUE, ack_wait=3, max_attempts=2)
@@ -446,6 +450,7 @@ async def dead_letter(js, seq: int = 1) -> tuple[bytes, dict[str, str]]:
     return message.data, message.headers
 
 
+@pytest.mark.slow
 async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(nats_brokers, js):
     first = await nats_brokers(QUEUE, max_attempts=2, ack_wait=3)  # 3 s to settle what it received
     pid = await first.publish(QUEUE, {"x": 1})
@@ -470,6 +475,7 @@ async def test_last_attempt_lost_with_its_consumer_is_dead_at_the_spare(nats_bro
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
 
 
+@pytest.mark.slow
 async def test_the_spare_is_read_again_before_a_delivery_is_parked(nats_brokers, js):
     """The consumer is shared: when another worker gave it a larger budget since we
     adopted it, the delivery runs instead of being parked on a stale threshold."""
@@ -486,6 +492,7 @@ async def test_the_spare_is_read_again_before_a_delivery_is_parked(nats_brokers,
     assert first.receipt.stream_seq == again.receipt.stream_seq
 
 
+@pytest.mark.slow
 async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(nats_brokers, js):
     broker = await nats_brokers(QUEUE, max_attempts=1, ack_wait=3)  # 3 s to delete the dead stream
     await broker.publish(QUEUE, {"x": 1})
@@ -509,6 +516,7 @@ async def test_out_of_attempts_without_a_confirmed_dead_letter_is_kept(nats_brok
     assert await stream_messages(js, NAMES.stream) == 0
 
 
+@pytest.mark.slow
 async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(nats_brokers, js):
     """Queue 5's older consumers have no spare: the server stops delivering and announces
     it; one subscriber of the fleet's queue group copies the message to dead, deletes it."""
@@ -537,6 +545,7 @@ async def test_a_delivery_exhausted_without_a_spare_is_buried_from_the_advisory(
     assert await stream_messages(js, NAMES.stream) == 0
 
 
+@pytest.mark.slow
 async def test_reject_follows_the_consumers_backoff_list(nats_brokers, js):
     await php_queue(js, max_deliver=6, spare=True, ack_wait=2, backoff=[2, 4])
     broker = await nats_brokers(QUEUE, max_attempts=5, retry_backoff=0)
@@ -549,6 +558,7 @@ async def test_reject_follows_the_consumers_backoff_list(nats_brokers, js):
     assert again.attempts == 1 and time.monotonic() - started >= 1.8
 
 
+@pytest.mark.slow
 async def test_each_commit_reports_as_soon_as_its_own_reply_arrives(nats_brokers, proxy):
     broker = await nats_brokers(QUEUE, proxy.url, request_timeout=5.0)
     await broker.publish_many(QUEUE, [{"i": 1}, {"i": 2}])
@@ -584,6 +594,7 @@ async def test_cut_after_the_ack_is_uncertain_and_not_replayed(nats_brokers, pro
     assert proxy.published[delivery.receipt.reply] == 1
 
 
+@pytest.mark.slow
 async def test_silent_connection_is_replaced(nats_brokers, proxy, js):
     broker = await nats_brokers(QUEUE, proxy.url, ack_wait=2, request_timeout=1.0,
                                 connect_timeout=1.0)
@@ -617,6 +628,7 @@ async def test_publish_to_a_queue_without_a_stream_says_so(nats_brokers):
 # -- renewal --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_extend_keeps_held_deliveries_past_ack_wait(nats_brokers, js):
     broker = await nats_brokers(QUEUE, ack_wait=4)
     rival = await nats_brokers(QUEUE, ack_wait=4)
@@ -671,6 +683,7 @@ async def test_renewals_go_a_thousand_to_a_write(nats_brokers, js):
     assert all(r.ok for r in results)
 
 
+@pytest.mark.slow
 async def test_renewals_leave_in_one_write_and_a_lost_reply_is_never_replayed(
         nats_brokers, proxy, js, caplog):
     """100 renewals: one batch of typed requests, no request one at a time. The 10 whose
@@ -694,6 +707,7 @@ async def test_renewals_leave_in_one_write_and_a_lost_reply_is_never_replayed(
     assert await stream_messages(js, NAMES.stream) == 0
 
 
+@pytest.mark.slow
 async def test_superseded_delivery_is_reported_stale(nats_brokers):
     broker = await nats_brokers(QUEUE, ack_wait=3)  # 3 s to renew the new delivery
     await broker.publish(QUEUE, {"x": 1})
@@ -705,6 +719,7 @@ async def test_superseded_delivery_is_reported_stale(nats_brokers):
     assert await settle_one(broker, Action.COMMIT, new) is Outcome.OK
 
 
+@pytest.mark.slow
 async def test_each_renewal_result_lands_on_its_own_delivery(nats_brokers, proxy):
     """Held, superseded and held again, in that order, the last one's reply lost: the
     superseded one is told gone, the lost reply is recorded as a failed renewal of that
@@ -727,6 +742,7 @@ async def test_each_renewal_result_lands_on_its_own_delivery(nats_brokers, proxy
     assert all(r.ok for r in results)
 
 
+@pytest.mark.slow
 async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(nats_brokers, proxy, js):
     """A pull that got no answer in time may still be answered: what it asked for is
     counted against the next pulls, and what arrives is renewed until it is handed out."""
@@ -753,6 +769,7 @@ async def test_late_pull_arrivals_count_against_prefetch_and_are_renewed(nats_br
     assert all(r.ok for r in results)
 
 
+@pytest.mark.slow
 async def test_tracking_is_bounded_by_what_is_held(nats_brokers, proxy, js):
     """Uncertain, stale and certain settlements all end the tracking of their delivery."""
     broker = await nats_brokers(QUEUE, proxy.url, ack_wait=3, request_timeout=1.0)
@@ -776,6 +793,7 @@ async def test_tracking_is_bounded_by_what_is_held(nats_brokers, proxy, js):
     assert await stream_messages(js, NAMES.stream) == 0
 
 
+@pytest.mark.slow
 def test_holdings_stay_bounded_over_a_million_settlements():
     """The bookkeeping alone, at volume: 1,000,000 deliveries, some superseded, settled
     in every order; the map never holds more than what is outstanding."""
@@ -806,6 +824,7 @@ def test_holdings_stay_bounded_over_a_million_settlements():
 # -- server restart -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_server_restart_mid_run_loses_nothing(nats_brokers, nats_server):
     broker = await nats_brokers(QUEUE, ack_wait=2, connect_timeout=2.0)
     pids = set(await broker.publish_many(QUEUE, [{"i": i} for i in range(500)]))
@@ -864,6 +883,7 @@ async def silent(nats_server: NatsServer):
     await listener.close()
 
 
+@pytest.mark.slow
 async def test_each_request_times_out_at_its_own_deadline(silent):
     conn, subject = silent
     started = time.monotonic()

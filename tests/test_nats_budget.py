@@ -91,6 +91,7 @@ async def test_a_budget_lowered_since_adoption_is_read_by_maintenance(
     assert "2 attempts (MaxDeliver 3" in caplog.text
 
 
+@pytest.mark.slow
 async def test_an_unlimited_consumer_spares_no_delivery(nats_brokers, js):
     """MaxDeliver -1: queue 5's spareOf() is null, so a delivery whose earlier runs all
     died unsettled is run again, never parked on arrival."""
@@ -104,6 +105,7 @@ async def test_an_unlimited_consumer_spares_no_delivery(nats_brokers, js):
     assert await dead_count(js) == 0
 
 
+@pytest.mark.slow
 async def test_advisories_are_drained_by_receive_without_a_maintenance_pass(nats_brokers, js):
     """A consumer without a spare (queue 5's N1): the server announces the exhausted
     message; the next receive buries it, as queue 5's receive() drains the advisories."""

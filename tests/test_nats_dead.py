@@ -93,6 +93,7 @@ async def test_delete_by_pid_seq_and_count_with_dry_run(conf, run, nats_brokers,
     assert code == 0 and await dead_pids(js) == []
 
 
+@pytest.mark.slow
 async def test_retry_re_drives_dead_letters_to_work_and_they_run_again(conf, run, nats_brokers,
                                                                        js):
     broker, pids = await bury(nats_brokers, 3)
@@ -193,6 +194,7 @@ async def stream_pids(js, stream: str, subject: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_a_retry_killed_midway_loses_nothing_and_a_rerun_publishes_each_once(
         conf, run, nats_brokers, js):
@@ -221,6 +223,7 @@ async def test_a_retry_killed_midway_loses_nothing_and_a_rerun_publishes_each_on
     assert sorted(await stream_pids(js, NAMES.stream, NAMES.subject)) == sorted(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_a_redrive_whose_replies_are_lost_under_load_runs_each_job_once(
         tmp_path, conf, run, nats_brokers, nats_server, js, supervisors):

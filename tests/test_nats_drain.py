@@ -11,10 +11,14 @@ import os
 import signal
 import socket
 
+import pytest
+
 from support.nats_jobs import queue_exists
 from support.supervision import QUEUE, write_config
 from support.waiting import until
 from tests.queue5_nats import Queue5NatsWorker
+
+pytestmark = pytest.mark.slow  # every test here takes a second or more
 
 
 async def test_check_and_drain_a_live_supervisor_beside_a_php_worker(

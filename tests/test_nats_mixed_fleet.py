@@ -25,6 +25,8 @@ from support.supervision import QUEUE, lines, write_config
 from support.waiting import until
 from tests.queue5_nats import Queue5NatsWorker
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 NAMES = QueueNames.of(QUEUE)
 
 

@@ -51,6 +51,7 @@ def test_status_of_an_unreachable_nats_fails_at_once(tmp_path):
         f"error: status failed: cannot reach NATS at nats://127.0.0.1:{port}: ")
 
 
+@pytest.mark.slow
 def test_status_of_a_nats_port_that_never_answers_fails_in_seconds(tmp_path, silent_port):
     code, err, took = status(tmp_path, f"nats://127.0.0.1:{silent_port}")
     assert code == 1 and took < WITHIN

@@ -44,6 +44,7 @@ def code_strings(path: Path) -> Iterator[tuple[int, str]]:
             yield node.lineno, node.value
 
 
+@pytest.mark.slow
 def test_jetstream_subjects_are_built_only_by_broker_nats_api():
     owner = ROOT / "broker" / "nats" / "api.py"
     elsewhere = [f"{path.relative_to(ROOT)}:{line}: {text!r}"
@@ -75,6 +76,7 @@ def _is_type_name(node: ast.expr) -> bool:
             and node.value.func.id == "type")
 
 
+@pytest.mark.slow
 def test_exceptions_are_described_only_by_broker_errors():
     """``f"{type(error).__name__}: {error}"`` was written out in five modules; the copies
     already differed on an empty message ("RuntimeError:" in one, "RuntimeError" in the

@@ -115,6 +115,7 @@ async def test_status_shows_no_control_character_from_the_broker(conf, run, redi
     assert orjson.loads(out)["stats"]["success"] == crafted  # the data, escaped as JSON
 
 
+@pytest.mark.slow
 async def test_drain_shows_another_hosts_record_escaped(conf, run, redis_client):
     await redis_client.set(keys().supervisor("elsewhere"), b"other\x1b]0;pwned\x07host 42")
     code, out = await run("drain", conf, "--timeout", "2")
@@ -126,6 +127,7 @@ async def test_drain_shows_another_hosts_record_escaped(conf, run, redis_client)
 # -- check and recover ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_check_fails_while_a_reservation_remains_and_passes_after_recover(
     conf, run, redis_client, redis_brokers
 ):
@@ -200,6 +202,7 @@ async def killed_while_waiting(redis_client, redis_brokers, block_timeout: int) 
     return key
 
 
+@pytest.mark.slow
 async def test_check_fails_while_a_dead_supervisors_blocking_receive_is_registered(
     conf, run, redis_client, redis_brokers
 ):
@@ -212,6 +215,7 @@ async def test_check_fails_while_a_dead_supervisors_blocking_receive_is_register
     assert "alive" not in out
 
 
+@pytest.mark.slow
 async def test_drain_waits_out_a_dead_supervisors_blocking_receive(
     conf, run, redis_client, redis_brokers
 ):
@@ -286,6 +290,7 @@ async def test_check_fails_while_a_registry_entry_is_current_without_a_record(
     assert code == 0 and out.startswith("ok:"), out
 
 
+@pytest.mark.slow
 async def test_drain_waits_for_supervisors_it_cannot_stop_and_fails_while_they_run(
     conf, run, redis_client, redis_brokers
 ):
@@ -307,6 +312,7 @@ async def test_drain_waits_for_supervisors_it_cannot_stop_and_fails_while_they_r
     assert code == 0 and "ok: no reservation and no owner record" in out, out
 
 
+@pytest.mark.slow
 async def test_check_fails_while_an_owner_record_remains(conf, run, redis_client, redis_brokers):
     [pid] = await push(redis_client, {"n": 1})
     # Claims expire after 3 s; with 1 s the claim could miss its reservation's whole-second
@@ -512,6 +518,7 @@ async def test_check_fails_while_a_previous_format_supervisor_runs(conf, run, re
     assert code == 0 and out.startswith("ok:")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "says"), [
     (["status", "{conf}", "--bogus"], "unrecognized arguments: --bogus"),
     (["retry", "{conf}", "--limit", "x"], "argument --limit: 'x' is not a whole number of at "
@@ -530,6 +537,7 @@ def test_argument_errors_read_well(conf, args, says):
     assert "usage: python -m supervisor " + args[0] in done.stderr  # its own usage
 
 
+@pytest.mark.slow
 def test_operator_commands_print_no_library_debug_lines(tmp_path, redis_url):
     config = write_config(tmp_path, redis_url, handler="examples.noop:handle",
                           supervisor={"log_level": "debug"})

@@ -265,6 +265,7 @@ def durable_redis():
     server.close()
 
 
+@pytest.mark.slow
 def test_redis_killed_with_deliveries_held_is_told_once_and_loses_nothing(
     tmp_path, durable_redis, supervisors
 ):
@@ -319,6 +320,7 @@ def nats_publish(server: NatsServer, payloads: list[dict]) -> list[str]:
     return asyncio.run(send())
 
 
+@pytest.mark.slow
 def test_nats_stopped_with_deliveries_held_is_told_once_and_loses_nothing(
     tmp_path, nats_server, supervisors
 ):
@@ -449,6 +451,7 @@ def durable_cluster():
     cluster.close()
 
 
+@pytest.mark.slow
 def test_a_redis_cluster_master_killed_with_deliveries_held_is_told_once_and_loses_nothing(
     tmp_path, durable_cluster, supervisors
 ):

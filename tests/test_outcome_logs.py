@@ -122,6 +122,7 @@ def test_what_a_handler_raised_is_escaped_and_cut(stream, json) -> None:
         assert record["traceback"] == "T\\x1b[31m\nE\\u202e\n" and record["pid"] == "p\\x0aq"
 
 
+@pytest.mark.slow
 def test_each_failed_run_of_a_real_job_logs_its_outcome(tmp_path, redis_url, client,
                                                          supervisors) -> None:
     """A raising handler, one that kills its process and one past handler_timeout, each

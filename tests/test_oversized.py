@@ -72,6 +72,7 @@ async def test_only_oversized_payloads(broker, redis_client):
     assert await redis_client.zcard(KEYS.reservations) == 0  # nothing registered to wait
 
 
+@pytest.mark.slow
 async def test_an_idle_receive_drops_an_oversized_move_unread(broker, redis_client):
     """On an idle queue the blocking BLMOVE returns what it moved: the connection reads
     the length, drops the connection (Redis stops sending) and claim.lua poisons it."""
@@ -116,6 +117,7 @@ def peak_rss_kib(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_supervisor_runs_the_good_ones_and_never_holds_a_50_mb_envelope(
     tmp_path, redis_url, client

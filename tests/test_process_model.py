@@ -18,6 +18,8 @@ from support import processes
 from support.envelopes import publish
 from support.supervision import ROOT, lines, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 
 def handled(tmp_path) -> list[str]:
     return lines(tmp_path / "handled")
@@ -27,6 +29,7 @@ def json_lines(output: str) -> list[dict]:
     return [orjson.loads(line) for line in output.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.timeout(180)  # measured 25-45 s on a loaded 2-core machine
 @pytest.mark.parametrize("target", [
     "receive", "settle", "renew", "maintain", "watch", "keepalive", "outcomes", "forkserver",
 ])

@@ -142,6 +142,7 @@ def test_a_late_claim_fails_and_leaves_the_payload_recoverable(client: redis.Red
     assert client.lrange(k("queue"), 0, -1) == reserved.batch
 
 
+@pytest.mark.slow
 def test_an_empty_blocking_reservation_is_registered_and_later_dropped(client: redis.Redis) -> None:
     php = consumer(client)
     assert php.receive(2, timeout=1) == []

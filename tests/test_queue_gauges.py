@@ -116,6 +116,7 @@ async def test_nats_gauges_come_from_the_consumer_and_the_dead_stream(nats_broke
     assert sample.failed is None and sample.poison is None  # no such lists on NATS
 
 
+@pytest.mark.slow
 async def test_nats_leaderless_when_the_cluster_lost_its_quorum(tmp_path):
     from broker.nats import NatsBroker
 
@@ -183,6 +184,7 @@ async def test_redis_cluster_gauges_from_the_node_of_the_queue(redis_cluster):
     assert sample.reconnects is None  # redis-py's cluster client reconnects by itself
 
 
+@pytest.mark.slow
 async def test_writes_no_replica_confirmed_are_counted(redis_brokers, redis_client):
     from broker.redis.replication import Replication
 

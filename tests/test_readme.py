@@ -114,6 +114,7 @@ def test_what_a_run_leaves_in_the_checkout_is_ignored_by_git(path):
     assert done.returncode == 0, f"{path} is not ignored"
 
 
+@pytest.mark.slow
 def test_the_operator_command_examples_run_as_written(redis_url, tmp_path):
     """Every line of the operator commands' block (docs/operator-commands.md), against a
     private Redis (the URL given as QUEUE_BROKER_URL, as a unit's .env would)."""

@@ -34,6 +34,7 @@ def test_the_procedure_is_a_drain_then_a_check():
                            "python -m supervisor check job.toml"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reap_after", [REAP_AFTER, 5], ids=["default-reapAfter",
                                                             "short-reapAfter"])
 def test_the_readme_rollback_word_for_word(tmp_path, redis_url, client, reap_after):

@@ -114,6 +114,7 @@ def pids_of(raws: Sequence[bytes]) -> list[str]:
 # --- expired reservations -------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_reservation_is_returned_once_its_deadline_in_seconds_passed(redis_client):
     await redis_client.lpush(KEYS.ready, b"newer")
     now = await server_s(redis_client)
@@ -345,6 +346,7 @@ async def test_a_cursor_in_another_format_is_reset(redis_client):
         assert await redis_client.get(KEYS.reap_cursor) == b"2:0"
 
 
+@pytest.mark.slow
 async def test_recovery_work_per_script_call_is_bounded_in_a_long_list(redis_client):
     """100,000 young owner-less entries ahead of 1,000 lapsed ones: each LREM scans from the
     nearer end, and the calls split by scanned entries, so no call is slow."""
@@ -447,6 +449,7 @@ async def wait_until_expired(client, reservation: str) -> None:
     await waiting.until(lambda: server_s_past(client, deadline), 30, "the reservation's deadline")
 
 
+@pytest.mark.slow
 async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, redis_client):
     a, b = brokers
     pids = await a.publish_many(KEYS.queue, [{"i": i} for i in range(5)])
@@ -464,6 +467,7 @@ async def test_e2e_a_reservation_never_claimed_is_returned_in_order(brokers, red
     assert await redis_client.zcard(KEYS.reservations) == 0
 
 
+@pytest.mark.slow
 async def test_e2e_a_reservation_made_ahead_by_a_consumer_that_died_is_returned_in_order(
     brokers, redis_client
 ):
@@ -487,6 +491,7 @@ async def test_e2e_a_reservation_made_ahead_by_a_consumer_that_died_is_returned_
     assert await redis_client.zcard(KEYS.reservations) == 0
 
 
+@pytest.mark.slow
 async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     a, b = brokers
     blocked = asyncio.create_task(a.reserve(10, 3.0))  # 3 s for the publish to come
@@ -502,6 +507,7 @@ async def test_e2e_death_after_the_blocking_move(brokers, redis_client):
     assert (delivery.pid, delivery.payload) == (pid, {"late": True})
 
 
+@pytest.mark.slow
 async def test_e2e_a_frozen_consumer_does_not_move_into_a_recovered_reservation(
     brokers, redis_client
 ):
@@ -538,6 +544,7 @@ async def test_e2e_a_late_move_into_an_unregistered_reservation_goes_back(broker
     assert delivery.pid == pid
 
 
+@pytest.mark.slow
 async def test_e2e_lapsed_deliveries_go_to_the_living(brokers, redis_client):
     a, b = brokers
     await a.extend([])  # a supervisor's first renewal, at start: its record and registry entry

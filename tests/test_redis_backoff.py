@@ -474,6 +474,7 @@ INT64 = st.integers(-(2**63), 2**63 - 1)
 JSON_VALUES = st.text() | INT64 | st.floats(allow_nan=False, allow_infinity=False)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pid=st.text(), queue=st.text(), stamp=st.integers(0, 2**63 - 1), attempts=INT64,
@@ -552,6 +553,7 @@ async def test_a_promoted_retry_is_protected_from_queue_5s_sweep_for_its_whole_r
 # --- issue 39.4: failure records are bounded ------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job_ttl", [0, 100])
 async def test_a_failure_record_expires_after_a_queue_5_retry_takes_its_pid(
     redis_brokers, redis_client, client, job_ttl

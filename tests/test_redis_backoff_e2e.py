@@ -8,12 +8,16 @@ from __future__ import annotations
 import re
 import uuid
 
+import pytest
+
 from broker import envelope
 from broker.redis.keys import QueueKeys
 from support import processes
 from support.dashboard import Dashboard
 from support.operator import command
 from support.supervision import NAMESPACE, Supervisor, lines, wait_for, write_config
+
+pytestmark = pytest.mark.slow  # every test here takes a second or more
 
 HANDLER = "tests.handlers.fails_until:handle"
 

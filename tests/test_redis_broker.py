@@ -328,6 +328,7 @@ async def test_already_owned_pid_is_deferred(broker, redis_client):
     assert second.pid == pid and second.receipt != first.receipt
 
 
+@pytest.mark.slow
 async def test_a_waiting_duplicate_does_not_spin_the_receive_loop(broker, redis_client):
     """Hole 4: a copy of a pid being processed (a retried publish can store one) used to make
     every receive return at once, thousands of script calls a second, while the first ran."""
@@ -642,6 +643,7 @@ async def test_a_wrong_typed_job_record_is_missing_for_its_item_alone(broker, re
 # -- bounded batches --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_five_thousand_messages_in_bounded_calls(broker, redis_client):
     ready = f"{NS}.queue.{QUEUE}"
     published = []
@@ -742,6 +744,7 @@ async def test_cancelled_blocking_receive_loses_nothing(broker, redis_client):
         assert [d.pid for d in (await broker.receive(10, 1)).deliveries] == [pid]
 
 
+@pytest.mark.slow
 async def test_a_blocking_receive_cancelled_before_its_move_started_leaves_nothing_behind(
         broker, redis_client, monkeypatch):
     """Cancelled in the turn between making the blocking move's task and its first step:
@@ -808,6 +811,7 @@ async def test_settling_keeps_the_order_of_what_stays_in_processing(broker, redi
 # -- a stop while a receive blocks on an idle queue -----------------------------------------
 
 
+@pytest.mark.slow
 async def test_stop_waiting_ends_a_blocked_receive_and_strands_nothing(redis_url, redis_client):
     """Whichever wins, the blocking move or the stop, the message ends received or back in
     the ready list; a move the server completes late is recovered by maintenance."""

@@ -44,6 +44,7 @@ def test_a_least_privilege_user_may_read_the_version(own_redis_server: RedisServ
     assert found >= version.MINIMUM
 
 
+@pytest.mark.slow
 def test_a_server_without_hello_is_refused_at_start_with_one_line(tmp_path: Path) -> None:
     # No Redis older than 6.0 is at hand; one with HELLO renamed away answers as one would.
     server = RedisServer(extra=["--rename-command", "HELLO", ""]).start()

@@ -109,6 +109,7 @@ def _connected_clients(server) -> int:
                .split("connected_clients:")[1].split()[0])
 
 
+@pytest.mark.slow
 async def test_a_connect_whose_auth_never_comes_back_leaves_no_connection_open(own_redis_server):
     """A frozen server (SIGSTOP) still accepts connections (the kernel does), then never
     answers AUTH: each attempt that gives up closes its connection, or a supervisor retrying

@@ -42,6 +42,7 @@ def retiring(core: Core) -> list[bool]:
     return [place.retiring for place in core.places]
 
 
+@pytest.mark.slow
 def test_processes_are_replaced_after_their_work_once_the_import_succeeded(caplog):
     async def scenario():
         core, broker, pids = await running()
@@ -69,6 +70,7 @@ def test_processes_are_replaced_after_their_work_once_the_import_succeeded(caplo
             "its current work") in caplog.messages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("change", "reason"), [
     (None, "handler reload failed: SyntaxError: invalid syntax (noop.py, line 3)"),
     ({"is_async": True}, "is now an async def (it was a plain def)"),
@@ -116,6 +118,7 @@ def test_init_and_on_error_may_come_and_go():
         flushing.change_problem(PLAIN) or "")
 
 
+@pytest.mark.slow
 def test_a_sighup_during_an_import_asks_for_one_more_after_it():
     async def scenario():
         core, _, _ = await running()
@@ -135,6 +138,7 @@ def test_a_sighup_during_an_import_asks_for_one_more_after_it():
     run(scenario())
 
 
+@pytest.mark.slow
 def test_a_process_forked_from_the_old_code_during_the_import_is_replaced_too():
     async def scenario():
         core, _, _ = await running(0)

@@ -16,6 +16,7 @@ from support.supervision import counter, keys, wait_for, write_config
 pytestmark = pytest.mark.usefixtures("no_url_override")
 
 
+@pytest.mark.slow
 async def test_retry_steps_over_a_pid_that_is_not_utf8(conf, run, redis_client):
     """A corrupt entry at the oldest end stopped every `retry --all` with a traceback
     (UnicodeDecodeError), so nothing behind it could ever be retried."""
@@ -30,6 +31,7 @@ async def test_retry_steps_over_a_pid_that_is_not_utf8(conf, run, redis_client):
     assert await redis_client.llen(keys().ready) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("handler", ["tests.handlers.exits:handle",
                                      "tests.handlers.exits:handle_async"])
 def test_a_handler_raising_sys_exit_fails_its_job_not_the_service(tmp_path, redis_url, client,
@@ -58,6 +60,7 @@ def test_a_handler_raising_sys_exit_fails_its_job_not_the_service(tmp_path, redi
     assert good not in [p.decode() for p in client.lrange(keys().failed, 0, -1)]
 
 
+@pytest.mark.slow
 async def test_a_lost_publish_reply_mid_retry_names_the_letter_and_what_to_do(
         tmp_path, nats_server, nats_brokers, js, capsys, monkeypatch):
     """`dead retry --all` whose publish reply was lost (the message did reach the work
@@ -110,6 +113,7 @@ async def test_a_mistyped_key_under_the_gauges_is_not_blamed_on_the_acl(
     assert "WRONGTYPE" in line and "holds another type" in line and "acl" not in line
 
 
+@pytest.mark.slow
 def test_an_on_error_whose_exception_cannot_be_printed_keeps_the_process(
         tmp_path, redis_url, client, supervisors):
     """on_error() raising an exception whose str() raises killed the handler process (the
@@ -129,6 +133,7 @@ def test_an_on_error_whose_exception_cannot_be_printed_keeps_the_process(
     assert any("Unprintable: <str() raised RuntimeError>" in line for line in hooks)
 
 
+@pytest.mark.slow
 async def test_a_dead_letter_with_a_non_ascii_digit_header_does_not_break_dead_commands(
         tmp_path, nats_server, nats_brokers, js, capsys):
     """``Queue-Attempts: ²`` passed str.isdigit() and then failed int(): every `dead list`,
@@ -204,6 +209,7 @@ def test_a_scrape_flood_renders_once_per_second_and_is_paced(monkeypatch):
     assert took >= 19 * metrics_http.ANSWER_GAP  # load only makes it longer
 
 
+@pytest.mark.slow
 async def test_a_mistyped_failed_or_dead_key_is_named_in_the_error(conf, redis_client,
                                                                    capsys):
     """`failed list` over a string at the failed key said only "WRONGTYPE Operation against

@@ -248,6 +248,7 @@ def echo_child(requests: Ring, replies: Ring) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_two_processes_pass_records_both_ways_with_wakeups() -> None:
     requests, replies = make_ring(64, 64), make_ring(64, 64)
     pid = os.fork()

@@ -35,6 +35,7 @@ def processes_of(tmp_path: Path, pids: list[str]) -> set[str]:
     return {line.split()[2] for line in lines(tmp_path / "started") if line.split()[0] in wanted}
 
 
+@pytest.mark.slow
 def test_sighup_replaces_the_handler_processes_and_loses_nothing(
     tmp_path, redis_url, client, supervisors
 ):
@@ -186,6 +187,7 @@ def modified(path: Path) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(path.stat().st_mtime))
 
 
+@pytest.mark.slow
 def test_sighup_imports_the_edited_handler_and_replaces_processes_after_their_work(
     tmp_path, redis_url, client, supervisors
 ):
@@ -262,6 +264,7 @@ time.sleep(3)
 """
 
 
+@pytest.mark.slow
 def test_a_sighup_during_an_import_asks_for_another_after_it_without_descriptor_leaks(
     tmp_path, redis_url, client, supervisors
 ):
@@ -296,6 +299,7 @@ def test_a_sighup_during_an_import_asks_for_another_after_it_without_descriptor_
     assert "worker lost" not in supervisor.output()
 
 
+@pytest.mark.slow
 def test_a_stop_during_a_reloads_import_is_not_held_up_by_it(
     tmp_path, redis_url, client, supervisors
 ):

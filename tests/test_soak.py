@@ -22,6 +22,7 @@ from support.soak_ledger import Ledger
 from support.soak_run import failed_rows, soak
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_redis_soak_loses_nothing_and_keeps_totals_exact():
     result = soak("redis", "--messages", "2000", "--seconds", "36", "--seed", "7",
@@ -31,6 +32,7 @@ def test_redis_soak_loses_nothing_and_keeps_totals_exact():
     assert "writer_kill" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_without_the_barrier_kills_lose_acknowledged_usage():
     result = soak("redis", "--messages", "1500", "--seconds", "20", "--seed", "3",
@@ -51,6 +53,7 @@ def test_without_the_barrier_kills_lose_acknowledged_usage():
     shutil.rmtree(kept.group(1))  # a failed run keeps its folder; this failure is expected
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_redis_soak_with_async_handlers_thirty_at_once_keeps_totals_exact():
     # The async stats-usage handler (aiosqlite), 30 deliveries at once per process, each
@@ -61,6 +64,7 @@ def test_redis_soak_with_async_handlers_thirty_at_once_keeps_totals_exact():
     assert "x 30 async tasks" in result.stdout and "handler_kill" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_soak_fails_naming_a_lost_message_and_a_wrong_total():
     result = soak("redis", "--messages", "300", "--seconds", "4", "--gap", "100,100",
@@ -96,6 +100,7 @@ def test_ledger_counts_duplicate_commits_and_reruns(tmp_path):
     assert [call.attempts for call in ledger.calls["c"]] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_nats_soak_loses_nothing_and_keeps_totals_exact():
     result = soak("nats", "--messages", "2000", "--seconds", "36", "--seed", "7",
@@ -106,6 +111,7 @@ def test_nats_soak_loses_nothing_and_keeps_totals_exact():
     assert "connection_cut" in result.stdout and "broker_restart" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("processes", [1, 2, 4])
 def test_usage_totals_stay_exact_when_handlers_and_the_writer_are_killed(processes):

@@ -10,6 +10,8 @@ import pytest
 
 from support.soak_run import soak
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 
 @pytest.mark.timeout(150)
 def test_cluster_soak_through_failovers_loses_nothing():

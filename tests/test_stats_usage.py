@@ -74,6 +74,7 @@ def test_totals_are_exact(where):
     assert stats_usage.seen_pids(where) == {"a", "b", "c", "d"}
 
 
+@pytest.mark.slow
 def test_a_metric_repeated_in_one_message_is_summed(where):
     handle(Message("a", {"projectId": "p", "metrics": [{"key": "k", "value": 1}] * 3}))
     flush()
@@ -96,6 +97,7 @@ def test_a_pid_twice_in_one_flush_counts_once(where):
     assert totals(where) == {("p1", "executions"): 1}
 
 
+@pytest.mark.slow
 def test_a_redelivered_pid_counts_once_across_connections(where):
     handle(message("a", executions=4))
     flush()
@@ -124,6 +126,7 @@ def _handle_all_and_flush(where: str, pids: list[str], barrier: Any) -> None:
     stats_usage._store.close()  # a writer this process started stops with it
 
 
+@pytest.mark.slow
 def test_processes_sharing_the_database_count_each_pid_once(where):
     pids = [f"pid-{index}" for index in range(200)]
     close_store()  # a connection must not cross a fork: each child opens its own
@@ -184,6 +187,7 @@ def _drop_usage_table() -> None:
         store.database.execute("DROP TABLE usage")
 
 
+@pytest.mark.slow
 def test_a_failed_flush_raises_clears_the_buffer_and_changes_nothing(where):
     handle(message("a", executions=1))
     flush()
@@ -237,6 +241,7 @@ def test_totals_of_a_database_that_does_not_exist_yet_say_so(tmp_path, name):
     assert not path.exists()  # asking created nothing
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_totals_of_the_default_store(tmp_path, monkeypatch):
     """``python -m examples.stats_usage``, no argument, in the folder the job ran in."""
     monkeypatch.chdir(tmp_path)

@@ -76,6 +76,7 @@ async def test_without_client_unblock_a_stop_still_strands_nothing(redis_url, cl
         client.execute_command("ACL", "DELUSER", "old")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_sigterm_of_an_idle_supervisor_leaves_the_registry_empty(tmp_path, redis_url, client):
     config = write_config(tmp_path, redis_url, broker={"block_timeout": 60},

@@ -42,6 +42,7 @@ def handled(tmp_path: Path) -> list[str]:
     return lines(tmp_path / "handled")
 
 
+@pytest.mark.slow
 def test_prefetch_bounds_outstanding_deliveries_and_all_are_handled_once(
     tmp_path, redis_url, client, start
 ):
@@ -78,6 +79,7 @@ def test_sparse_queue_message_is_handled_promptly(tmp_path, redis_url, client, s
     assert time.monotonic() - began < 10
 
 
+@pytest.mark.slow
 def test_graceful_stop_releases_unstarted_and_finishes_the_running_one(
     tmp_path, redis_url, client, start
 ):
@@ -102,6 +104,7 @@ def test_graceful_stop_releases_unstarted_and_finishes_the_running_one(
     assert outstanding(client) == 0 and counter(client, "processing") == 0
 
 
+@pytest.mark.slow
 def test_bounded_stop_kills_a_hung_handler_and_requeues_its_delivery(
     tmp_path, redis_url, client, start
 ):
@@ -196,6 +199,7 @@ def test_a_hostile_pid_leaves_short_safe_log_lines(tmp_path, redis_url, client, 
         assert len(line) < 2000, line[:300]
 
 
+@pytest.mark.slow
 def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, start):
     # 0.02 s each: ~3 s of work is left after "some progress", so the kill finds some held.
     pids = publish(client, [{"n": n, "sleep": 0.02} for n in range(400)])
@@ -215,6 +219,7 @@ def test_supervisor_killed_midway_loses_nothing(tmp_path, redis_url, client, sta
     assert second.wait(15) == 0
 
 
+@pytest.mark.slow
 def test_on_success_runs_only_after_the_commit_is_confirmed(tmp_path, redis_url, client, start):
     pids = publish(client, [{"n": n} for n in range(200)])
     start(write_config(tmp_path, redis_url, job={"prefetch": 20}))
@@ -276,6 +281,7 @@ def test_a_failure_reported_ahead_of_held_successes_keeps_the_accounting(
     assert supervisor.wait(15) == 0, supervisor.output()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("job", "extra", "expected"),
     [
@@ -336,6 +342,7 @@ def handler_processes(tmp_path: Path) -> list[str]:
     return [line.split()[2] for line in lines(tmp_path / "started")]
 
 
+@pytest.mark.slow
 def test_handler_timeout_kills_the_process_and_fails_the_delivery(
     tmp_path, redis_url, client, start
 ):
@@ -360,6 +367,7 @@ def test_handler_process_is_recycled_after_max_jobs(tmp_path, redis_url, client,
     assert [processes.count(p) for p in dict.fromkeys(processes)] == [3, 3, 3]
 
 
+@pytest.mark.slow
 def test_handler_process_is_recycled_above_max_rss(tmp_path, redis_url, client, start):
     pids = publish(client, [{"grow": 120}, {"n": 1}, {"n": 2}])
     config = write_config(tmp_path, redis_url, job={"max_rss_mb": 100, "prefetch": 1})
@@ -370,6 +378,7 @@ def test_handler_process_is_recycled_above_max_rss(tmp_path, redis_url, client, 
     assert "recycling handler 0" in supervisor.output()
 
 
+@pytest.mark.slow
 def test_process_titles_show_queue_buffer_and_busy_state(tmp_path, redis_url, client, start):
     publish(client, [{"hang": True}])
     supervisor = start(write_config(tmp_path, redis_url))
@@ -402,6 +411,7 @@ def test_second_signal_skips_to_the_kill(tmp_path, redis_url, client, start):
     assert not alive
 
 
+@pytest.mark.slow
 def test_no_process_survives_a_killed_supervisor(tmp_path, redis_url, client, start):
     publish(client, [{"hang": True}])
     supervisor = start(write_config(tmp_path, redis_url, job={"coroutines": 2, "prefetch": 2}))
@@ -413,6 +423,7 @@ def test_no_process_survives_a_killed_supervisor(tmp_path, redis_url, client, st
     assert not alive, f"orphans: {alive}"
 
 
+@pytest.mark.slow
 def test_extreme_envelopes_neither_stop_receiving_nor_reach_a_handler_wrongly(
     tmp_path, redis_url, client, start
 ):
@@ -439,6 +450,7 @@ def test_extreme_envelopes_neither_stop_receiving_nor_reach_a_handler_wrongly(
     assert supervisor.wait(15) == 0
 
 
+@pytest.mark.slow
 def test_progress_lines_and_the_stop_line_say_what_happened(tmp_path, redis_url, client, start):
     pids = publish(client, [{"n": n, "sleep": 0.05} for n in range(30)]
                    + [{"fail": True}])

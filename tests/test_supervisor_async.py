@@ -16,6 +16,8 @@ import pytest
 from support.envelopes import publish
 from support.supervision import counter, keys, lines, outstanding, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 HANDLER = "tests.handlers.e2e_aio_record:handle"
 
 

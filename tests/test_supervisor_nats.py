@@ -61,6 +61,7 @@ def started(tmp_path: Path) -> list[list[str]]:
     return [line.split() for line in lines(tmp_path / "started")]
 
 
+@pytest.mark.slow
 def test_buffered_messages_are_renewed_and_each_delivered_once(tmp_path, nats_server, start):
     # 60 messages of 0.1 s each through one handler: the last waits ~6 s in the buffer,
     # twice the 3 s ack_wait. Renewal (every lease/3 = 1 s) must keep every one of them.
@@ -96,6 +97,7 @@ def test_failures_and_malformed_end_dead_and_successes_commit(tmp_path, nats_ser
     wait_for(lambda: consumer_state(nats_server)["stream"] == 0, 10, "nothing left")
 
 
+@pytest.mark.slow
 def test_server_restart_mid_run_finishes_every_message(tmp_path, nats_server, start):
     pids = publish(nats_server, [{"n": n, "sleep": 0.002} for n in range(600)])
     config = nats_config(tmp_path, nats_server, job={"prefetch": 50})
@@ -108,6 +110,7 @@ def test_server_restart_mid_run_finishes_every_message(tmp_path, nats_server, st
     assert supervisor.wait(20) == 0
 
 
+@pytest.mark.slow
 def test_graceful_stop_returns_unstarted_deliveries_at_once(tmp_path, nats_server, start):
     pids = publish(nats_server, [{"n": 0, "sleep": 1.0}] + [{"n": n} for n in range(1, 30)],
                    ack_wait=30.0)
@@ -188,6 +191,7 @@ def test_handler_that_kills_its_process_ends_dead_after_max_attempts(
     assert supervisor.wait(15) == 0
 
 
+@pytest.mark.slow
 def test_supervisor_killed_on_the_last_attempt_leaves_it_dead_not_stuck(
     tmp_path, nats_server, start
 ):
@@ -237,6 +241,7 @@ def proxy_in_thread(port: int) -> Iterator[FaultProxy]:
         thread.join(10)
 
 
+@pytest.mark.slow
 def test_a_lost_ack_reply_holds_back_no_later_commit(tmp_path, nats_server, start):
     """SPEC §6: a success is confirmed as soon as its own reply arrives, not after an
     unrelated reply times out (the ack request timeout is 5 s)."""
@@ -258,6 +263,7 @@ def test_a_lost_ack_reply_holds_back_no_later_commit(tmp_path, nats_server, star
         assert set(handled(tmp_path)) == set(first) | set(second)
 
 
+@pytest.mark.slow
 def test_twenty_rolling_restarts_spend_no_attempt(tmp_path, nats_server, start):
     """Every stop releases what its supervisor held prefetched; with one attempt per job,
     a release that spent a delivery would dead-letter jobs that never ran."""

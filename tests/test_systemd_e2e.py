@@ -11,6 +11,8 @@ import pytest
 from support.envelopes import publish
 from support.supervision import Supervisor, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # every test here takes a second or more
+
 
 @pytest.fixture
 def notify_socket(tmp_path: Path):

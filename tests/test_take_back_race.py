@@ -30,6 +30,7 @@ def spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("handler", "tasks"), [
     ("tests.handlers.noop:handle", 1),
     ("tests.handlers.aio:handle", 4),

@@ -101,12 +101,14 @@ async def test_a_nats_url_to_a_server_that_requires_tls(server, certs):
     await round_trip(server.url, trusting(certs))
 
 
+@pytest.mark.slow
 async def test_the_server_certificate_is_verified_against_the_trusted_cas(server):
     # Without tls_ca only the system's CAs are trusted: the test CA is not one of them.
     message = await connect_error(server.tls_url, None)
     assert "certificate verify failed" in message
 
 
+@pytest.mark.slow
 async def test_a_certificate_for_another_name_is_refused_by_default(certs):
     other = TlsNatsServer(certs, pair=certs.wrong_name).start()
     try:
@@ -125,6 +127,7 @@ async def test_mutual_tls_works_with_the_client_certificate(mutual_server, certs
     await round_trip(mutual_server.tls_url, with_client_cert(certs))
 
 
+@pytest.mark.slow
 async def test_mutual_tls_without_a_client_certificate_fails_with_a_hint(mutual_server, certs):
     message = await connect_error(mutual_server.tls_url, trusting(certs))
     assert f"no NATS connection to {mutual_server.tls_url} within" in message
@@ -150,6 +153,7 @@ async def test_a_new_connection_after_a_server_restart_is_tls_again(mutual_serve
         await broker.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("scheme", "tls"), [("tls", None), ("nats", "trusting")])
 async def test_a_server_without_tls_is_refused_when_tls_is_configured(
     nats_server: NatsServer, certs, scheme, tls
@@ -166,6 +170,7 @@ async def test_a_nats_url_without_tls_settings_still_connects_in_plaintext(nats_
 # -- a real supervisor and the operator commands, over mutual TLS ------------------------------
 
 
+@pytest.mark.slow
 def test_supervisor_publish_and_status_over_mutual_tls(tmp_path, mutual_server, certs):
     tls = {"tls_ca": str(certs.ca.cert), "tls_cert": str(certs.client.cert),
            "tls_key": str(certs.client.key)}
@@ -208,6 +213,7 @@ def test_status_without_the_client_certificate_fails_clearly(
     assert "set [broker] tls_cert and tls_key" in error
 
 
+@pytest.mark.slow
 def test_the_supervisor_exits_1_naming_a_refused_certificate(tmp_path, certs):
     other = TlsNatsServer(certs, pair=certs.wrong_name).start()
     try:

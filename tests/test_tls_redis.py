@@ -116,6 +116,7 @@ async def test_mutual_tls_without_a_client_certificate_fails_with_a_hint(mutual_
     assert "if it requires client certificates (mutual TLS), set [broker] tls_cert" in message
 
 
+@pytest.mark.slow
 async def test_a_cluster_over_tls(certs):
     cluster = await asyncio.to_thread(lambda: TlsCluster(certs).start())
     try:
@@ -129,6 +130,7 @@ async def test_a_cluster_over_tls(certs):
 # -- a real supervisor and the operator commands, over mutual TLS ------------------------------
 
 
+@pytest.mark.slow
 def test_supervisor_and_operator_commands_over_mutual_tls(tmp_path, mutual_server, certs):
     queue = f"tls-{uuid.uuid4().hex[:8]}"  # drain stops supervisors by queue name
     # Relative paths: from the job file's folder, wherever the commands run.

@@ -60,6 +60,7 @@ def test_rows_are_one_per_message_and_metric():
     assert rows_of([Usage("c", "p", 0, [])]) == b""
 
 
+@pytest.mark.slow
 def test_batches_of_comma_separated_rows_go_into_the_engine_together(path):
     """The writer joins the batches of a round (and a move) end to end: one line each."""
     store = open_store(path)
@@ -72,6 +73,7 @@ def test_batches_of_comma_separated_rows_go_into_the_engine_together(path):
         store.close()
 
 
+@pytest.mark.slow
 def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_it(path):
     first = open_store(path)
     second = open_store(path)  # finds the first one's writer
@@ -89,6 +91,7 @@ def test_one_writer_serves_every_client_and_stops_with_the_process_that_started_
     assert writers(path) == []
 
 
+@pytest.mark.slow
 def test_a_killed_writer_is_replaced_and_nothing_counts_twice(path):
     store = open_store(path)
     try:
@@ -104,6 +107,7 @@ def test_a_killed_writer_is_replaced_and_nothing_counts_twice(path):
         store.close()
 
 
+@pytest.mark.slow
 def test_the_writer_dies_with_the_process_that_started_it(path):
     code = textwrap.dedent(f"""
         import time
@@ -275,6 +279,7 @@ def test_a_squatted_writer_name_stops_the_job_before_anything_is_acknowledged(
     assert squatter.requests() == []
 
 
+@pytest.mark.slow
 def test_a_name_held_by_a_socket_that_accepts_nothing_fails_the_store_clearly(path):
     """Bound, never listening: connections are refused, so the client starts a writer,
     which finds the name taken and no writer behind it; it says so and exits 3 (before,
@@ -306,6 +311,7 @@ def test_reading_a_folder_without_the_table_is_no_totals(path):
     assert writers(path) == []
 
 
+@pytest.mark.slow
 def test_the_server_store_through_clickhouse_connect(tmp_path):
     """ClickHouseStore over a clickhouse-connect client (its chDB backend, in a process of
     its own: the engine stays out of the test process that forks)."""
@@ -331,6 +337,7 @@ def test_a_server_url_goes_to_clickhouse_connect():
         open_store("clickhouse://default:secret@127.0.0.1:1/default")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("coroutines", "prefetch"), [(2, 20), (4, 8)])
 def test_the_job_counts_exactly_on_the_default_store_with_several_handler_processes(
         redis_url, client, tmp_path, supervisors, coroutines, prefetch):
@@ -366,6 +373,7 @@ def test_the_job_counts_exactly_on_the_default_store_with_several_handler_proces
     assert stats_usage.ENV_DB == "STATS_USAGE_DB"
 
 
+@pytest.mark.slow
 def test_a_store_that_cannot_start_stops_the_job_with_exit_3(redis_url, tmp_path, supervisors):
     """The writer cannot make its folder (a file is in the way): init() fails at once and
     the supervisor stops with the code for a failed init(), which systemd does not restart."""
@@ -386,6 +394,7 @@ def unmoved(monkeypatch):
     monkeypatch.setenv("STATS_USAGE_MOVE_AGE", "600")
 
 
+@pytest.mark.slow
 def test_an_answered_insert_is_in_the_log_and_survives_a_killed_writer(path, unmoved):
     """The writer answers once the rows are fsynced in its log and moves them into the
     engine later; killed before the move, the next writer moves them before it answers."""
@@ -403,6 +412,7 @@ def test_an_answered_insert_is_in_the_log_and_survives_a_killed_writer(path, unm
         store.close()
 
 
+@pytest.mark.slow
 def test_a_log_moved_twice_counts_once(path, tmp_path, unmoved):
     """Killed between its INSERT and the segment's delete, a writer leaves rows that are
     in the engine already: the next one moves them again, and they count once."""
@@ -574,6 +584,7 @@ engine.close()
 """
 
 
+@pytest.mark.slow
 def test_a_large_insert_costs_the_writer_little_more_than_its_rows():
     """6 MiB of rows (a move of the log is up to 8 MiB) raised the writer's peak by 66-71
     MiB as the text of a query, by 14-17 MiB streamed: less than five times the rows."""

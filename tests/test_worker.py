@@ -128,6 +128,7 @@ def test_successes_are_done_only_after_flush_returned(children, tmp_path: Path) 
     assert lines(log) == ["flushing", f"flush {pid}"]
 
 
+@pytest.mark.slow
 def test_a_held_success_carries_the_handlers_own_seconds_not_the_wait_for_flush(
     children, tmp_path: Path
 ) -> None:
@@ -281,6 +282,7 @@ def process_title(pid: int) -> str:
     return " ".join(psutil.Process(pid).cmdline()).strip()
 
 
+@pytest.mark.slow
 def test_process_title_shows_queue_slot_the_job_it_runs_or_idle(children, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     child = children("tests.handlers.gated:handle")

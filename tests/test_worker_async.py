@@ -118,6 +118,7 @@ def test_exit_waits_for_running_tasks_then_flushes(children, tmp_path: Path) -> 
     assert sorted(flushed) == sorted(pid for pid, _ in sent)
 
 
+@pytest.mark.slow
 def test_the_timeout_cancels_one_task_and_the_others_go_on(children, tmp_path: Path) -> None:
     log, gate = tmp_path / "log", tmp_path / "gate"
     child = children("tests.handlers.aio:handle", tasks=3, timeout=1.0)
@@ -191,6 +192,7 @@ def summaries(outcomes: list) -> list:
             for kind, delivery_id, data in outcomes]
 
 
+@pytest.mark.slow
 def test_a_held_async_success_carries_the_handlers_own_seconds_not_the_wait_for_flush(
     children, tmp_path: Path, monkeypatch
 ) -> None:
