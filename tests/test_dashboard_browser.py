@@ -520,3 +520,25 @@ def test_a_long_broker_error_keeps_the_table_within_the_window(
             "return document.documentElement.scrollWidth <= window.innerWidth")
     finally:
         broker.close()
+
+
+def test_the_running_table_shows_each_job_and_marks_the_one_past_slow_job_after(
+        tmp_path, redis_url, client, dashboards, supervisors, browser):
+    """Issue 41.6, as an operator sees it: what runs now, per queue (pid linked to its page,
+    attempt, run time, handler process), and a job past ``slow_job_after`` marked."""
+    from support.envelopes import publish
+
+    [hung] = publish(client, [{"hang": True, "n": 0}])
+    config = write_config(tmp_path, redis_url, handler="tests.handlers.e2e_slow:handle",
+                          job={"slow_job_after": 2}, supervisor={"shutdown_deadline": 3})
+    supervisors(config, redis_url)
+    dashboard = dashboards(config)
+    browser.get(f"{dashboard.url}/q/0")
+    wait(browser, lambda d: hung in (text(d, "table.running") or ""), "the hung job's row")
+    row = browser.find_element(By.CSS_SELECTOR, "table.running tbody tr")
+    assert row.find_element(By.CSS_SELECTOR, "td.pid a").get_attribute("href").endswith(
+        f"/q/0/job?pid={hung}")
+    wait(browser, lambda d: "past slow_job_after" in (text(d, "table.running") or ""),
+         "the job marked slow once it ran past slow_job_after (2 s)")
+    assert "slow" in browser.find_element(By.CSS_SELECTOR, "table.running tbody tr"
+                                          ).get_attribute("class")
