@@ -41,7 +41,8 @@ def job_dict(job: Job, **extra: Any) -> dict[str, Any]:
 
 def copy_dict(copy: Copy) -> dict[str, Any]:
     return {"running": copy.running, "slow_job_after": copy.slow_job_after,
-            "age": round(copy.age, 1), "jobs": [job_dict(job) for job in copy.jobs]}
+            "age": round(copy.age, 1), "jobs": [job_dict(job) for job in copy.jobs],
+            "figures": copy.figures.encode() if copy.figures is not None else None}
 
 
 async def add_redis_copies(client: Any, keys: QueueKeys, records: list[dict[str, Any]]) -> None:
