@@ -40,7 +40,7 @@ from starlette.staticfiles import StaticFiles
 from broker.base import BrokerError
 from supervisor import logs
 from supervisor.config import Config
-from supervisor.dashboard import actions, pids, plots, scrape
+from supervisor.dashboard import actions, compare, pids, plots, scrape
 from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard, local_target
 from supervisor.dashboard.history import History
 from supervisor.dashboard.sources import (
@@ -51,6 +51,7 @@ from supervisor.dashboard.sources import (
     RedisSource,
     make_source,
 )
+from supervisor.figures import RateBook
 
 log = logging.getLogger("supervisor.dashboard")
 
@@ -82,6 +83,8 @@ class Queue:
     #: The last queue page reading (monotonic time, detail), reused for DETAIL_REUSE s.
     last_detail: tuple[float, dict[str, Any]] | None = None
     detail_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Each supervisor's figures as sampled, for its rates (``compare``; Redis).
+    rates: RateBook = field(default_factory=RateBook)
 
     @property
     def name(self) -> str:
@@ -127,6 +130,10 @@ class Dashboard:
             queue.history.failed(f"{queue.name}: {error!r}")
             return
         queue.history.add(counts)
+        if isinstance(queue.source, RedisSource) and counts.consumers is not None:
+            with contextlib.suppress(BrokerError, TimeoutError, OSError):
+                async with asyncio.timeout(max(self.interval, 5)):  # the figures: a bonus
+                    queue.rates.add(await queue.source.figures(counts.consumers))
 
     async def detail(self, queue: Queue) -> dict[str, Any]:
         """The queue page's broker reading: at most one per ``DETAIL_REUSE`` seconds and
@@ -140,6 +147,8 @@ class Dashboard:
             consumers = last.counts.consumers if last is not None and recent else None
             if isinstance(queue.source, RedisSource):
                 detail = await queue.source.detail(consumers)
+                queue.rates.add(compare.readings(detail["supervisors"]))
+                detail["figures"] = compare.rows(detail["supervisors"], queue.rates)
             else:
                 detail = await queue.source.detail()
             queue.last_detail = (time.monotonic(), detail)
