@@ -17,8 +17,8 @@ older dashboard ignores the key altogether. Every figure read back is bounded.
 The queue wait is the claim's time minus the envelope's ``timestamp``, which queue 5
 writes in whole seconds: the figures are whole seconds too (0: claimed within the second
 it was published), enough to see a supervisor fall behind, not a millisecond's difference.
-It is counted per distinct timestamp of a batch (a batch from the head of a list holds one
-or two), off the per-job path.
+A claim costs a dict increment per message (``QueueWait``); the rest is done once a
+second.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import math
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -41,6 +41,8 @@ WAIT_WINDOW = 60
 WAIT_CAP = 86_400
 #: Upper bounds (s) of the queue wait histogram the metrics endpoint serves.
 WAIT_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+#: Seconds the list of a supervisor's descendants is kept (``CpuClock``).
+CHILDREN_EVERY = 30.0
 #: A figure read back above this is not ours (a crafted copy): the object is skipped.
 LARGEST = 1e15
 
@@ -52,40 +54,55 @@ class Timestamped(Protocol):
 
 class QueueWait:
     """Queue waits in whole seconds: per second of claims over the last WAIT_WINDOW (the
-    percentiles), and in all since the start (the metrics' histogram)."""
+    percentiles), and in all since the start (the metrics' histogram).
+
+    A claim costs one dict increment per message, by its timestamp (a receive's batch
+    holds one or two); they become waits once a second (``roll``), off the receive."""
 
     def __init__(self) -> None:
-        self._seconds: deque[tuple[int, Counter[int]]] = deque()
-        self.total: Counter[int] = Counter()  # wait -> messages, since the start
+        self._second = 0  # the second of the claims in _stamps
+        self._stamps: dict[int, int] = {}  # this second's claims: timestamp -> messages
+        self._seconds: deque[tuple[int, Counter[int]]] = deque()  # earlier: wait -> messages
+        self.total: Counter[int] = Counter()  # wait -> messages, rolled, since the start
 
     def add(self, deliveries: Iterable[Timestamped], now: float | None = None) -> None:
         second = int(time.time() if now is None else now)
-        stamps: dict[int, int] = {}
+        if second != self._second:
+            self.roll(second)
+        stamps = self._stamps
         for delivery in deliveries:
             stamp = delivery.timestamp
             stamps[stamp] = stamps.get(stamp, 0) + 1
-        if not self._seconds or self._seconds[-1][0] != second:
-            self._seconds.append((second, Counter()))
-            while self._seconds[0][0] <= second - WAIT_WINDOW:
-                self._seconds.popleft()
-        counts = self._seconds[-1][1]
-        for stamp, n in stamps.items():
-            wait = min(WAIT_CAP, max(0, second - stamp))
-            counts[wait] += n
-            self.total[wait] += n
+
+    def roll(self, second: int) -> None:
+        """The claims of an earlier second become its waits; those past the window go."""
+        if second == self._second:
+            return
+        if self._stamps:
+            waits: Counter[int] = Counter()
+            for stamp, n in self._stamps.items():
+                waits[min(WAIT_CAP, max(0, self._second - stamp))] += n
+            self._seconds.append((self._second, waits))
+            self.total.update(waits)
+            self._stamps = {}
+        self._second = second
+        while self._seconds and self._seconds[0][0] <= second - WAIT_WINDOW:
+            self._seconds.popleft()
 
     def percentiles(self, now: float | None = None) -> tuple[int, int] | None:
         """p50 and p99 of the last WAIT_WINDOW seconds' claims (None: none was claimed)."""
-        since = int(time.time() if now is None else now) - WAIT_WINDOW
+        self.roll(int(time.time() if now is None else now))
         counts: Counter[int] = Counter()
-        for second, each in self._seconds:
-            if second > since:
-                counts.update(each)
+        for _, each in self._seconds:
+            counts.update(each)
+        for stamp, n in self._stamps.items():  # this second's, so far
+            counts[min(WAIT_CAP, max(0, self._second - stamp))] += n
         return percentiles(counts)
 
     def buckets(self) -> tuple[list[tuple[float, int]], int, float]:
-        """The histogram since the start: cumulative (bound, count) pairs, count, sum."""
-        total = dict(self.total)  # one copy: the metrics' thread reads while the loop adds
+        """The histogram since the start, as of the last roll: cumulative (bound, count)
+        pairs, count, sum. Read from the metrics' thread: it never rolls."""
+        total = dict(self.total)  # one copy: the event loop may roll meanwhile
         cumulative = [(bound, sum(n for wait, n in total.items() if wait <= bound))
                       for bound in WAIT_BUCKETS]
         return cumulative, sum(total.values()), float(sum(w * n for w, n in total.items()))
@@ -113,25 +130,43 @@ def percentiles(counts: Mapping[int, int]) -> tuple[int, int] | None:
 class CpuClock:
     """CPU seconds (user + system) of this process and all its descendants, those reaped
     included (their parent's ``children_*``). One that exits unreaped takes its seconds with
-    it: a total may then go down, and the rate across it is not given."""
+    it: a total may then go down, and the rate across it is not given.
 
-    def __init__(self, pid: int | None = None) -> None:
+    Listing the descendants reads every process of the host (``/proc``: milliseconds), so
+    the list is kept and read again only when one of them is gone or after
+    ``CHILDREN_EVERY`` seconds (a process started meanwhile counts from then on)."""
+
+    def __init__(self, pid: int | None = None, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self._process = psutil.Process(os.getpid() if pid is None else pid)
+        self._clock = clock
+        self._children: list[psutil.Process] = []
+        self._listed_at = -math.inf
 
     def seconds(self) -> float:
-        total = _cpu(self._process)
+        total = _cpu(self._process) or 0.0
+        children = self._children
+        if self._clock() - self._listed_at >= CHILDREN_EVERY:
+            children = self._list()
+        seconds = [_cpu(child) for child in children]
+        if None in seconds:  # one is gone: its parent counts it once it is reaped
+            seconds = [_cpu(child) for child in self._list()]
+        return total + sum(each or 0.0 for each in seconds)
+
+    def _list(self) -> list[psutil.Process]:
         try:
-            children = self._process.children(recursive=True)
+            self._children = self._process.children(recursive=True)
         except psutil.Error:
-            return total
-        return total + sum(_cpu(child) for child in children)
+            self._children = []
+        self._listed_at = self._clock()
+        return self._children
 
 
-def _cpu(process: psutil.Process) -> float:
+def _cpu(process: psutil.Process) -> float | None:
     try:
         times = process.cpu_times()
     except (psutil.Error, OSError):
-        return 0.0
+        return None
     return float(times.user + times.system + times.children_user + times.children_system)
 
 

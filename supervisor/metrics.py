@@ -210,6 +210,7 @@ class Metrics:
 
     def running(self, oldest: float, slow: int) -> None:
         """The oldest running job has run ``oldest`` s; ``slow`` run past slow_job_after."""
+        self.wait.roll(int(time.time()))  # each second: the last second's claims counted
 
     @contextlib.contextmanager
     def timed(self, operation: str) -> Iterator[None]:
@@ -395,6 +396,7 @@ class PrometheusMetrics(Metrics):
         self._tasks.set(tasks)
 
     def running(self, oldest: float, slow: int) -> None:
+        super().running(oldest, slow)
         self._oldest_running.set(oldest)
         self._slow_jobs.set(slow)
 

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import orjson
+import psutil
 import pytest
 
 from broker.base import Action
@@ -33,7 +34,9 @@ def test_the_queue_wait_is_whole_seconds_over_the_last_minute():
     assert wait.percentiles(now=1000.9) == (0, 2)
     assert wait.percentiles(now=1000 + figures.WAIT_WINDOW + 1) is None  # a minute later
     wait.add(claimed(1100), now=1105.2)
-    assert wait.percentiles(now=1105.5) == (5, 5)
+    assert wait.percentiles(now=1105.5) == (5, 5)  # this second's claims count at once
+    assert wait.buckets()[1] == 101 - 1  # the histogram: as of the last roll
+    wait.roll(1106)
     cumulative, count, total = wait.buckets()  # the histogram keeps all since the start
     assert count == 101 and total == 2 + 10 + 5
     assert dict(cumulative)[0.0] == 98 and dict(cumulative)[5.0] == 100
@@ -43,6 +46,7 @@ def test_the_queue_wait_is_whole_seconds_over_the_last_minute():
 def test_a_future_or_absurd_timestamp_is_bounded():
     wait = QueueWait()
     wait.add(claimed(2000, -10**12), now=1000.0)
+    wait.roll(1001)
     assert sorted(wait.total) == [0, figures.WAIT_CAP]
 
 
@@ -140,3 +144,32 @@ def test_the_cpu_clock_counts_this_process_and_its_children():
         os._exit(0)
     os.waitpid(pid, 0)
     assert clock.seconds() > before
+
+
+def test_the_cpu_clock_lists_the_children_again_only_when_one_is_gone_or_late(monkeypatch):
+    now = [0.0]
+    clock = figures.CpuClock(clock=lambda: now[0])
+    listed = []
+    real = psutil.Process.children
+
+    def children(self, recursive=False):
+        listed.append(recursive)
+        return real(self, recursive=recursive)
+
+    monkeypatch.setattr(psutil.Process, "children", children)
+    clock.seconds()
+    clock.seconds()
+    assert len(listed) == 1  # kept
+    now[0] = figures.CHILDREN_EVERY
+    clock.seconds()
+    assert len(listed) == 2  # late: listed again
+    child = os.fork()
+    if not child:
+        time.sleep(30)
+        os._exit(0)
+    now[0] = 2 * figures.CHILDREN_EVERY
+    clock.seconds()  # listed with the child
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+    clock.seconds()  # the child is gone: listed again at once
+    assert len(listed) == 4
