@@ -85,3 +85,18 @@ def test_two_supervisors_of_one_queue_are_told_apart_by_prefetch_and_rates(
         assert re.fullmatch(r"\d+ s / \d+ s", row["wait"]), row
         assert float(row["per_reserve"]) >= 1 and float(row["per_settle"]) >= 1
     assert float(slow["per_reserve"]) == 1.0  # prefetch 1: one message per reserve call
+
+
+async def test_the_sampler_goes_on_when_the_figures_cannot_be_read():
+    from types import SimpleNamespace
+
+    from supervisor.dashboard.app import Dashboard as App
+    from supervisor.figures import RateBook
+
+    class Refusing:
+        async def figures(self, consumers: list[str]) -> dict:
+            raise RuntimeError("NOPERM")  # an ACL user of an older version, say
+
+    queue = SimpleNamespace(name="q", rates=RateBook())
+    await App.sample_figures(SimpleNamespace(interval=1.0), queue, Refusing(), ["a"])
+    assert queue.rates.rates("a") is None

@@ -131,9 +131,17 @@ class Dashboard:
             return
         queue.history.add(counts)
         if isinstance(queue.source, RedisSource) and counts.consumers is not None:
-            with contextlib.suppress(BrokerError, TimeoutError, OSError):
-                async with asyncio.timeout(max(self.interval, 5)):  # the figures: a bonus
-                    queue.rates.add(await queue.source.figures(counts.consumers))
+            await self.sample_figures(queue, queue.source, counts.consumers)
+
+    async def sample_figures(self, queue: Queue, source: RedisSource,
+                             consumers: list[str]) -> None:
+        """The supervisors' figures, for their rates on the queue page: a bonus, whose
+        failure (the counts' own is told above) must never stop the sampler."""
+        try:
+            async with asyncio.timeout(max(self.interval, 5)):
+                queue.rates.add(await source.figures(consumers))
+        except Exception as error:  # any: the next sample tries again
+            log.debug("the supervisors' figures of %s were not read: %r", queue.name, error)
 
     async def detail(self, queue: Queue) -> dict[str, Any]:
         """The queue page's broker reading: at most one per ``DETAIL_REUSE`` seconds and
