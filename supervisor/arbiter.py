@@ -302,6 +302,7 @@ class Arbiter:
                 log.warning("dead-lettered without running: %s", poisoned.reason)
         if received.deliveries:
             self.metrics.received(len(received.deliveries))
+            self.metrics.waited(received.deliveries)
             self.buffer.add(received.deliveries)
             self.dispatch()
 

@@ -30,6 +30,7 @@ from typing import Any
 from broker.base import Action
 from broker.gauges import QueueGauges
 from supervisor import failures
+from supervisor.figures import CpuClock, Figures, QueueWait, Timestamped
 from supervisor.metrics_http import Endpoint, exposure_warning, routes
 
 log = logging.getLogger("supervisor.metrics")
@@ -108,6 +109,11 @@ class Metrics:
     def __init__(self) -> None:
         self.throughput = Throughput()
         self.counts: collections.Counter[str] = collections.Counter()
+        #: How long the claimed messages waited in the queue (``supervisor.figures``).
+        self.wait = QueueWait()
+        #: prefetch, handler processes ([job] coroutines), tasks per process (``shape``).
+        self.shaped = (0, 0, 0)
+        self._cpu: CpuClock | None = None
 
     @property
     def enabled(self) -> bool:
@@ -124,6 +130,33 @@ class Metrics:
         self.counts[action.value] += n
         if action is not Action.RELEASE:
             self.throughput.add(n)
+
+    def waited(self, deliveries: Iterable[Timestamped]) -> None:
+        """These deliveries were just claimed (their queue wait)."""
+        self.wait.add(deliveries)
+
+    def shape(self, prefetch: int, processes: int, tasks: int) -> None:
+        """The supervisor's prefetch, handler processes ([job] coroutines) and the jobs
+        each runs at once."""
+        self.shaped = (prefetch, processes, tasks)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of this supervisor and its children so far."""
+        if self._cpu is None:
+            self._cpu = CpuClock()
+        return self._cpu.seconds()
+
+    def figures(self, now: float | None = None) -> Figures:
+        """The figures the running jobs' copy carries (``supervisor.figures``)."""
+        c = self.counts
+        wait = self.wait.percentiles()
+        return Figures(
+            time.monotonic() if now is None else now, *self.shaped,
+            done=c["commit"], failed=c["reject"], retried=c["retried"],
+            reserved=c["received"], reserve_calls=c["reserve_calls"],
+            settled=c["settle_messages"], settle_calls=c["settle_calls"],
+            cpu=round(self.cpu_seconds(), 3),
+            wait_p50=wait[0] if wait else None, wait_p99=wait[1] if wait else None)
 
     def uncertain(self, n: int = 1) -> None:
         """``n`` settlements were sent but their reply was lost."""
@@ -155,9 +188,13 @@ class Metrics:
 
     def settle_batch(self, size: int, seconds: float) -> None:
         """One settlement call of ``size`` deliveries took ``seconds``."""
+        self.counts["settle_calls"] += 1
+        self.counts["settle_messages"] += size
 
     def broker_call(self, operation: str, seconds: float) -> None:
         """One broker call (receive, settle, extend, maintain ...) took ``seconds``."""
+        if operation == "receive":
+            self.counts["reserve_calls"] += 1
 
     def handler_done(self, seconds: float) -> None:
         """A handler ran for ``seconds`` (started to outcome, as its process timed it)."""
@@ -168,9 +205,12 @@ class Metrics:
     def rejected(self, outcome: str, error: str) -> None:
         """A failed run was settled: what became of its job (``retrying in 2 s``,
         ``failed``, ``dead``, ``outcome unknown: ...``) and its error class."""
+        if outcome.startswith("retrying"):
+            self.counts["retried"] += 1
 
     def running(self, oldest: float, slow: int) -> None:
         """The oldest running job has run ``oldest`` s; ``slow`` run past slow_job_after."""
+        self.wait.roll(int(time.time()))  # each second: the last second's claims counted
 
     @contextlib.contextmanager
     def timed(self, operation: str) -> Iterator[None]:
@@ -233,6 +273,7 @@ class PrometheusMetrics(Metrics):
         self._build(queue, broker)
         self._queue_figures = QueueFigures(queue, self.health)
         self.registry.register(self._queue_figures)
+        self.registry.register(SupervisorFigures(queue, self))
         app = routes(make_wsgi_app(self.registry), self.health)
         self._endpoint = Endpoint(app, host, port)
         self.port = self._endpoint.port
@@ -266,6 +307,9 @@ class PrometheusMetrics(Metrics):
         self._outstanding = gauge("buffer_outstanding", "deliveries not yet settled")
         self._prefetch = gauge("buffer_prefetch", "bound on outstanding deliveries")
         self._busy = gauge("busy_handlers", "handler processes running a message")
+        self._processes = gauge("handler_processes", "handler processes ([job] coroutines)")
+        self._tasks = gauge("handler_tasks_per_process", "jobs each handler process runs at "
+                            "once (1: a plain handler; [job] tasks_per_process: async)")
         self._batch = Histogram(
             f"{PREFIX}_settle_batch_size", "deliveries per settlement call", ["queue"],
             buckets=BATCH_BUCKETS, registry=self.registry,
@@ -325,10 +369,12 @@ class PrometheusMetrics(Metrics):
         self._busy.set(busy)
 
     def settle_batch(self, size: int, seconds: float) -> None:
+        super().settle_batch(size, seconds)
         self._batch.observe(size)
         self.broker_call("settle", seconds)
 
     def broker_call(self, operation: str, seconds: float) -> None:
+        super().broker_call(operation, seconds)
         self._call(operation).observe(seconds)
 
     def handler_done(self, seconds: float) -> None:
@@ -340,10 +386,17 @@ class PrometheusMetrics(Metrics):
             observe(each)
 
     def rejected(self, outcome: str, error: str) -> None:
+        super().rejected(outcome, error)
         self._rejects.labels(self._queue, outcome_label(outcome),
                              self._error_classes.label(error)).inc()
 
+    def shape(self, prefetch: int, processes: int, tasks: int) -> None:
+        super().shape(prefetch, processes, tasks)
+        self._processes.set(processes)
+        self._tasks.set(tasks)
+
     def running(self, oldest: float, slow: int) -> None:
+        super().running(oldest, slow)
         self._oldest_running.set(oldest)
         self._slow_jobs.set(slow)
 
@@ -424,6 +477,34 @@ class QueueFigures:
                 family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["queue"])
                 family.add_metric(labels, value)
                 yield family
+
+
+class SupervisorFigures:
+    """A Prometheus collector of what is read at a scrape, not counted per job: the CPU
+    seconds of the supervisor and its children (psutil) and the queue wait histogram."""
+
+    def __init__(self, queue: str, metrics: Metrics) -> None:
+        self.queue = queue
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        cpu = CounterMetricFamily(f"{PREFIX}_cpu_seconds", "CPU seconds (user + system) of "
+                                  "the supervisor and its children", labels=["queue"])
+        cpu.add_metric([self.queue], self.metrics.cpu_seconds())
+        yield cpu
+        cumulative, count, total = self.metrics.wait.buckets()
+        wait = HistogramMetricFamily(
+            f"{PREFIX}_queue_wait_seconds", "claim time minus the envelope's timestamp, in "
+            "whole seconds (queue 5 writes it so): 0 is within the second", labels=["queue"])
+        wait.add_metric([self.queue], [(_bound(bound), n) for bound, n in cumulative]
+                        + [("+Inf", count)], total)
+        yield wait
+
+
+def _bound(value: float) -> str:
+    return str(float(value))  # "1.0", as prometheus-client writes its own bounds
 
 
 def _version() -> str:

@@ -16,9 +16,12 @@ them, oldest first, and:
 - keeps a copy in the broker where ``status`` and the dashboard of any host read it
   (``publish_running``: Redis's ``supervisor-running.{q}.{consumer id}``; JetStream keeps
   no records of ours, and there the handler processes' titles tell, on their own host).
-  The copy holds the ``SHOWN`` oldest jobs and how many run in all; it is written only when
-  the table changed (a job started or ended), so at most once a period, and otherwise
-  rewritten every third of its expiry while jobs run; none is kept while nothing runs.
+  The copy holds the ``SHOWN`` oldest jobs and how many run in all, and the supervisor's
+  figures (``supervisor.figures``: prefetch, jobs done, CPU, batch fill, queue wait), so the
+  supervisors of one queue can be told apart. It is written when the table changed (a job
+  started or ended), at most once a period, and otherwise every ``FIGURES_EVERY`` (the
+  figures' totals move), also while nothing runs. (Without figures, as the tests' own
+  publisher writes it: every third of its expiry while jobs run, none while nothing runs.)
   It expires after the lease, as the supervisor's own record does (a supervisor killed
   with ``kill -9`` leaves nothing for longer), and goes with that record at a stop.
   A short job that starts and ends within a period may never be in it: the copy shows
@@ -46,8 +49,10 @@ import orjson
 
 from broker.base import BrokerError
 from broker.errors import describe
+from supervisor import figures as supervisor_figures
 from supervisor.buffer import Buffer, Entry
 from supervisor.config import Config, JobConfig
+from supervisor.figures import Figures
 from supervisor.handlers import HandlerPlace
 from supervisor.metrics import Metrics
 
@@ -66,6 +71,10 @@ PID_CHARS = 200
 #: A copy longer than this is not read (ours are at most SHOWN records of a few hundred
 #: bytes).
 RECORD_LIMIT = 256 * 1024
+
+#: Seconds between two writes of a copy that carries figures (``supervisor.figures``): it
+#: is then kept while nothing runs too, so a reader sees every supervisor's progress.
+FIGURES_EVERY = 2.0
 
 #: How the copy is written: (record, expiry in whole s), or (None, _) to delete it.
 Write = Callable[[bytes | None, int], Awaitable[None]]
@@ -179,14 +188,19 @@ class SlowJobs:
 # -- the broker's copy ---------------------------------------------------------------------------
 
 
-def encode(jobs: list[Job], ttl: int, slow_after: float) -> bytes:
-    """The copy: the SHOWN oldest of ``jobs`` (oldest first), how many run, its expiry."""
-    return orjson.dumps({
+def encode(jobs: list[Job], ttl: int, slow_after: float, figures: Figures | None = None
+           ) -> bytes:
+    """The copy: the SHOWN oldest of ``jobs`` (oldest first), how many run, its expiry, and
+    the supervisor's figures when given."""
+    record: dict[str, Any] = {
         "ttl": ttl, "slow_job_after": slow_after, "running": len(jobs),
         "jobs": [{"handler": job.handler, "process": job.process, "pid": job.pid[:PID_CHARS],
                   "attempt": job.attempt, "started": round(job.started, 3),
                   "elapsed": round(job.elapsed, 3)} for job in jobs[:SHOWN]],
-    })
+    }
+    if figures is not None:
+        record["figures"] = figures.encode()
+    return orjson.dumps(record)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +211,7 @@ class Copy:
     slow_job_after: float
     age: float  # seconds since it was written (its run times include them)
     jobs: list[Job]
+    figures: Figures | None = None  # None: not given (an older supervisor) or not readable
 
 
 def decode(raw: bytes | None, pttl_ms: int) -> Copy | None:
@@ -217,7 +232,7 @@ def decode(raw: bytes | None, pttl_ms: int) -> Copy | None:
             if job is not None]
     running = value.get("running")
     total = running if isinstance(running, int) and running >= len(jobs) else len(jobs)
-    return Copy(total, slow_after, age, jobs)
+    return Copy(total, slow_after, age, jobs, supervisor_figures.decode(value.get("figures")))
 
 
 def _read_job(item: Any, age: float, slow_after: float) -> Job | None:
@@ -243,10 +258,12 @@ class Publisher:
     write that fails is tried again at the next look (the outage is the other loops' to
     tell)."""
 
-    def __init__(self, write: Write, ttl: int, slow_after: float) -> None:
+    def __init__(self, write: Write, ttl: int, slow_after: float,
+                 figures: Callable[[], Figures] | None = None) -> None:
         self._write = write
         self.ttl = ttl
         self.slow_after = slow_after
+        self.figures = figures
         self._shown: tuple[Any, ...] | None = None  # what the copy holds (None: no copy)
         self._written_at = -math.inf
         self._task: asyncio.Task[None] | None = None
@@ -256,7 +273,11 @@ class Publisher:
         if self.disabled or (self._task is not None and not self._task.done()):
             return
         shown = (len(jobs), *(job.run for job in jobs[:SHOWN]))
-        if not jobs:
+        if self.figures is not None:  # kept, and rewritten every FIGURES_EVERY
+            if shown == self._shown and now - self._written_at < FIGURES_EVERY:
+                return
+            record = encode(jobs, self.ttl, self.slow_after, self.figures())
+        elif not jobs:
             if self._shown is None:
                 return
             record = None
@@ -298,7 +319,9 @@ class RunningJobs:
         self.concurrent = concurrent
         self.slow = SlowJobs(config.job.slow_job_after)
         ttl = max(1, math.ceil(config.supervisor.lease))  # what the supervisor record has
-        self.publisher = (Publisher(write, ttl, config.job.slow_job_after)
+        metrics.shape(config.job.prefetch, len(places),
+                      config.job.tasks_per_process if concurrent else 1)
+        self.publisher = (Publisher(write, ttl, config.job.slow_job_after, metrics.figures)
                           if write is not None else None)
 
     def look(self, now: float | None = None, wall: float | None = None) -> list[Job]:

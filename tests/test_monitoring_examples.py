@@ -115,3 +115,37 @@ def test_every_dashboard_panel_names_only_exported_metrics(exported):
 def test_a_misspelt_metric_would_be_caught(exported):
     assert not set(METRIC.findall("rate(queue_supervisor_deliveries_comitted_total[5m])")) \
         <= exported
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool is not installed")
+def test_promtool_parses_every_dashboard_expression(tmp_path):
+    """Each panel's query, as a recording rule ($queue as Grafana would fill it in)."""
+    records = [{"record": f"panel:{index}", "expr": expr.replace("$queue", ".*")}
+               for index, (_, expr) in enumerate(panel_exprs())]
+    path = tmp_path / "panels.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": records}]}))
+    done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_canary_table_compares_the_supervisors_of_a_queue_by_instance():
+    """Issue 41 item 9: per supervisor (instance) its prefetch, coroutines, jobs/s, CPU per
+    job, messages per reserve and per settle call, queue wait p50/p99 and retries."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    [table] = [panel for panel in panels if panel["title"].startswith("Supervisors side by side")]
+    assert table["type"] == "table"
+    shown = {target["legendFormat"]: target["expr"] for target in table["targets"]}
+    assert list(shown) == ["prefetch", "coroutines", "jobs/s", "CPU µs per job",
+                           "msgs per reserve", "msgs per settle", "queue wait p50 (s)",
+                           "queue wait p99 (s)", "retries (10 min)"]
+    for name, expr in shown.items():
+        assert "instance" in expr, name  # one row per supervisor, not per queue
+    assert "queue_supervisor_cpu_seconds_total" in shown["CPU µs per job"]
+    assert 'operation="receive"' in shown["msgs per reserve"]
+    assert "queue_supervisor_settle_batch_size_sum" in shown["msgs per settle"]
+    assert "queue_supervisor_queue_wait_seconds_bucket" in shown["queue wait p99 (s)"]
+    assert 'outcome="retrying"' in shown["retries (10 min)"]
+    assert all(target.get("instant") and target.get("format") == "table"
+               for target in table["targets"])
+    assert [step["id"] for step in table["transformations"]] == ["merge", "organize"]

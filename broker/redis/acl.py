@@ -49,7 +49,7 @@ WHY = {
     "blmove": "wait on an idle queue: ready list -> the registered reservation",
     "zrem": "drop an empty reservation after that wait",
     "set": "the fleet's reap lock (SET NX EX), the sweep cursor and the running jobs' copy",
-    "del": "the running jobs' copy, once nothing runs and at a stop",
+    "del": "the running jobs' copy at a stop",
     "llen": "sizes of lists",
     "lrange": "read list windows (processing, failed, reservations)",
     "get": "the sweep cursor; counters, supervisor records and their running jobs (status)",

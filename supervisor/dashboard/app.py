@@ -45,7 +45,7 @@ from starlette.staticfiles import StaticFiles
 from broker.base import BrokerError
 from supervisor import logs
 from supervisor.config import Config
-from supervisor.dashboard import actions, bulk, pids, plots, scrape, search
+from supervisor.dashboard import actions, bulk, compare, pids, plots, scrape, search
 from supervisor.dashboard.auth import COOKIE, SESSION_SECONDS, Guard, local_target
 from supervisor.dashboard.history import History
 from supervisor.dashboard.sources import (
@@ -56,6 +56,7 @@ from supervisor.dashboard.sources import (
     RedisSource,
     make_source,
 )
+from supervisor.figures import RateBook
 
 log = logging.getLogger("supervisor.dashboard")
 
@@ -87,6 +88,8 @@ class Queue:
     #: The last queue page reading (monotonic time, detail), reused for DETAIL_REUSE s.
     last_detail: tuple[float, dict[str, Any]] | None = None
     detail_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Each supervisor's figures as sampled, for its rates (``compare``; Redis).
+    rates: RateBook = field(default_factory=RateBook)
 
     @property
     def name(self) -> str:
@@ -133,6 +136,18 @@ class Dashboard:
             queue.history.failed(f"{queue.name}: {error!r}")
             return
         queue.history.add(counts)
+        if isinstance(queue.source, RedisSource) and counts.consumers is not None:
+            await self.sample_figures(queue, queue.source, counts.consumers)
+
+    async def sample_figures(self, queue: Queue, source: RedisSource,
+                             consumers: list[str]) -> None:
+        """The supervisors' figures, for their rates on the queue page: a bonus, whose
+        failure (the counts' own is told above) must never stop the sampler."""
+        try:
+            async with asyncio.timeout(max(self.interval, 5)):
+                queue.rates.add(await source.figures(consumers))
+        except Exception as error:  # any: the next sample tries again
+            log.debug("the supervisors' figures of %s were not read: %r", queue.name, error)
 
     async def detail(self, queue: Queue) -> dict[str, Any]:
         """The queue page's broker reading: at most one per ``DETAIL_REUSE`` seconds and
@@ -146,6 +161,8 @@ class Dashboard:
             consumers = last.counts.consumers if last is not None and recent else None
             if isinstance(queue.source, RedisSource):
                 detail = await queue.source.detail(consumers)
+                queue.rates.add(compare.readings(detail["supervisors"]))
+                detail["figures"] = compare.rows(detail["supervisors"], queue.rates)
             else:
                 detail = await queue.source.detail()
             queue.last_detail = (time.monotonic(), detail)

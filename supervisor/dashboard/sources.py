@@ -36,6 +36,7 @@ from broker.redis.recovery import PREFIX_HEX
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
+from supervisor.figures import Figures
 from supervisor.ops import running
 
 #: Entries of a failed, dead or poison list shown per page.
@@ -220,6 +221,15 @@ class RedisSource:
                 "reservations": hide_tokens(await redis_status.reservations(
                     client, keys, show=SHOW_RESERVATIONS), keys.reservation("")),
             }
+
+        return await self._call(read)
+
+    async def figures(self, consumers: list[str]) -> dict[str, Figures]:
+        """The figures of the live supervisors ``consumers`` (the sampler's, for their
+        rates: ``supervisor.dashboard.compare``)."""
+        async def read(broker: Any) -> dict[str, Figures]:
+            return await running.redis_figures(broker.client, broker.keys,
+                                               consumers[:SHOW_SUPERVISORS])
 
         return await self._call(read)
 

@@ -27,6 +27,7 @@ import psutil
 
 from broker.redis.keys import QueueKeys
 from supervisor import logs
+from supervisor.figures import Figures
 from supervisor.ops import drain as processes
 from supervisor.running import Copy, Job, decode
 from worker import titles
@@ -41,7 +42,8 @@ def job_dict(job: Job, **extra: Any) -> dict[str, Any]:
 
 def copy_dict(copy: Copy) -> dict[str, Any]:
     return {"running": copy.running, "slow_job_after": copy.slow_job_after,
-            "age": round(copy.age, 1), "jobs": [job_dict(job) for job in copy.jobs]}
+            "age": round(copy.age, 1), "jobs": [job_dict(job) for job in copy.jobs],
+            "figures": copy.figures.encode() if copy.figures is not None else None}
 
 
 async def add_redis_copies(client: Any, keys: QueueKeys, records: list[dict[str, Any]]) -> None:
@@ -57,6 +59,23 @@ async def add_redis_copies(client: Any, keys: QueueKeys, records: list[dict[str,
     for index, record in enumerate(records):
         copy = decode(replies[2 * index], replies[2 * index + 1])
         record["running"] = copy_dict(copy) if copy is not None else None
+
+
+async def redis_figures(client: Any, keys: QueueKeys, ids: list[str]) -> dict[str, Figures]:
+    """The figures in the copies of the supervisors ``ids`` (``supervisor.figures``), by id;
+    one without a copy, or of a version before figures, is left out."""
+    if not ids:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for ident in ids:
+        pipe.get(keys.running(ident))
+    replies = await pipe.execute()
+    found = {}
+    for ident, raw in zip(ids, replies, strict=True):
+        copy = decode(raw, -1)
+        if copy is not None and copy.figures is not None:
+            found[ident] = copy.figures
+    return found
 
 
 def on_this_host(queue: str, slow_after: float, now: float | None = None
