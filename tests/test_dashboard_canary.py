@@ -18,7 +18,7 @@ from support.dashboard import Dashboard
 from support.supervision import QUEUE, keys, write_config
 from tests.test_dashboard import poll
 
-pytestmark = pytest.mark.usefixtures("no_url_override")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_url_override")]
 
 pytest.importorskip("starlette", reason="the dashboard extra is not installed")
 

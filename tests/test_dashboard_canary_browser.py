@@ -11,7 +11,7 @@ from support.supervision import write_config
 from tests.test_dashboard_browser import browser, dashboards, wait  # noqa: F401 - fixtures
 from tests.test_dashboard_canary import steady  # noqa: F401 - a fixture
 
-pytestmark = [pytest.mark.usefixtures("no_url_override")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_url_override")]
 
 from selenium.webdriver.common.by import By  # noqa: E402
 
