@@ -295,6 +295,40 @@ def test_a_flush_slice_head_withdrawn_as_the_cut_comes_starts_a_slice_of_its_own
     run(scenario())
 
 
+def test_a_flush_slice_head_taken_back_again_waits_for_a_process_that_holds_nothing(
+    monkeypatch,
+):
+    """The head withdrawn as the cut came goes back to the process that withdrew it, which
+    (descheduled, say) does not reach it in time and is stalled again: taken back, the head
+    waits while the only other process runs its slice (not behind the successes that
+    slice holds for its ``flush()``), and goes on once a process holds nothing."""
+    async def scenario():
+        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2, handler=FLUSHING)
+        buffer = core.arbiter.buffer
+        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [10, 0])
+        stalled, other = core.process(0), core.process(1)
+        head, *rest = ids(buffer.in_state(State.QUEUED, 0))
+        passing_as_the_cut_comes(monkeypatch, stalled, 1)
+        core.advance(1.0)
+        await core.settle_down()
+        assert ids(buffer.in_state(State.QUEUED, 0)) == [head]
+        other.start_next()  # the other runs its slice
+        core.advance(1.0)  # the first has not reached the head again: taken back once more
+        await core.settle_down()
+        buffer.check()
+        assert ids(buffer.in_state(State.WAITING)) == [head]  # waits: nobody holds nothing
+        assert ids(buffer.running_in(1)) + ids(buffer.in_state(State.QUEUED, 1)) == rest
+        other.finish()
+        other.work()  # its slice done (and flushed): it holds nothing now
+        await core.settle_down()
+        queued = [ids(buffer.in_state(State.QUEUED, place)) for place in (0, 1)]
+        assert sorted(queued) == [[], [head]]  # alone, in a process that held nothing
+        await drain(core, lambda: len(broker.committed) == 10, stalled, other)
+        await stops_with_each_run_once(core, broker, pids)
+
+    run(scenario())
+
+
 def test_one_handler_process_keeps_its_ring_however_long_its_job_runs():
     async def scenario():
         core, broker, _ = await fair_core(10, prefetch=10, coroutines=1)
