@@ -8,7 +8,8 @@ Every change of a delivery's state is a method here, and each state has one plac
 containers are private: the arbiter and the settler ask and tell through methods):
 
     WAITING   -> the waiting line            (received, back from a dead handler, or taken
-                                               back from a stalled one: ``take_back``)
+                                               back from a stalled one: ``take_back``; what
+                                               came back waits ahead, ``came_back``)
     QUEUED    -> its handler's ring queue     (written to the ring, not started)
     RUNNING   -> its handler's running table  (the handler reported STARTED, or a plain
                                                handler's mark named it or a later one: see
@@ -34,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 
 from broker.base import Delivery
 from broker.failure import Failure
@@ -67,6 +69,12 @@ class Entry:
 
     def __repr__(self) -> str:
         return f"Entry({self.id}, {self.delivery.pid!r}, {self.state.value}, place={self.place})"
+
+    @property
+    def came_back(self) -> bool:
+        """Waiting again after a handler's ring held it (taken back, withdrawn, its process
+        gone): a ring numbered it, and a delivery never handed out has no number."""
+        return self.state is State.WAITING and self.number != 0
 
 
 class AccountingError(AssertionError):
@@ -191,6 +199,16 @@ class Buffer:
         if len(self._entries) > self.prefetch:
             raise AccountingError(f"{len(self._entries)} deliveries outstanding > prefetch")
 
+    def came_back_count(self) -> int:
+        """How many at the head of the waiting line came back from a handler's ring (they
+        wait ahead of the ones never handed out: ``came_back``)."""
+        count = 0
+        for entry in self._waiting:
+            if not entry.came_back:
+                break
+            count += 1
+        return count
+
     def next_waiting(self, count: int) -> list[Entry]:
         """The first ``count`` waiting deliveries, left waiting (see ``queue``)."""
         return [self._waiting[index] for index in range(min(count, len(self._waiting)))]
@@ -226,14 +244,15 @@ class Buffer:
             taken.append(queued.pop())
         taken.reverse()
         self._taken_back[place].update(entry.number for entry in taken)
-        self._wait_again(taken)
+        self._wait_again_in_order(taken)
         return taken
 
     def withdrawn(self, place: int, entry_id: int, number: int) -> Entry | None:
         """Handler ``place`` reported WITHDRAWN: it did not start delivery ``entry_id``,
         number ``number`` of its ring. One taken back already: nothing more to do (None).
         One it had reached when its mark was read at the cut (queued, or running if its mark
-        was read): back to the head of the waiting line, returned."""
+        was read): back to the head of the waiting line, returned, among the others that
+        came back in the order they were received (``_wait_again_in_order``)."""
         taken = self._taken_back[place]
         if number in taken:
             taken.discard(number)
@@ -248,7 +267,7 @@ class Buffer:
                     f"handler {place} withdrew delivery {entry_id} (number {number}), which "
                     "it neither holds nor was taken back from it")
             entry = queued.popleft()
-        self._wait_again([entry])
+        self._wait_again_in_order([entry])
         return entry
 
     def drop(self, entry: Entry) -> bool:
@@ -491,6 +510,24 @@ class Buffer:
         for entry in reversed(entries):
             entry.state, entry.place, entry.held = State.WAITING, None, False
             self._waiting.appendleft(entry)
+
+    def _wait_again_in_order(self, entries: list[Entry]) -> None:
+        """Back among those at the head of the waiting line that came back from a ring (ahead
+        of the ones never handed out), in the order they were received. A process passing
+        several deliveries between the supervisor's cut and its read of the mark reports
+        each WITHDRAWN, one at a time: each put at the head, they waited reversed, the
+        first of its slice last (the slice's head, as likely as not the job that hangs and
+        made its process look stalled); and the rest of that slice, taken back at the cut,
+        waited ahead of it."""
+        if not entries:
+            return
+        for entry in entries:
+            entry.state, entry.place, entry.held = State.WAITING, None, False
+        waiting, last = self._waiting, max(entry.id for entry in entries)
+        ahead: list[Entry] = []
+        while waiting and waiting[0].came_back and waiting[0].id < last:
+            ahead.append(waiting.popleft())
+        waiting.extendleft(reversed(sorted([*ahead, *entries], key=attrgetter("id"))))
 
     def _settled(self, entry: Entry) -> None:
         if self._settling.pop(entry.id, None) is not entry:

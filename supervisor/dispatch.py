@@ -30,7 +30,12 @@ up is small, and taking back, so that a slow job holds it up for ``stall_after``
 stalled only by its own pace, and a take-back costs no more than writing the deliveries to
 another ring. A handler with ``flush()`` keeps its slices (a process is filled before the
 next gets any, so what it holds is made durable in one ``flush()``); the rule is the same for
-a slice whose process is stalled. An async process is saturated when all its task slots are
+a slice whose process is stalled. What comes back from a ring (taken back, or withdrawn as
+the cut came) waits in the order it was received and is handed on as a slice of its own: to
+a plain process that holds nothing (until there is one, nothing else is handed out), to the
+least loaded async one. Behind a plain process's slice under way, a job that hangs (what
+made its process look stalled) would hold that slice's successes, kept for its
+``flush()``, as long as it runs. An async process is saturated when all its task slots are
 busy or a delivery waits in it; it is stalled when saturated and it started nothing for
 ``stall_after``. With one handler process there is nobody else to run anything: its ring is
 as deep as prefetch allows, as before, and nothing is ever taken back.
@@ -204,21 +209,50 @@ class Dispatcher:
         return ready
 
     def _hand_out(self, ready: list[HandlerPlace], now: float) -> None:
-        buffer = self.buffer
+        buffer, depth = self.buffer, self.depth()
+        came_back = self.fill and self.fair and buffer.came_back_count() > 0
+        if came_back and (self._hand_back(ready, depth, now) or not buffer.waiting_count):
+            return
         loads = [buffer.load(place.index) for place in ready]
-        counts = plan(loads, self.depth(), buffer.waiting_count, self.fill)
+        counts = plan(loads, depth, buffer.waiting_count, self.fill)
         for place, count in zip(ready, counts, strict=True):
-            if not count:
-                continue
-            if self.fair and not self.saturated(place):
-                self._progress_at[place.index] = now  # its wait for a start begins now
-            entries = buffer.next_waiting(count)
-            records = protocol.encode_delivers([
-                (e.id, (delivery := e.delivery).raw, delivery.attempts, delivery.plain)
-                for e in entries
-            ])
-            # A full ring takes fewer: the rest waits for the next dispatch.
-            buffer.queue(place.index, place.to_child.put_many(records))
+            if count:
+                self._write(place, count, now)
+
+    def _hand_back(self, ready: list[HandlerPlace], depth: int, now: float) -> bool:
+        """With ``flush()``: what came back from a ring (taken back, withdrawn) starts a
+        slice, not the slice under way that ``plan`` fills first. A plain process runs its
+        slice in order and holds each success for the ``flush()`` its empty ring brings:
+        behind them, a delivery that came back from a stalled process (the head of its
+        slice, withdrawn as the cut came, may well be the job that hangs) would hold them,
+        and their room in prefetch, as long as it runs. So a plain handler's go only to a
+        process that holds nothing, and wait (with what is behind them in the line) for
+        one; an async process runs them beside its others: the least loaded first.
+        True when some still wait for a process that holds nothing."""
+        buffer = self.buffer
+        for place in sorted(ready, key=lambda place: buffer.load(place.index)):  # stable
+            load = buffer.load(place.index)
+            count = min(buffer.came_back_count(), depth - load)
+            if count <= 0 or (self.in_order and load):
+                break
+            if self._write(place, count, now) < count:
+                break  # a full ring: the rest waits for the next dispatch, at the head
+        return self.in_order and buffer.came_back_count() > 0
+
+    def _write(self, place: HandlerPlace, count: int, now: float) -> int:
+        """The first ``count`` waiting deliveries to ``place``'s ring; returns how many it
+        took (a full ring takes fewer: the rest waits for the next dispatch)."""
+        buffer = self.buffer
+        if self.fair and not self.saturated(place):
+            self._progress_at[place.index] = now  # its wait for a start begins now
+        entries = buffer.next_waiting(count)
+        records = protocol.encode_delivers([
+            (e.id, (delivery := e.delivery).raw, delivery.attempts, delivery.plain)
+            for e in entries
+        ])
+        written = place.to_child.put_many(records)
+        buffer.queue(place.index, written)
+        return written
 
     def take_back(self, place: HandlerPlace, now: float) -> int:
         """Cut off ``place``'s ring at what is written now: its process starts nothing

@@ -16,7 +16,7 @@ import math
 import pytest
 
 from broker.memory import MemoryBroker
-from supervisor import exits
+from supervisor import dispatch, exits
 from supervisor.buffer import State
 from supervisor.dispatch import RING_BUDGET, STALL_JOBS, STALL_MIN, Pace, plan
 from tests.inprocess import Core, core_config
@@ -224,6 +224,109 @@ def test_a_flush_slice_whose_process_is_stalled_goes_to_another_process_in_one_s
         stuck.finish()
         stuck.work()
         assert stuck.withdrawn == behind
+        await stops_with_each_run_once(core, broker, pids)
+
+    run(scenario())
+
+
+def passing_as_the_cut_comes(monkeypatch, process, count: int) -> None:
+    """The race of the cut (worker.protocol, "Taking back") at its widest: the supervisor
+    stores the cut, and before it reads the mark (a loaded machine preempts it there) the
+    played ``process`` reaches ``count`` deliveries of its ring, each marked before the cut
+    is read, so each is withdrawn while the supervisor will read the mark as past it."""
+    real = dispatch.fence
+
+    def preempted() -> None:
+        real()
+        for _ in range(count):
+            process.start_next()
+        monkeypatch.setattr(dispatch, "fence", real)
+
+    monkeypatch.setattr(dispatch, "fence", preempted)
+
+
+def test_deliveries_withdrawn_as_the_cut_comes_wait_again_in_their_order(monkeypatch):
+    """A stalled process passes its whole ring between the supervisor's cut and its read
+    of the mark: nothing is taken back, everything comes back WITHDRAWN, one record each.
+    They wait again in their order: put back one by one at the head of the waiting line,
+    they came back reversed, the slice's head last, and a head that hangs (why the
+    process looked stalled) then ran after the rest, which a handler with ``flush()``
+    holds for a flush that never comes, with their room in prefetch."""
+    async def scenario():
+        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2, handler=FLUSHING)
+        buffer = core.arbiter.buffer
+        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [10, 0])
+        stalled, other = core.process(0), core.process(1)
+        order = ids(buffer.in_state(State.QUEUED, 0))
+        passing_as_the_cut_comes(monkeypatch, stalled, 10)
+        core.advance(1.0)  # stalled as the supervisor looked; it passed them all meanwhile
+        assert stalled.withdrawn == order and not stalled.running
+        assert core.arbiter.dispatcher.taken_back == 0  # its mark was past them all
+        await core.settle_down()
+        buffer.check()
+        queued = [ids(buffer.in_state(State.QUEUED, place)) for place in (0, 1)]
+        assert order in queued  # one slice again, in its order
+        await drain(core, lambda: len(broker.committed) == 10, stalled, other)
+        await stops_with_each_run_once(core, broker, pids)
+
+    run(scenario())
+
+
+def test_a_flush_slice_head_withdrawn_as_the_cut_comes_starts_a_slice_of_its_own(monkeypatch):
+    """The stalled process reaches the head of its slice as the cut comes: the rest is
+    taken back and handed on as a slice, the head comes back WITHDRAWN after it. It must
+    not be queued behind that slice (where a head that hangs would hold the successes the
+    slice keeps for ``flush()``): it goes to the process that holds nothing, here the one
+    that withdrew it."""
+    async def scenario():
+        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2, handler=FLUSHING)
+        buffer = core.arbiter.buffer
+        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [10, 0])
+        stalled, other = core.process(0), core.process(1)
+        head, *rest = ids(buffer.in_state(State.QUEUED, 0))
+        passing_as_the_cut_comes(monkeypatch, stalled, 1)
+        core.advance(1.0)  # stalled as the supervisor looked: the rest is taken back
+        assert stalled.withdrawn == [head] and not stalled.running
+        assert ids(buffer.in_state(State.QUEUED, 1)) == rest  # in one slice, in order
+        await core.settle_down()
+        buffer.check()
+        assert ids(buffer.in_state(State.QUEUED, 1)) == rest  # nothing behind the slice
+        assert ids(buffer.in_state(State.QUEUED, 0)) == [head]  # a slice of its own
+        await drain(core, lambda: len(broker.committed) == 10, stalled, other)
+        await stops_with_each_run_once(core, broker, pids)
+
+    run(scenario())
+
+
+def test_a_flush_slice_head_taken_back_again_waits_for_a_process_that_holds_nothing(
+    monkeypatch,
+):
+    """The head withdrawn as the cut came goes back to the process that withdrew it, which
+    (descheduled, say) does not reach it in time and is stalled again: taken back, the head
+    waits while the only other process runs its slice (not behind the successes that
+    slice holds for its ``flush()``), and goes on once a process holds nothing."""
+    async def scenario():
+        core, broker, pids = await fair_core(10, prefetch=10, coroutines=2, handler=FLUSHING)
+        buffer = core.arbiter.buffer
+        await core.wait_for(lambda: [buffer.load(0), buffer.load(1)] == [10, 0])
+        stalled, other = core.process(0), core.process(1)
+        head, *rest = ids(buffer.in_state(State.QUEUED, 0))
+        passing_as_the_cut_comes(monkeypatch, stalled, 1)
+        core.advance(1.0)
+        await core.settle_down()
+        assert ids(buffer.in_state(State.QUEUED, 0)) == [head]
+        other.start_next()  # the other runs its slice
+        core.advance(1.0)  # the first has not reached the head again: taken back once more
+        await core.settle_down()
+        buffer.check()
+        assert ids(buffer.in_state(State.WAITING)) == [head]  # waits: nobody holds nothing
+        assert ids(buffer.running_in(1)) + ids(buffer.in_state(State.QUEUED, 1)) == rest
+        other.finish()
+        other.work()  # its slice done (and flushed): it holds nothing now
+        await core.settle_down()
+        queued = [ids(buffer.in_state(State.QUEUED, place)) for place in (0, 1)]
+        assert sorted(queued) == [[], [head]]  # alone, in a process that held nothing
+        await drain(core, lambda: len(broker.committed) == 10, stalled, other)
         await stops_with_each_run_once(core, broker, pids)
 
     run(scenario())
