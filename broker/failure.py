@@ -60,8 +60,12 @@ class Failure:
     outcome: str = ""  # "retrying", "failed" or "dead"
     consumer: str = ""  # the supervisor that ran it (its consumer id)
     #: Seconds the handler ran before it failed, as its process timed it (0: not known:
-    #: a run its process did not live to report, or a record of an older version).
+    #: an attempt its process did not live to report, or a record of an older version).
     seconds: float = 0.0
+    #: The envelope's timestamp on this attempt (unix s; 0: not known): when the job was
+    #: published, or, after a retry, requeued. On attempt 1 it is the first publish time,
+    #: which queue 5 keeps nowhere else (a retry's envelope carries the retry's time).
+    published: float = 0.0
 
     @classmethod
     def from_text(cls, text: str | None, **extra: Any) -> Failure:
@@ -81,6 +85,7 @@ class Failure:
             traceback=_tail(self.traceback, MAX_TRACEBACK_BYTES),
             attempt=self.attempt, at=self.at, outcome=self.outcome,
             consumer=_head(self.consumer, MAX_WHERE_BYTES), seconds=self.seconds,
+            published=self.published,
         )
 
     def replace(self, **changes: Any) -> Failure:
@@ -97,7 +102,10 @@ class Failure:
         # Not dataclasses.asdict: it deep-copies every field (a third of a millisecond,
         # paid on every failed run of a failure storm).
         bounded = self.bounded()
-        return orjson.dumps({name: getattr(bounded, name) for name in _FIELDS})
+        record = {name: getattr(bounded, name) for name in _FIELDS}
+        if not bounded.published:  # not known (a handler's report): no room spent on it
+            del record["published"]
+        return orjson.dumps(record)
 
     def encode_within(self, limit: int, ascii: bool = False) -> bytes:
         """``encode()`` in at most ``limit`` bytes (a ring record, a NATS header): the

@@ -33,6 +33,7 @@ from broker.nats.setup import QueueNames
 from broker.redis.admin import browse
 from broker.redis.admin import status as redis_status
 from broker.redis.recovery import PREFIX_HEX
+from broker.stopped import first_published, read_history
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
@@ -249,12 +250,16 @@ class RedisSource:
             found = await browse.job(broker.client, broker.keys, pid, VALUE_BYTES, SEARCH_DEPTH)
             size, raw = found["size"], found["raw"]
             failure, note = failure_of(found["error"])
+            history = read_history(found["history"])
+            facts = envelope_facts(raw) if size <= VALUE_BYTES else {}
+            decoded = {"attempts": facts["attempts"], "timestamp": facts["timestamp"]} if (
+                facts) else None
             return {
                 "pid": pid, "where": found["where"], "size": size, "record": text(raw),
                 "cut": size > len(raw), "ttl": found["ttl"], "failure": failure,
                 "failure_note": note, "owned": found["owner"] is not None,
-                "claim_ms": found["claim_ms"],
-                "facts": envelope_facts(raw) if size <= VALUE_BYTES else {},
+                "claim_ms": found["claim_ms"], "facts": facts, "history": history,
+                "first_published": first_published(decoded, history),
             }
 
         return await self._call(read)

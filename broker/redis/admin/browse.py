@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.redis.gauges import overdue
-from broker.redis.keys import QueueKeys
+from broker.redis.keys import FAILURES_KEPT, QueueKeys
 from broker.redis.recovery import server_time
 
 
@@ -124,7 +124,8 @@ async def poison_page(client: Any, key: str, total: int, start: int, count: int,
 async def job(client: Any, keys: QueueKeys, pid: str, value_bytes: int, depth: int
               ) -> dict[str, Any]:
     """Everything about one pid: the lists it is in (among their newest ``depth``), its job
-    record (the first ``value_bytes``), time to live, failure record, owner and claim."""
+    record (the first ``value_bytes``), time to live, failure record, failure history
+    (newest first, at most ``FAILURES_KEPT`` + 1 records), owner and claim."""
     pipe = client.pipeline(transaction=False)
     for key in (keys.failed, keys.dead, keys.processing):
         pipe.lpos(key, pid, maxlen=depth)
@@ -134,11 +135,13 @@ async def job(client: Any, keys: QueueKeys, pid: str, value_bytes: int, depth: i
     pipe.get(keys.error(pid))
     pipe.get(keys.owner(pid))
     pipe.pttl(keys.claim(pid))
-    failed, dead, processing, size, raw, ttl, error, owner, claim = await pipe.execute()
+    pipe.lrange(keys.failures(pid), 0, FAILURES_KEPT)
+    failed, dead, processing, size, raw, ttl, error, owner, claim, history = (
+        await pipe.execute())
     where = [name for name, at in (("failed", failed), ("dead", dead),
                                    ("processing", processing)) if at is not None]
     return {"where": where, "size": size, "raw": raw, "ttl": ttl, "error": error,
-            "owner": owner, "claim_ms": claim}
+            "owner": owner, "claim_ms": claim, "history": history}
 
 
 def _int(value: bytes | None) -> int:
