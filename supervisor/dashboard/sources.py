@@ -226,7 +226,7 @@ class RedisSource:
             key = browse.list_key(keys, kind)
             total = await client.llen(key)
             if kind == "poison":
-                return await _poison(client, key, total, page)
+                return await _poison(client, keys, total, page)
             if pid:
                 pids = [pid] if await browse.search(client, key, pid, SEARCH_DEPTH) else []
                 listing = Listing(kind, total, searched=pid)
@@ -275,18 +275,26 @@ def hide_tokens(reservations: dict[str, Any], prefix: str) -> dict[str, Any]:
     return reservations
 
 
-async def _poison(client: Any, key: str, total: int, page: int) -> Listing:
+async def _poison(client: Any, keys: Any, total: int, page: int) -> Listing:
     listing = Listing("poison", total, page=page)
-    size, raws = await browse.poison_page(client, key, total, page * PAGE, PAGE,
+    size, raws = await browse.poison_page(client, keys.poison, total, page * PAGE, PAGE,
                                           POISON_LIST_BYTES)
     if raws is None:
         listing.note = (f"the poison list holds {size:,} bytes: too big to page through "
                         f"here (at most {POISON_LIST_BYTES:,}); read it with redis-cli")
         return listing
-    for index, raw in enumerate(raws):
-        listing.entries.append(Entry(str(page * PAGE + index), len(raw),
-                                     text(raw[:PREVIEW_BYTES])))
+    reasons = await browse.poison_reasons(client, keys, raws)
+    for index, (raw, (at, why)) in enumerate(zip(raws, reasons, strict=True)):
+        listing.entries.append(Entry(
+            str(page * PAGE + index), len(raw), text(raw[:PREVIEW_BYTES]),
+            Failure(error="poison", message=why, at=at or 0.0) if why else None,
+            note=NO_POISON_REASON, at=at))
     return listing
+
+
+#: What the poison page says of an entry whose reason is not kept.
+NO_POISON_REASON = ("(no reason kept: pushed by a PHP worker or an older supervisor, or among "
+                    "the oldest beyond the 1,000 reasons kept)")
 
 
 class NatsSource:

@@ -11,9 +11,11 @@ does no ``SCAN`` either.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from broker.redis.admin.lists import poison_reason
 from broker.redis.gauges import overdue
 from broker.redis.keys import FAILURES_KEPT, QueueKeys
 from broker.redis.recovery import server_time
@@ -119,6 +121,17 @@ async def poison_page(client: Any, key: str, total: int, start: int, count: int,
     if (size or 0) > max_list_bytes:
         return size, None
     return size, await client.lrange(key, start, start + count - 1)
+
+
+async def poison_reasons(client: Any, keys: QueueKeys, raws: list[bytes]
+                         ) -> list[tuple[float | None, str]]:
+    """Why each poison entry was poisoned and when, as the reason store keeps it (by the SHA1
+    of its bytes): (None, "") where it keeps none."""
+    if not raws:
+        return []
+    digests = [hashlib.sha1(raw).hexdigest() for raw in raws]
+    return [poison_reason(stored)
+            for stored in await client.hmget(keys.poison_reasons, digests)]
 
 
 async def job(client: Any, keys: QueueKeys, pid: str, value_bytes: int, depth: int
