@@ -46,9 +46,10 @@ class Job:
 
     @property
     def runs(self) -> int | None:
-        """How many times it ran, the failed run included: the failure record's count,
-        else JetStream's deliveries, else the envelope's earlier runs (queue 5 counts those
-        in ``attempts``) plus the one that failed."""
+        """Its last attempt's number (attempts made, the failed one included): the failure
+        record's, else JetStream's deliveries, else the envelope's earlier attempts (queue 5
+        counts those in ``attempts``) plus the one that failed. (The name is older than the
+        rule to say "attempt" for one delivery; kept for the JSON key ``runs``.)"""
         if self.failure is not None and self.failure.attempt:
             return self.failure.attempt
         if self.deliveries is not None:
@@ -64,7 +65,7 @@ class Job:
 
     @property
     def attempts(self) -> int | None:
-        """The envelope's ``attempts`` (earlier runs, as queue 5 counts them on Redis)."""
+        """The envelope's ``attempts`` (earlier attempts, as queue 5 counts them on Redis)."""
         decoded = self.decoded
         return decoded["attempts"] if decoded else None
 

@@ -151,7 +151,7 @@ class RedisBroker:
         """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked);
         ``replication``: the replicas that must confirm publishes, blocking registrations,
         claims and settlements (``[broker] wait_replicas``; none by default);
-        ``retry_backoff``: a failed run's retry waits in ``supervisor-delayed`` (0: it is
+        ``retry_backoff``: a failed attempt's retry waits in ``supervisor-delayed`` (0: it is
         requeued at once, as queue 5 does)."""
         self.url = url
         self.tls = tls or TlsSettings()

@@ -311,7 +311,7 @@ def verdict(
             "could run it").encode())
     if RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
         return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
-            attempt=run, message=f"{failure.message}; that was run {run} of "
+            attempt=run, message=f"{failure.message}; that was attempt {run} of "
             f"{max_attempts}").encode())
     try:
         requeued = envelope.requeued(decoded, run, now)

@@ -91,6 +91,8 @@ class Entry:
     preview: str = ""
     failure: Failure | None = None
     note: str = ""  # "(no record)", the Queue-Reason header ...
+    #: Its last attempt's number (the envelope's earlier ``attempts`` + 1 on Redis, the
+    #: deliveries on NATS), shown where no failure record names it.
     attempts: int | None = None
     at: float | None = None
     seq: int | None = None  # NATS: the dead stream's sequence (actions name it: seq:N)
@@ -121,6 +123,13 @@ def failure_of(raw: bytes | str | None) -> tuple[Failure | None, str]:
         return Failure.decode(raw), ""
     except ValueError as error:
         return None, f"(unreadable record: {error})"
+
+
+def last_attempt(facts: dict[str, Any]) -> int | None:
+    """The number of the attempt an envelope is on (or was on when it failed): its earlier
+    ``attempts`` (queue 5's count) + 1."""
+    earlier = facts.get("attempts")
+    return earlier + 1 if isinstance(earlier, int) else None
 
 
 def envelope_facts(raw: bytes) -> dict[str, Any]:
@@ -240,7 +249,7 @@ class RedisSource:
                 listing.entries.append(Entry(
                     record.pid, size, text(head), failure,
                     note if size else "(job record expired)",
-                    attempts=facts.get("attempts"), at=facts.get("timestamp")))
+                    attempts=last_attempt(facts), at=facts.get("timestamp")))
             return listing
 
         return await self._call(read)
