@@ -260,6 +260,8 @@ class RedisSource:
             size, raw = found["size"], found["raw"]
             failure, note = failure_of(found["error"])
             history = read_history(found["history"])
+            if failure is None and history:  # retrying: its last failed attempt's record
+                failure, note = history[-1], ""
             facts = envelope_facts(raw) if size <= VALUE_BYTES else {}
             decoded = {"attempts": facts["attempts"], "timestamp": facts["timestamp"]} if (
                 facts) else None
