@@ -238,3 +238,16 @@ async def test_the_dashboard_shows_the_history_publish_times_and_poison_reasons(
     status, body = dashboard.client.get("/q/0/list/poison")
     assert status == 200
     assert re.search(r"0 — \d{4}-\d\d-\d\d [\d:]+ UTC poison: invalid JSON: ", _text(body))
+
+
+async def test_a_history_key_of_another_type_is_replaced_not_a_failed_settlement(
+        redis_client, redis_brokers):
+    """Per-message keys are only replaced, never written halfway: a history key holding a
+    string (written by hand, say) does not make the batch's settle call fail."""
+    broker = await redis_brokers(QUEUE, namespace=NAMESPACE, max_attempts=3)
+    pid, raw = envelope.build(QUEUE, {"n": 1})
+    await redis_client.lpush(keys().ready, raw)
+    await redis_client.set(keys().failures(pid), b"not a list")
+    await fail(broker, await one(broker), 1)
+    [record] = await redis_client.lrange(keys().failures(pid), 0, -1)
+    assert Failure.decode(record).message == "boom 1"
