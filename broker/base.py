@@ -102,7 +102,7 @@ class Settlement:
     action: Action
     delivery: Delivery
     error: str | None = None
-    failure: Failure | None = None  # the structured error of a failed run, when known
+    failure: Failure | None = None  # the structured error of a failed attempt, when known
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,4 +1,7 @@
-"""Why a run of a job failed, kept where an operator can read it later.
+"""Why an attempt of a job failed, kept where an operator can read it later.
+
+Words: an *attempt* is one delivery of the job to a handler, numbered from 1 (``attempt``
+below); the envelope's ``attempts`` counts the earlier ones, as queue 5 means it.
 
 A handler's exception becomes a ``Failure`` in the handler process (class, message, where,
 a bounded traceback), travels to the supervisor on the ring, is logged with the outcome,
@@ -8,6 +11,12 @@ and is kept beside the job when the job stops retrying:
   JSON while the pid is in the failed or dead list, with the job record's expiry
   (``record_ttl``). Queue 5 never reads the key; it is written in the same script that
   moves the pid, and deleted when the job leaves the list by our hand (retry, delete).
+  ``{ns}.supervisor-failures.{q}.{pid}`` (``QueueKeys.failures``) lists the records of
+  every failed attempt (retried or not), newest first: the first and the last
+  ``FAILURES_KEPT``, with the same expiry, deleted with the error record and when a
+  retried job commits.
+- NATS keeps no history: a failed attempt is NAKed and redelivered (the envelope, and its
+  timestamp, unchanged); the dead-letter copy holds the last record.
 - NATS: the dead-letter copy carries ``encode()`` in the header ``NATS_HEADER``.
 
 The record is one JSON object of bounded size, so a listing of a thousand failed jobs reads
@@ -49,19 +58,23 @@ def record_ttl(job_ttl: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """One failed run: what was raised, where, and what became of the job."""
+    """One failed attempt: what was raised, where, and what became of the job."""
 
     error: str  # the exception's class, qualified outside builtins ("mymod.Timeout")
     message: str = ""  # str(exception), cut to MAX_MESSAGE_BYTES
     where: str = ""  # "path.py:123 in handle": the innermost frame that raised
     traceback: str = ""  # formatted traceback, its last MAX_TRACEBACK_BYTES kept
-    attempt: int = 0  # which run failed, counted from 1 (0: unknown)
+    attempt: int = 0  # which attempt failed, counted from 1 (0: unknown)
     at: float = 0.0  # when, unix seconds
     outcome: str = ""  # "retrying", "failed" or "dead"
     consumer: str = ""  # the supervisor that ran it (its consumer id)
     #: Seconds the handler ran before it failed, as its process timed it (0: not known:
-    #: a run its process did not live to report, or a record of an older version).
+    #: an attempt its process did not live to report, or a record of an older version).
     seconds: float = 0.0
+    #: The envelope's timestamp on this attempt (unix s; 0: not known): when the job was
+    #: published, or, after a retry, requeued. On attempt 1 it is the first publish time,
+    #: which queue 5 keeps nowhere else (a retry's envelope carries the retry's time).
+    published: float = 0.0
 
     @classmethod
     def from_text(cls, text: str | None, **extra: Any) -> Failure:
@@ -81,6 +94,7 @@ class Failure:
             traceback=_tail(self.traceback, MAX_TRACEBACK_BYTES),
             attempt=self.attempt, at=self.at, outcome=self.outcome,
             consumer=_head(self.consumer, MAX_WHERE_BYTES), seconds=self.seconds,
+            published=self.published,
         )
 
     def replace(self, **changes: Any) -> Failure:
@@ -95,9 +109,12 @@ class Failure:
 
     def encode(self) -> bytes:
         # Not dataclasses.asdict: it deep-copies every field (a third of a millisecond,
-        # paid on every failed run of a failure storm).
+        # paid on every failed attempt of a failure storm).
         bounded = self.bounded()
-        return orjson.dumps({name: getattr(bounded, name) for name in _FIELDS})
+        record = {name: getattr(bounded, name) for name in _FIELDS}
+        if not bounded.published:  # not known (a handler's report): no room spent on it
+            del record["published"]
+        return orjson.dumps(record)
 
     def encode_within(self, limit: int, ascii: bool = False) -> bytes:
         """``encode()`` in at most ``limit`` bytes (a ring record, a NATS header): the

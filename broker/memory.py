@@ -9,7 +9,7 @@ consumer" behind our back. The adapters' own behaviour is tested against real se
 broker only lets the arbiter, the buffer and the settler be tested in one process, fast,
 under any order of events (as Dramatiq's stub broker does for its workers).
 
-With ``retry_backoff`` a failed run's retry waits as on Redis: out of the ready queue (in
+With ``retry_backoff`` a failed attempt's retry waits as on Redis: out of the ready queue (in
 ``delayed``, with its due time on ``clock``) until a ``maintain()`` finds it due and moves it
 to the producer end, counted in the report's ``promoted``; ``drain_delayed()`` moves all of
 it, as the rollback does. A test advances ``clock`` instead of waiting.

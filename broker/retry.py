@@ -1,9 +1,9 @@
-"""The retry policy both adapters follow, so a job gets the same runs whichever broker
+"""The retry policy both adapters follow, so a job gets the same attempts whichever broker
 carries it and whoever (a settlement, a recovery) decides.
 
-A failed run is retried while the job has runs left of its budget; the run that uses the
-last one sends it to failed (Redis) or dead (NATS) instead. ``attempts`` counts earlier
-runs (the envelope's field on Redis, JetStream's delivery count - 1 on NATS). A retry
+A failed attempt is retried while the job has attempts left of its budget; the attempt that
+uses the last one sends it to failed (Redis) or dead (NATS) instead. ``attempts`` counts earlier
+attempts (the envelope's field on Redis, JetStream's delivery count - 1 on NATS). A retry
 waits ``backoff * 2**attempts`` seconds, at most ``cap`` (``[job] retry_backoff_max``), or
 the consumer's own list of delays when it has one (as queue 5 reads it, NATS only).
 
@@ -35,8 +35,8 @@ _MAX_DOUBLINGS = 64
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    budget: int  # runs a job gets in all (max_attempts, or a NATS consumer's budget)
-    backoff: float = 0.0  # base delay (s) before a retry, doubling per run
+    budget: int  # attempts a job gets in all (max_attempts, or a NATS consumer's budget)
+    backoff: float = 0.0  # base delay (s) before a retry, doubling per attempt
     cap: float = BACKOFF_MAX  # no computed delay is longer (s)
 
     def __post_init__(self) -> None:
@@ -44,16 +44,16 @@ class RetryPolicy:
             raise ValueError("a job needs a budget of at least 1 run")
 
     def exhausted(self, attempts: int) -> bool:
-        """After a failed run of a delivery with ``attempts`` earlier runs: none is left."""
+        """After a failed attempt of a delivery with ``attempts`` earlier ones: none is left."""
         return max(attempts, 0) + 1 >= self.budget
 
     @staticmethod
     def next_attempts(attempts: int) -> int:
-        """The ``attempts`` a requeued copy carries after one more run."""
+        """The ``attempts`` a requeued copy carries after one more attempt."""
         return min(max(attempts, 0) + 1, _INT64_MAX)
 
     def delay(self, attempts: int, listed: Sequence[float] = ()) -> float:
-        """Seconds before the retry of a delivery with ``attempts`` earlier runs (the
+        """Seconds before the retry of a delivery with ``attempts`` earlier attempts (the
         ceiling of ``jittered``)."""
         if listed:  # the last entry repeats
             return listed[min(max(attempts, 0), len(listed) - 1)]

@@ -5,7 +5,8 @@ dashboard show of it. Nothing here is escaped for a terminal: the callers do tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from broker import envelope
@@ -26,12 +27,29 @@ class Job:
     position: int | None = None  # poison: index from the oldest
     deliveries: int | None = None  # NATS: deliveries before it was dead-lettered, if known
     stored_at: float | None = None  # NATS: when the dead letter was stored (unix s)
+    #: Redis: the failure records of its failed attempts, oldest first (the first failure
+    #: and the last few: ``supervisor-failures``); empty when none was read or kept.
+    history: list[Failure] = field(default_factory=list)
+    reason: str = ""  # poison: why it was poisoned, when the supervisor that did kept it
+    reason_at: float | None = None  # poison: when (unix s)
+
+    @property
+    def first_published(self) -> float | None:
+        """When the job was first published, if known (``first_published``)."""
+        return first_published(self.decoded, self.history)
+
+    @property
+    def last_published(self) -> float | None:
+        """The envelope's timestamp: when it was published or, after a retry, requeued."""
+        decoded = self.decoded
+        return float(decoded["timestamp"]) if decoded else None
 
     @property
     def runs(self) -> int | None:
-        """How many times it ran, the failed run included: the failure record's count,
-        else JetStream's deliveries, else the envelope's earlier runs (queue 5 counts those
-        in ``attempts``) plus the one that failed."""
+        """Its last attempt's number (attempts made, the failed one included): the failure
+        record's, else JetStream's deliveries, else the envelope's earlier attempts (queue 5
+        counts those in ``attempts``) plus the one that failed. (The name is older than the
+        rule to say "attempt" for one delivery; kept for the JSON key ``runs``.)"""
         if self.failure is not None and self.failure.attempt:
             return self.failure.attempt
         if self.deliveries is not None:
@@ -47,7 +65,7 @@ class Job:
 
     @property
     def attempts(self) -> int | None:
-        """The envelope's ``attempts`` (earlier runs, as queue 5 counts them on Redis)."""
+        """The envelope's ``attempts`` (earlier attempts, as queue 5 counts them on Redis)."""
         decoded = self.decoded
         return decoded["attempts"] if decoded else None
 
@@ -75,6 +93,31 @@ class Job:
         if self.failure is not None:
             return self.failure.summary
         return self.failure_note or "(no record)"
+
+
+def first_published(decoded: dict[str, Any] | None,
+                    history: Sequence[Failure]) -> float | None:
+    """When a job was first published: its envelope's timestamp while it has no earlier
+    attempts, else what our record of its first failed attempt kept (queue 5 keeps it
+    nowhere: a retry's envelope carries the retry's time). None: not known."""
+    if decoded is not None and not decoded.get("attempts"):
+        return float(decoded["timestamp"])
+    for failure in history:
+        if failure.attempt == 1 and failure.published:
+            return failure.published
+    return None
+
+
+def read_history(records: Sequence[bytes] | None) -> list[Failure]:
+    """A job's failure history as read (newest first), oldest first; unreadable records
+    are left out."""
+    history: list[Failure] = []
+    for data in reversed(records or ()):
+        try:
+            history.append(Failure.decode(data))
+        except ValueError:
+            continue
+    return history
 
 
 def read_failure(data: bytes | int | None) -> tuple[Failure | None, str]:

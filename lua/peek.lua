@@ -1,13 +1,14 @@
 -- peek: entries of a list from its oldest end (the tail: entries are LPUSHed), each as its
--- length and its first bytes, so that an entry of any size (poison keeps what no handler
--- could take, oversized ones included) never crosses the wire whole. Read only.
+-- length, its first bytes and the SHA1 of all its bytes (hex: what the poison reason store
+-- is keyed by), so that an entry of any size (poison keeps what no handler could take,
+-- oversized ones included) never crosses the wire whole. Read only.
 --
 -- KEYS[1]  list                    {ns}.poison.{q}
 -- ARGV[1]  start                   position from the oldest (0 = the oldest)
 -- ARGV[2]  count                   entries (1 .. 1000)
 -- ARGV[3]  limit                   bytes of each entry returned (1 .. 2^31 - 1)
 --
--- Returns up to count pairs {length, first bytes}, oldest first.
+-- Returns up to count triples {length, first bytes, SHA1 hex}, oldest first.
 
 --- @include "includes/whole"
 
@@ -26,6 +27,6 @@ local window = redis.call('LRANGE', KEYS[1], -(start + count), -(start + 1))
 local found = {}
 for i = #window, 1, -1 do
   local entry = window[i]
-  found[#found + 1] = {#entry, string.sub(entry, 1, limit)}
+  found[#found + 1] = {#entry, string.sub(entry, 1, limit), redis.sha1hex(entry)}
 end
 return found

@@ -9,6 +9,9 @@
 --                record (EXPIRE job_ttl if > 0), and frees a coalescing marker that still
 --                names this pid; its failure record (when not '') is SET in the item's
 --                errors key with record_ttl (job_ttl, when there is one: never for ever).
+--                Either way the failure record (when not '') is pushed onto the job's
+--                history (supervisor-failures: the first failure and the last 5 kept,
+--                record_ttl), as settle.lua does for a failed attempt.
 --   'x' dangling a pid with neither job record nor owner key: LREM it (no counter changes).
 -- Deleting the owner key makes any later settle or renewal by the old owner stale.
 -- Each LREM scans from the end the caller names (1: head, -1: tail), the end nearer to
@@ -18,14 +21,15 @@
 -- KEYS[2]   dead list               {ns}.dead.{q}
 -- KEYS[3]   processing list         {ns}.processing.{q}
 -- KEYS[4]   counter                 {ns}.stats.{q}.processing
--- KEYS[5i..4+5i]                    item i: owners, claims, jobs key, marker key
+-- KEYS[6i-1..4+6i]                  item i: owners, claims, jobs key, marker key
 --                                   {ns}.pending.{q}.{hex key} (the jobs key if not keyed),
---                                   failure record {ns}.supervisor-errors.{q}.{pid}
+--                                   failure record {ns}.supervisor-errors.{q}.{pid},
+--                                   history {ns}.supervisor-failures.{q}.{pid}
 -- ARGV[1]   job_ttl                 seconds a dead job record is kept; 0 = forever
 -- ARGV[2]   record_ttl              seconds a failure record is kept (1 .. 2^31 - 1)
 -- ARGV[7i-4..7i+2]                  item i: mode, expected owner, pid, replacement envelope,
 --                                   direction (1 or -1), keyed ('1' or '0'), failure record
---                                   ('' = none; 'd' only)
+--                                   ('' = none; 'x': unused)
 --
 -- Returns an array of n integers: 1 applied, 0 left alone.
 
@@ -36,12 +40,16 @@
 -- write: Lua does not undo the writes made before a command that fails.
 --- @include "includes/whole"
 
+-- Push a failure record onto a job's history, keeping the oldest (the first failure: when
+-- the job was first published) and the newest 5; a key of another type is replaced.
+--- @include "includes/remember_failure"
+
 local MODES = {q = true, d = true, x = true}
 local ready, dead, processing, counter = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local n = (#KEYS - 4) / 5
+local n = (#KEYS - 4) / 6
 local job_ttl, record_ttl = whole(ARGV[1], 0, 2147483647), whole(ARGV[2], 1, 2147483647)
 if n ~= math.floor(n) or n > 1000 or #ARGV ~= 2 + 7 * n or not job_ttl or not record_ttl then
-  return redis.error_reply('QSARG reclaim needs a job_ttl and a record_ttl in whole s, 5 keys '
+  return redis.error_reply('QSARG reclaim needs a job_ttl and a record_ttl in whole s, 6 keys '
     .. 'and 7 arguments per item, at most 1000')
 end
 
@@ -64,18 +72,18 @@ end
 -- the rest is EXISTS, DEL and EXPIRE, which work on any type: no write can fail halfway.
 local reads = {}
 for i = 1, n do
-  reads[2 * i - 1] = KEYS[5 * i]
-  reads[2 * i] = KEYS[3 + 5 * i]
+  reads[2 * i - 1] = KEYS[6 * i - 1]
+  reads[2 * i] = KEYS[6 * i + 2]
 end
 local values = n > 0 and redis.call('MGET', unpack(reads)) or {}
 
 local results, requeued, buried, records = {}, {}, {}, {}
-local failure_keys, failures = {}, {}
+local failure_keys, failures, history_keys, histories = {}, {}, {}, {}
 local removed = 0
 for i = 1, n do
   local mode, expected, pid = ARGV[7 * i - 4], ARGV[7 * i - 3], ARGV[7 * i - 2]
   local direction = tonumber(ARGV[7 * i])
-  local owner, claim, job, marker = KEYS[5 * i], KEYS[1 + 5 * i], KEYS[2 + 5 * i], KEYS[3 + 5 * i]
+  local owner, claim, job, marker = KEYS[6 * i - 1], KEYS[6 * i], KEYS[6 * i + 1], KEYS[6 * i + 2]
   local done = 0
   if mode == 'x' then
     if redis.call('EXISTS', owner) == 0 and redis.call('EXISTS', job) == 0 then
@@ -87,6 +95,10 @@ for i = 1, n do
     done = 1
     removed = removed + 1
     redis.call('DEL', owner, claim)
+    if ARGV[7 * i + 2] ~= '' then
+      history_keys[#history_keys + 1] = KEYS[6 * i + 4]
+      histories[#histories + 1] = ARGV[7 * i + 2]
+    end
     if mode == 'q' then
       requeued[#requeued + 1] = ARGV[7 * i - 1]
       redis.call('DEL', job)
@@ -97,7 +109,7 @@ for i = 1, n do
         redis.call('DEL', marker)
       end
       if ARGV[7 * i + 2] ~= '' then
-        failure_keys[#failure_keys + 1] = KEYS[4 + 5 * i]
+        failure_keys[#failure_keys + 1] = KEYS[6 * i + 3]
         failures[#failures + 1] = ARGV[7 * i + 2]
       end
     end
@@ -114,5 +126,6 @@ end
 for k = 1, #failure_keys do
   redis.call('SET', failure_keys[k], failures[k], 'EX', record_ttl)
 end
+for k = 1, #history_keys do remember_failure(history_keys[k], histories[k], record_ttl) end
 if removed > 0 then redis.call('DECRBY', counter, removed) end
 return results

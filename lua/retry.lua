@@ -5,8 +5,9 @@
 --
 -- KEYS[1]      source list     {ns}.failed.{q} or {ns}.dead.{q}  (pids)
 -- KEYS[2]      ready list      {ns}.queue.{q}
--- KEYS[1+2i]   job record      {ns}.jobs.{q}.{pid} of item i (at most 1,000 items)
--- KEYS[2+2i]   failure record  {ns}.supervisor-errors.{q}.{pid} of item i (broker.failure)
+-- KEYS[3i]     job record      {ns}.jobs.{q}.{pid} of item i (at most 1,000 items)
+-- KEYS[3i+1]   failure record  {ns}.supervisor-errors.{q}.{pid} of item i (broker.failure)
+-- KEYS[3i+2]   history         {ns}.supervisor-failures.{q}.{pid} of item i
 -- ARGV[3i-2]   pid of item i
 -- ARGV[3i-1]   the job record as the caller read it ('' if there was none)
 -- ARGV[3i]     the envelope to push ('' when the record was none)
@@ -15,10 +16,10 @@
 --   'changed'  the record is no longer what the caller read: nothing changes
 --   'gone'     the pid is no longer in the source list: nothing changes
 --   'expired'  there was no record (its jobTtl ran out): the pid leaves the source list
---              and its failure record is deleted
+--              and its failure record and history are deleted
 --   'ok'       the pid leaves the source list, the envelope is LPUSHed to the ready list
---              (the producer end, like a new message), the job record and the failure
---              record are deleted
+--              (the producer end, like a new message), the job record, the failure
+--              record and the history are deleted
 --
 -- Returns an array of one status per item.
 
@@ -26,8 +27,8 @@ local MAX_ITEMS = 1000
 local source, ready = KEYS[1], KEYS[2]
 local n = #ARGV / 3
 
-if n > MAX_ITEMS or #ARGV ~= 3 * n or n ~= math.floor(n) or #KEYS ~= 2 + 2 * n then
-  return redis.error_reply('QSARG retry needs 2 keys and 3 arguments per item, at most '
+if n > MAX_ITEMS or #ARGV ~= 3 * n or n ~= math.floor(n) or #KEYS ~= 2 + 3 * n then
+  return redis.error_reply('QSARG retry needs 3 keys and 3 arguments per item, at most '
     .. MAX_ITEMS)
 end
 
@@ -37,13 +38,14 @@ end
 local err = wrong_type(source, 'list') or wrong_type(ready, 'list')
 if err then return err end
 for i = 1, n do
-  err = wrong_type(KEYS[1 + 2 * i], 'string')
+  err = wrong_type(KEYS[3 * i], 'string')
   if err then return err end
 end
 
 local results = {}
 for i = 1, n do
-  local job_key, error_key, pid = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[3 * i - 2]
+  local job_key, error_key, history_key = KEYS[3 * i], KEYS[3 * i + 1], KEYS[3 * i + 2]
+  local pid = ARGV[3 * i - 2]
   local expected, envelope = ARGV[3 * i - 1], ARGV[3 * i]
   local record = redis.call('GET', job_key) or ''
   if record ~= expected then
@@ -51,11 +53,11 @@ for i = 1, n do
   elseif redis.call('LREM', source, -1, pid) == 0 then
     results[i] = 'gone'
   elseif record == '' then
-    redis.call('DEL', error_key)
+    redis.call('DEL', error_key, history_key)
     results[i] = 'expired'
   else
     redis.call('LPUSH', ready, envelope)
-    redis.call('DEL', job_key, error_key)
+    redis.call('DEL', job_key, error_key, history_key)
     results[i] = 'ok'
   end
 end

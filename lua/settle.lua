@@ -1,6 +1,7 @@
 -- settle: apply a group of commits, retries, rejects and releases, each conditional on the
 -- caller still owning the delivery, each with its own result (queue 5's settle, grouped):
 --   'c' commit   DEL job; success += 1.
+--   'o' commit   of a job with earlier attempts: 'c', and its failure history is deleted.
 --   'r' retry    this project's retry below max attempts: LPUSH the new envelope (same pid,
 --                new timestamp, attempts + 1) to the producer end of ready, DEL job;
 --                failed += 1 (a failed run).
@@ -18,9 +19,13 @@
 -- Checks in queue 5's order: owner key ~= token -> 'stale'; job record missing on 'f' or 'l'
 -- -> 'missing' (nothing changes, ownership kept); the pid not in processing -> 'stale'.
 -- Applied: claim and owner deleted, processing -= 1: 'ok'. A coalescing marker (keyed
--- message) that still names this pid is freed by commit and reject ('c', 'f'); a retry keeps
+-- message) that still names this pid is freed by commit and reject ('c', 'o', 'f'); a retry keeps
 -- it (the same pid is still pending, delayed or not), and so does a release.
 -- Releases go back reversed, so the first released is the first consumed again.
+-- Every failed attempt applied ('r', 'd', 'f') with a failure record (not '') also pushes it
+-- onto the job's history {ns}.supervisor-failures.{q}.{pid}: this project's own bounded
+-- list (newest first: the first failure kept and the last 5), expiring with record_ttl.
+-- Queue 5 never reads it; the errors key keeps the last record, as older versions read it.
 -- Per-message keys are only read with MGET (one of another type reads as absent: the item is
 -- 'stale' or 'missing') and only deleted, replaced or expired otherwise, so no write can fail
 -- halfway.
@@ -36,6 +41,8 @@
 -- KEYS[7+3n+m]                      the m-th keyed item's marker {ns}.pending.{q}.{hex key}
 -- KEYS[7+3n+k+f]                    the f-th reject's failure record
 --                                   {ns}.supervisor-errors.{q}.{pid} (k: keyed items)
+-- KEYS[7+3n+k+j+h]                  the h-th history {ns}.supervisor-failures.{q}.{pid}
+--                                   (j: rejects), of each 'r', 'd', 'f' and 'o' item
 -- ARGV[1]   job_ttl                 seconds a rejected job record is kept; 0 = forever
 -- ARGV[2]   n                       items (<= 1000)
 -- ARGV[3]   ops                     n characters, item i's op (upper case: a keyed message)
@@ -44,9 +51,10 @@
 -- ARGV[5]   record_ttl              seconds a failure record is kept (1 .. 2^31 - 1)
 -- ARGV[5+i]                         item i: the owner token it was claimed with
 -- ARGV[6+n..]                       then, in item order, what an op needs beyond its token:
---                                   'r' the new envelope; 'd' the new envelope and its
---                                   delay (whole s, 1 .. 2^31 - 1); 'f' the failure record
---                                   ('' = none); 'c' and 'l' nothing
+--                                   'r' the new envelope and the failure record; 'd' the
+--                                   new envelope, its delay (whole s, 1 .. 2^31 - 1) and
+--                                   the failure record; 'f' the failure record (each
+--                                   '' = none); 'c' and 'l' nothing
 --
 -- Returns an array of n results: 'ok', 'stale' or 'missing'.
 
@@ -60,9 +68,13 @@
 -- write: Lua does not undo the writes made before a command that fails.
 --- @include "includes/whole"
 
+-- Push a failure record onto a job's history, keeping the oldest (the first failure: when
+-- the job was first published) and the newest 5; a key of another type is replaced.
+--- @include "includes/remember_failure"
+
 -- Op characters by byte: the op in lower case, and whether a marker key follows.
-local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l', [100] = 'd',
-             [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l', [68] = 'd'}
+local OPS = {[99] = 'c', [114] = 'r', [102] = 'f', [108] = 'l', [100] = 'd', [111] = 'o',
+             [67] = 'c', [82] = 'r', [70] = 'f', [76] = 'l', [68] = 'd', [79] = 'o'}
 local ready, processing, failed, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
 local n, job_ttl, ops = whole(ARGV[2], 0, 1000), whole(ARGV[1], 0, 2147483647), ARGV[3]
 local offset, record_ttl = whole(ARGV[4], 0, 2147483647), whole(ARGV[5], 1, 2147483647)
@@ -70,30 +82,35 @@ if not n or not job_ttl or not offset or not record_ttl or not ops or #ops ~= n 
   return redis.error_reply('QSARG settle needs a job_ttl in whole s, a count, an op per item, a '
     .. 'pid offset and a record_ttl in whole s')
 end
-if string.find(ops, '[^crfldCRFLD]') then
-  return redis.error_reply('QSARG settle ops must be c, r, d, f or l, not ' .. ops)
+if string.find(ops, '[^crfldoCRFLDO]') then
+  return redis.error_reply('QSARG settle ops must be c, o, r, d, f or l, not ' .. ops)
 end
 local _, keyed = string.gsub(ops, '%u', '')
 local _, retries = string.gsub(ops, '[rR]', '')
 local _, waits = string.gsub(ops, '[dD]', '')
 local _, rejects = string.gsub(ops, '[fF]', '')
-if #KEYS ~= 7 + 3 * n + keyed + rejects or #ARGV ~= 5 + n + retries + 2 * waits + rejects then
-  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed, 1 more per reject) and a '
-    .. 'token per item, an envelope per retry (and a delay if delayed), a record per reject, '
-    .. 'at most 1000 items')
+local _, forgets = string.gsub(ops, '[oO]', '')
+local failing = retries + waits + rejects + forgets
+if #KEYS ~= 7 + 3 * n + keyed + rejects + failing
+    or #ARGV ~= 5 + n + 2 * retries + 3 * waits + rejects then
+  return redis.error_reply('QSARG settle needs 3 keys (4 if keyed, 2 more per reject, 1 per '
+    .. 'retry and o) and a token per item, an envelope per retry (and a delay if delayed), a '
+    .. 'record per retry and reject, at most 1000 items')
 end
 -- Where each item's extra arguments start, and every delay checked before the first write.
 local extra_at, cursor = {}, 5 + n
 for i = 1, n do
   local op = OPS[string.byte(ops, i)]
   extra_at[i] = cursor + 1
-  if op == 'r' or op == 'f' then
+  if op == 'f' then
     cursor = cursor + 1
+  elseif op == 'r' then
+    cursor = cursor + 2
   elseif op == 'd' then
     if not whole(ARGV[cursor + 2], 1, 2147483647) then
       return redis.error_reply('QSARG settle item ' .. i .. ': a delay must be whole s from 1')
     end
-    cursor = cursor + 2
+    cursor = cursor + 3
   end
 end
 
@@ -147,6 +164,8 @@ local results, requeued, released, rejected, doomed = {}, {}, {}, {}, {}
 local rejected_at = {}  -- the item index of each rejected pid (its jobs key is KEYS[6+3i])
 local record_keys, record_values = {}, {}  -- per rejected pid: its failure record
 local waiting = {}  -- delayed retries: delay, envelope, delay, envelope ...
+local history_keys, history_values = {}, {}  -- per failed attempt applied: its history
+local failing_no = 0
 local ndoomed, nrequeued, nreleased, nrejected, nwaiting = 0, 0, 0, 0, 0
 local commits, failures, applied, settled, markers, reject_no = 0, 0, 0, {}, 0, 0
 for i = 1, n do
@@ -160,6 +179,15 @@ for i = 1, n do
     marker_at = 7 + 3 * n + markers
   end
   if op == 'f' then reject_no = reject_no + 1 end
+  local history_at = 0  -- the index in KEYS of this item's history (0: no failed attempt)
+  local history_record = nil
+  if op == 'f' or op == 'r' or op == 'd' or op == 'o' then
+    failing_no = failing_no + 1
+    history_at = 7 + 3 * n + keyed + rejects + failing_no
+    if op ~= 'o' then
+      history_record = ARGV[extra_at[i] + (op == 'r' and 1 or (op == 'd' and 2 or 0))]
+    end
+  end
   local result = 'stale'
   if owners[i] == token and not settled[owner] then
     local record = nil
@@ -212,7 +240,14 @@ for i = 1, n do
           commits = commits + 1
         end
       end
-      if marker_at > 0 and (op == 'c' or op == 'f')
+      if op == 'o' then
+        ndoomed = ndoomed + 1
+        doomed[ndoomed] = KEYS[history_at]
+      elseif history_at > 0 and history_record ~= '' then
+        history_keys[#history_keys + 1] = KEYS[history_at]
+        history_values[#history_values + 1] = history_record
+      end
+      if marker_at > 0 and (op == 'c' or op == 'o' or op == 'f')
           and redis.call('MGET', KEYS[marker_at])[1] == pid then
         ndoomed = ndoomed + 1
         doomed[ndoomed] = KEYS[marker_at]
@@ -260,6 +295,7 @@ if nrejected > 0 then
     end
   end
 end
+for k = 1, #history_keys do remember_failure(history_keys[k], history_values[k], record_ttl) end
 if nrequeued > 0 then redis.call('LPUSH', ready, unpack(requeued)) end
 if nwaiting > 0 then
   local now = tonumber(redis.call('TIME')[1])

@@ -66,7 +66,7 @@ async def test_list_shows_oldest_first_with_error_or_no_record(conf, run, redis_
     # The broker's own reject (no error given) writes a record; a PHP worker's writes none.
     assert "Error: unknown error" in rows[1] and "(no record)" in rows[3]
     assert '{"n":0}' in rows[0] and '{"from":"php"}' in rows[3]
-    assert "runs 4" in rows[3]  # a PHP worker's: 3 earlier runs and the failed one
+    assert "attempt 4" in rows[3]  # a PHP worker's: 3 earlier attempts and the failed one
 
     code, out = await run("failed", conf, "list", "--json", "--limit", "2")
     state = orjson.loads(out)

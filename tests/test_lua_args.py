@@ -9,6 +9,7 @@ still applies completely.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
@@ -194,18 +195,20 @@ async def test_retry(redis_client):
     await redis_client.set(KEYS.job("p0"), raw("p0"))
     await redis_client.set(KEYS.error("p0"), b'{"error":"E"}')
     before = await snapshot(redis_client)
-    keys = [KEYS.failed, KEYS.ready, KEYS.job("p0"), KEYS.error("p0")]
+    await redis_client.lpush(KEYS.failures("p0"), b'{"error":"E"}')
+    before = await snapshot(redis_client)
+    keys = [KEYS.failed, KEYS.ready, KEYS.job("p0"), KEYS.error("p0"), KEYS.failures("p0")]
     args = ["p0", raw("p0"), raw("p0", 0)]
     for count in (2, 4, 6):  # arguments missing or left over (6: two items' arguments)
         await restore(redis_client, before)
         with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
-            await redis_client.eval(lua_source("retry"), 4, *keys, *(args * 2)[:count])
+            await redis_client.eval(lua_source("retry"), 5, *keys, *(args * 2)[:count])
         assert await snapshot(redis_client) == before
     with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):  # a key missing
-        await redis_client.eval(lua_source("retry"), 3, *keys[:3], *args)
+        await redis_client.eval(lua_source("retry"), 4, *keys[:4], *args)
     assert await snapshot(redis_client) == before
-    assert await redis_client.eval(lua_source("retry"), 4, *keys, *args) == [b"ok"]
-    assert not await redis_client.exists(KEYS.job("p0"), KEYS.error("p0"))
+    assert await redis_client.eval(lua_source("retry"), 5, *keys, *args) == [b"ok"]
+    assert not await redis_client.exists(KEYS.job("p0"), KEYS.error("p0"), KEYS.failures("p0"))
 
 
 async def test_delete(redis_client):
@@ -213,14 +216,17 @@ async def test_delete(redis_client):
     await redis_client.set(KEYS.job("p0"), raw("p0"))
     await redis_client.set(KEYS.error("p0"), b'{"error":"E"}')
     before = await snapshot(redis_client)
-    keys = [KEYS.failed, KEYS.job("p0"), KEYS.error("p0")]
-    for count_keys, args in ((2, ["p0"]), (3, []), (3, ["p0", "p1"])):
+    await redis_client.lpush(KEYS.failures("p0"), b'{"error":"E"}')
+    before = await snapshot(redis_client)
+    keys = [KEYS.failed, KEYS.job("p0"), KEYS.error("p0"), KEYS.failures("p0")]
+    for count_keys, args in ((3, ["p0"]), (4, []), (4, ["p0", "p1"])):
         with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
             await redis_client.eval(lua_source("delete"), count_keys, *keys[:count_keys], *args)
         assert await snapshot(redis_client) == before
-    assert await redis_client.eval(lua_source("delete"), 3, *keys, "p0") == [b"ok"]
-    assert await redis_client.eval(lua_source("delete"), 3, *keys, "p0") == [b"gone"]
-    assert not await redis_client.exists(KEYS.failed, KEYS.job("p0"), KEYS.error("p0"))
+    assert await redis_client.eval(lua_source("delete"), 4, *keys, "p0") == [b"ok"]
+    assert await redis_client.eval(lua_source("delete"), 4, *keys, "p0") == [b"gone"]
+    assert not await redis_client.exists(KEYS.failed, KEYS.job("p0"), KEYS.error("p0"),
+                                         KEYS.failures("p0"))
 
 
 async def test_peek(redis_client):
@@ -229,9 +235,11 @@ async def test_peek(redis_client):
                  ["0", "x", "10"]):
         with pytest.raises(redis.exceptions.ResponseError, match="QSARG"):
             await redis_client.eval(lua_source("peek"), 1, KEYS.poison, *args)
+    sha1 = [hashlib.sha1(entry).hexdigest().encode() for entry in (b"oldest", b"x" * 50)]
     assert await redis_client.eval(lua_source("peek"), 1, KEYS.poison, 0, 1000, 10) == [
-        [6, b"oldest"], [50, b"x" * 10]]
-    assert await redis_client.eval(lua_source("peek"), 1, KEYS.poison, 1, 5, 3) == [[50, b"xxx"]]
+        [6, b"oldest", sha1[0]], [50, b"x" * 10, sha1[1]]]
+    assert await redis_client.eval(lua_source("peek"), 1, KEYS.poison, 1, 5, 3) == [
+        [50, b"xxx", sha1[1]]]
 
 
 @pytest.mark.parametrize("name", ["reserve", "claim", "settle", "extend", "reclaim", "recover",

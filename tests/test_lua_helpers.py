@@ -29,19 +29,19 @@ INCLUDES = LUA_DIR / "includes"
 #: the includes): the text Redis runs, hence its EVALSHA digest, is unchanged. A deliberate
 #: change to a script or a helper updates its digest here.
 LOADED_SHA1 = {
-    "claim": "485dc0086d7a21797b1a8a3277a83825dab227b7",
-    "delete": "bb6ac6fd48bc553f709415203e8acd87fc132ac8",
+    "claim": "1c249a9d9e94adbd9f7e13a8d2de9f41ccd8e748",
+    "delete": "b1b4ca4a7e02f656550cc05f494ae18428ae2dfe",
     "expired": "3f3819ab614b53dae18c69be538be1373c56ea29",
     "extend": "c25dce5e8dce2eab4dc58d56be1ab82f56294e33",
     "oldest": "b1977c31c2631aa998c3c915453105b46c69b76d",
-    "peek": "1a6b86f3616e3a7d28492d2b23196b73f5c5d70d",
+    "peek": "feaad97bd112050060b5d025def2dd04820cd356",
     "promote": "5078b19fc11b5fdb82762afaabf384c42f4d7ee1",
-    "reclaim": "24fc711e46d84f93420ce69d8ade6805479b9bf8",
+    "reclaim": "a00e31a4f1aa7960a6316ad432f9600d9e9b3f53",
     "records": "ae771da2842d61f04c86f305849381c2d2c268f3",
     "recover": "61cce5c06ee7c6cc6055fc3d8245aed671618269",
-    "reserve": "a204f5b91741956bda3e166b18327609a5fe37f9",
-    "retry": "b2cbad55bd33ffcf2bb6eb1e402dd3d133049468",
-    "settle": "e36ce708eacf7660134ca108c5b4ab0050c2d14f",
+    "reserve": "5dffd796ac5e22b1c2fea52e4692be82071b40b7",
+    "retry": "82cdd0905749f9cdb7e1f20124fb9a844a4cc02e",
+    "settle": "4991776550cd72aec59279bace6adc7486092d44",
 }
 
 # A top-level definition (``local function f(``, ``function f(``, ``local f = function(``) up

@@ -509,7 +509,8 @@ async def test_coalescing_markers_are_freed_and_kept_as_php_expects(client, redi
     # total: first 2 (release), second 2 (retry), third, fourth, fifth;
     # success: first, fourth, fifth; failed: one retry + one reject.
     assert_settled(client, q, total=7, success=3, failed=2,
-                   left={k.failed, k.job(second.pid), k.error(second.pid)})
+                   left={k.failed, k.job(second.pid), k.error(second.pid),
+                         k.failures(second.pid)})
 
 
 # --- 7. envelopes: what PHP runs, ours runs; what PHP poisons, ours poisons ------------------

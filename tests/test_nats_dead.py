@@ -57,7 +57,7 @@ async def test_list_and_show_read_the_dead_stream(conf, run, nats_brokers, js):
     assert [row.split()[2] for row in rows[:4]] == [*pids, php_pid, recorded]
     assert [row.split()[1] for row in rows] == ["1", "2", "3", "4", "5"]  # seq
     assert f"boom {pids[0]}" in rows[0]  # older supervisors' Queue-Reason header
-    assert "runs 1" in rows[0] and "failed 20" in rows[0]  # deliveries; when it was stored
+    assert "attempt 1" in rows[0] and "failed 20" in rows[0]  # deliveries; when it was stored
     assert "(no record)" in rows[2] and "ValueError: bad input" in rows[3]
     assert "(no pid)" in rows[4] and "(undecodable)" in rows[4]
     assert BIDI not in out and "\\u202e" in out and len(rows[2]) < 600

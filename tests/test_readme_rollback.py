@@ -125,7 +125,8 @@ def left_behind(client: redis.Redis, keys: QueueKeys) -> list[str]:
     """Keys of the queue beyond a finished queue-5 queue's: this project's (records, the
     token registry, the delayed set) or a delivery still in flight (reservations, owners,
     claims). Failure records beside the job records they describe are allowed: they expire
-    with them."""
+    with them; so are failure histories, which expire by themselves (a job retried by us
+    and then committed by a PHP worker leaves its history until then)."""
     left = []
     prefix = f"{keys.namespace}."
     for raw in client.scan_iter(match=f"{prefix}*", count=1000):
@@ -136,6 +137,8 @@ def left_behind(client: redis.Redis, keys: QueueKeys) -> list[str]:
         if kind in FINISHED_KINDS:
             continue
         if kind == "supervisor-errors" and client.exists(keys.job(rest[len(keys.queue) + 1:])):
+            continue
+        if kind == "supervisor-failures" and client.ttl(name) > 0:
             continue
         left.append(name)
     return sorted(left)

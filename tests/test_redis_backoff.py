@@ -132,7 +132,7 @@ async def test_zero_backoff_requeues_at_once_as_queue_5_does(redis_brokers, redi
     result = await reject(broker, delivery)
     assert (result.outcome, result.detail) == (Outcome.OK, "retrying in 0 s")
     _, args = recorded.last("settle")
-    assert args[2] == "r" and len(args) == 5 + 1 + 1  # the 'r' op: token and envelope only
+    assert args[2] == "r" and len(args) == 5 + 1 + 2  # the 'r' op: token, envelope, record
     [requeued] = await redis_client.lrange(KEYS.ready, 0, -1)
     assert envelope.decode(requeued)["attempts"] == 1
     assert not await redis_client.exists(KEYS.delayed)
@@ -144,19 +144,23 @@ async def test_the_structured_failure_is_kept_and_the_record_expires_with_the_jo
 ):
     broker = await redis_brokers(QUEUE, consumer_id="sup-2", max_attempts=1, job_ttl=100)
     pid, raw = envelope.build(QUEUE, {"n": 1})
+    published = envelope.decode(raw)["timestamp"]
     await redis_client.lpush(KEYS.ready, raw)
     failure = Failure("mymod.Timeout", "upstream took 30 s", "jobs.py:12 in handle",
                       "Traceback ...", attempt=1, at=1_700_000_000.5)
     result = await reject(broker, await one(broker), "mymod.Timeout: upstream", failure=failure)
     assert result.detail == "failed"
     record = Failure.decode(await redis_client.get(KEYS.error(pid)))
-    assert record == failure.replace(outcome="failed", consumer="sup-2")
+    assert record == failure.replace(outcome="failed", consumer="sup-2", published=published)
+    # The history holds the same record (its only failed attempt).
+    assert await redis_client.lrange(KEYS.failures(pid), 0, -1) == [
+        await redis_client.get(KEYS.error(pid))]
     assert 0 < await redis_client.ttl(KEYS.error(pid)) <= 100
     assert 0 < await redis_client.ttl(KEYS.job(pid)) <= 100
     # An operator's retry takes the pid out of failed, and its record with it.
     report = await retry(redis_client, broker.scripts, KEYS)
     assert report.moved == 1
-    assert not await redis_client.exists(KEYS.error(pid))
+    assert not await redis_client.exists(KEYS.error(pid), KEYS.failures(pid))
     assert await redis_client.llen(KEYS.failed) == 0
 
 
@@ -270,7 +274,7 @@ async def test_settle_refuses_a_bad_delay_before_any_write(redis_brokers, redis_
     keys, args = recorded.last("settle")
     assert args[2] == "dd"
     delay_at = 5 + 2 + 1  # after job_ttl, n, ops, offset, record_ttl, 2 tokens: envelope, ...
-    for at in (delay_at, delay_at + 2):
+    for at in (delay_at, delay_at + 3):  # each delay is followed by its failure record
         await restore(redis_client, before)
         changed = [*args]
         changed[at] = bad
@@ -279,7 +283,7 @@ async def test_settle_refuses_a_bad_delay_before_any_write(redis_brokers, redis_
         assert await snapshot(redis_client) == before
     await restore(redis_client, before)
     changed = [*args]
-    changed[delay_at] = changed[delay_at + 2] = "2147483647"  # the longest delay applies
+    changed[delay_at] = changed[delay_at + 3] = "2147483647"  # the longest delay applies
     assert await redis_client.eval(_source("settle"), len(keys), *keys, *changed) == [b"ok"] * 2
     assert await redis_client.zcard(KEYS.delayed) == 2
 

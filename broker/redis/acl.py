@@ -72,7 +72,8 @@ WHY = {
     "client|id": "the blocking connection's id, named by CLIENT UNBLOCK at a stop",
     "client|unblock": "a stop ends its own idle wait (BLMOVE) at once, then unregisters it "
                       "(it can unblock any client of the server)",
-    "hmget": "a sweep: which owner tokens are our supervisors' (the token registry)",
+    "hmget": "a sweep: which owner tokens are our supervisors' (the token registry); poison "
+             "list/show and the dashboard: why each entry was poisoned (the reason store)",
     "hrandfield": "a sweep: a sample of the token registry, to forget long-gone supervisors",
     "hdel": "a sweep forgets long-gone supervisors (the token registry)",
     "hscan": "check: the token registry, to tell our leftovers from other consumers' work "
@@ -119,6 +120,9 @@ PATTERNS: dict[str, Callable[[QueueKeys], str]] = {
     "supervisor-tokens.{q}": _fixed("supervisor_tokens"),
     "supervisor-delayed.{q}": _fixed("delayed"),
     "supervisor-errors.{q}.*": _under(lambda keys: keys.error("")),
+    "supervisor-failures.{q}.*": _under(lambda keys: keys.failures("")),
+    "supervisor-poison-reasons.{q}": _fixed("poison_reasons"),
+    "supervisor-poison-times.{q}": _fixed("poison_times"),
     "consumers.{q}.*": _under(lambda keys: keys.legacy_consumer("")),
 }
 
@@ -141,14 +145,14 @@ _SWEEP_KEYS = (
     "queue.{q}", "reservations.{q}", "reservations.{q}.*", "processing.{q}", "dead.{q}",
     "stats.{q}.processing", "jobs.{q}.*", "owners.{q}.*", "claims.{q}.*", "pending.{q}.*",
     "reap-cursor.{q}", "supervisor-tokens.{q}", "supervisors.{q}.*", "consumers.{q}.*",
-    "supervisor-delayed.{q}", "supervisor-errors.{q}.*",
+    "supervisor-delayed.{q}", "supervisor-errors.{q}.*", "supervisor-failures.{q}.*",
 )
 _SWEEP_COMMANDS = (
     "evalsha", "script|load", "llen", "lrange", "get", "mget", "time", "set",
     "hmget", "hrandfield", "hdel",
     # expired.lua, recover.lua, reclaim.lua, records.lua, promote.lua
     "type", "zrangebyscore", "zscore", "zrem", "lpop", "rpush", "decrby", "del", "exists",
-    "expire", "lpush", "lrem", "strlen",
+    "expire", "lpush", "lrem", "strlen", "lset", "lindex", "rpop",
 )
 _SWEEP_SCRIPTS = ("expired", "recover", "reclaim", "records", "promote")
 
@@ -162,7 +166,7 @@ ROLES: tuple[Role, ...] = (
             # reserve, claim, settle, extend and the sweep's scripts
             "type", "rpop", "lpush", "zadd", "zscore", "lpop", "rpush", "mset", "setex", "del",
             "incrby", "decrby", "expire", "lrem", "ltrim", "exists", "zrangebyscore", "hset",
-            "strlen",
+            "strlen", "lset", "zpopmin",
             # the metrics' sample (broker.redis.gauges)
             "zcard", "hvals",
         ),
@@ -173,6 +177,8 @@ ROLES: tuple[Role, ...] = (
             "dead.{q}", "poison.{q}", "stats.{q}.*", "reap-lock.{q}", "reap-cursor.{q}",
             "supervisors.{q}.*", "supervisor-tokens.{q}", "consumers.{q}.*",
             "supervisor-delayed.{q}", "supervisor-errors.{q}.*", "supervisor-running.{q}.*",
+            "supervisor-failures.{q}.*", "supervisor-poison-reasons.{q}",
+            "supervisor-poison-times.{q}",
         ),
         ("reserve", "claim", "settle", "extend", "oldest", *_SWEEP_SCRIPTS),
     ),
@@ -192,7 +198,8 @@ ROLES: tuple[Role, ...] = (
     Role(
         "retry", "python -m supervisor retry",
         ("evalsha", "script|load", "lrange", "type", "get", "strlen", "lrem", "lpush", "del"),
-        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        "~", ("failed.{q}", "dead.{q}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*",
+              "supervisor-failures.{q}.*"),
         ("retry", "records"),
     ),
     *(Role(
@@ -200,12 +207,13 @@ ROLES: tuple[Role, ...] = (
         ("evalsha", "script|load", "llen", "lrange", "lpos", "pttl",
          # records.lua, retry.lua, delete.lua
          "type", "get", "strlen", "lrem", "lpush", "del"),
-        "~", (f"{source}.{{q}}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*"),
+        "~", (f"{source}.{{q}}", "queue.{q}", "jobs.{q}.*", "supervisor-errors.{q}.*",
+              "supervisor-failures.{q}.*"),
         ("retry", "records", "delete"),
     ) for source in ("failed", "dead")),
     Role("poison", "python -m supervisor poison (list, show, delete)",
-         ("evalsha", "script|load", "llen", "ltrim", "type", "lrange"), "~", ("poison.{q}",),
-         ("peek",)),
+         ("evalsha", "script|load", "llen", "ltrim", "type", "lrange", "hmget"), "~",
+         ("poison.{q}",), ("peek",), read_keys=("supervisor-poison-reasons.{q}",)),
     Role("drain", "python -m supervisor drain (finds this host's supervisors by their "
          "records, stops them, then recovers)",
          (*_SWEEP_COMMANDS, "zcard", "zrange", "scan", "pttl", "hscan"), "~",
@@ -218,16 +226,17 @@ ROLES: tuple[Role, ...] = (
          "when it has a token)",
          (
              "llen", "get", "zcard", "hlen", "hgetall", "exists", "lpos", "lrange", "strlen",
-             "getrange", "ttl", "pttl", "memory|usage", "zrange", "time", "ltrim",
+             "getrange", "ttl", "pttl", "memory|usage", "zrange", "time", "ltrim", "hmget",
              # oldest.lua (the oldest ready message's age), records.lua, retry.lua,
              # delete.lua, peek.lua (a poison search: each entry's first bytes)
              "evalsha", "script|load", "type", "lindex", "lrem", "lpush", "del",
          ),
          "~",
          ("queue.{q}", "failed.{q}", "dead.{q}", "poison.{q}", "jobs.{q}.*",
-          "supervisor-errors.{q}.*"),
+          "supervisor-errors.{q}.*", "supervisor-failures.{q}.*"),
          ("oldest", "records", "retry", "delete", "peek"),
-         read_keys=("processing.{q}", "stats.{q}.*", "supervisor-delayed.{q}",
+         read_keys=("supervisor-poison-reasons.{q}", "processing.{q}", "stats.{q}.*",
+                    "supervisor-delayed.{q}",
                     "supervisor-tokens.{q}", "supervisors.{q}.*", "reservations.{q}",
                     "reservations.{q}.*", "owners.{q}.*", "claims.{q}.*",
                     "supervisor-running.{q}.*")),

@@ -85,6 +85,8 @@ _UNREACHABLE = (redis.exceptions.RedisError, redis.exceptions.RedisClusterExcept
 
 #: Pause after a receive that found only copies of pids already being processed.
 DUPLICATE_PAUSE = 0.25
+#: Characters of a poison reason kept beside the poison list (claim.lua's reason store).
+POISON_REASON_CHARS = 500
 #: recover.lua's grace that keeps an empty reservation registered whatever its deadline.
 KEEP_REGISTERED = 9_999_999_999
 #: The longest tail envelope the progress line reads for its age without a size limit.
@@ -149,7 +151,7 @@ class RedisBroker:
         """``tls`` applies to a rediss:// URL (default: the system's CAs, hostname checked);
         ``replication``: the replicas that must confirm publishes, blocking registrations,
         claims and settlements (``[broker] wait_replicas``; none by default);
-        ``retry_backoff``: a failed run's retry waits in ``supervisor-delayed`` (0: it is
+        ``retry_backoff``: a failed attempt's retry waits in ``supervisor-delayed`` (0: it is
         requeued at once, as queue 5 does)."""
         self.url = url
         self.tls = tls or TlsSettings()
@@ -299,7 +301,7 @@ class RedisBroker:
         n = min(max(int(n), 1), MAX_BATCH)
         token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
         key = self.keys.reservation(token)
-        keys = [self.keys.ready, self.keys.reservations, key, self.keys.poison]
+        keys = self._reserve_keys(key)
         wait = math.ceil(block_timeout) if block_timeout > 0 and not self._blocking.stopped else 0
         reply: list[Any]
         async with broker_errors("reserve"):
@@ -316,6 +318,11 @@ class RedisBroker:
         oversized = [int(item) for item in reply if item.__class__ is not bytes]
         payloads = [item for item in reply if item.__class__ is bytes] if oversized else reply
         return Reservation(key, token, cast(list[bytes], payloads), oversized)
+
+    def _reserve_keys(self, key: str) -> list[str]:
+        """reserve.lua's keys (the poison list and reason store: used with a size limit)."""
+        return [self.keys.ready, self.keys.reservations, key, self.keys.poison,
+                self.keys.poison_reasons, self.keys.poison_times]
 
     def _reserve_args(self, n: int, wait: int) -> list[int]:
         return [n, self._lease, wait, self.max_envelope_bytes or 0]
@@ -376,9 +383,12 @@ class RedisBroker:
         keys = [
             self.keys.reservations, key, self.keys.ready, self.keys.processing,
             self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
+            self.keys.poison_reasons, self.keys.poison_times,
         ]
+        reason = (f"envelope of {length} bytes exceeds {self.max_envelope_bytes}: moved to "
+                  "poison unread")
         reply = await self.scripts.call(
-            "claim", keys, [self._lease, token, 1, "p", self._job_prefix_bytes])
+            "claim", keys, [self._lease, token, 1, "p", self._job_prefix_bytes, reason])
         # Otherwise expired (back in the ready list: reserve.lua poisons it) or left to
         # maintenance ('mismatch'): nothing to report now.
         return [length] if reply == [b"poison"] else []
@@ -427,6 +437,7 @@ class RedisBroker:
         keys = [
             self.keys.reservations, reservation.key, self.keys.ready, self.keys.processing,
             self.keys.poison, self.keys.stat("total"), self.keys.stat("processing"),
+            self.keys.poison_reasons, self.keys.poison_times,
         ]
         token = reservation.token
         items: list[Delivery | Poisoned] = []
@@ -453,7 +464,10 @@ class RedisBroker:
         kinds = ("".join(["p" if item.__class__ is Poisoned else "g" for item in items])
                  if poisoned else "g" * len(items))
         # The script reads each pid from its jobs key, after the prefix (counted in bytes).
-        args = [self._lease, token, len(items), kinds, self._job_prefix_bytes]
+        args: list[Any] = [self._lease, token, len(items), kinds, self._job_prefix_bytes]
+        if poisoned:  # why each is poison, kept beside the poison list (claim.lua)
+            args += [item.reason[:POISON_REASON_CHARS] for item in items
+                     if item.__class__ is Poisoned]
         return _ClaimPlan(reservation, keys, args, items)
 
     async def _claimed(self, plan: _ClaimPlan, reply: Any) -> Received:
@@ -533,8 +547,7 @@ class RedisBroker:
             return None
         token = self.token_prefix + secrets.token_hex(16 - recovery.PREFIX_HEX // 2)
         key = self.keys.reservation(token)
-        return "reserve", [self.keys.ready, self.keys.reservations, key, self.keys.poison], (
-            self._reserve_args(wanted, 0))
+        return "reserve", self._reserve_keys(key), self._reserve_args(wanted, 0)
 
     # -- settling -----------------------------------------------------------------------
 
@@ -557,7 +570,8 @@ class RedisBroker:
         for settlement in batch:
             delivery = settlement.delivery
             keys += delivery.keys or self._delivery_keys(delivery.pid)  # claims, jobs, owners
-            if settlement.action is not _COMMIT or "key" in delivery.envelope:
+            if (settlement.action is not _COMMIT or "key" in delivery.envelope
+                    or delivery.attempts):  # a retried job's commit forgets its history
                 usual = False
         applied: list[Result] | None = None  # what an applied settlement did, per item
         extras: list[Any] = []

@@ -21,7 +21,8 @@ State of one message (each pid is in exactly one place at any moment):
   set.
 - failed / dead: the pid is in ``failed`` or ``dead``; its record stays in ``jobs.{q}.{pid}``
   (with job_ttl), and our failure record beside it in ``supervisor-errors.{q}.{pid}``.
-- poison: the undecodable raw bytes are in ``poison``.
+- poison: the undecodable raw bytes are in ``poison``; why, when this project's supervisor
+  poisoned them, in ``supervisor-poison-reasons`` (below).
 - done: committed; nothing of it remains.
 
 A keyed (coalesced) message also holds ``pending.{q}.{hex key}`` = its pid until it is
@@ -38,6 +39,14 @@ expires with the supervisor's record and is deleted with it at a stop; nothing d
 ``supervisor-errors.{q}.{pid}`` is this project's failure record of a failed or dead pid
 (``broker.failure``), and ``supervisor-delayed.{q}`` a sorted set of the envelopes of
 retries waiting for their backoff, scored by when they are due: queue 5 reads neither.
+``supervisor-failures.{q}.{pid}`` is a list of this project's failure records of a job's
+failed attempts, newest first, bounded (the first failure and the last ``FAILURES_KEPT``),
+with the error record's expiry: the errors key keeps holding the last record as a string,
+as older versions read it. ``supervisor-poison-reasons.{q}`` (hash) and
+``supervisor-poison-times.{q}`` (sorted set) keep why an entry was poisoned and when, by the
+SHA1 of its bytes, at most ``POISON_REASONS_KEPT`` (the oldest evicted as new ones come): the
+poison list itself keeps exactly the raw bytes, as queue 5 (which pushes there too, with no
+reason) has it. Queue 5 reads none of these.
 ``consumers.{q}.{consumer id}`` was the previous format's heartbeat: only ``check`` reads it.
 """
 
@@ -57,6 +66,16 @@ MAX_TTL = 2**31 - 1
 #: 1973 in ms: no real deadline is ambiguous). ``expired.lua`` and ``recover.lua`` hold
 #: copies (scripts cannot import; tests/test_lua_helpers.py compares them).
 MS_DEADLINES_FROM = 10**11
+
+#: Failed attempts a job's history (``supervisor-failures.{q}.{pid}``) keeps besides its
+#: first failure (kept for when the job was first published); ``includes/remember_failure.lua``
+#: holds a copy (6 = this + 1).
+FAILURES_KEPT = 5
+
+#: Poison reasons kept (``supervisor-poison-reasons.{q}``); ``includes/remember_poison.lua``
+#: holds a copy. A reason whose entry left the poison list (``poison delete``) stays until it
+#: is among the oldest beyond this bound.
+POISON_REASONS_KEPT = 1000
 
 
 def hash_tag(name: str) -> str | None:
@@ -136,6 +155,22 @@ class QueueKeys:
         """This project's failure record of a failed or dead pid (``broker.failure``)."""
         return f"{self._key('supervisor-errors')}.{pid}"
 
+    def failures(self, pid: str) -> str:
+        """List: this project's history of a pid's failed attempts, newest first (the first
+        failure and the last ``FAILURES_KEPT``; ``broker.failure``)."""
+        return f"{self._key('supervisor-failures')}.{pid}"
+
+    @property
+    def poison_reasons(self) -> str:
+        """Hash: SHA1 (hex) of a poison entry's bytes -> ``"<unix s> <why>"``."""
+        return self._key("supervisor-poison-reasons")
+
+    @property
+    def poison_times(self) -> str:
+        """Sorted set: SHA1 (hex) of a poison entry's bytes -> when its reason was kept (unix
+        s): the oldest go first once more than ``POISON_REASONS_KEPT`` are kept."""
+        return self._key("supervisor-poison-times")
+
     @property
     def delayed(self) -> str:
         """Sorted set: envelopes of retries waiting for their backoff -> when due (unix s)."""
@@ -167,7 +202,7 @@ class QueueKeys:
         return [
             self.ready, self.processing, self.failed, self.dead, self.poison,
             self.reservations, self.reap_lock, self.reap_cursor, self.supervisor_tokens,
-            self.delayed,
+            self.delayed, self.poison_reasons, self.poison_times,
             *(self.stat(name) for name in ("total", "processing", "success", "failed")),
         ]
 

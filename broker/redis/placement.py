@@ -43,6 +43,7 @@ def queue_key_samples(keys: QueueKeys) -> list[str]:
         *(keys.owner(pid) for pid in SAMPLE_PIDS),
         *(keys.claim(pid) for pid in SAMPLE_PIDS),
         *(keys.error(pid) for pid in SAMPLE_PIDS),
+        *(keys.failures(pid) for pid in SAMPLE_PIDS),
         *(keys.pending(key) for key in SAMPLE_PIDS),
         *(keys.reservation(token) for token in SAMPLE_TOKENS),
         *(keys.supervisor(consumer) for consumer in SAMPLE_CONSUMERS),

@@ -111,7 +111,9 @@ class Candidate:
     marker: str | None = None  # the coalescing marker of a keyed message
     from_tail: bool = False  # LREM from the tail (the pid sat nearer that end)
     distance: int = 0  # entries between the pid and the end LREM starts from
-    failure: bytes = b""  # DEAD only: the failure record kept beside the job
+    #: The failure record: DEAD keeps it beside the job (supervisor-errors); both push it
+    #: onto the job's history (supervisor-failures).
+    failure: bytes = b""
 
 
 @dataclass(slots=True)
@@ -301,13 +303,15 @@ def verdict(
     marker = keys.marker(decoded) if decoded is not None else None
     run = RetryPolicy.next_attempts(decoded["attempts"]) if decoded is not None else 0
     failure = lost or lapsed(owner, now)
+    if decoded is not None and not failure.published:
+        failure = failure.replace(published=float(decoded["timestamp"]))
     if decoded is None:
         return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
             message=failure.message + "; its job record is not an envelope: no handler "
             "could run it").encode())
     if RetryPolicy(max_attempts).exhausted(decoded["attempts"]):
         return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
-            attempt=run, message=f"{failure.message}; that was run {run} of "
+            attempt=run, message=f"{failure.message}; that was attempt {run} of "
             f"{max_attempts}").encode())
     try:
         requeued = envelope.requeued(decoded, run, now)
@@ -317,7 +321,8 @@ def verdict(
         return Candidate(DEAD, pid, owner, marker=marker, failure=failure.replace(
             attempt=run, message=f"{failure.message}; its retry cannot be written as PHP "
             f"would ({error})").encode())
-    return Candidate(REQUEUE, pid, owner, requeued, marker)
+    return Candidate(REQUEUE, pid, owner, requeued, marker, failure=failure.replace(
+        attempt=run, outcome="retrying").encode())
 
 
 def lapsed(owner: str, now: float, *, message: str = "") -> Failure:
@@ -412,7 +417,7 @@ async def reclaim(
         for c in part:
             job = keys.job(c.pid)
             item_keys += [keys.owner(c.pid), keys.claim(c.pid), job, c.marker or job,
-                          keys.error(c.pid)]
+                          keys.error(c.pid), keys.failures(c.pid)]
             args += [c.mode, c.owner, c.pid, c.replacement, -1 if c.from_tail else 1,
                      1 if c.marker else 0, c.failure]
         applied += [flag == 1 for flag in await scripts.call("reclaim", [*fixed, *item_keys], args)]

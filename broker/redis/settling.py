@@ -1,7 +1,7 @@
 """What one settle.lua call sends for a batch that is more than unkeyed commits: each
-settlement's op, its extra arguments (a retry's envelope and delay, a reject's failure
-record) and its result once applied. The call itself, and the usual batch of plain commits
-(no op to build per item), are ``RedisBroker.settle``'s (``broker.redis.broker``).
+settlement's op, its extra arguments (a retry's envelope, delay and failure record, a
+reject's failure record) and its result once applied. The call itself, and the usual batch
+of plain commits (no op to build per item), are ``RedisBroker.settle``'s (``broker.redis.broker``).
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ def batch_ops(
     consumer_id: str,
 ) -> tuple[str, list[Any], list[Result]]:
     """A batch with more than unkeyed commits: the script's op per item, the extra
-    arguments (a retry's envelope and delay, a reject's failure record), the result of
-    each once applied; the keyed items' markers and the rejects' failure record keys are
-    added to ``keys``, in that order, after every item's own."""
+    arguments (a retry's envelope, delay and failure record, a reject's failure record),
+    the result of each once applied; the keyed items' markers, the rejects' failure record
+    keys and the failed attempts' history keys are added to ``keys``, in that order, after
+    every item's own."""
     ops: list[str] = []
     markers: list[str] = []
     records: list[str] = []  # the failure record key of each reject
+    histories: list[str] = []  # the history key of each failed attempt (retry or reject)
     extras: list[Any] = []
     applied: list[Result] = []
     now = time.time()
@@ -46,11 +48,16 @@ def batch_ops(
         delivery = settlement.delivery
         if settlement.action is _COMMIT:
             op, result = "c", APPLIED
+            if delivery.attempts:  # it may have a failure history: it goes with the job
+                op = "o"
+                histories.append(queue.failures(delivery.pid))
         else:
             op, arguments, result = _op(settlement, now, retry, consumer_id)
             extras += arguments
             if op == "f":
                 records.append(queue.error(delivery.pid))
+            if op != "l":
+                histories.append(queue.failures(delivery.pid))
         if "key" in delivery.envelope:  # possibly keyed (coalesced)
             marker = queue.marker(delivery.envelope)
             if marker:
@@ -60,14 +67,15 @@ def batch_ops(
         applied.append(result)
     keys += markers
     keys += records
+    keys += histories
     return "".join(ops), extras, applied
 
 
 def _op(
     settlement: Settlement, now: float, retry: RetryPolicy, consumer_id: str
 ) -> tuple[str, list[Any], Result]:
-    """The script's op for one settlement, its extra arguments (a retry's envelope and
-    delay, a reject's failure record) and its result once applied (what became of the
+    """The script's op for one settlement, its extra arguments (a retry's envelope, delay
+    and failure record, a reject's failure record) and its result once applied (what became of the
     job: "retrying in N s", "failed")."""
     if settlement.action is Action.COMMIT:
         return "c", [], APPLIED
@@ -90,23 +98,31 @@ def _op(
                   "goes to the failed list instead", delivery.pid, error)
         return _reject_op(settlement, now, consumer_id)
     retrying = Result(Outcome.OK, f"retrying in {delay} s")
+    record = _record(settlement, now, consumer_id, "retrying")
     if delay:
-        return "d", [retried, delay], retrying  # waits in supervisor-delayed
-    return "r", [retried], retrying  # queue 5's immediate requeue
+        return "d", [retried, delay, record], retrying  # waits in supervisor-delayed
+    return "r", [retried, record], retrying  # queue 5's immediate requeue
 
 
 def _reject_op(
     settlement: Settlement, now: float, consumer_id: str
 ) -> tuple[str, list[Any], Result]:
-    """Queue 5's reject to the failed list (the record kept), with our failure record:
-    ``Failure.encode()``'s JSON with what this run adds (outcome, run, time, consumer),
-    built in one step (a batch of 1,000 terminal failures must stay cheap)."""
+    """Queue 5's reject to the failed list (the record kept), with our failure record."""
+    return "f", [_record(settlement, now, consumer_id, "failed")], _FAILED
+
+
+def _record(settlement: Settlement, now: float, consumer_id: str, outcome: str) -> bytes:
+    """Our failure record of a failed attempt: ``Failure.encode()``'s JSON with what this
+    attempt adds (outcome, attempt, time, consumer, the envelope's timestamp), built in one
+    step (a batch of 1,000 failures must stay cheap)."""
     failure = (settlement.failure.bounded() if settlement.failure
                else Failure.from_text(settlement.error))  # bounded already
+    delivery = settlement.delivery
     record = {name: getattr(failure, name) for name in _FAILURE_FIELDS}
-    record["outcome"] = "failed"
+    record["outcome"] = outcome
     record["attempt"] = failure.attempt or RetryPolicy.next_attempts(
-        settlement.delivery.attempts)  # counted from 1
+        delivery.attempts)  # counted from 1
     record["at"] = failure.at or now
     record["consumer"] = failure.consumer or consumer_id
-    return "f", [orjson.dumps(record)], _FAILED
+    record["published"] = failure.published or float(delivery.timestamp)
+    return orjson.dumps(record)

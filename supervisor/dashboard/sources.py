@@ -33,6 +33,7 @@ from broker.nats.setup import QueueNames
 from broker.redis.admin import browse
 from broker.redis.admin import status as redis_status
 from broker.redis.recovery import PREFIX_HEX
+from broker.stopped import first_published, read_history
 from broker.urls import redact
 from supervisor.config import Config
 from supervisor.dashboard import local
@@ -91,6 +92,8 @@ class Entry:
     preview: str = ""
     failure: Failure | None = None
     note: str = ""  # "(no record)", the Queue-Reason header ...
+    #: Its last attempt's number (the envelope's earlier ``attempts`` + 1 on Redis, the
+    #: deliveries on NATS), shown where no failure record names it.
     attempts: int | None = None
     at: float | None = None
     seq: int | None = None  # NATS: the dead stream's sequence (actions name it: seq:N)
@@ -121,6 +124,13 @@ def failure_of(raw: bytes | str | None) -> tuple[Failure | None, str]:
         return Failure.decode(raw), ""
     except ValueError as error:
         return None, f"(unreadable record: {error})"
+
+
+def last_attempt(facts: dict[str, Any]) -> int | None:
+    """The number of the attempt an envelope is on (or was on when it failed): its earlier
+    ``attempts`` (queue 5's count) + 1."""
+    earlier = facts.get("attempts")
+    return earlier + 1 if isinstance(earlier, int) else None
 
 
 def envelope_facts(raw: bytes) -> dict[str, Any]:
@@ -239,7 +249,7 @@ class RedisSource:
             key = browse.list_key(keys, kind)
             total = await client.llen(key)
             if kind == "poison":
-                return await _poison(client, key, total, page)
+                return await _poison(client, keys, total, page)
             if pid:
                 pids = [pid] if await browse.search(client, key, pid, SEARCH_DEPTH) else []
                 listing = Listing(kind, total, searched=pid)
@@ -253,7 +263,7 @@ class RedisSource:
                 listing.entries.append(Entry(
                     record.pid, size, text(head), failure,
                     note if size else "(job record expired)",
-                    attempts=facts.get("attempts"), at=facts.get("timestamp")))
+                    attempts=last_attempt(facts), at=facts.get("timestamp")))
             return listing
 
         return await self._call(read)
@@ -263,12 +273,18 @@ class RedisSource:
             found = await browse.job(broker.client, broker.keys, pid, VALUE_BYTES, SEARCH_DEPTH)
             size, raw = found["size"], found["raw"]
             failure, note = failure_of(found["error"])
+            history = read_history(found["history"])
+            if failure is None and history:  # retrying: its last failed attempt's record
+                failure, note = history[-1], ""
+            facts = envelope_facts(raw) if size <= VALUE_BYTES else {}
+            decoded = {"attempts": facts["attempts"], "timestamp": facts["timestamp"]} if (
+                facts) else None
             return {
                 "pid": pid, "where": found["where"], "size": size, "record": text(raw),
                 "cut": size > len(raw), "ttl": found["ttl"], "failure": failure,
                 "failure_note": note, "owned": found["owner"] is not None,
-                "claim_ms": found["claim_ms"],
-                "facts": envelope_facts(raw) if size <= VALUE_BYTES else {},
+                "claim_ms": found["claim_ms"], "facts": facts, "history": history,
+                "first_published": first_published(decoded, history),
             }
 
         return await self._call(read)
@@ -284,18 +300,26 @@ def hide_tokens(reservations: dict[str, Any], prefix: str) -> dict[str, Any]:
     return reservations
 
 
-async def _poison(client: Any, key: str, total: int, page: int) -> Listing:
+async def _poison(client: Any, keys: Any, total: int, page: int) -> Listing:
     listing = Listing("poison", total, page=page)
-    size, raws = await browse.poison_page(client, key, total, page * PAGE, PAGE,
+    size, raws = await browse.poison_page(client, keys.poison, total, page * PAGE, PAGE,
                                           POISON_LIST_BYTES)
     if raws is None:
         listing.note = (f"the poison list holds {size:,} bytes: too big to page through "
                         f"here (at most {POISON_LIST_BYTES:,}); read it with redis-cli")
         return listing
-    for index, raw in enumerate(raws):
-        listing.entries.append(Entry(str(page * PAGE + index), len(raw),
-                                     text(raw[:PREVIEW_BYTES])))
+    reasons = await browse.poison_reasons(client, keys, raws)
+    for index, (raw, (at, why)) in enumerate(zip(raws, reasons, strict=True)):
+        listing.entries.append(Entry(
+            str(page * PAGE + index), len(raw), text(raw[:PREVIEW_BYTES]),
+            Failure(error="poison", message=why, at=at or 0.0) if why else None,
+            note=NO_POISON_REASON, at=at))
     return listing
+
+
+#: What the poison page says of an entry whose reason is not kept.
+NO_POISON_REASON = ("(no reason kept: pushed by a PHP worker or an older supervisor, or among "
+                    "the oldest beyond the 1,000 reasons kept)")
 
 
 class NatsSource:

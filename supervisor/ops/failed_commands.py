@@ -249,6 +249,8 @@ def _print_list(args: argparse.Namespace, source: str, queue: str, total: int,
     title = f"{source} jobs of {queue}{at}: {total}, the oldest {len(jobs)} shown, oldest first"
     if source == "poison":
         lines = [title] + [f"  {job.position}  {job.size:,} bytes  {_bytes(job.raw)}"
+                           + (f"  reason {logs.clean(job.reason, PREVIEW_CHARS)}"
+                              if job.reason else "")
                            for job in jobs]
     else:
         lines = list_lines(title, jobs, time.time())

@@ -1,5 +1,10 @@
 """What ``failed``, ``dead`` and ``poison`` show of one job, on either broker, as text or JSON.
 
+Words: an *attempt* is one delivery of the job to a handler, numbered from 1; the envelope's
+``attempts`` field counts the earlier ones (queue 5's meaning), so attempt N carries
+``attempts`` N - 1. (The JSON key ``runs`` is kept for scripts that read it: it is
+``last_attempt``.)
+
 Everything shown comes from the broker, where anyone who can publish may have put a terminal
 escape, a bidirectional override or megabytes: every line is escaped (``logs.escape``) and a
 listing shows a bounded preview of each payload. ``show`` prints the whole envelope as read
@@ -30,9 +35,10 @@ def job_dict(job: Job, whole: bool = False) -> dict[str, Any]:
     decoded = job.decoded
     text = _text(job.raw) if job.raw is not None else None
     shown: dict[str, Any] = {
-        "pid": job.pid, "attempts": job.attempts, "runs": job.runs,
+        "pid": job.pid, "attempts": job.attempts, "last_attempt": job.runs, "runs": job.runs,
         "failed_at": job.failed_at,
         "enqueued_at": decoded.get("timestamp") if decoded else None,
+        "first_published_at": job.first_published,
         "bytes": job.size, "note": job.note or None,
         "error": _failure_dict(job.failure), "error_note": job.failure_note or None,
     }
@@ -42,6 +48,10 @@ def job_dict(job: Job, whole: bool = False) -> dict[str, Any]:
         shown["ttl_ms"] = job.ttl_ms
     if job.position is not None:
         shown["position"] = job.position
+        shown["reason"] = job.reason or None
+        shown["reason_at"] = job.reason_at
+    if whole and job.history:
+        shown["history"] = [_failure_dict(failure) for failure in job.history]
     if whole:
         shown["envelope"] = text
     else:
@@ -54,7 +64,8 @@ def _failure_dict(failure: Failure | None) -> dict[str, Any] | None:
         return None
     return {"class": failure.error, "message": failure.message, "where": failure.where,
             "traceback": failure.traceback, "attempt": failure.attempt, "at": failure.at,
-            "outcome": failure.outcome, "consumer": failure.consumer}
+            "outcome": failure.outcome, "consumer": failure.consumer,
+            "published": failure.published or None}
 
 
 def preview(text: str, chars: int = PREVIEW_CHARS) -> str:
@@ -96,7 +107,7 @@ def list_lines(title: str, jobs: list[Job], now: float) -> list[str]:
         failed = when(job.failed_at, now) if job.failed_at else "at an unknown time"
         where = f"seq {job.seq}  " if job.seq is not None else ""
         payload = (job.note or preview(_json(decoded["payload"])) if decoded else job.note)
-        lines.append(f"  {where}{logs.clean(job.pid or '(no pid)', 80)}  runs {runs}  "
+        lines.append(f"  {where}{logs.clean(job.pid or '(no pid)', 80)}  attempt {runs}  "
                      f"failed {failed}  {logs.clean(job.summary(), PREVIEW_CHARS)}  "
                      f"payload {payload}")
     return lines
@@ -108,15 +119,28 @@ def show_lines(what: str, job: Job, now: float) -> list[str]:
     lines = [f"{what} {logs.clean(job.pid or '(no pid)', 200)}"]
     if job.seq is not None:
         lines.append(f"  stream seq   {job.seq}")
+    if job.position is not None:  # poison
+        lines.append(f"  reason       {logs.clean(job.reason, 600)}, "
+                     f"{when(job.reason_at or 0, now)}" if job.reason else
+                     "  reason       (none kept: poisoned by a PHP worker or an older "
+                     "supervisor, or among the oldest beyond the 1,000 reasons kept)")
     if job.runs is not None:
-        # On Redis the envelope counts earlier runs (queue 5); on NATS it stays as published.
-        lines.append(f"  runs         {job.runs} (envelope attempts {job.attempts})"
+        # On Redis the envelope counts earlier attempts (queue 5); on NATS it stays as
+        # published.
+        lines.append(f"  attempt      {job.runs} (the last; envelope attempts {job.attempts})"
                      if job.seq is None and job.attempts is not None
-                     else f"  runs         {job.runs}")
+                     else f"  attempt      {job.runs} (the last)")
     if job.stored_at:
         lines.append(f"  dead since   {when(job.stored_at, now)}")
-    if decoded:
-        lines.append(f"  enqueued     {when(float(decoded['timestamp']), now)}")
+    if decoded and decoded["attempts"] and job.seq is None:
+        first = job.first_published
+        lines.append(f"  published    {when(first, now)} (first)" if first else
+                     "  published    first: not known (queue 5 keeps only the last retry's "
+                     "time)")
+        lines.append(f"  retried      {when(float(decoded['timestamp']), now)} (the last "
+                     "retry's envelope)")
+    elif decoded:
+        lines.append(f"  published    {when(float(decoded['timestamp']), now)}")
     lines.append(f"  record       {job.size:,} bytes{_ttl(job.ttl_ms)}")
     failure = job.failure
     if failure is None:
@@ -132,6 +156,11 @@ def show_lines(what: str, job: Job, now: float) -> list[str]:
         if failure.traceback:
             lines.append("  traceback")
             lines += [f"    {logs.escape(line)}" for line in failure.traceback.splitlines()]
+    if job.history:
+        lines.append("  failures     oldest first (the first failure and the last 5 kept)")
+        lines += [f"    attempt {failure.attempt or '?'}  {when(failure.at, now)}  "
+                  f"{failure.outcome or '?'}  {logs.clean(failure.summary, PREVIEW_CHARS)}"
+                  for failure in job.history]
     if job.raw is None:
         lines.append(f"  envelope     {job.note}")
     else:

@@ -12,11 +12,13 @@ does no ``SCAN`` either.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from broker.redis.admin.lists import poison_reason
 from broker.redis.gauges import overdue
-from broker.redis.keys import QueueKeys
+from broker.redis.keys import FAILURES_KEPT, QueueKeys
 from broker.redis.recovery import server_time
 
 
@@ -136,10 +138,22 @@ async def poison_page(client: Any, key: str, total: int, start: int, count: int,
     return size, await client.lrange(key, start, start + count - 1)
 
 
+async def poison_reasons(client: Any, keys: QueueKeys, raws: list[bytes]
+                         ) -> list[tuple[float | None, str]]:
+    """Why each poison entry was poisoned and when, as the reason store keeps it (by the SHA1
+    of its bytes): (None, "") where it keeps none."""
+    if not raws:
+        return []
+    digests = [hashlib.sha1(raw).hexdigest() for raw in raws]
+    return [poison_reason(stored)
+            for stored in await client.hmget(keys.poison_reasons, digests)]
+
+
 async def job(client: Any, keys: QueueKeys, pid: str, value_bytes: int, depth: int
               ) -> dict[str, Any]:
     """Everything about one pid: the lists it is in (among their newest ``depth``), its job
-    record (the first ``value_bytes``), time to live, failure record, owner and claim."""
+    record (the first ``value_bytes``), time to live, failure record, failure history
+    (newest first, at most ``FAILURES_KEPT`` + 1 records), owner and claim."""
     pipe = client.pipeline(transaction=False)
     for key in (keys.failed, keys.dead, keys.processing):
         pipe.lpos(key, pid, maxlen=depth)
@@ -149,11 +163,13 @@ async def job(client: Any, keys: QueueKeys, pid: str, value_bytes: int, depth: i
     pipe.get(keys.error(pid))
     pipe.get(keys.owner(pid))
     pipe.pttl(keys.claim(pid))
-    failed, dead, processing, size, raw, ttl, error, owner, claim = await pipe.execute()
+    pipe.lrange(keys.failures(pid), 0, FAILURES_KEPT)
+    failed, dead, processing, size, raw, ttl, error, owner, claim, history = (
+        await pipe.execute())
     where = [name for name, at in (("failed", failed), ("dead", dead),
                                    ("processing", processing)) if at is not None]
     return {"where": where, "size": size, "raw": raw, "ttl": ttl, "error": error,
-            "owner": owner, "claim_ms": claim}
+            "owner": owner, "claim_ms": claim, "history": history}
 
 
 def _int(value: bytes | None) -> int:

@@ -7,9 +7,13 @@ Job records are read through ``records.lua`` (one longer than the job's envelope
 answered with its length, never sent), failure records (``QueueKeys.error``, written by the
 supervisor beside a pid it moves to failed or dead; a PHP worker writes none) the same way
 with ``broker.failure.MAX_RECORD_BYTES``; poison entries through ``peek.lua`` (their first
-bytes and their length). Deleting runs ``delete.lua``: a pid leaves the list with both its
-records, and only if it is still there, so a pid retried or deleted meanwhile by someone else
-is skipped, not deleted twice or taken from its next run.
+bytes, their length and the SHA1 of their bytes, by which the reason store
+``supervisor-poison-reasons`` keeps why our supervisor poisoned each). Deleting runs
+``delete.lua``: a pid leaves the list with its records (failure record and history), and only
+if it is still there, so a pid retried or deleted meanwhile by someone else is skipped, not
+deleted twice or taken from its next run. ``poison delete`` trims the list (LTRIM): the
+reasons of the entries it drops are not deleted; they go once they are among the oldest
+beyond ``POISON_REASONS_KEPT``.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from typing import Any
 
 from broker.base import MAX_BATCH
 from broker.failure import MAX_RECORD_BYTES
-from broker.redis.keys import QueueKeys
+from broker.redis.keys import FAILURES_KEPT, QueueKeys
 from broker.redis.scripts import Scripts
-from broker.stopped import Job, read_failure
+from broker.stopped import Job, read_failure, read_history
 
 #: Bytes of a poison entry read to show it (``show``: the limit of the job's envelopes).
 POISON_PREVIEW_BYTES = 400
@@ -84,7 +88,7 @@ async def list_jobs(
     key = list_key(keys, source)
     total = await client.llen(key)
     if source == "poison":
-        return total, await peek(scripts, key, 0, limit, POISON_PREVIEW_BYTES)
+        return total, await peek(client, scripts, keys, 0, limit, POISON_PREVIEW_BYTES)
     return total, await read_jobs(client, scripts, keys, await oldest(client, key, limit),
                                   record_limit)
 
@@ -96,25 +100,44 @@ async def show_job(
     or None when the list holds no such entry."""
     key = list_key(keys, source)
     if source == "poison":
-        found = await peek(scripts, key, int(pid), 1, record_limit)
+        found = await peek(client, scripts, keys, int(pid), 1, record_limit)
         return found[0] if found else None
     if not await in_list(client, key, [pid]):
         return None
     [job] = await read_jobs(client, scripts, keys, [pid], record_limit, with_ttl=True)
+    history = await client.lrange(keys.failures(pid), 0, FAILURES_KEPT)
+    job.history = read_history(history)
     return job
 
 
-async def peek(scripts: Scripts, key: str, start: int, count: int, limit: int) -> list[Job]:
-    """Poison entries from position ``start`` (0: the oldest): their first ``limit`` bytes."""
+async def peek(client: Any, scripts: Scripts, keys: QueueKeys, start: int, count: int,
+               limit: int) -> list[Job]:
+    """Poison entries from position ``start`` (0: the oldest): their first ``limit`` bytes,
+    and why each was poisoned when the reason store has it."""
     jobs: list[Job] = []
     while len(jobs) < count:
         take = min(MAX_BATCH, count - len(jobs))
-        found = await scripts.call("peek", [key], [start + len(jobs), take, limit])
-        for size, head in found:
-            jobs.append(Job(pid="", raw=head, size=size, position=start + len(jobs)))
+        found = await scripts.call("peek", [keys.poison], [start + len(jobs), take, limit])
+        reasons = await client.hmget(keys.poison_reasons, [digest for *_, digest in found]) if (
+            found) else []
+        for (size, head, _), stored in zip(found, reasons, strict=True):
+            job = Job(pid="", raw=head, size=size, position=start + len(jobs))
+            job.reason_at, job.reason = poison_reason(stored)
+            jobs.append(job)
         if len(found) < take:
             break
     return jobs
+
+
+def poison_reason(stored: bytes | None) -> tuple[float | None, str]:
+    """A reason store value ``"<unix s> <why>"`` as (when, why); (None, "") for none."""
+    if stored is None:
+        return None, ""
+    when, _, why = _text(stored).partition(" ")
+    try:
+        return float(when), why
+    except ValueError:
+        return None, _text(stored)
 
 
 async def delete(
@@ -133,7 +156,7 @@ async def delete(
             continue
         script_keys = [key]
         for pid in chunk:
-            script_keys += [keys.job(pid), keys.error(pid)]
+            script_keys += [keys.job(pid), keys.error(pid), keys.failures(pid)]
         statuses = await scripts.call("delete", script_keys, chunk)
         for pid, status in zip(chunk, statuses, strict=True):
             (report.deleted if _text(status) == "ok" else report.missing).append(pid)

@@ -151,7 +151,7 @@ async def _move(
     A pid not in the list is ``missing`` when it was named, else moved by someone else."""
     script_keys = [source_key, keys.ready]
     for pid, _, _ in items:
-        script_keys += [keys.job(pid), keys.error(pid)]
+        script_keys += [keys.job(pid), keys.error(pid), keys.failures(pid)]
     args = [value for item in items for value in item]
     statuses = [_text(status) for status in await scripts.call("retry", script_keys, args)]
     report.moved += statuses.count("ok")
