@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # each run's working folder is its commit's tree
     names = (short(args.before), short(args.after))
     args.out.mkdir(parents=True, exist_ok=True)
     pairs: list[dict[str, Any]] = []
