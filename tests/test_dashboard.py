@@ -539,7 +539,7 @@ async def test_poison_entries_are_deleted_oldest_first_keeping_those_pushed_sinc
     assert client.login("t") == 303
     _, body = client.get("/q/0/list/poison")
     assert "delete the 2 oldest poison entries" in body and 'name="count" value="2"' in body
-    fields = client.form("/q/0/list/poison")
+    fields = client.form("/q/0/confirm?source=poison&count=2")  # the button asks first
     await redis_client.lpush(k.poison, b"new")  # arrives after the page was read
     delete = {"action": "delete", "source": "poison", "count": "2"}
     assert client.post("/q/0/action", delete)[0] == 403  # no CSRF token

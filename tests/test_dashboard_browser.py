@@ -300,7 +300,10 @@ def test_a_double_clicked_or_resent_action_acts_once(
     button = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "button.delete"),
                   "the delete button")
     assert button.text == "delete the 5 oldest poison entries"
-    sent = form_fields(browser, "button.delete")
+    button.click()  # it asks first
+    button = wait(browser, lambda d: d.find_element(By.ID, "confirm"), "the confirmation")
+    assert "delete the 5 oldest poison entries" in browser.find_element(By.TAG_NAME, "h1").text
+    sent = form_fields(browser, "#confirm")
     client.lpush(k.poison, *[f"new-{n}" for n in range(5)])
     ActionChains(browser).double_click(button).perform()
     wait(browser, lambda d: d.find_element(By.ID, "message"), "the answer")
@@ -542,3 +545,25 @@ def test_the_running_table_shows_each_job_and_marks_the_one_past_slow_job_after(
          "the job marked slow once it ran past slow_job_after (2 s)")
     assert "slow" in browser.find_element(By.CSS_SELECTOR, "table.running tbody tr"
                                           ).get_attribute("class")
+
+
+def test_a_failed_jobs_page_shows_its_attempts_in_order_and_when_it_was_first_published(
+        tmp_path, redis_url, client, dashboards, supervisors, browser):
+    """Issue 41.7, as an operator sees it: a job that failed every attempt, its page listing
+    them in order with the first publish time (kept from attempt 1's record: queue 5 writes
+    a retry's envelope with a new timestamp), and "attempt" the one word for a delivery."""
+    from support.envelopes import publish
+
+    [pid] = publish(client, [{"fail": True}])
+    config = write_config(tmp_path, redis_url, job={"max_attempts": 3, "retry_backoff": 0})
+    supervisors(config, redis_url)
+    dashboard = dashboards(config)
+    wait(browser, lambda d: client.lrange(keys().failed, 0, -1) == [pid.encode()],
+         "the job in the failed list after its third attempt")
+    browser.get(f"{dashboard.url}/q/0/job?pid={pid}")
+    shown = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "ol.history li.attempt")]
+    assert [re.search(r"attempt (\d+) failed", line).group(1) for line in shown] == [
+        "1", "2", "3"], shown
+    assert all("asked to fail" in line for line in shown)
+    assert "first published" in browser.find_element(By.TAG_NAME, "main").text
+    assert "run " not in " ".join(shown)  # one word for one delivery: attempt

@@ -315,7 +315,7 @@ async def test_the_same_poison_form_posted_twice_deletes_only_what_the_page_show
     _, body = client.get("/q/0/list/poison")
     assert 'name="count" value="5"' in body
     fields = {"action": "delete", "source": "poison", "count": "5"} | client.form(
-        "/q/0/list/poison")
+        "/q/0/confirm?source=poison&count=5")  # the list page's button asks first
     await redis_client.lpush(k.poison, *[f"new-{n}".encode() for n in range(5)])
     status, body = client.post("/q/0/action", fields)
     assert status == 200 and "5 oldest poison entries of e2e deleted" in body, body

@@ -319,6 +319,36 @@ async def test_a_single_delete_is_confirmed_first_and_acts_once(
         assert client.get(f"/q/0/confirm?{bad}")[0] == 400, bad
 
 
+@pytest.mark.slow
+async def test_deleting_the_oldest_poison_entries_is_confirmed_first_and_acts_once(
+        tmp_path, redis_url, redis_client, dashboards):
+    k = keys()
+    await redis_client.lpush(k.poison, *[f"old-{n}" for n in range(3)])
+    dashboard = dashboards(write_config(tmp_path, redis_url, handler="examples.noop:handle"),
+                           token="t")
+    client = dashboard.client
+    assert client.get("/q/0/confirm?source=poison&count=3")[0] == 303  # the login first
+    assert client.login("t") == 303
+    _, body = client.get("/q/0/list/poison")  # the button leads to the confirmation
+    assert re.search(r'<form method="get" action="/q/0/confirm" class="inline">'
+                     r'<input type="hidden" name="source" value="poison">'
+                     r'<input type="hidden" name="count" value="3">', body)
+    assert 'name="action" value="delete"' not in body
+    status, page = client.get("/q/0/confirm?source=poison&count=3")
+    assert status == 200 and "Confirm: delete the 3 oldest poison entries" in page
+    fields = confirm_form(page)
+    assert {k: v for k, v in fields.items() if k not in ("csrf", "once")} == {
+        "action": "delete", "source": "poison", "count": "3"}
+    assert await redis_client.llen(k.poison) == 3  # a confirmation page changes nothing
+    await redis_client.lpush(k.poison, "new-0")  # pushed after the page: kept
+    status, body = client.post("/q/0/action", fields)
+    assert status == 200 and "3 oldest poison entries of e2e deleted" in body, body
+    assert await redis_client.lrange(k.poison, 0, -1) == [b"new-0"]
+    assert client.post("/q/0/action", fields)[0] == 403  # replayed: nothing more
+    assert await redis_client.lrange(k.poison, 0, -1) == [b"new-0"]
+    assert client.get("/q/0/confirm?source=poison&count=0")[0] == 400
+
+
 # -- NATS dead letters -------------------------------------------------------------------------
 
 

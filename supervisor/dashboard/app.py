@@ -429,6 +429,9 @@ def create_app(dashboard: Dashboard) -> Starlette:
             "pid", "")
         on_nats = isinstance(queue.source, NatsSource)
         back = f"/q/{queue.index}/list/{source}" if source in LISTS else f"/q/{queue.index}"
+        if source == "poison" and not on_nats:
+            return confirm_poison(request, queue, _whole(request.query_params.get("count")),
+                                  back)
         if not (pids.is_dead_letter(pid) if on_nats else pids.is_pid(pid)):
             return page(request, "message.html", 400, title="Refused", queue=queue,
                         message=pids.refusal(pid, on_nats))
@@ -442,6 +445,19 @@ def create_app(dashboard: Dashboard) -> Starlette:
         return page(request, "confirm.html", queue=queue, kind=source, action="delete",
                     selectors=(pid,), shown=(pid,), back=back, pid=pid,
                     target=f"/q/{queue.index}/action", digest="", query=None, found=None)
+
+    def confirm_poison(request: Request, queue: Queue, count: int, back: str) -> Response:
+        """The confirmation of "delete the N oldest poison entries": N as the list page
+        showed it (entries pushed since are newer, and LTRIM keeps the newest)."""
+        if count < 1:
+            return page(request, "message.html", 400, title="Unknown action", queue=queue,
+                        back=back, message="say how many of the oldest poison entries to delete")
+        if dashboard.guard.session(request.cookies.get(COOKIE)) is None:
+            return page(request, "message.html", 403, title="Refused", queue=queue,
+                        back=back, message="read-only: the dashboard was started without a "
+                        "token" if dashboard.guard.read_only else "log in to act")
+        return page(request, "confirm_poison.html", queue=queue, count=count, back=back,
+                    target=f"/q/{queue.index}/action")
 
     async def job(request: Request) -> Response:
         queue = queue_of(request)

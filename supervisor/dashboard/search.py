@@ -161,13 +161,16 @@ async def redis(broker: Any, kind: str, query: Query, bound: int = SEARCH_ENTRIE
 
 async def _poison_window(broker: Any, key: str, start: int, take: int, total: int,
                          query: Query, found: Found) -> None:
-    """Poison entries are raw bytes (no record, no failure): only their text is matched."""
-    jobs = await redis_lists.peek(broker.scripts, key, start, take, RECORD_BYTES)
+    """Poison entries are raw bytes (no record, no error class): their text is matched, and
+    a message query matches why each was poisoned, where the reason store keeps it."""
+    jobs = await redis_lists.peek(broker.client, broker.scripts, broker.keys, start, take,
+                                  RECORD_BYTES)
     for job in reversed(jobs):  # newest first
         raw = job.raw or b""
         found.spent(len(raw))
         head = text(raw)
-        if query.error or query.message or not _contains(head, query.payload):
+        if (query.error or not _contains(job.reason or "", query.message)
+                or not _contains(head, query.payload)):
             continue
         position = total - 1 - (job.position or 0)  # as the poison page counts, from newest
         found.add(Entry(str(position), job.size, head[:PREVIEW_BYTES]), None)
