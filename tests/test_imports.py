@@ -173,3 +173,17 @@ def test_the_ring_imports_nothing_of_ours() -> None:
     """The shared-memory ring is a struct module (as Dramatiq's canteen): both sides of a
     fork use it, and it must not drag the project in."""
     assert import_graph()["worker.ring"] == set()
+
+
+def test_every_package_of_ours_is_in_the_wheel() -> None:
+    """A new package folder left out of pyproject's list is missing from the installed
+    wheel (scripts/wheel-check.sh fails with ModuleNotFoundError): said here at once."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])
+    found = {".".join(init.parent.relative_to(root).parts)
+             for top in ("supervisor", "worker", "broker", "examples")
+             for init in (root / top).rglob("__init__.py")}
+    assert found - listed == set(), "packages missing from [tool.setuptools] packages"
