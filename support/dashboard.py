@@ -16,6 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from support.servers import free_port
 from support.supervision import ROOT
@@ -171,3 +172,14 @@ def _commands(data: bytes) -> tuple[int, bytes]:
             rest = body[int(size) + 2:]
         count, data = count + 1, rest
     return count, data
+
+
+def poll(condition, what: str, timeout: float = 60) -> Any:
+    """``condition()`` until true, twice a second (each try is a page the dashboard renders:
+    no need to ask more often than it samples)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)
+    return value

@@ -209,3 +209,28 @@ def children():
     yield start_child
     for child in started:
         child.close()
+
+
+@pytest.fixture
+def steady(redis_url):
+    """Publishes 200 no-op jobs a second onto the end-to-end queue until the test ends."""
+    import threading
+
+    import redis
+
+    from support import envelopes
+    from support.supervision import QUEUE, keys
+
+    stop = threading.Event()
+    client = redis.Redis.from_url(redis_url)
+
+    def publish() -> None:
+        while not stop.wait(0.05):
+            client.lpush(keys().ready, *[raw for _, raw in envelopes.of(QUEUE, [{}] * 10)])
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    yield stop
+    stop.set()
+    thread.join(5)
+    client.close()

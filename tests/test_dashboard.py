@@ -8,7 +8,6 @@ from __future__ import annotations
 import html
 import re
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,7 +21,7 @@ from broker.redis.keys import QueueKeys
 from supervisor.dashboard import history, plots, scrape
 from supervisor.dashboard.sources import Counts
 from support import envelopes
-from support.dashboard import Dashboard, FailingRedis
+from support.dashboard import Dashboard, FailingRedis, poll
 from support.supervision import QUEUE, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
@@ -61,15 +60,6 @@ def row(body: str, index: int = 0) -> dict[str, str]:
     return {name: html.unescape(re.sub(r"<[^>]+>", "", text)).strip() for name, text in cells}
 
 
-def poll(condition, what: str, timeout: float = 60) -> Any:
-    """``condition()`` until true, twice a second (each try is a page the dashboard renders:
-    no need to ask more often than it samples)."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.5)
-    return value
 
 
 def overview_shows(dashboard: Dashboard, expected: dict[str, str], index: int = 0) -> None:

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import html
 import re
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from support import envelopes
-from support.dashboard import Dashboard
-from support.supervision import QUEUE, keys, write_config
-from tests.test_dashboard import poll
+from support.dashboard import Dashboard, poll
+from support.supervision import write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_url_override")]
 
@@ -39,22 +34,6 @@ def figure_rows(body: str) -> list[dict[str, str]]:
     return rows
 
 
-@pytest.fixture
-def steady(redis_url: str) -> Iterator[threading.Event]:
-    """Publishes 200 no-op jobs a second onto the queue until the test ends."""
-    stop = threading.Event()
-    client = redis.Redis.from_url(redis_url)
-
-    def publish() -> None:
-        while not stop.wait(0.05):
-            client.lpush(keys().ready, *[raw for _, raw in envelopes.of(QUEUE, [{}] * 10)])
-
-    thread = threading.Thread(target=publish, daemon=True)
-    thread.start()
-    yield stop
-    stop.set()
-    thread.join(5)
-    client.close()
 
 
 def test_two_supervisors_of_one_queue_are_told_apart_by_prefetch_and_rates(

@@ -579,7 +579,7 @@ async def test_envelopes_run_and_poison_exactly_as_php_decides(client, redis_bro
     # Poison counts in no counter, on either side.
     for q in (theirs_q, ours_q):
         assert_settled(client, q, total=len(ACCEPTED), success=len(ACCEPTED),
-                       left={QueueKeys(NS, q).poison})
+                       left=poisoned(QueueKeys(NS, q), ours=q == ours_q))
 
 
 # Rows of the PHP 8.2 truth table, tests/data/php_redis_decode.json (bytes verbatim), on
@@ -609,7 +609,12 @@ async def test_envelopes_where_the_model_strays_run_as_php_8_ran_them(client, re
     assert sorted(p.raw for p in received.poisoned) == sorted(PHP_POISONS)
     assert all(r.ok for r in await broker.commit(received.deliveries))
     assert_settled(client, q, total=len(PHP_RUNS), success=len(PHP_RUNS),
-                   left={QueueKeys(NS, q).poison})
+                   left=poisoned(QueueKeys(NS, q), ours=True))
+
+
+def poisoned(keys: QueueKeys, ours: bool) -> set[str]:
+    """What poison leaves: the list, and beside it our reason store (PHP keeps no reason)."""
+    return {keys.poison, keys.poison_reasons, keys.poison_times} if ours else {keys.poison}
 
 
 # --- 8. handover both ways with a real supervisor process -----------------------------------

@@ -236,7 +236,7 @@ async def test_dead_letters_of_recovery_and_of_an_exit_carry_a_record(
     assert report.dead_consumers == 1
     record = Failure.decode(await redis_client.get(KEYS.error("lapsed")))
     assert (record.error, record.outcome, record.attempt) == ("LeaseLapsed", "dead", 1)
-    assert lapsed.receipt in record.message and "run 1 of 1" in record.message
+    assert lapsed.receipt in record.message and "attempt 1 of 1" in record.message
     assert 0 < await redis_client.ttl(KEYS.error("lapsed")) <= 50
     await broker.abandon([lost])
     record = Failure.decode(await redis_client.get(KEYS.error("lost")))
