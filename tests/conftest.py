@@ -234,3 +234,22 @@ def steady(redis_url):
     stop.set()
     thread.join(5)
     client.close()
+
+
+@pytest.fixture
+def dashboards(tmp_path):
+    """``start(*configs, token=None, **options)`` runs ``python -m supervisor dashboard`` for
+    this test (support.dashboard.Dashboard; ``interval`` among the options); every one of
+    them is stopped afterwards."""
+    from support.dashboard import Dashboard
+
+    started: list[Dashboard] = []
+
+    def start(*configs, token=None, **options):
+        dashboard = Dashboard(list(configs), tmp_path, token=token, **options)
+        started.append(dashboard)
+        return dashboard
+
+    yield start
+    for dashboard in started:
+        dashboard.stop()

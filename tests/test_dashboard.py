@@ -38,18 +38,6 @@ CLUSTER_PID, BIG_PID, JOB_1, JOB_2, QUIET_PID = (
     "6b0eee7d691c36.87654321", "6b0eee7d691c47.55555555")
 
 
-@pytest.fixture
-def dashboards(tmp_path: Path):
-    started: list[Dashboard] = []
-
-    def start(*configs: Path, token: str | None = None) -> Dashboard:
-        dashboard = Dashboard(list(configs), tmp_path, token=token)
-        started.append(dashboard)
-        return dashboard
-
-    yield start
-    for dashboard in started:
-        dashboard.stop()
 
 
 def row(body: str, index: int = 0) -> dict[str, str]:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 from broker.failure import Failure
-from support.dashboard import Dashboard, FailingRedis
+from support.dashboard import FailingRedis
 from support.envelopes import lpush_batched, of
 from support.supervision import keys, write_config
 
@@ -56,18 +55,6 @@ def browser():
     driver.quit()
 
 
-@pytest.fixture
-def dashboards(tmp_path: Path):
-    started: list[Dashboard] = []
-
-    def start(*configs: Path, token: str | None = None) -> Dashboard:
-        dashboard = Dashboard(list(configs), tmp_path, token=token)
-        started.append(dashboard)
-        return dashboard
-
-    yield start
-    for dashboard in started:
-        dashboard.stop()
 
 
 def wait(driver, condition, what: str):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -22,7 +21,7 @@ from broker.failure import NATS_HEADER, Failure
 from broker.redis.keys import QueueKeys
 from supervisor.dashboard import pids
 from support import envelopes
-from support.dashboard import Dashboard
+from support.dashboard import Dashboard, poll
 from support.supervision import QUEUE, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
@@ -35,27 +34,8 @@ SECRET_PAYLOAD = {"to": EMAIL, "ahv": NATIONAL_ID}
 PID_A, PID_B = "6b0eee7d691c00.98204487", "6b0eee7d691c11.11111111"
 
 
-@pytest.fixture
-def dashboards(tmp_path: Path):
-    started: list[Dashboard] = []
-
-    def start(*configs: Path, token: str | None = None, interval: float = 1.0) -> Dashboard:
-        dashboard = Dashboard(list(configs), tmp_path, token=token, interval=interval)
-        started.append(dashboard)
-        return dashboard
-
-    yield start
-    for dashboard in started:
-        dashboard.stop()
 
 
-def poll(condition, what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.3)
-    return value
 
 
 async def fail_job(client: Any, k: QueueKeys, payload: dict[str, Any], pid: str,

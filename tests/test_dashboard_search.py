@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import re
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -19,7 +18,7 @@ from broker.failure import NATS_HEADER, Failure
 from broker.nats.dead import REASON_HEADER
 from broker.redis.keys import QueueKeys
 from support import envelopes
-from support.dashboard import Client, Dashboard
+from support.dashboard import Client
 from support.supervision import QUEUE, keys, write_config
 
 pytestmark = pytest.mark.usefixtures("no_url_override")
@@ -31,18 +30,6 @@ MAIL, TIMEOUT, ORDER, SLASHED = (
     "6b0eee7d691c33.44444444")
 
 
-@pytest.fixture
-def dashboards(tmp_path: Path):
-    started: list[Dashboard] = []
-
-    def start(*configs: Path, token: str | None = None) -> Dashboard:
-        dashboard = Dashboard(list(configs), tmp_path, token=token)
-        started.append(dashboard)
-        return dashboard
-
-    yield start
-    for dashboard in started:
-        dashboard.stop()
 
 
 def pid_of(n: int) -> str:
