@@ -19,9 +19,7 @@ supervisor made no progress.
 from __future__ import annotations
 
 import argparse
-import html
 import json
-import re
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 from bench.common import QUEUE, ROOT, start, stop
 from bench.runs import expected_usage, job_file
 from broker.redis.keys import QueueKeys
-from support.dashboard import Dashboard
+from support.dashboard import Dashboard, table_rows
 from support.servers import RedisServer, free_port
 
 HANDLER = "examples.stats_usage:handle"
@@ -41,16 +39,7 @@ COLUMNS = ("supervisor", "prefetch", "coroutines", "jobs/s", "CPU per job",
 
 def figure_rows(body: str) -> list[dict[str, str]]:
     """The queue page's "Supervisors side by side" table, each row's cells by column."""
-    table = re.search(r'<table class="figures">.*?</table>', body, re.S)
-    if not table:
-        return []
-    rows = []
-    for found in re.finditer(r"<tr>(.*?)</tr>", table.group(), re.S):
-        cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
-                 for cell in re.findall(r"<td[^>]*>(.*?)</td>", found.group(1), re.S)]
-        if len(cells) == len(COLUMNS):
-            rows.append(dict(zip(COLUMNS, cells, strict=True)))
-    return rows
+    return table_rows(body, "figures", COLUMNS) or []
 
 
 def markdown(rows: list[dict[str, str]]) -> str:

@@ -183,3 +183,19 @@ def poll(condition, what: str, timeout: float = 60) -> Any:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.5)
     return value
+
+
+def table_rows(body: str, css_class: str, columns: tuple[str, ...]) -> list[dict[str, str]] | None:
+    """The rows of a page's ``<table class="css_class">``, each row's cells (text) by
+    ``columns`` (rows of another width, such as a "nothing runs" row, are left out); None
+    when the page has no such table."""
+    table = re.search(rf'<table class="{css_class}">.*?</table>', body, re.S)
+    if not table:
+        return None
+    rows = []
+    for found in re.finditer(r"<tr>(.*?)</tr>", table.group(), re.S):
+        cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+                 for cell in re.findall(r"<td[^>]*>(.*?)</td>", found.group(1), re.S)]
+        if len(cells) == len(columns):
+            rows.append(dict(zip(columns, cells, strict=True)))
+    return rows

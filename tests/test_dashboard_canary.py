@@ -4,13 +4,12 @@ row with its prefetch and its rates (``supervisor.dashboard.compare``)."""
 
 from __future__ import annotations
 
-import html
 import re
 from pathlib import Path
 
 import pytest
 
-from support.dashboard import Dashboard, poll
+from support.dashboard import Dashboard, poll, table_rows
 from support.supervision import write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_url_override")]
@@ -23,14 +22,8 @@ COLUMNS = ("supervisor", "prefetch", "coroutines", "jobs/s", "cpu", "per_reserve
 
 def figure_rows(body: str) -> list[dict[str, str]]:
     """The "Supervisors side by side" table: each row's cells (text) by column."""
-    table = re.search(r'<table class="figures">.*?</table>', body, re.S)
-    assert table, body
-    rows = []
-    for found in re.finditer(r"<tr>(.*?)</tr>", table.group(), re.S):
-        cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
-                 for cell in re.findall(r"<td[^>]*>(.*?)</td>", found.group(1), re.S)]
-        if len(cells) == len(COLUMNS):
-            rows.append(dict(zip(COLUMNS, cells, strict=True)))
+    rows = table_rows(body, "figures", COLUMNS)
+    assert rows is not None, body
     return rows
 
 
